@@ -1,0 +1,78 @@
+"""The error hierarchy, named by cause.
+
+Every error a user can provoke with bad input is a `ConfigError` that names the offending field
+and the fix; the CLI prints its message without a traceback. Everything else is a `CacheSeekError`
+subclass that says which component failed and why. Invariant violations (a double release, a
+handle used after close) are errors too, never silently repaired.
+"""
+
+from __future__ import annotations
+
+
+class CacheSeekError(Exception):
+    """Base class of every error CacheSeek raises on purpose."""
+
+
+class ConfigError(CacheSeekError, ValueError):
+    """Bad user input: a config field, an override or an argument. The message names the field."""
+
+    def __init__(self, field: str, problem: str, fix: str | None = None) -> None:
+        self.field = field
+        self.problem = problem
+        self.fix = fix
+        msg = f"{field}: {problem}"
+        if fix:
+            msg += f" (fix: {fix})"
+        super().__init__(msg)
+
+
+class GeometryError(ConfigError):
+    """The rolling-window geometry is inconsistent (e.g. L < S + c, or manager and runtime disagree)."""
+
+
+class StoreError(CacheSeekError):
+    """A store backend failed to put, get or free a value."""
+
+
+class StoreFullError(StoreError):
+    """The store cannot reserve the requested bytes (capacity reached and nothing evictable)."""
+
+
+class StoreClosedError(StoreError):
+    """A store (or Plan client) was used after `close()`."""
+
+
+class StoreTimeoutError(StoreError):
+    """A store call did not complete within its time bound."""
+
+
+class WriteNotCompleteError(StoreError):
+    """A blob whose write has not completed was asked to be freed or evicted."""
+
+
+class LayoutMismatchError(CacheSeekError):
+    """Stored bytes do not match the active runtime's layout (sizes, layer count)."""
+
+
+class PlanTableError(CacheSeekError):
+    """A Plan pointer table failed validation (null address, wrong magic, wrong count)."""
+
+
+class PlanError(StoreError):
+    """A Plan call failed (start, commit, per-key return code, transfer)."""
+
+
+class PlanUnavailableError(CacheSeekError):
+    """The installed Fluxon client lacks the Plan API calls CacheSeek needs; names the missing calls."""
+
+
+class TransferError(CacheSeekError):
+    """A host/device copy failed validation or submission."""
+
+
+class RegistrationError(TransferError):
+    """Registering a host mapping with the transfer runtime failed."""
+
+
+class HandleStateError(CacheSeekError):
+    """A handle was used in a state that does not allow the call (double release, commit after abort)."""

@@ -1,0 +1,121 @@
+"""Namespace fingerprint fields: everything that changes the bits of a chunk's KV.
+
+The namespace root is ``H(image_fp, prompt_fp, config_blob_hash)`` and the config blob covers
+one entry per registered field below. A change of any of them is a cold miss. A field is a small
+class with a ``name`` and ``value(ctx)``; a new runtime knob that changes the bits is one new
+class here. `default_fields()` is the set the binding uses unless told otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from cacheseek.errors import ConfigError
+from cacheseek.registry import FINGERPRINT_FIELDS
+
+__all__ = ["FingerprintContext", "default_fields", "resolve_fields", "config_blob"]
+
+
+@attrs.frozen
+class FingerprintContext:
+    session: Any
+    runtime: Any
+    layout: Any
+
+
+def _field(name: str):
+    def deco(fn):
+        cls = type(f"{name.title().replace('_', '')}Field", (), {
+            "name": name, "value": staticmethod(fn), "__doc__": fn.__doc__,
+            "__module__": __name__,
+        })
+        FINGERPRINT_FIELDS.register(name)(cls)
+        return cls
+    return deco
+
+
+def _session(ctx: FingerprintContext, attr: str) -> Any:
+    s = ctx.session
+    if isinstance(s, dict):
+        return s.get(attr)
+    return getattr(s, attr, None)
+
+
+@_field("seed")
+def _seed(ctx):
+    """The session seed (initial noise and every RNG draw)."""
+    return _session(ctx, "seed")
+
+
+@_field("frame_num")
+def _frame_num(ctx):
+    return _session(ctx, "frame_num")
+
+
+@_field("chunk_size")
+def _chunk_size(ctx):
+    return int(ctx.runtime.chunk_size)
+
+
+@_field("sampler")
+def _sampler(ctx):
+    """Sampler settings: shift and the timestep schedule."""
+    ts = getattr(ctx.runtime, "timesteps", None)
+    steps = [float(t) for t in ts] if ts is not None else None
+    return {"sample_shift": _session(ctx, "sample_shift"), "timesteps": steps}
+
+
+@_field("control_mode")
+def _control_mode(ctx):
+    return _session(ctx, "control_mode")
+
+
+@_field("sequence_limits")
+def _limits(ctx):
+    return {"max_attention_size": _session(ctx, "max_attention_size"),
+            "max_sequence_length": _session(ctx, "max_sequence_length")}
+
+
+@_field("attention_window")
+def _window(ctx):
+    """(L, S): the rolling window and sink, in frames (-1, 0 = full length)."""
+    return [int(ctx.runtime.kv_local_attn_size), int(ctx.runtime.kv_sink_size)]
+
+
+@_field("resolution")
+def _resolution(ctx):
+    img = _session(ctx, "image")
+    lat = list(ctx.runtime.noise_chunks[0].shape[-2:])
+    return {"image_size": list(img.size) if img is not None else None, "latent_hw": lat}
+
+
+@_field("dtype")
+def _dtype(ctx):
+    return str(ctx.runtime.self_kv_cache[0]["k"].dtype)
+
+
+@_field("storage_layout")
+def _layout(ctx):
+    """storage_format, n_layers, kv_shape, kv_dtype, latent_shape, latent_dtype, chunk_size, frame_tokens."""
+    return ctx.layout.fingerprint_fields(ctx.runtime)
+
+
+def default_fields() -> list[str]:
+    return FINGERPRINT_FIELDS.names()
+
+
+def resolve_fields(names: list[str] | None) -> list[Any]:
+    names = default_fields() if names is None else list(names)
+    out = []
+    for n in names:
+        if n not in FINGERPRINT_FIELDS:
+            raise ConfigError("namespace.fields", f"unknown fingerprint field {n!r}",
+                              f"use names from: {', '.join(default_fields())}")
+        out.append(FINGERPRINT_FIELDS.get(n))
+    return out
+
+
+def config_blob(fields: list[Any], ctx: FingerprintContext) -> dict[str, Any]:
+    return {f.name: f.value(ctx) for f in fields}

@@ -1,0 +1,54 @@
+"""`WorldKVConfig`: which chunks form a restore window and when a hit is worth restoring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cacheseek.errors import ConfigError
+from cacheseek.reuse.exact_prefix.types import Tier
+
+__all__ = ["WorldKVConfig"]
+
+
+@dataclass(frozen=True)
+class WorldKVConfig:
+    """Window = the most recent ``window_chunks`` chunks plus the ancestors with depth < ``sink_chunks``.
+
+    ``window_chunks`` <= 0 means full length (every chunk of the path). Hits shorter than
+    ``break_even_k`` chunks are not worth restoring.
+    """
+
+    window_chunks: int
+    sink_chunks: int
+    break_even_k: int
+    quant: str = "none"
+    group_size: int = 64
+    commit_tier: Tier = Tier.FLUXON_DRAM
+
+    def __post_init__(self) -> None:
+        for name in ("window_chunks", "sink_chunks", "break_even_k", "group_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"WorldKVConfig.{name}", f"must be an int, got {value!r}")
+        if self.sink_chunks < 0:
+            raise ConfigError("WorldKVConfig.sink_chunks", f"must be >= 0, got {self.sink_chunks}")
+        if self.break_even_k < 1:
+            raise ConfigError("WorldKVConfig.break_even_k", f"must be >= 1, got {self.break_even_k}")
+        if self.quant != "none":
+            raise ConfigError(
+                "WorldKVConfig.quant", f"unsupported quantization {self.quant!r}", "use 'none'"
+            )
+        if not isinstance(self.commit_tier, Tier):
+            object.__setattr__(self, "commit_tier", Tier(self.commit_tier))
+
+    @property
+    def full_length(self) -> bool:
+        return self.window_chunks <= 0
+
+    def window_depths(self, k: int) -> list[int]:
+        """Chunk depths (oldest first, no duplicates) whose KV restores depth ``k``."""
+        if self.full_length:
+            return list(range(k))
+        recent = range(max(0, k - self.window_chunks), k)
+        sinks = range(min(self.sink_chunks, k))
+        return sorted(set(recent) | set(sinks))

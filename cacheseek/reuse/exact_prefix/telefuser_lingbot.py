@@ -1,0 +1,290 @@
+"""The runtime binding for LingBot-World on TeleFuser (and runtimes with the same cache semantics).
+
+One `LingBotWorldKVBinding` per session. The runtime calls:
+
+- ``on_runtime_created(runtime, session_config)`` once: the binding derives the namespace root
+  and one action key per chunk, restores the longest cached prefix K into the runtime, and sets
+  ``last_fast_forward = K`` (0 = cold);
+- ``on_chunk_finalized(runtime, idx, denoised)`` after each denoised chunk: the binding ingests
+  the chunk's KV from the ring tail ``[local_end - c*ft, local_end)`` and its latent.
+
+Restore publication is the window's ``set_resume_depth``, called by the manager only after every
+input was fetched and copied: then, and only then, the cursors of every layer, the cached latents,
+the RNG advance and ``last_fast_forward`` are set. Ring slots written before a failure lie beyond
+the published cursors (zero), so the runtime is exactly as before.
+
+What goes to the store on write depends on its capability: a `PathReadStore` gets detached views
+of the ring tail (it copies before the hook returns); a generic tier gets owned CPU snapshots.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+from cacheseek.errors import CacheSeekError, GeometryError, LayoutMismatchError
+from cacheseek.reuse.exact_prefix.config import WorldKVConfig
+from cacheseek.reuse.exact_prefix.keys import canonical_json_bytes, config_blob_hash, node_key, root_hash, sha256
+from cacheseek.reuse.exact_prefix.manager import WorldKVManager
+from cacheseek.reuse.exact_prefix.ring import RingGeometry
+from cacheseek.reuse.exact_prefix.trie import NamespaceForest, save_forest_snapshot
+from cacheseek.reuse.exact_prefix.types import TrieNode
+
+log = logging.getLogger(__name__)
+
+__all__ = ["make_full_kv_config", "make_rolling_config", "LingBotWorldKVBinding", "action_bytes"]
+
+
+def make_full_kv_config(*, break_even_k: int = 1) -> WorldKVConfig:
+    """Full-length attention: the window is every chunk of the path."""
+    return WorldKVConfig(window_chunks=0, sink_chunks=0, break_even_k=break_even_k)
+
+
+def make_rolling_config(
+    *, local_attn_size: int = 7, sink_size: int = 3, chunk_size: int = 3, break_even_k: int = 1
+) -> WorldKVConfig:
+    ring = RingGeometry(chunk_size=chunk_size, frame_tokens=1, local_attn_size=local_attn_size,
+                        sink_size=sink_size)
+    return WorldKVConfig(window_chunks=ring.window_chunks, sink_chunks=ring.sink_chunks,
+                         break_even_k=break_even_k)
+
+
+def action_bytes(control: Any) -> bytes:
+    """Canonical bytes of one chunk's control: values quantized to 1e-6, then hashed."""
+    if control is None:
+        return b"noctrl"
+    if hasattr(control, "detach"):
+        control = control.detach().float().cpu().reshape(-1).tolist()
+    flat = _flatten(control)
+    quantized = [int(round(float(x) * 1_000_000)) for x in flat]
+    return sha256(b"action", canonical_json_bytes(quantized))
+
+
+def _flatten(x: Any) -> list[Any]:
+    if isinstance(x, (list, tuple)):
+        return [y for item in x for y in _flatten(item)]
+    return [x]
+
+
+def _image_fingerprint(image: Any) -> bytes:
+    if image is None:
+        return sha256(b"image", b"none")
+    return sha256(b"image", str(image.mode).encode(), canonical_json_bytes(list(image.size)),
+                  bytes(image.tobytes()))
+
+
+class LingBotWorldKVBinding:
+    def __init__(
+        self,
+        manager: WorldKVManager,
+        forest: NamespaceForest,
+        *,
+        model_fingerprint: bytes = b"lingbot-world-fast",
+        ingest_enabled: bool = True,
+        snapshot_path: Optional[str] = None,
+        snapshot_on_finalize: bool = False,
+        layout: Any = None,
+        fingerprint_fields: Optional[Sequence[Any]] = None,
+    ) -> None:
+        from cacheseek import namespace
+
+        if layout is None:
+            from cacheseek.layout.bshd import BshdLayout
+
+            layout = BshdLayout()
+        self.manager = manager
+        self.forest = forest
+        self.model_fingerprint = model_fingerprint
+        self.ingest_enabled = ingest_enabled
+        self.snapshot_path = snapshot_path
+        self.snapshot_on_finalize = snapshot_on_finalize
+        self.layout = layout
+        self.fields = list(fingerprint_fields) if fingerprint_fields is not None else namespace.resolve_fields(None)
+        self.last_fast_forward = 0
+        self.root: Optional[bytes] = None
+        self.actions: list[bytes] = []
+        self.ring: Optional[RingGeometry] = None
+        self.ingest_errors = 0
+        self.bytes_written = 0
+        self.bytes_restored = 0
+        self._ns = None
+        self._cursor: Optional[TrieNode] = None
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def on_runtime_created(self, runtime: Any, session_config: Any) -> None:
+        from cacheseek import namespace
+
+        self.ring = self._validate_geometry(runtime)
+        ctx = namespace.FingerprintContext(session_config, runtime, self.layout)
+        cfg = namespace.config_blob(self.fields, ctx)
+        weights = sha256(b"weights", self.model_fingerprint,
+                         bytes(getattr(runtime, "weights_fingerprint", b"") or b""))
+        cbh = config_blob_hash(cfg, weights_fingerprint=weights)
+        prompt = _get(session_config, "prompt") or ""
+        self.root = root_hash(image_fp=_image_fingerprint(_get(session_config, "image")),
+                              prompt_fp=sha256(b"prompt", str(prompt).encode("utf-8")),
+                              config_blob_hash=cbh)
+        controls = getattr(runtime, "control_chunks", None)
+        n_chunks = len(runtime.noise_chunks)
+        if controls is None:
+            self.actions = [b"noctrl"] * n_chunks
+        else:
+            self.actions = [action_bytes(c) for c in list(controls)[:n_chunks]]
+        window = _RuntimeWindow(self, runtime)
+        result = self.manager.try_fast_forward(self.root, self.actions, window)
+        self._ns = self.forest.get_or_create_namespace(self.root, cbh)
+        if result.start_chunk > 0:
+            self._cursor = result.node
+            self.bytes_restored = window.bytes_restored
+        else:
+            self._cursor = self._ns.root
+        self.last_fast_forward = result.start_chunk
+
+    def on_chunk_finalized(self, runtime: Any, idx: int, denoised: Any) -> None:
+        if not self.ingest_enabled or self._ns is None or self._cursor is None:
+            return
+        parent = self._cursor
+        if parent.depth != idx - 1:
+            raise CacheSeekError(f"chunk {idx} finalized but the trie cursor is at depth {parent.depth}")
+        action = self.actions[idx]
+        key = node_key(parent.node_key, action)
+        chunk_tokens = runtime.chunk_size * runtime.frame_tokens
+        views = self.layout.tail_views(runtime, chunk_tokens)
+        if getattr(self.manager.store, "accepts_device_views", False):
+            payload, latent = views, denoised.detach()
+        else:
+            payload = [(k.to("cpu", copy=True), v.to("cpu", copy=True)) for k, v in views]
+            latent = denoised.detach().to("cpu", copy=True)
+        nbytes = sum(int(k.numel() * k.element_size()) * 2 for k, _ in views)
+        try:
+            node = self.manager.ingest(self._ns, parent, action, key, idx, payload, latent,
+                                       nbytes=nbytes, n_layers=len(payload))
+            self.bytes_written += nbytes
+        except CacheSeekError as exc:
+            self.ingest_errors += 1
+            log.warning("ingest of chunk %d failed (the run goes on uncached): %s", idx, exc)
+            node = self.forest.commit(self._ns, parent, action, key, idx)
+        self._cursor = node
+        if self.snapshot_on_finalize:
+            self.flush_snapshot()
+
+    def flush_snapshot(self) -> None:
+        if self.snapshot_path:
+            save_forest_snapshot(self.forest, self.snapshot_path)
+
+    # -- geometry -----------------------------------------------------------------------------
+
+    def _validate_geometry(self, runtime: Any) -> RingGeometry:
+        ring = RingGeometry(chunk_size=int(runtime.chunk_size), frame_tokens=int(runtime.frame_tokens),
+                            local_attn_size=int(runtime.kv_local_attn_size),
+                            sink_size=int(runtime.kv_sink_size))
+        cfg = self.manager.cfg
+        if ring.rolling:
+            if (cfg.window_chunks, cfg.sink_chunks) != (ring.window_chunks, ring.sink_chunks):
+                raise GeometryError(
+                    "manager.window_chunks",
+                    f"manager window ({cfg.window_chunks} recent + {cfg.sink_chunks} sink chunks) "
+                    f"disagrees with the runtime's L={ring.local_attn_size}, S={ring.sink_size}, "
+                    f"c={ring.chunk_size} (needs {ring.window_chunks} + {ring.sink_chunks})",
+                    "build the config with make_rolling_config(local_attn_size=L, sink_size=S, chunk_size=c)",
+                )
+        elif not cfg.full_length:
+            raise GeometryError(
+                "manager.window_chunks",
+                f"the runtime keeps full-length KV but the manager restores only {cfg.window_chunks} chunks",
+                "use make_full_kv_config()",
+            )
+        return ring
+
+
+def _get(obj: Any, name: str) -> Any:
+    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+
+class _RuntimeWindow:
+    """The restore target of one session: stages nothing in the runtime until publication."""
+
+    def __init__(self, binding: LingBotWorldKVBinding, runtime: Any) -> None:
+        self.binding = binding
+        self.runtime = runtime
+        self.ring = binding.ring
+        self.latents: list[Any] = []
+        self.bytes_restored = 0
+
+    # generic tiers -------------------------------------------------------------------------
+
+    def seed_latents(self, latents: Sequence[Any]) -> None:
+        rt = self.runtime
+        out = []
+        for i, lat in enumerate(latents):
+            ref = rt.noise_chunks[i]
+            if tuple(lat.shape) != tuple(ref.shape) or lat.dtype != ref.dtype:
+                raise LayoutMismatchError(f"latent {i}: stored {tuple(lat.shape)} {lat.dtype}, "
+                                          f"runtime expects {tuple(ref.shape)} {ref.dtype}")
+            out.append(lat.to(ref.device, copy=True))
+        self.latents = out
+
+    def seed_layer(self, layer: int, blobs: list[tuple[int, Any]], depth: int) -> None:
+        k_ring, v_ring = self.binding.layout.layers(self.runtime)[layer]
+        by_depth = dict(blobs)
+        expected = (1, self.ring.chunk_size * self.ring.frame_tokens, k_ring.shape[2], k_ring.shape[3])
+        for d, (k, v) in blobs:
+            for t in (k, v):
+                if tuple(t.shape) != expected or t.dtype != k_ring.dtype:
+                    raise LayoutMismatchError(f"layer {layer} chunk {d}: stored {tuple(t.shape)} "
+                                              f"{t.dtype}, ring expects {expected} {k_ring.dtype}")
+        for run in self.ring.restore_runs(depth):
+            k, v = by_depth[run.chunk_depth]
+            src = slice(run.src_token, run.src_token + run.n_tokens)
+            dst = slice(run.dst_token, run.dst_token + run.n_tokens)
+            k_ring[:, dst].copy_(k[:, src])
+            v_ring[:, dst].copy_(v[:, src])
+            self.bytes_restored += 2 * run.n_tokens * self.binding.layout.token_bytes(self.runtime)
+
+    # whole-path stores ----------------------------------------------------------------------
+
+    def restore_target(self, depth: int, window_depths: Sequence[int]):
+        import torch
+
+        from cacheseek.stores.base import RestoreTarget
+
+        if list(window_depths) != self.ring.window_depths(depth):
+            raise GeometryError("manager.window_chunks",
+                                f"window path {list(window_depths)} != ring window {self.ring.window_depths(depth)}")
+        rt = self.runtime
+        self.latents = [torch.empty_like(rt.noise_chunks[i]) for i in range(depth)]
+        runs = self.ring.restore_runs(depth)
+        token_bytes = self.binding.layout.token_bytes(rt)
+        self.bytes_restored = sum(2 * r.n_tokens for r in runs) * token_bytes * len(rt.self_kv_cache)
+        return RestoreTarget(
+            kv=tuple(self.binding.layout.layers(rt)),
+            runs=runs,
+            window_depths=tuple(window_depths),
+            token_bytes=token_bytes,
+            chunk_tokens=self.ring.chunk_size * self.ring.frame_tokens,
+            latents=tuple(self.latents),
+        )
+
+    # publication ----------------------------------------------------------------------------
+
+    def set_resume_depth(self, depth: int) -> None:
+        """The single publication point of a restore."""
+        import torch
+
+        rt = self.runtime
+        if len(self.latents) != depth:
+            raise CacheSeekError(f"restore of depth {depth} has {len(self.latents)} latents")
+        global_end, local_end = self.ring.cursors(depth)
+        for layer in rt.self_kv_cache:
+            layer["global_end_index"] = global_end
+            layer["local_end_index"] = local_end
+        for i, lat in enumerate(self.latents):
+            rt.world_kv_cached_latents[i] = lat
+        draws = max(len(rt.timesteps) - 1, 0)
+        gen = rt.generator
+        for i in range(depth):
+            shape = tuple(rt.noise_chunks[i].shape)
+            for _ in range(draws):
+                torch.randn(shape, generator=gen, dtype=torch.bfloat16, device=gen.device)
+        self.binding.last_fast_forward = depth

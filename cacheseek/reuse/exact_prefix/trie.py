@@ -1,0 +1,211 @@
+"""The namespace forest: one trie of chunks per namespace root, and its JSON snapshot.
+
+A namespace is identified by its root hash (image, prompt and every config field that changes the
+bits). Inside it, a node per chunk keyed by the action that produced it; ``depth`` is the chunk
+index and the namespace's ``root`` is a virtual node of depth -1. `lookup` descends only through
+nodes whose blob is ready, so a pending or failed write is never a hit.
+
+The snapshot persists only ready blobs (plus the skeletons on their paths), so a restarted worker
+finds exactly what the store committed. Saving is an atomic replace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from cacheseek.reuse.exact_prefix.types import BlobHandle, Skeleton, Tier, TrieNode
+
+__all__ = [
+    "Namespace",
+    "NamespaceForest",
+    "PrefixMatch",
+    "save_forest_snapshot",
+    "load_forest_snapshot",
+]
+
+SNAPSHOT_VERSION = 1
+
+
+@dataclass(eq=False)
+class Namespace:
+    root_hash: bytes
+    config_blob_hash: bytes
+    root: TrieNode = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.root = TrieNode(node_key=self.root_hash, action=b"", depth=-1, parent=None)
+
+    def iter_nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    namespace: Optional[Namespace]
+    node: Optional[TrieNode]
+    matched_len: int
+
+
+class NamespaceForest:
+    """Thread-safe forest of namespace tries. All structural changes hold ``self.lock``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self._namespaces: dict[bytes, Namespace] = {}
+
+    def __len__(self) -> int:
+        return len(self._namespaces)
+
+    def namespaces(self) -> list[Namespace]:
+        with self.lock:
+            return list(self._namespaces.values())
+
+    def get_or_create_namespace(self, root_hash: bytes, config_blob_hash: bytes) -> Namespace:
+        with self.lock:
+            ns = self._namespaces.get(root_hash)
+            if ns is None:
+                ns = Namespace(root_hash, config_blob_hash)
+                self._namespaces[root_hash] = ns
+            return ns
+
+    def resolve(self, root_hash: bytes) -> Optional[Namespace]:
+        with self.lock:
+            return self._namespaces.get(root_hash)
+
+    def lookup(self, root_hash: bytes, actions: Sequence[bytes]) -> PrefixMatch:
+        with self.lock:
+            ns = self._namespaces.get(root_hash)
+            if ns is None:
+                return PrefixMatch(None, None, 0)
+            node = ns.root
+            matched = 0
+            for action in actions:
+                child = node.children.get(action)
+                if child is None or not child.has_kv:
+                    break
+                node = child
+                matched += 1
+            return PrefixMatch(ns, node, matched)
+
+    def commit(
+        self, ns: Namespace, parent: TrieNode, action: bytes, node_key: bytes, depth: int
+    ) -> TrieNode:
+        """Get or create the child of ``parent`` for ``action``."""
+        with self.lock:
+            child = parent.children.get(action)
+            if child is None:
+                if depth != parent.depth + 1:
+                    raise ValueError(f"depth {depth} is not parent depth {parent.depth} + 1")
+                child = TrieNode(node_key=node_key, action=action, depth=depth, parent=parent)
+                parent.children[action] = child
+            elif child.node_key != node_key:
+                raise ValueError(
+                    f"node key mismatch at depth {depth}: trie has {child.node_key.hex()[:16]}, "
+                    f"caller derived {node_key.hex()[:16]}"
+                )
+            return child
+
+    # -- snapshot ---------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """A JSON-able dict of every namespace, with only ready blobs and their ancestors."""
+        with self.lock:
+            out = []
+            for ns in self._namespaces.values():
+                nodes = []
+                for node in sorted(ns.iter_nodes(), key=lambda n: n.depth):
+                    if not _subtree_has_ready(node):
+                        continue
+                    blob = None
+                    if node.blob is not None and node.blob.ready:
+                        b = node.blob
+                        blob = {"tier": b.tier.value, "locator": b.locator, "nbytes": b.nbytes,
+                                "n_layers": b.n_layers}
+                    nodes.append({
+                        "key": node.node_key.hex(),
+                        "parent": node.parent.node_key.hex() if node.parent else None,
+                        "action": node.action.hex(),
+                        "depth": node.depth,
+                        "skeleton": node.skeleton.latent_locator if node.skeleton else None,
+                        "blob": blob,
+                        "pinned": node.pinned,
+                    })
+                if nodes:
+                    out.append({"root": ns.root_hash.hex(), "cfg": ns.config_blob_hash.hex(),
+                                "nodes": nodes})
+            return {"version": SNAPSHOT_VERSION, "namespaces": out}
+
+    def load_snapshot(self, data: dict[str, Any]) -> int:
+        """Merge a snapshot into this forest; returns the number of ready blobs loaded."""
+        if data.get("version") != SNAPSHOT_VERSION:
+            raise ValueError(f"unsupported snapshot version {data.get('version')!r}")
+        loaded = 0
+        with self.lock:
+            for nsd in data["namespaces"]:
+                ns = self.get_or_create_namespace(bytes.fromhex(nsd["root"]), bytes.fromhex(nsd["cfg"]))
+                by_key = {ns.root.node_key: ns.root}
+                for nd in sorted(nsd["nodes"], key=lambda n: n["depth"]):
+                    parent = by_key.get(bytes.fromhex(nd["parent"]))
+                    if parent is None:
+                        raise ValueError(f"snapshot node {nd['key'][:16]} has no parent in the snapshot")
+                    node = self.commit(ns, parent, bytes.fromhex(nd["action"]),
+                                       bytes.fromhex(nd["key"]), nd["depth"])
+                    if nd["skeleton"] and node.skeleton is None:
+                        node.skeleton = Skeleton(nd["skeleton"])
+                    node.pinned = node.pinned or bool(nd.get("pinned"))
+                    b = nd.get("blob")
+                    if b is not None and not node.has_kv:
+                        node.blob = BlobHandle(Tier(b["tier"]), b["locator"], int(b["nbytes"]),
+                                               int(b["n_layers"]), ready=True)
+                        loaded += 1
+                    by_key[node.node_key] = node
+        return loaded
+
+
+def _subtree_has_ready(node: TrieNode) -> bool:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n.has_kv:
+            return True
+        stack.extend(n.children.values())
+    return False
+
+
+def save_forest_snapshot(forest: NamespaceForest, path: str | os.PathLike[str]) -> None:
+    """Write the snapshot as JSON with an atomic replace (temp file in the same folder, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = json.dumps(forest.snapshot(), sort_keys=True).encode()
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def load_forest_snapshot(
+    path: str | os.PathLike[str], *, into: Optional[NamespaceForest] = None
+) -> NamespaceForest:
+    """Load a snapshot file into ``into`` (or a new forest); a missing file gives an empty forest."""
+    forest = into if into is not None else NamespaceForest()
+    p = Path(path)
+    if p.exists():
+        forest.load_snapshot(json.loads(p.read_bytes()))
+    return forest

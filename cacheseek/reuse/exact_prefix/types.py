@@ -1,0 +1,110 @@
+"""Trie value types: tiers, blob handles, skeletons and trie nodes.
+
+A trie node is one generated chunk. Its *skeleton* (the chunk's denoised latent, stored under
+``{hex}:lat``) is cheap and kept; its *blob* (the chunk's KV for every layer, ~3.57 GiB at 480p)
+is expensive and evictable. ``BlobHandle.ready`` is the publication bit: true only once every
+value of the chunk is durably committed in the store. Lookups descend only through ready nodes.
+
+Handle lifecycle (``BlobHandle.state``)::
+
+    PENDING --(store completion callback)--> READY --(evict/free)--> dropped from the node
+    PENDING --(write failed)--> FAILED                                (droppable, never ready)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+__all__ = ["Tier", "BlobState", "BlobHandle", "Skeleton", "TrieNode", "FastForwardResult"]
+
+
+class Tier(str, enum.Enum):
+    """Where a blob lives. String values are persisted in snapshots."""
+
+    HBM_STAGING = "hbm_staging"
+    CPU = "cpu"
+    FLUXON_DRAM = "fluxon_dram"
+    DISK = "disk"
+
+
+class BlobState(str, enum.Enum):
+    PENDING = "pending"
+    READY = "ready"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class BlobHandle:
+    """A chunk's KV in a store: ``n_layers`` layers of (K, V), ``nbytes`` in total.
+
+    Mutable by design (the store's completion callback flips it ready). ``error`` holds the
+    exception of a failed write; such a handle never becomes ready.
+    """
+
+    tier: Tier
+    locator: str
+    nbytes: int
+    n_layers: int
+    ready: bool = False
+    error: Optional[BaseException] = None
+
+    @property
+    def state(self) -> BlobState:
+        if self.ready:
+            return BlobState.READY
+        if self.error is not None:
+            return BlobState.FAILED
+        return BlobState.PENDING
+
+    @property
+    def in_flight(self) -> bool:
+        return self.state is BlobState.PENDING
+
+
+@dataclass(frozen=True)
+class Skeleton:
+    latent_locator: str
+
+
+@dataclass(eq=False)
+class TrieNode:
+    """One chunk in a namespace trie. ``depth`` is the chunk index (the virtual root has -1)."""
+
+    node_key: bytes
+    action: bytes
+    depth: int
+    parent: Optional["TrieNode"]
+    children: dict[bytes, "TrieNode"] = field(default_factory=dict)
+    skeleton: Optional[Skeleton] = None
+    blob: Optional[BlobHandle] = None
+    ref_count: int = 0
+    last_access: float = 0.0
+    pinned: bool = False
+
+    @property
+    def has_kv(self) -> bool:
+        return self.blob is not None and self.blob.ready
+
+    def path(self) -> list["TrieNode"]:
+        """Nodes from depth 0 to this node, the virtual root excluded."""
+        out: list[TrieNode] = []
+        node: Optional[TrieNode] = self
+        while node is not None and node.depth >= 0:
+            out.append(node)
+            node = node.parent
+        out.reverse()
+        return out
+
+    def __repr__(self) -> str:
+        return f"TrieNode(depth={self.depth}, key={self.node_key.hex()[:12]}, has_kv={self.has_kv})"
+
+
+@dataclass(frozen=True)
+class FastForwardResult:
+    """What `WorldKVManager.try_fast_forward` decided: resume at ``start_chunk`` (0 = cold)."""
+
+    start_chunk: int
+    node: Optional[TrieNode] = None
+    namespace: Any = None

@@ -1,0 +1,39 @@
+"""Typed schemas of the primary config sections that are not backend groups.
+
+Backend groups (store, transfer, layout, runtime, workload) get their schemas from the
+registries; this module types the rest so that a typo such as ``manager.break_even=2`` or a wrong
+type is rejected when Hydra composes the config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclasses.dataclass
+class ManagerConf:
+    break_even_k: int = 1
+
+
+@dataclasses.dataclass
+class NamespaceConf:
+    fields: Optional[List[str]] = None
+    model_fingerprint: str = "lingbot-world-fast"
+
+
+@dataclasses.dataclass
+class RootConf:
+    runtime: Any = MISSING
+    transfer: Any = MISSING
+    layout: Any = MISSING
+    workload: Any = MISSING
+    store: Any = None
+    manager: ManagerConf = dataclasses.field(default_factory=ManagerConf)
+    namespace: NamespaceConf = dataclasses.field(default_factory=NamespaceConf)
+
+
+ConfigStore.instance().store(name="root_schema", node=RootConf)

@@ -1,0 +1,98 @@
+"""The store seams: what the manager asks of a tier, and the optional whole-path capability.
+
+Generic tiers (`TierStore`) keep the per-layer path: ``put_async`` receives a caller-owned CPU
+snapshot of each layer (the runtime overwrites its ring right after the hook returns) and calls
+``on_ready(handle)`` once every value is durably written; ``get_layer`` returns one layer's
+``(k, v)`` or ``None`` when either half is missing (a partial layer is a miss, never a crash).
+
+A store that also satisfies `PathReadStore` (checked with ``isinstance``, a runtime-checkable
+Protocol) moves bytes itself: it accepts detached views of the live ring on write
+(``accepts_device_views``) and restores a whole window path straight into the runtime's buffers
+through a `RestoreTarget` on read. The manager dispatches on that capability.
+
+Write lifecycle (both kinds)::
+
+    put_async(locator, payload, tier=..., on_ready=cb) -> BlobHandle (PENDING)
+        success: every value committed -> handle.ready = True -> cb(handle)
+        failure: nothing of the blob stays in the store, handle.error set, counted in stats
+    free(handle): removes the values (idempotent); raises if removal fails (the caller keeps the blob)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import attrs
+
+from cacheseek.reuse.exact_prefix.ring import CopyRun
+from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier, TrieNode
+
+__all__ = ["TierStore", "PathReadStore", "RestoreTarget", "LayerPayload"]
+
+LayerPayload = tuple[Any, Any]  # (k, v) of one layer for one chunk: [1, chunk_tokens, H, D]
+
+
+@runtime_checkable
+class TierStore(Protocol):
+    def put_async(
+        self,
+        locator: str,
+        payload: Sequence[LayerPayload],
+        *,
+        tier: Tier,
+        on_ready: Optional[Callable[[BlobHandle], None]] = None,
+    ) -> BlobHandle: ...
+
+    def get_layer(self, handle: BlobHandle, layer: int) -> Optional[LayerPayload]: ...
+
+    def put_skeleton(self, locator: str, latent: Any) -> None: ...
+
+    def get_skeleton(self, locator: str) -> Any: ...
+
+    def free(self, handle: BlobHandle) -> None: ...
+
+    def flush(self) -> None: ...
+
+
+@attrs.frozen(slots=True)
+class RestoreTarget:
+    """Where a whole-path restore of depth K lands, built by the runtime binding.
+
+    ``kv``: per layer ``(k, v)`` ring tensors ``[1, kv_size, H, D]``, contiguous, on the runtime
+    device. ``runs``: the copy runs in tokens (`RingGeometry.restore_runs`). ``window_depths``:
+    the chunk depths the runs read, oldest first. ``token_bytes``: bytes of one token row
+    (``H * D * itemsize``). ``chunk_tokens``: tokens in one chunk's value. ``latents``: private
+    targets, one per chunk 0..K-1, in the runtime's latent shape, dtype and device; filled first.
+    """
+
+    kv: tuple[tuple[Any, Any], ...]
+    runs: tuple[CopyRun, ...]
+    window_depths: tuple[int, ...]
+    token_bytes: int
+    chunk_tokens: int
+    latents: tuple[Any, ...]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.kv)
+
+    @property
+    def chunk_value_nbytes(self) -> int:
+        return self.chunk_tokens * self.token_bytes
+
+
+@runtime_checkable
+class PathReadStore(Protocol):
+    """Capability: a store that restores a whole window path in one call."""
+
+    accepts_device_views: bool
+
+    def read_path(
+        self, path: Sequence[TrieNode], window: Sequence[TrieNode], target: RestoreTarget
+    ) -> bool:
+        """Fill ``target.latents`` from every node of ``path`` (depth 0..K-1), then the KV of the
+        ``window`` nodes into ``target.kv`` following ``target.runs``; synchronize; release
+        every view. Returns False (a miss) when a value is missing or only a partial prefix is
+        transferable; raises on a store or transfer error. Publishes nothing."""
+        ...

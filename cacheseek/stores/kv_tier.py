@@ -1,0 +1,257 @@
+"""`KeyValueTier`: the shared mechanism of every generic (per-layer) tier store.
+
+A generic tier stores each chunk as ``2 * n_layers`` values under ``{locator}:L{i}:k|v`` plus the
+latent under ``{hex}:lat``, in any key-value backend (a dict, files, Fluxon). The backend is the
+policy; this class is the mechanism that all of them share:
+
+- ``put_async`` takes caller-owned CPU snapshots, writes every value, and only then marks the
+  handle ready and calls ``on_ready``. With ``write_back=True`` the writes run on one background
+  thread fed by a bounded queue (``put_async`` blocks when ``queue_depth`` blobs are pending:
+  backpressure, not unbounded memory).
+- A failed write removes what it wrote of the blob, leaves the handle unready with ``error`` set,
+  counts and logs the failure (`TierStats.failed_writes`). Neither ``put_async`` (write-through)
+  nor `flush` (write-back) raises it: both modes report a failure the same way, on the handle and
+  in the stats, and the caller runs on without caching that chunk.
+- ``get_layer`` returns ``(k, v)`` or None when either half is missing.
+- ``free`` refuses a blob whose write is still in flight (`WriteNotCompleteError`), removes the
+  values otherwise (idempotent) and lets backend errors surface.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Protocol
+
+import attrs
+
+from cacheseek.errors import StoreClosedError, StoreError, WriteNotCompleteError
+from cacheseek.reuse.exact_prefix.keys import layer_keys
+from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier
+from cacheseek.stores.base import LayerPayload
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ValueBackend", "KeyValueTier", "TierStats", "payload_nbytes"]
+
+
+class ValueBackend(Protocol):
+    """Where a generic tier's values live. Values are CPU tensors or plain Python objects."""
+
+    def write(self, key: str, value: Any) -> None: ...
+
+    def read(self, key: str) -> Optional[Any]: ...
+
+    def delete(self, key: str) -> None:
+        """Remove ``key``; a missing key is not an error."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@attrs.define
+class TierStats:
+    """Counters of one tier, shown in the CLI report and written to results.json."""
+
+    puts: int = 0
+    put_bytes: int = 0
+    put_seconds: float = 0.0
+    gets: int = 0
+    get_bytes: int = 0
+    get_seconds: float = 0.0
+    failed_writes: int = 0
+    frees: int = 0
+    pending_writes: int = 0
+    last_error: Optional[str] = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def payload_nbytes(value: Any) -> int:
+    nbytes = getattr(value, "nbytes", None)
+    if nbytes is not None:
+        return int(nbytes)
+    if hasattr(value, "numel") and hasattr(value, "element_size"):
+        return int(value.numel() * value.element_size())
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return len(value)
+    return 0
+
+
+class KeyValueTier:
+    """A `TierStore` over a `ValueBackend`; see the module docstring for the contract."""
+
+    accepts_device_views = False
+
+    def __init__(
+        self,
+        backend: ValueBackend,
+        *,
+        write_back: bool = False,
+        queue_depth: int = 4,
+        name: str = "tier",
+    ) -> None:
+        self.backend = backend
+        self.name = name
+        self.stats = TierStats()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._queue: Optional[queue.Queue] = None
+        self._worker: Optional[threading.Thread] = None
+        self._idle = threading.Condition(self._lock)
+        if write_back:
+            if queue_depth < 1:
+                raise ValueError("queue_depth must be >= 1")
+            self._queue = queue.Queue(maxsize=queue_depth)
+            self._worker = threading.Thread(target=self._drain, name=f"{name}-write-back", daemon=True)
+            self._worker.start()
+
+    # -- writes -------------------------------------------------------------------------------
+
+    def put_async(
+        self,
+        locator: str,
+        payload: Sequence[LayerPayload],
+        *,
+        tier: Tier,
+        on_ready: Optional[Callable[[BlobHandle], None]] = None,
+    ) -> BlobHandle:
+        self._check_open()
+        items = []
+        nbytes = 0
+        for i, (k, v) in enumerate(payload):
+            kk, vk = layer_keys(locator, i)
+            items += [(kk, k), (vk, v)]
+            nbytes += payload_nbytes(k) + payload_nbytes(v)
+        handle = BlobHandle(tier=tier, locator=locator, nbytes=nbytes, n_layers=len(payload))
+        with self._lock:
+            self.stats.pending_writes += 1
+        job = (handle, items, on_ready)
+        if self._queue is None:
+            self._write_blob(*job)
+        else:
+            self._queue.put(job)
+        return handle
+
+    def _write_blob(self, handle: BlobHandle, items: list[tuple[str, Any]], on_ready) -> None:
+        t0 = time.perf_counter()
+        touched: list[str] = []
+        try:
+            for key, value in items:
+                touched.append(key)  # before the write: a failed write may leave part of it
+                self.backend.write(key, value)
+        except BaseException as exc:  # noqa: BLE001 - every failure is surfaced on the handle
+            for key in touched:
+                try:
+                    self.backend.delete(key)
+                except Exception:  # noqa: BLE001
+                    log.exception("%s: could not remove %s after a failed write", self.name, key)
+            handle.error = exc
+            with self._lock:
+                self.stats.failed_writes += 1
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+                self.stats.pending_writes -= 1
+                self._idle.notify_all()
+            log.error("%s: write of %s failed: %s", self.name, handle.locator, exc)
+            if self._queue is None and not isinstance(exc, Exception):
+                raise  # KeyboardInterrupt and the like still stop the calling thread
+            return
+        with self._lock:
+            self.stats.puts += 1
+            self.stats.put_bytes += handle.nbytes
+            self.stats.put_seconds += time.perf_counter() - t0
+        handle.ready = True
+        try:
+            if on_ready is not None:
+                on_ready(handle)
+        finally:
+            with self._lock:
+                self.stats.pending_writes -= 1
+                self._idle.notify_all()
+
+    def _drain(self) -> None:
+        assert self._queue is not None
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                try:
+                    self._write_blob(*job)
+                except Exception:  # noqa: BLE001 - the write succeeded; on_ready raised
+                    log.exception("%s: on_ready callback of %s failed", self.name, job[0].locator)
+            finally:
+                self._queue.task_done()
+
+    def put_skeleton(self, locator: str, latent: Any) -> None:
+        self._check_open()
+        self.backend.write(locator, latent)
+
+    # -- reads --------------------------------------------------------------------------------
+
+    def get_skeleton(self, locator: str) -> Any:
+        self._check_open()
+        return self.backend.read(locator)
+
+    def get_layer(self, handle: BlobHandle, layer: int) -> Optional[LayerPayload]:
+        self._check_open()
+        if not 0 <= layer < handle.n_layers:
+            raise IndexError(f"layer {layer} out of range for a blob of {handle.n_layers} layers")
+        t0 = time.perf_counter()
+        kk, vk = layer_keys(handle.locator, layer)
+        k = self.backend.read(kk)
+        v = self.backend.read(vk) if k is not None else None
+        if k is None or v is None:
+            return None
+        with self._lock:
+            self.stats.gets += 1
+            self.stats.get_bytes += payload_nbytes(k) + payload_nbytes(v)
+            self.stats.get_seconds += time.perf_counter() - t0
+        return k, v
+
+    # -- lifetime -----------------------------------------------------------------------------
+
+    def free(self, handle: BlobHandle) -> None:
+        self._check_open()
+        if handle.in_flight:
+            raise WriteNotCompleteError(f"{handle.locator}: write still in flight; cannot free")
+        for layer in range(handle.n_layers):
+            for key in layer_keys(handle.locator, layer):
+                self.backend.delete(key)
+        with self._lock:
+            self.stats.frees += 1
+
+    def flush(self) -> None:
+        """Wait until every queued write has completed (successfully or not)."""
+        if self._queue is not None:
+            self._queue.join()
+        with self._lock:
+            while self.stats.pending_writes > 0:
+                self._idle.wait(timeout=1.0)
+
+    def close(self) -> None:
+        """Flush pending writes, stop the write-back thread, close the backend. Idempotent."""
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        if self._queue is not None and self._worker is not None:
+            self._queue.put(None)
+            self._worker.join(timeout=30)
+        self.backend.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError(f"{self.name} store is closed")
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "stats": self.stats.as_dict()}
+
+
+def check_not_failed(handle: BlobHandle) -> None:
+    if handle.error is not None:
+        raise StoreError(f"{handle.locator}: write failed: {handle.error}")

@@ -1,0 +1,59 @@
+"""The in-memory tier: the embedded default. Values live in a dict in this process.
+
+It receives caller-owned CPU snapshots (the binding clones the ring tail), so nothing in it
+aliases the live ring. Works with plain Python objects as payloads too (tests use strings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Optional
+
+from cacheseek.registry import STORES
+from cacheseek.stores.kv_tier import KeyValueTier
+
+__all__ = ["InMemoryTierStore", "DictBackend"]
+
+
+class DictBackend:
+    """A thread-safe dict of values."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def write(self, key: str, value: Any) -> None:
+        with self._lock:
+            self._values[key] = value
+
+    def read(self, key: str) -> Optional[Any]:
+        with self._lock:
+            return self._values.get(key)
+
+    def delete(self, key: str) -> None:
+        with self._lock:
+            self._values.pop(key, None)
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._values)
+
+    def close(self) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class InMemorySchema:
+    _target_: str = "cacheseek.stores.memory.InMemoryTierStore"
+
+
+@STORES.register("memory", InMemorySchema)
+class InMemoryTierStore(KeyValueTier):
+    """`KeyValueTier` over a `DictBackend`; writes complete before ``put_async`` returns."""
+
+    def __init__(self) -> None:
+        super().__init__(DictBackend(), name="memory")
+
+    def keys(self) -> list[str]:
+        return self.backend.keys()

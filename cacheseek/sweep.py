@@ -1,0 +1,43 @@
+"""A Hydra callback that leaves one summary table for a multirun sweep."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hydra.experimental.callback import Callback
+
+from cacheseek.report import table
+
+COLUMNS = [("job", "job"), ("verdict", "verdict"), ("store", "store"), ("geometry", "geometry"),
+           ("hits", "hit K (A,B,C,D)"), ("walls", "wall s (A,B,C,D)"), ("ring", "ring check")]
+
+
+class SweepSummary(Callback):
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        rows = []
+        for res in sorted(sweep_dir.glob("*/results.json")):
+            data = json.loads(res.read_text())
+            reqs = data.get("requests", [])
+            ring = data.get("ring_check", [])
+            rows.append({
+                "job": res.parent.name,
+                "verdict": "PASS" if data.get("passed") else "FAIL",
+                "store": data.get("store"),
+                "geometry": data.get("config", {}).get("runtime", {}).get("geometry"),
+                "hits": ",".join(str(r["hit_depth"]) for r in reqs),
+                "walls": ",".join(f"{r['wall_s']:.2f}" for r in reqs),
+                "ring": f"{sum(r['verdict'] == 'ok' for r in ring)}/{len(ring)}",
+                "data": data,
+            })
+        failed = [p.name for p in sweep_dir.iterdir() if p.is_dir() and not (p / "results.json").exists()
+                  and p.name != ".hydra"]
+        text = table(rows, COLUMNS)
+        if failed:
+            text += "\njobs without results (failed before reporting): " + ", ".join(sorted(failed))
+        (sweep_dir / "summary.md").write_text(text + "\n")
+        (sweep_dir / "summary.json").write_text(json.dumps(
+            [{k: v for k, v in r.items() if k != "data"} for r in rows], indent=2))
+        print(f"\nsweep summary ({sweep_dir / 'summary.md'}):\n{text}")

@@ -1,0 +1,154 @@
+"""Manager behaviour on the in-memory tier with plain-object payloads (torch-free)."""
+
+import pytest
+
+from cacheseek.errors import StoreError
+from cacheseek.reuse.exact_prefix import (
+    InMemoryTierStore,
+    NamespaceForest,
+    WorldKVConfig,
+    WorldKVManager,
+)
+from cacheseek.reuse.exact_prefix.keys import node_key
+from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier
+
+ROOT = b"R" * 32
+
+
+class RecordingWindow:
+    def __init__(self):
+        self.layers = {}
+        self.latents = None
+        self.depth = None
+
+    def seed_latents(self, latents):
+        self.latents = list(latents)
+
+    def seed_layer(self, layer, blobs, depth):
+        self.layers[layer] = blobs
+
+    def set_resume_depth(self, depth):
+        self.depth = depth
+
+
+def _ingest_chain(mgr, actions, n_layers=2):
+    ns = mgr.forest.get_or_create_namespace(ROOT, b"C")
+    parent = ns.root
+    for d, a in enumerate(actions):
+        payload = [(f"k{d}.{i}", f"v{d}.{i}") for i in range(n_layers)]
+        parent = mgr.ingest(ns, parent, a, node_key(parent.node_key, a), d, payload, f"lat{d}")
+    return ns
+
+
+def make(window_chunks=0, sink_chunks=0, break_even=1, store=None):
+    cfg = WorldKVConfig(window_chunks=window_chunks, sink_chunks=sink_chunks, break_even_k=break_even)
+    return WorldKVManager(NamespaceForest(), store or InMemoryTierStore(), cfg)
+
+
+def test_full_hit_seeds_window_then_publishes():
+    mgr = make()
+    _ingest_chain(mgr, [b"a", b"b", b"c"])
+    w = RecordingWindow()
+    res = mgr.try_fast_forward(ROOT, [b"a", b"b", b"c"], w)
+    assert res.start_chunk == 3 and w.depth == 3
+    assert w.latents == ["lat0", "lat1", "lat2"]
+    assert [d for d, _ in w.layers[1]] == [0, 1, 2]
+    assert w.layers[1][2][1] == ("k2.1", "v2.1")
+
+
+def test_rolling_window_is_sinks_plus_recent():
+    mgr = make(window_chunks=2, sink_chunks=1)
+    _ingest_chain(mgr, [b"a", b"b", b"c", b"d", b"e"])
+    w = RecordingWindow()
+    assert mgr.try_fast_forward(ROOT, [b"a", b"b", b"c", b"d", b"e"], w).start_chunk == 5
+    assert [d for d, _ in w.layers[0]] == [0, 3, 4]
+    assert len(w.latents) == 5
+
+
+def test_sink_nodes_are_pinned_and_not_evictable():
+    mgr = make(window_chunks=2, sink_chunks=1)
+    ns = _ingest_chain(mgr, [b"a", b"b"])
+    sink = ns.root.children[b"a"]
+    assert sink.pinned and not mgr.evict_blob(sink)
+    child = sink.children[b"b"]
+    assert mgr.evict_blob(child) and child.blob is None and child.skeleton is not None
+
+
+def test_below_break_even_runs_cold():
+    mgr = make(break_even=3)
+    _ingest_chain(mgr, [b"a", b"b"])
+    w = RecordingWindow()
+    assert mgr.try_fast_forward(ROOT, [b"a", b"b"], w).start_chunk == 0 and w.depth is None
+
+
+def test_missing_latent_publishes_nothing():
+    mgr = make()
+    ns = _ingest_chain(mgr, [b"a", b"b"])
+    node = ns.root.children[b"a"].children[b"b"]
+    mgr.store.backend.delete(node.skeleton.latent_locator)
+    w = RecordingWindow()
+    assert mgr.try_fast_forward(ROOT, [b"a", b"b"], w).start_chunk == 0
+    assert w.depth is None and w.layers == {} and w.latents is None
+    assert all(n.ref_count == 0 for n in ns.iter_nodes())
+
+
+def test_partial_layer_is_a_miss_not_a_crash():
+    mgr = make()
+    ns = _ingest_chain(mgr, [b"a"])
+    node = ns.root.children[b"a"]
+    mgr.store.backend.delete(f"{node.blob.locator}:L1:v")
+    w = RecordingWindow()
+    assert mgr.try_fast_forward(ROOT, [b"a"], w).start_chunk == 0
+    assert w.depth is None and w.layers == {}
+
+
+def test_store_error_runs_cold_and_leaves_trie():
+    class Broken(InMemoryTierStore):
+        def get_layer(self, handle, layer):
+            raise StoreError("disk on fire")
+
+    mgr = make(store=Broken())
+    ns = _ingest_chain(mgr, [b"a"])
+    w = RecordingWindow()
+    assert mgr.try_fast_forward(ROOT, [b"a"], w).start_chunk == 0
+    assert w.depth is None and ns.root.children[b"a"].has_kv and ns.root.children[b"a"].ref_count == 0
+
+
+def test_reingest_never_replaces_ready_blob():
+    mgr = make()
+    ns = _ingest_chain(mgr, [b"a"])
+    node = ns.root.children[b"a"]
+    ready = node.blob
+    again = mgr.ingest(ns, ns.root, b"a", node.node_key, 0, [("x", "y")], "lat")
+    assert again is node and node.blob is ready and node.blob.ready
+    assert mgr.store.get_layer(ready, 0) == ("k0.0", "v0.0")
+
+
+def test_evict_refuses_incomplete_write():
+    mgr = make()
+    ns = _ingest_chain(mgr, [b"a"])
+    node = ns.root.children[b"a"]
+    node.blob = BlobHandle(Tier.CPU, node.blob.locator, 1, 2, ready=False)
+    assert not mgr.evict_blob(node)
+    assert node.blob is not None
+
+
+def test_evict_keeps_blob_when_free_fails():
+    class NoFree(InMemoryTierStore):
+        def free(self, handle):
+            raise StoreError("remove failed")
+
+    mgr = make(store=NoFree())
+    ns = _ingest_chain(mgr, [b"a"])
+    node = ns.root.children[b"a"]
+    with pytest.raises(StoreError):
+        mgr.evict_blob(node)
+    assert node.has_kv
+
+
+def test_referenced_node_is_not_evicted():
+    mgr = make()
+    ns = _ingest_chain(mgr, [b"a"])
+    node = ns.root.children[b"a"]
+    node.ref_count = 1
+    assert not mgr.evict_blob(node)
