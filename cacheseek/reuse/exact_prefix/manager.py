@@ -180,8 +180,8 @@ class WorldKVManager:
         handle = self.store.put_async(kv_locator(node_key), kv_payload, tier=self.cfg.commit_tier,
                                       on_ready=on_ready)
         with self.forest.lock:
-            # A write that failed synchronously raised above; an async failure leaves the
-            # handle unready (never a hit) and droppable.
+            # A failed write leaves the handle unready with ``error`` set: never a hit, and a
+            # later ingest of the same chunk replaces it.
             node.blob = handle
             if nbytes and not handle.nbytes:
                 handle.nbytes = nbytes

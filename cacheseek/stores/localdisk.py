@@ -1,0 +1,388 @@
+"""The LocalDisk tier: a `KeyValueTier` whose values are real files under one root folder.
+
+Layout: one file per value, ``{root}/{sha256(key)[:2]}/{escaped key}``. The escape keeps
+``[A-Za-z0-9_-]`` and writes every other UTF-8 byte as ``%XX``, so it is reversible (`keys`) and
+an escaped name never contains a dot; temporary files (``.{name}.{random}.tmp``) always do, so
+they are never mistaken for values.
+
+File format: ``MAGIC`` (8 bytes), header length (u32 little-endian), a JSON header, the raw
+payload. The header says the kind (``tensor``, ``bytes`` or ``str``), the payload size and, for
+tensors, dtype and shape. Tensors are written byte for byte through a ``uint8`` view (bf16
+included, no numpy dtype needed) and read back as contiguous CPU tensors.
+
+Writes are atomic: a temp file in the value's folder, optional ``fsync``, ``os.replace``. A
+reader sees the old value, the new one or none, never a partial file. A temp file left by a
+killed process is invisible to reads and ``keys()`` and is removed when the root is next opened.
+
+Reads return None for a missing value. A file that exists but is truncated or not in this format
+raises `StoreError` naming the file: it is damage to look at, not a normal miss (the manager turns
+any store error during a restore into a cold run). ``delete`` unlinks the file, so freeing a blob
+gives its disk space back at once.
+
+One open store owns a root at a time (an ``flock`` on ``{root}/.lock``, released by `close`);
+a second store on the same root is a `ConfigError` naming ``store.root``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import logging
+import math
+import os
+import struct
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any, Optional
+
+from cacheseek.errors import ConfigError, StoreError
+from cacheseek.registry import STORES
+from cacheseek.stores.kv_tier import KeyValueTier
+
+log = logging.getLogger(__name__)
+
+__all__ = ["LocalDiskTierStore", "LocalDiskSchema", "DiskBackend", "encode_key", "decode_key"]
+
+MAGIC = b"CSKVAL01"
+_HLEN = struct.Struct("<I")
+_PREFIX = len(MAGIC) + _HLEN.size
+_MAX_NAME = 200  # escaped key length limit; leaves room for the temp-file decoration in 255
+_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+_LOCK_NAME = ".lock"
+_ROOT_FIX = "set store.root to a writable folder, e.g. +store=localdisk store.root=/tmp/kv"
+
+
+def encode_key(key: str) -> str:
+    """The file name of ``key``: safe bytes kept, every other UTF-8 byte as ``%XX``."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"store keys must be non-empty strings, got {key!r}")
+    name = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in key.encode("utf-8"))
+    if len(name) > _MAX_NAME:
+        raise ValueError(f"store key too long for a file name ({len(name)} > {_MAX_NAME}): {key!r}")
+    return name
+
+
+def decode_key(name: str) -> str:
+    """Inverse of `encode_key`."""
+    out = bytearray()
+    i = 0
+    while i < len(name):
+        if name[i] == "%":
+            out.append(int(name[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            out.append(ord(name[i]))
+            i += 1
+    return out.decode("utf-8")
+
+
+def _is_value_name(name: str) -> bool:
+    return "." not in name
+
+
+def _is_shard(folder: Path) -> bool:
+    """A value folder: two lowercase hex digits (anything else under root is left alone)."""
+    return len(folder.name) == 2 and all(c in "0123456789abcdef" for c in folder.name) and folder.is_dir()
+
+
+def _tensor_bytes(t: Any) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
+    return t.reshape(-1).view(_torch().uint8).numpy().data
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+class DiskBackend:
+    """`ValueBackend` over files under ``root``; see the module docstring for the format."""
+
+    def __init__(self, root: Path, *, fsync: bool = False) -> None:
+        self.root = root
+        self.fsync = fsync
+        self._lock_fd: Optional[int] = None
+        self._close_lock = threading.Lock()
+
+    # -- paths --------------------------------------------------------------------------------
+
+    def path_of(self, key: str) -> Path:
+        name = encode_key(key)
+        folder = hashlib.sha256(key.encode("utf-8")).hexdigest()[:2]
+        return self.root / folder / name
+
+    def _value_files(self) -> list[Path]:
+        out = []
+        for folder in self.root.iterdir():
+            if _is_shard(folder):
+                out.extend(p for p in folder.iterdir() if _is_value_name(p.name))
+        return out
+
+    # -- ValueBackend -------------------------------------------------------------------------
+
+    def write(self, key: str, value: Any) -> None:
+        header, body = self._encode(key, value)
+        path = self.path_of(key)
+        tmp: Optional[str] = None
+        try:
+            path.parent.mkdir(exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+            with os.fdopen(fd, "wb") as f:
+                f.write(header)
+                f.write(body)
+                if self.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, path)
+            tmp = None
+            if self.fsync:
+                _fsync_dir(path.parent)
+        except OSError as exc:
+            raise StoreError(f"localdisk: cannot write {path}: {exc}") from exc
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    log.warning("localdisk: could not remove temp file %s", tmp)
+
+    def read(self, key: str) -> Optional[Any]:
+        path = self.path_of(key)
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StoreError(f"localdisk: cannot read {path}: {exc}") from exc
+        with f:
+            try:
+                return self._decode(path, f)
+            except OSError as exc:
+                raise StoreError(f"localdisk: cannot read {path}: {exc}") from exc
+
+    def delete(self, key: str) -> None:
+        path = self.path_of(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StoreError(f"localdisk: cannot delete {path}: {exc}") from exc
+
+    def keys(self) -> list[str]:
+        return sorted(decode_key(p.name) for p in self._value_files())
+
+    def disk_usage_bytes(self) -> int:
+        """Sum of the sizes of every file under root (values and any temp file in flight)."""
+        total = 0
+        for folder in self.root.iterdir():
+            if _is_shard(folder):
+                for p in folder.iterdir():
+                    try:
+                        total += p.stat().st_size
+                    except FileNotFoundError:  # deleted or renamed meanwhile
+                        pass
+        return total
+
+    def close(self) -> None:
+        with self._close_lock:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the flock
+                self._lock_fd = None
+
+    # -- opening ------------------------------------------------------------------------------
+
+    def open(self) -> None:
+        """Create and probe the root, take its lock, sweep stale temp files. ConfigError on failure."""
+        root = self.root
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError("store.root", f"cannot create folder {root}: {exc}", _ROOT_FIX) from None
+        if not root.is_dir():
+            raise ConfigError("store.root", f"{root} is not a folder", _ROOT_FIX)
+        probe = root / f".probe-{os.getpid()}-{threading.get_ident()}"
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"probe")
+            os.unlink(probe)
+        except OSError as exc:
+            raise ConfigError("store.root", f"folder {root} is not writable: {exc}", _ROOT_FIX) from None
+        self._take_lock()
+        try:
+            for folder in root.iterdir():
+                if _is_shard(folder):
+                    for p in folder.iterdir():
+                        if p.name.startswith(".") and p.name.endswith(".tmp"):
+                            log.warning("localdisk: removing temp file of an interrupted write: %s", p)
+                            p.unlink(missing_ok=True)
+        except OSError as exc:
+            self.close()
+            raise ConfigError("store.root", f"cannot scan {root}: {exc}", _ROOT_FIX) from None
+
+    def _take_lock(self) -> None:
+        import fcntl
+
+        fd = os.open(self.root / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise ConfigError(
+                    "store.root",
+                    f"{self.root} is in use by another open LocalDisk store",
+                    "close the other store, or give each store its own store.root",
+                ) from None
+            raise ConfigError("store.root", f"cannot lock {self.root}: {exc}", _ROOT_FIX) from None
+        self._lock_fd = fd
+
+    # -- format -------------------------------------------------------------------------------
+
+    def _encode(self, key: str, value: Any) -> tuple[bytes, Any]:
+        if isinstance(value, str):
+            body: Any = value.encode("utf-8")
+            meta: dict[str, Any] = {"kind": "str"}
+        elif isinstance(value, (bytes, bytearray, memoryview)):
+            body = bytes(value)
+            meta = {"kind": "bytes"}
+        elif _is_tensor(value):
+            if value.device.type != "cpu":
+                raise StoreError(
+                    f"localdisk: {key}: expected a CPU snapshot, got a tensor on {value.device}"
+                )
+            t = value.detach().contiguous()
+            body = _tensor_bytes(t) if t.numel() else b""
+            meta = {"kind": "tensor", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
+        else:
+            raise StoreError(
+                f"localdisk: {key}: cannot store a {type(value).__name__} (tensor, bytes or str only)"
+            )
+        meta["nbytes"] = memoryview(body).nbytes
+        header = json.dumps(meta, separators=(",", ":")).encode("utf-8")
+        return MAGIC + _HLEN.pack(len(header)) + header, body
+
+    def _decode(self, path: Path, f: Any) -> Any:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(_PREFIX)
+        if len(prefix) < _PREFIX or prefix[: len(MAGIC)] != MAGIC:
+            raise StoreError(f"localdisk: corrupt value file {path}: not a CacheSeek value (bad magic)")
+        (hlen,) = _HLEN.unpack(prefix[len(MAGIC) :])
+        raw = f.read(hlen)
+        try:
+            meta = json.loads(raw.decode("utf-8"))
+            kind, nbytes = meta["kind"], int(meta["nbytes"])
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            raise StoreError(f"localdisk: corrupt value file {path}: unreadable header") from None
+        if size != _PREFIX + hlen + nbytes:
+            raise StoreError(
+                f"localdisk: corrupt value file {path}: {size} bytes on disk, header says "
+                f"{_PREFIX + hlen + nbytes} (truncated or damaged)"
+            )
+        if kind == "str":
+            return f.read(nbytes).decode("utf-8")
+        if kind == "bytes":
+            return f.read(nbytes)
+        if kind != "tensor":
+            raise StoreError(f"localdisk: corrupt value file {path}: unknown kind {kind!r}")
+        torch = _torch()
+        dtype = getattr(torch, str(meta.get("dtype")), None)
+        shape = meta.get("shape")
+        if not isinstance(dtype, torch.dtype) or not isinstance(shape, list):
+            raise StoreError(f"localdisk: corrupt value file {path}: bad dtype or shape in header")
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise StoreError(f"localdisk: corrupt value file {path}: bad shape {shape!r}")
+        if math.prod(shape) * torch.empty((), dtype=dtype).element_size() != nbytes:
+            raise StoreError(f"localdisk: corrupt value file {path}: shape and size disagree")
+        out = torch.empty(shape, dtype=dtype)
+        if nbytes:
+            buf = _tensor_bytes(out)
+            got = 0
+            while got < nbytes:
+                n = f.readinto(buf[got:])
+                if not n:
+                    raise StoreError(f"localdisk: corrupt value file {path}: truncated payload")
+                got += n
+        return out
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")  # no torch imported: cannot be a tensor
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclasses.dataclass
+class LocalDiskSchema:
+    _target_: str = "cacheseek.stores.localdisk.LocalDiskTierStore"
+    # None: the orchestrator chooses a folder ``kvstore`` under the run's output folder.
+    root: Optional[str] = None
+    write_back: bool = False
+    queue_depth: int = 4
+    fsync: bool = False
+
+
+@STORES.register("localdisk", LocalDiskSchema)
+class LocalDiskTierStore(KeyValueTier):
+    """`KeyValueTier` over a `DiskBackend` under ``root``.
+
+    ``write_back``: writes run on a background thread fed by a queue of ``queue_depth`` blobs
+    (``put_async`` blocks when it is full); otherwise ``put_async`` returns after the files are
+    in place. ``fsync``: flush each file and its folder to the device before publishing.
+    A bad root raises `ConfigError` naming ``store.root`` here, not at the first write.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str] | None = None,
+        *,
+        write_back: bool = False,
+        queue_depth: int = 4,
+        fsync: bool = False,
+    ) -> None:
+        if root is None or (isinstance(root, str) and not root.strip()):
+            raise ConfigError(
+                "store.root",
+                "no folder given (the orchestrator fills it with <run folder>/kvstore)",
+                _ROOT_FIX,
+            )
+        if not isinstance(root, (str, os.PathLike)):
+            raise ConfigError("store.root", f"must be a path, got {type(root).__name__}", _ROOT_FIX)
+        if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
+            raise ConfigError("store.queue_depth", f"must be an integer >= 1, got {queue_depth!r}")
+        disk = DiskBackend(Path(root).expanduser().absolute(), fsync=bool(fsync))
+        disk.open()
+        self.disk = disk
+        super().__init__(disk, write_back=bool(write_back), queue_depth=queue_depth, name="localdisk")
+
+    @property
+    def root(self) -> Path:
+        return self.disk.root
+
+    def keys(self) -> list[str]:
+        """Every stored key (values only; temp files of writes in flight are not listed)."""
+        self._check_open()
+        return self.disk.keys()
+
+    def disk_usage_bytes(self) -> int:
+        self._check_open()
+        return self.disk.disk_usage_bytes()
+
+    def describe(self) -> dict[str, Any]:
+        out = super().describe()
+        out["root"] = str(self.root)
+        if not self._closed:
+            out["disk_usage_bytes"] = self.disk_usage_bytes()
+        return out
