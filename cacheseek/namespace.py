@@ -119,3 +119,10 @@ def resolve_fields(names: list[str] | None) -> list[Any]:
 
 def config_blob(fields: list[Any], ctx: FingerprintContext) -> dict[str, Any]:
     return {f.name: f.value(ctx) for f in fields}
+
+
+@_field("device")
+def _device(ctx):
+    """Device type: kernels differ in their low bits between CPU and CUDA."""
+    k = ctx.runtime.self_kv_cache[0]["k"]
+    return k.device.type

@@ -122,21 +122,35 @@ class AbcdGate:
 
     def _ring_check(self, stack) -> list[dict[str, Any]]:
         """Restore every depth K from the cache A filled and compare with a cold run before chunk K."""
-        from cacheseek.runtime.synthetic import compare_states
+        from cacheseek.runtime.synthetic import snapshot_diff
 
         actions = self.P + self.X
         cold = stack.runtime_factory.make(actions, hooks=None)
-        states = cold.cold_states()
+        states = []
+        for k in range(self.n):
+            cold.generate(stop_after=k)
+            states.append(cold.state_snapshot())
         out = []
         for k in range(1, self.n):
             binding = stack.new_binding(ingest_enabled=False)
             rt = stack.runtime_factory.make(actions[:k] + self.Z[k:], hooks=binding)
-            rt.start()
-            diff = compare_states(rt.state_snapshot(), states[k])
+            rt.generate(stop_after=0)  # runs on_runtime_created only
+            diff = snapshot_diff(rt.state_snapshot(), states[k])
+            for i in range(k):
+                got = rt.world_kv_cached_latents.get(i)
+                if got is None or not _same(got, cold.latents[i]):
+                    diff.append(f"cached latent {i} differs from the cold run's")
             ok = binding.last_fast_forward == k and not diff
             out.append({"K": k, "hit_depth": binding.last_fast_forward,
                         "verdict": "ok" if ok else "MISMATCH", "diff": diff})
         return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    import torch
+
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.detach().cpu().contiguous().view(torch.uint8), b.detach().cpu().contiguous().view(torch.uint8))
 
 
 def _fresh_forest():

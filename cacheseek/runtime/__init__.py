@@ -1,0 +1,23 @@
+"""World-model runtimes. Importing this package registers them (torch is imported lazily)."""
+
+from cacheseek.runtime import geometry, synthetic
+from cacheseek.runtime.geometry import GEOMETRIES, Geometry, get_geometry, validate_window
+from cacheseek.runtime.synthetic import (
+    SyntheticImage,
+    SyntheticRuntimeFactory,
+    SyntheticRuntimeSchema,
+    SyntheticWorldRuntime,
+)
+
+__all__ = [
+    "GEOMETRIES",
+    "Geometry",
+    "SyntheticImage",
+    "SyntheticRuntimeFactory",
+    "SyntheticRuntimeSchema",
+    "SyntheticWorldRuntime",
+    "geometry",
+    "get_geometry",
+    "synthetic",
+    "validate_window",
+]
