@@ -70,6 +70,8 @@ class Stack:
 
         rt = self.runtime_factory
         be = int(self.cfg.manager.break_even_k)
+        if be < 1:
+            raise ConfigError("manager.break_even_k", f"must be >= 1, got {be}")
         if rt.local_attn_size == -1:
             return make_full_kv_config(break_even_k=be)
         return make_rolling_config(local_attn_size=rt.local_attn_size, sink_size=rt.sink_size,
@@ -127,9 +129,11 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, **objects: Any) -> 
         if "root" in store_cfg and store_cfg["root"] is None:
             store_cfg["root"] = str(run_dir / "kvstore")
         store = instantiate(store_cfg, transfer=transfer, **objects)
-    return Stack(cfg=cfg, runtime_factory=runtime_factory, store=store, store_name=store_name,
-                 transfer=transfer, layout=layout, fields=fields, forest=NamespaceForest(),
-                 run_dir=run_dir)
+    stack = Stack(cfg=cfg, runtime_factory=runtime_factory, store=store, store_name=store_name,
+                  transfer=transfer, layout=layout, fields=fields, forest=NamespaceForest(),
+                  run_dir=run_dir)
+    stack.manager_config()  # validates the manager section against the runtime before any work
+    return stack
 
 
 def _build_transfer(node: Any, device: str, objects: dict[str, Any]) -> Any:

@@ -81,6 +81,9 @@ class WorldKVManager:
         except CacheSeekError as exc:
             log.warning("restore of depth %d failed, running cold: %s", match.matched_len, exc)
             ok = False
+        except Exception:  # noqa: BLE001 - a cache must never take a session down
+            log.exception("restore of depth %d failed unexpectedly, running cold", match.matched_len)
+            ok = False
         if not ok:
             self.stats["restore_failures"] += 1
             return FastForwardResult(0, None, match.namespace)

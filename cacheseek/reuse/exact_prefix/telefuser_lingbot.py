@@ -157,10 +157,13 @@ class LingBotWorldKVBinding:
             payload = [(k.to("cpu", copy=True), v.to("cpu", copy=True)) for k, v in views]
             latent = denoised.detach().to("cpu", copy=True)
         nbytes = sum(int(k.numel() * k.element_size()) * 2 for k, _ in views)
+        existing = parent.children.get(action)
+        blob_before = existing.blob if existing is not None else None
         try:
             node = self.manager.ingest(self._ns, parent, action, key, idx, payload, latent,
                                        nbytes=nbytes, n_layers=len(payload))
-            self.bytes_written += nbytes
+            if node.blob is not blob_before and node.blob is not None and node.blob.error is None:
+                self.bytes_written += nbytes
         except CacheSeekError as exc:
             self.ingest_errors += 1
             log.warning("ingest of chunk %d failed (the run goes on uncached): %s", idx, exc)

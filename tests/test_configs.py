@@ -1,0 +1,317 @@
+"""Every YAML under conf/ composes and instantiates; registry names equal YAML stems; typos and
+wrong types are rejected at compose time; bad values name the field; ``store: null`` is memory."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from cacheseek.cli import CONF_DIR
+from cacheseek.errors import ConfigError
+from cacheseek.orchestrator import build_stack, instantiate
+from cacheseek.registry import LAYOUTS, RUNTIMES, STORES, TRANSFERS, WORKLOADS, import_backends
+
+import_backends()
+
+CONF = Path(CONF_DIR)
+REPO = CONF.parent
+REGISTRIES = {"store": STORES, "transfer": TRANSFERS, "layout": LAYOUTS, "runtime": RUNTIMES,
+              "workload": WORKLOADS}
+PRESET_GROUPS = {"experiment"}  # groups of presets (@package _global_), not backends
+HAS_PLAN_TIER = (REPO / "cacheseek" / "stores" / "plan_tier.py").exists()
+NEEDS_SERVICE = {"fluxon_bytes"}  # compose only: instantiating needs a running Fluxon service
+SMALL_SEGMENT = 1 << 20
+
+
+def stems(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def _fake_cudart():
+    from cacheseek.transfer.fake_cuda import FakeCudart
+
+    return FakeCudart()
+
+
+# -- registry names equal YAML stems ---------------------------------------------------------------
+
+
+def test_every_conf_group_is_a_registry_or_a_preset_group():
+    groups = sorted(p.name for p in CONF.iterdir() if p.is_dir())
+    assert set(groups) <= set(REGISTRIES) | PRESET_GROUPS, groups
+    assert set(REGISTRIES) <= set(groups)
+    for group in groups:
+        assert stems(group), f"conf/{group} has no YAML"
+
+
+@pytest.mark.parametrize("group", sorted(REGISTRIES))
+def test_registry_names_equal_yaml_stems(group):
+    names = set(REGISTRIES[group].names())
+    files = set(stems(group))
+    if group == "store" and not HAS_PLAN_TIER:  # the Plan tier is not in this checkout yet
+        names.discard("fluxon_plan")
+        files.discard("fluxon_plan")
+    assert names == files, (
+        f"registry {group}: only registered {sorted(names - files)}, only YAML {sorted(files - names)}"
+    )
+
+
+@pytest.mark.parametrize("group", sorted(REGISTRIES))
+def test_yaml_pulls_in_the_registered_schema(group):
+    """Each backend YAML extends its registered schema (that is what rejects typos)."""
+    for name in stems(group):
+        text = (CONF / group / f"{name}.yaml").read_text()
+        assert f"/schema/{group}/{name}@_here_" in text, f"conf/{group}/{name}.yaml"
+
+
+def test_registry_defaults_have_yaml():
+    for group, reg in REGISTRIES.items():
+        assert reg.default in stems(group), group
+
+
+# -- every YAML composes and instantiates -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", stems("store"))
+def test_store_yaml_composes_and_instantiates(compose_cfg, tmp_path, name):
+    overrides = [f"+store={name}"]
+    if name == "localdisk":
+        overrides.append(f"store.root={tmp_path / 'kv'}")
+    if name == "fluxon_plan":
+        overrides.append(f"store.segment_bytes={SMALL_SEGMENT}")
+    cfg = compose_cfg(*overrides)
+    assert cfg.store._target_ == f"{STORES.get(name).__module__}.{STORES.get(name).__qualname__}"
+    if name in NEEDS_SERVICE:
+        return
+    if name == "fluxon_plan" and not HAS_PLAN_TIER:
+        pytest.skip("cacheseek/stores/plan_tier.py is not in this checkout")
+    stack = build_stack(cfg, run_dir=tmp_path / "run")
+    try:
+        assert stack.store_name == name
+        assert isinstance(stack.store, STORES.get(name))
+    finally:
+        stack.close()
+
+
+def test_localdisk_root_null_goes_under_the_run_folder(compose_cfg, tmp_path):
+    cfg = compose_cfg("+store=localdisk")
+    assert cfg.store.root is None
+    stack = build_stack(cfg, run_dir=tmp_path / "run")
+    try:
+        assert Path(stack.store.root) == tmp_path / "run" / "kvstore"
+    finally:
+        stack.close()
+
+
+@pytest.mark.parametrize("name", stems("transfer"))
+def test_transfer_yaml_composes_and_instantiates(compose_cfg, name):
+    from cacheseek.transfer.base import TransferRuntimeBase
+
+    from hydra.utils import instantiate as hydra_instantiate
+
+    cfg = compose_cfg(f"transfer={name}")
+    kwargs = {"cudart": _fake_cudart()} if name == "cuda" and not cuda_available() else {}
+    # hydra's own instantiate: the ``auto`` target is a factory function, not a class
+    obj = hydra_instantiate(cfg.transfer, _convert_="all", **kwargs)
+    try:
+        if name == "auto":  # a factory: follows the device (cpu here)
+            assert isinstance(obj, TRANSFERS.get("host"))
+        else:
+            assert isinstance(obj, TRANSFERS.get(name))
+        assert isinstance(obj, TransferRuntimeBase)
+    finally:
+        obj.close()
+
+
+@pytest.mark.parametrize("name", stems("transfer"))
+def test_transfer_yaml_builds_a_stack(compose_cfg, tmp_path, name):
+    cfg = compose_cfg(f"transfer={name}")
+    kwargs = {"cudart": _fake_cudart()} if name == "cuda" and not cuda_available() else {}
+    stack = build_stack(cfg, run_dir=tmp_path, **kwargs)
+    try:
+        expected = "host" if name == "auto" else name
+        assert isinstance(stack.transfer, TRANSFERS.get(expected))
+    finally:
+        stack.close()
+        stack.transfer.close()
+
+
+@pytest.mark.parametrize("name", stems("layout"))
+def test_layout_yaml_composes_and_instantiates(compose_cfg, name):
+    cfg = compose_cfg(f"layout={name}")
+    assert isinstance(instantiate(cfg.layout), LAYOUTS.get(name))
+
+
+@pytest.mark.parametrize("name", stems("runtime"))
+def test_runtime_yaml_composes_and_instantiates(compose_cfg, name):
+    cfg = compose_cfg(f"runtime={name}")
+    factory = instantiate(cfg.runtime)
+    assert isinstance(factory, RUNTIMES.get(name))
+    rt = factory.make([[0.0, 0.1], [0.2, 0.3]])
+    assert len(rt.generate()) == 2
+
+
+@pytest.mark.parametrize("name", stems("workload"))
+def test_workload_yaml_composes_and_instantiates(compose_cfg, name):
+    cfg = compose_cfg(f"workload={name}")
+    assert isinstance(instantiate(cfg.workload), WORKLOADS.get(name))
+
+
+@pytest.mark.parametrize("name", stems("experiment"))
+def test_experiment_yaml_composes_and_instantiates(compose_cfg, tmp_path, name):
+    cfg = compose_cfg(f"+experiment={name}")
+    OmegaConf.to_container(cfg, resolve=True)
+    if cfg.runtime.device.startswith("cuda") and not cuda_available():
+        with pytest.raises(ConfigError) as ei:
+            build_stack(cfg, run_dir=tmp_path)
+        assert ei.value.field == "runtime.device"
+        cfg = compose_cfg(f"+experiment={name}", "runtime.device=cpu")
+    stack = build_stack(cfg, run_dir=tmp_path)
+    try:
+        assert stack.runtime_factory.geometry.name == cfg.runtime.geometry
+        stack.manager_config()  # the manager window agrees with the preset's ring
+        workload = instantiate(cfg.workload)
+        assert isinstance(workload, WORKLOADS.get(WORKLOADS.default))
+    finally:
+        stack.close()
+
+
+# -- typos and wrong types are rejected at compose time ----------------------------------------------
+
+
+def _chain(exc: BaseException) -> str:
+    parts = []
+    while exc is not None:
+        parts.append(str(exc))
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["+store=localdisk", "store.rooot=/x"], "store.rooot"),
+        (["+store=localdisk", "store.write_back=maybe"], "store.write_back"),
+        (["+store=localdisk", "store.queue_depth=deep"], "store.queue_depth"),
+        (["+store=memory", "store.root=/x"], "store.root"),
+        (["runtime.local_attn_size=abc"], "runtime.local_attn_size"),
+        (["runtime.geometri=tiny"], "runtime.geometri"),
+        (["runtime.num_steps=1.5"], "runtime.num_steps"),
+        (["manager.break_even=2"], "manager.break_even"),
+        (["manager.break_even_k=two"], "manager.break_even_k"),
+        (["workload.total_chunks=x"], "workload.total_chunks"),
+        (["workload.ring_check=perhaps"], "workload.ring_check"),
+        (["namespace.feilds=[seed]"], "namespace.feilds"),
+        (["+store=nope"], "store/nope"),
+        (["transfer=nope"], "transfer/nope"),
+        (["+experiment=nope"], "experiment/nope"),
+    ],
+)
+def test_typos_and_wrong_types_rejected_at_compose(compose_cfg, overrides, field):
+    with pytest.raises(ConfigCompositionException) as ei:
+        compose_cfg(*overrides)
+    assert field in _chain(ei.value)
+
+
+# -- values only the registries can check: ConfigError naming the field at build time ---------------
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["runtime.geometry=huge"], "runtime.geometry"),
+        (["runtime.local_attn_size=4", "runtime.sink_size=3"], "runtime.local_attn_size"),
+        (["runtime.dtype=int8"], "runtime.dtype"),
+        (["runtime.device=tpu"], "runtime.device"),
+        (["runtime.num_steps=0"], "runtime.num_steps"),
+        (["namespace.fields=[seed,nope]"], "namespace.fields"),
+        (["+store=localdisk", "store.root=/proc/forbidden"], "store.root"),
+        (["+store=localdisk", "store.queue_depth=0"], "store.queue_depth"),
+    ],
+)
+def test_bad_values_name_the_field(compose_cfg, tmp_path, overrides, field):
+    cfg = compose_cfg(*overrides)
+    with pytest.raises(ConfigError) as ei:
+        build_stack(cfg, run_dir=tmp_path).close()
+    assert ei.value.field == field
+    assert str(ei.value).startswith(field)
+
+
+def test_disk_root_under_a_regular_file_names_store_root(compose_cfg, tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    cfg = compose_cfg("+store=localdisk", f"store.root={f / 'sub'}")
+    with pytest.raises(ConfigError) as ei:
+        build_stack(cfg, run_dir=tmp_path)
+    assert ei.value.field == "store.root"
+
+
+def test_sink_in_full_length_mode_names_the_field(compose_cfg, tmp_path):
+    """A sink with full-length attention is rejected (by the binding, at the first session)."""
+    from cacheseek.cli import run
+
+    cfg = compose_cfg("runtime.sink_size=2")
+    with pytest.raises(ConfigError) as ei:
+        run(cfg, tmp_path)
+    assert ei.value.field == "runtime.sink_size"
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (["workload.total_chunks=1"], "workload.total_chunks"),
+        (["workload.prefix_chunks=0"], "workload.prefix_chunks"),
+        (["workload.prefix_chunks=4"], "workload.prefix_chunks"),
+    ],
+)
+def test_bad_workload_values_name_the_field(compose_cfg, overrides, field):
+    cfg = compose_cfg(*overrides)
+    with pytest.raises(ConfigError) as ei:
+        instantiate(cfg.workload)
+    assert ei.value.field == field
+
+
+def test_bad_break_even_is_a_config_error(compose_cfg, tmp_path):
+    cfg = compose_cfg("manager.break_even_k=0")
+    with pytest.raises(ConfigError) as ei:
+        build_stack(cfg, run_dir=tmp_path)
+    assert ei.value.field == "manager.break_even_k"
+
+
+# -- store: null is the embedded default -------------------------------------------------------------
+
+
+def test_store_null_resolves_to_memory(compose_cfg, tmp_path, caplog):
+    from cacheseek.stores.memory import InMemoryTierStore
+
+    cfg = compose_cfg()
+    assert cfg.store is None
+    with caplog.at_level(logging.INFO, logger="cacheseek.orchestrator"):
+        stack = build_stack(cfg, run_dir=tmp_path)
+    try:
+        assert stack.store_name == "memory" == STORES.default
+        assert isinstance(stack.store, InMemoryTierStore)
+        assert any("store: null" in r.getMessage() for r in caplog.records)
+    finally:
+        stack.close()
+
+
+def test_explicit_store_memory_equals_default(compose_cfg, tmp_path):
+    stack = build_stack(compose_cfg("+store=memory"), run_dir=tmp_path)
+    try:
+        assert stack.store_name == "memory"
+    finally:
+        stack.close()
