@@ -1,0 +1,44 @@
+"""Plan clients: the Plan API of DESIGN.md section 2 (direct copies into a store's host segments).
+
+Registered in `cacheseek.registry.PLAN_CLIENTS`: ``embedded`` (`EmbeddedPlanClient`, an in-process
+store over one pre-faulted segment) and ``fluxon_native`` (`FluxonNativePlanClient`, wrappers
+over a Fluxon client with the Plan API). Handle lifecycles are documented in `cacheseek.plan.base`;
+the FXPLANV1 table format in `cacheseek.plan.table`. Importing this package needs no torch.
+"""
+
+from __future__ import annotations
+
+from cacheseek.plan.base import (
+    GetPlan,
+    GetPlanState,
+    PlanClient,
+    PlanClientInfo,
+    PlanUsage,
+    PutCommitResult,
+    PutPlan,
+    PutPlanState,
+    SegmentMapping,
+    SegmentTimers,
+)
+from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
+from cacheseek.plan.fluxon_native import FluxonNativePlanClient
+from cacheseek.plan.table import PLAN_MAGIC, decode_plan_table, encode_plan_table
+
+__all__ = [
+    "GetPlan",
+    "GetPlanState",
+    "PlanClient",
+    "PlanClientInfo",
+    "PlanUsage",
+    "PutCommitResult",
+    "PutPlan",
+    "PutPlanState",
+    "SegmentMapping",
+    "SegmentTimers",
+    "EmbeddedPlanClient",
+    "PlanFaults",
+    "FluxonNativePlanClient",
+    "PLAN_MAGIC",
+    "decode_plan_table",
+    "encode_plan_table",
+]

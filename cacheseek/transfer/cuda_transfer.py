@@ -1,0 +1,266 @@
+"""`CudaTransferRuntime`: the transfer contract on CUDA, through cuda-bindings' ``cudart``.
+
+- Registration: ``cudaHostRegister`` with default flags; on failure the sticky last error is
+  cleared (``cudaGetLastError``) and a read-only mapping is retried with
+  ``cudaHostRegisterReadOnly`` (a read-only MAP_SHARED mapping of a /dev/shm file registers only
+  that way). ``cudaErrorHostMemoryAlreadyRegistered`` is success; such a registration belongs to
+  someone else and is never unregistered here.
+- Copies go on the caller's current torch CUDA stream (or the ``stream`` given). Where the
+  bindings offer ``cudaMemcpyBatchAsync`` and the stream is not the legacy default stream (which
+  that call refuses), the whole batch is one call; otherwise one ``cudaMemcpyAsync`` per copy.
+  Then one ``cudaStreamSynchronize``.
+- Device ranges not declared by the caller are checked with ``cudaPointerGetAttributes``.
+
+``cudart`` is injectable (`cacheseek.transfer.fake_cuda.FakeCudart` in CPU tests); the real module
+is imported only when none is given. The batch call's signature differs between bindings
+(12.8 also returns a failing index, 13.x does not); it is read from the function's signature line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+from cacheseek.errors import RegistrationError, TransferError
+from cacheseek.registry import TRANSFERS
+from cacheseek.transfer.base import (
+    CopyDescriptor,
+    Direction,
+    HostMapping,
+    Registration,
+    SubmitFailed,
+    TransferRuntimeBase,
+    coerce_stream,
+)
+
+__all__ = ["CudaTransferRuntime", "CudaTransferSchema"]
+
+_LEGACY_STREAMS = (0, 1)  # the NULL stream and cudaStreamLegacy
+_BATCH_UNSUPPORTED = ("cudaErrorNotSupported", "cudaErrorCallRequiresNewerDriver")
+_BATCH_13_PARAMS = ("dsts", "srcs", "sizes", "count", "attrs", "attrsIdxs", "numAttrs", "stream")
+
+
+@dataclasses.dataclass
+class CudaTransferSchema:
+    _target_: str = "cacheseek.transfer.cuda_transfer.CudaTransferRuntime"
+    use_batch_api: Optional[bool] = None
+
+
+def _import_cudart() -> Any:
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        try:
+            from cuda import cudart  # cuda-python < 12.6
+        except ImportError as exc:
+            raise TransferError(
+                "the CUDA transfer runtime needs cuda-bindings (pip install 'cacheseek[fluxon]')"
+            ) from exc
+    return cudart
+
+
+def _torch_current_stream() -> int:
+    import torch
+
+    return int(torch.cuda.current_stream().cuda_stream)
+
+
+def _parameter_names(fn: Callable) -> list[str]:
+    """Parameter names from a Cython function's embedded signature line (``name(a: T, size_t b)``)."""
+    first = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+    m = re.match(r"^\w+\((.*)\)", first)
+    if not m:
+        return []
+    parts, depth, cur = [], 0, ""
+    for ch in m.group(1):
+        if ch in "[(":
+            depth += 1
+        elif ch in "])":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    parts.append(cur)
+    names = []
+    for part in parts:
+        part = part.split("=")[0].strip()
+        names.append(part.split(":")[0].strip() if ":" in part else part.split()[-1] if part else "")
+    return names
+
+
+@TRANSFERS.register("cuda", CudaTransferSchema)
+class CudaTransferRuntime(TransferRuntimeBase):
+    """Batched copies between registered host mappings and CUDA memory.
+
+    ``cudart``: the bindings module (None: import cuda-bindings). ``current_stream``: returns the
+    raw handle used when ``copy_batch`` gets no stream (None: torch's current stream).
+    ``use_batch_api``: None = where offered, False = never, True = required.
+    ``tensor_device_type``: the torch device type of device tensors ("cuda"; tests that run
+    the fake cudart over CPU memory pass "cpu").
+    """
+
+    device_kind = "cuda"
+
+    def __init__(
+        self,
+        *,
+        cudart: Any = None,
+        current_stream: Optional[Callable[[], int]] = None,
+        use_batch_api: Optional[bool] = None,
+        tensor_device_type: str = "cuda",
+    ) -> None:
+        super().__init__()
+        self._rt = cudart if cudart is not None else _import_cudart()
+        self._current_stream = current_stream or _torch_current_stream
+        self.tensor_device_type = tensor_device_type
+        err = self._rt.cudaError_t
+        self._ok = err.cudaSuccess
+        self._already = err.cudaErrorHostMemoryAlreadyRegistered
+        self._unsupported = tuple(getattr(err, n) for n in _BATCH_UNSUPPORTED if hasattr(err, n))
+        batch_fn = None if use_batch_api is False else getattr(self._rt, "cudaMemcpyBatchAsync", None)
+        if use_batch_api and batch_fn is None:
+            raise TransferError("use_batch_api=True but these cuda bindings lack cudaMemcpyBatchAsync")
+        self._batch_fn = batch_fn
+        self._batch_params = _parameter_names(batch_fn) if batch_fn is not None else []
+        self._kinds = {
+            Direction.H2D: self._rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
+            Direction.D2H: self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost,
+            Direction.H2H: self._rt.cudaMemcpyKind.cudaMemcpyHostToHost,
+        }
+
+    @property
+    def batch_api(self) -> bool:
+        """True while batches on non-legacy streams go through ``cudaMemcpyBatchAsync``."""
+        return self._batch_fn is not None
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _name(self, err: Any) -> str:
+        try:
+            return self._rt.cudaGetErrorName(err)[1].decode()
+        except Exception:
+            return str(err)
+
+    def _clear_last_error(self) -> None:
+        self._rt.cudaGetLastError()
+
+    # -- registration ---------------------------------------------------------------------------
+    def _register_one(self, mapping: HostMapping) -> tuple[bool, bool]:
+        rt = self._rt
+        (err,) = rt.cudaHostRegister(mapping.ptr, mapping.length, rt.cudaHostRegisterDefault)[:1]
+        if err == self._ok:
+            return True, False
+        self._clear_last_error()
+        if err == self._already:
+            return False, not mapping.writable
+        if mapping.writable:
+            raise RegistrationError(
+                f"cudaHostRegister of writable mapping {mapping} failed: {self._name(err)}"
+            )
+        (err_ro,) = rt.cudaHostRegister(mapping.ptr, mapping.length, rt.cudaHostRegisterReadOnly)[:1]
+        if err_ro == self._ok:
+            return True, True
+        self._clear_last_error()
+        if err_ro == self._already:
+            return False, True
+        raise RegistrationError(
+            f"cudaHostRegister of read-only mapping {mapping} failed: default flags "
+            f"{self._name(err)}, read-only flags {self._name(err_ro)}"
+        )
+
+    def _unregister_one(self, registration: Registration) -> None:
+        (err,) = self._rt.cudaHostUnregister(registration.mapping.ptr)[:1]
+        if err != self._ok:
+            self._clear_last_error()
+            raise RegistrationError(
+                f"cudaHostUnregister of {registration.mapping} failed: {self._name(err)}"
+            )
+
+    def _is_device_memory(self, ptr: int, nbytes: int) -> bool:
+        device = None
+        for p in (ptr, ptr + nbytes - 1):
+            err, attrs = self._rt.cudaPointerGetAttributes(p)[:2]
+            if err != self._ok:
+                self._clear_last_error()
+                return False
+            if attrs.type != self._rt.cudaMemoryType.cudaMemoryTypeDevice:
+                return False
+            if device is not None and attrs.device != device:
+                return False
+            device = attrs.device
+        return True
+
+    # -- copies ---------------------------------------------------------------------------------
+    def _resolve_stream(self, stream: Any) -> int:
+        handle = coerce_stream(stream)
+        return int(self._current_stream()) if handle is None else handle
+
+    def _submit(self, descriptors: Sequence[CopyDescriptor], stream: int) -> None:
+        if self._batch_fn is not None and stream not in _LEGACY_STREAMS:
+            if self._submit_batch(descriptors, stream):
+                return
+        self._submit_loop(descriptors, stream)
+
+    def _submit_loop(self, descriptors: Sequence[CopyDescriptor], stream: int) -> None:
+        memcpy = self._rt.cudaMemcpyAsync
+        for i, d in enumerate(descriptors):
+            (err,) = memcpy(d.dst, d.src, d.nbytes, self._kinds[d.direction], stream)[:1]
+            if err != self._ok:
+                self._clear_last_error()
+                raise SubmitFailed(
+                    i,
+                    TransferError(
+                        f"cudaMemcpyAsync {i} of {len(descriptors)} ({d.direction.value}, "
+                        f"{d.nbytes} B) failed: {self._name(err)}"
+                    ),
+                )
+
+    def _submit_batch(self, descriptors: Sequence[CopyDescriptor], stream: int) -> bool:
+        """One cudaMemcpyBatchAsync; False when the driver does not support it (then the loop
+        takes over for good, after a synchronize in case anything went out)."""
+        rt = self._rt
+        attr = rt.cudaMemcpyAttributes()
+        attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
+        values = {
+            "dsts": [d.dst for d in descriptors],
+            "srcs": [d.src for d in descriptors],
+            "sizes": [d.nbytes for d in descriptors],
+            "count": len(descriptors),
+            "attrs": [attr],
+            "attrsIdxs": [0],
+            "numAttrs": 1,
+            "failIdx": None,
+            "hStream": stream,
+            "stream": stream,
+        }
+        ret = self._batch_fn(*(values[n] for n in self._batch_params or _BATCH_13_PARAMS))
+        ret = ret if isinstance(ret, tuple) else (ret,)
+        err = ret[0]
+        if err == self._ok:
+            return True
+        self._clear_last_error()
+        if err in self._unsupported:
+            self._synchronize(stream)
+            self._batch_fn = None
+            return False
+        fail_idx = ret[1] if len(ret) > 1 else None
+        where = f" at copy {fail_idx}" if fail_idx is not None else ""
+        raise SubmitFailed(
+            -1,
+            TransferError(
+                f"cudaMemcpyBatchAsync of {len(descriptors)} copies failed{where}: {self._name(err)}"
+            ),
+        )
+
+    def _synchronize(self, stream: int) -> None:
+        (err,) = self._rt.cudaStreamSynchronize(stream)[:1]
+        if err != self._ok:
+            raise TransferError(f"cudaStreamSynchronize failed: {self._name(err)}")
+
+    def __repr__(self) -> str:
+        return (
+            f"CudaTransferRuntime(batch_api={self.batch_api}, registered={len(self.registered())})"
+        )

@@ -1,0 +1,56 @@
+"""`HostTransferRuntime`: the transfer contract on plain host memory (``ctypes.memmove``).
+
+For CPU runtimes (CI, CPU-only users): "device ranges" are the bytes of CPU tensors, host
+mappings are a Plan store's segments. Every copy is done at submission, so ``synchronize`` has
+nothing to wait for; validation, registration bookkeeping and stats are those of every runtime.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from cacheseek.registry import TRANSFERS
+from cacheseek.transfer.base import (
+    CopyDescriptor,
+    HostMapping,
+    Registration,
+    SubmitFailed,
+    TransferRuntimeBase,
+)
+
+__all__ = ["HostTransferRuntime", "HostTransferSchema"]
+
+
+@dataclasses.dataclass
+class HostTransferSchema:
+    _target_: str = "cacheseek.transfer.host_transfer.HostTransferRuntime"
+
+
+@TRANSFERS.register("host", HostTransferSchema)
+class HostTransferRuntime(TransferRuntimeBase):
+    """Copies with memmove between registered host mappings and declared CPU-tensor ranges."""
+
+    device_kind = "cpu"
+    tensor_device_type = "cpu"
+
+    def _register_one(self, mapping: HostMapping) -> tuple[bool, bool]:
+        return True, not mapping.writable
+
+    def _unregister_one(self, registration: Registration) -> None:
+        return None
+
+    def _submit(self, descriptors: Sequence[CopyDescriptor], stream: Any) -> None:
+        for i, d in enumerate(descriptors):
+            try:
+                ctypes.memmove(d.dst, d.src, d.nbytes)
+            except Exception as exc:  # memmove raises only on bad arguments
+                raise SubmitFailed(i, exc) from exc
+
+    def _synchronize(self, stream: Any) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        return f"HostTransferRuntime(registered={len(self.registered())})"

@@ -1,0 +1,218 @@
+"""The Plan tier's whole-path read: ring reconstruction (full length, rolled, sink plus recent)
+against a cold run, latent-first order, partial-prefix misses, and handle cleanup on every path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cacheseek.errors import LayoutMismatchError, PlanError, PlanTableError, TransferError
+from cacheseek.reuse.exact_prefix.ring import RingGeometry
+from cacheseek.stores.base import RestoreTarget
+from cacheseek.transfer.base import Direction
+from plan_testkit import ingest, restore_target
+
+N_LAYERS = 2
+TOKEN_BYTES = 2 * 4 * 4  # heads * dim * float32
+
+
+def target_for(geom: RingGeometry, k: int, kv_size: int) -> RestoreTarget:
+    return restore_target(geom, k, kv_size)
+
+
+def window_of(nodes, geom, k):
+    return [nodes[d] for d in geom.window_depths(k)]
+
+
+GEOMETRIES = {
+    "full_length": (RingGeometry(chunk_size=3, frame_tokens=2), 4),
+    "rolled_no_sink": (RingGeometry(chunk_size=3, frame_tokens=2, local_attn_size=6, sink_size=0), 5),
+    "sink_plus_recent": (RingGeometry(chunk_size=3, frame_tokens=2, local_attn_size=7, sink_size=3), 5),
+    "partial_sink_chunk": (RingGeometry(chunk_size=2, frame_tokens=2, local_attn_size=6, sink_size=1), 6),
+}
+
+
+@pytest.mark.parametrize("name", list(GEOMETRIES))
+def test_ring_reconstruction_matches_the_cold_run(make_store, transfer_kind, name):
+    geom, n_chunks = GEOMETRIES[name]
+    store, parts = make_store(transfer_kind)
+    nodes, states, latents, kv_size = ingest(store, geom, n_chunks)
+    for k in range(1, n_chunks + 1):
+        target = target_for(geom, k, kv_size)
+        assert store.read_path(nodes[:k], window_of(nodes, geom, k), target)
+        cold, local_end, global_end = states[k - 1]
+        assert geom.cursors(k) == (global_end, local_end)
+        for (rk, rv), (ck, cv) in zip(target.kv, cold):
+            assert torch.equal(rk[:, :local_end], ck[:, :local_end])
+            assert torch.equal(rv[:, :local_end], cv[:, :local_end])
+            assert not rk[:, local_end:].any()
+        for got, want in zip(target.latents, latents[:k]):
+            assert torch.equal(got, want)
+    assert parts["client"].live_handles() == (0, 0)
+    assert store.stats.read_hits == n_chunks
+
+
+def test_a_rolled_restore_is_three_runs_per_tensor(make_store):
+    geom, n_chunks = GEOMETRIES["sink_plus_recent"]
+    store, parts = make_store("fake_cuda")
+    nodes, _, _, kv_size = ingest(store, geom, 3)
+    target = target_for(geom, 3, kv_size)
+    parts["transfer"].batches.clear()
+    assert store.read_path(nodes, window_of(nodes, geom, 3), target)
+    latent_batch, kv_batch = parts["transfer"].batches
+    assert len(latent_batch) == 3 and len(kv_batch) == 3 * N_LAYERS * 2
+    assert {d.direction for d in latent_batch + kv_batch} == {Direction.H2D}
+    rings = [t for pair in target.kv for t in pair]
+    # chunk-major runs, then layer, then K before V; destinations inside the ring tensors
+    for i, d in enumerate(kv_batch):
+        run, rest = divmod(i, N_LAYERS * 2)
+        ring = rings[rest]
+        assert d.dst == ring.data_ptr() + target.runs[run].dst_token * TOKEN_BYTES
+        assert d.nbytes == target.runs[run].n_tokens * TOKEN_BYTES
+
+
+def test_read_order_latents_first_and_views_released_after_sync(make_store):
+    geom, _ = GEOMETRIES["full_length"]
+    store, parts = make_store("fake_cuda")
+    nodes, _, _, kv_size = ingest(store, geom, 2)
+    log = parts["log"]
+    log.clear()
+    assert store.read_path(nodes, nodes, target_for(geom, 2, kv_size))
+    seq = [e[1] for e in log if e[1] in ("get_start", "get_transfer", "copy_batch", "cudaStreamSynchronize", "release_views", "cancel_get_transfer")]
+    one_read = ["get_start", "get_transfer", "copy_batch", "cudaStreamSynchronize", "release_views"]
+    assert seq == one_read * 2
+    lat_keys, kv_keys = [e[2] for e in log if e[1] == "get_start"]
+    assert lat_keys == [n.skeleton.latent_locator for n in nodes]
+    h0, h1 = nodes[0].blob.locator, nodes[1].blob.locator
+    assert kv_keys == [f"{h}:L{i}:{x}" for h in (h0, h1) for i in range(N_LAYERS) for x in "kv"]
+
+
+def kv_untouched(target):
+    return all(not t.any() for pair in target.kv for t in pair)
+
+
+def test_partial_transferable_prefix_is_a_miss_with_nothing_copied(make_store, transfer_kind):
+    geom, _ = GEOMETRIES["full_length"]
+    store, parts = make_store(transfer_kind)
+    nodes, _, _, kv_size = ingest(store, geom, 3)
+    parts["client"].remove(f"{nodes[1].blob.locator}:L1:v")
+    target = target_for(geom, 3, kv_size)
+    parts["transfer"].batches.clear()
+    assert store.read_path(nodes, nodes, target) is False
+    assert kv_untouched(target)
+    assert len(parts["transfer"].batches) == 1  # the latents only
+    assert parts["client"].live_handles() == (0, 0)
+    assert store.stats.read_misses == 1
+
+
+def test_missing_latent_is_a_miss_before_any_kv_is_read(make_store, transfer_kind):
+    geom, _ = GEOMETRIES["full_length"]
+    store, parts = make_store(transfer_kind)
+    nodes, _, _, kv_size = ingest(store, geom, 3)
+    parts["client"].remove(nodes[2].skeleton.latent_locator)
+    target = target_for(geom, 3, kv_size)
+    parts["log"].clear()
+    parts["transfer"].batches.clear()
+    assert store.read_path(nodes, nodes, target) is False
+    assert kv_untouched(target) and parts["transfer"].batches == []
+    assert [e[1] for e in parts["log"] if e[1] == "get_start"] == ["get_start"]
+    assert parts["client"].live_handles() == (0, 0)
+
+
+def test_node_without_ready_blob_or_skeleton_is_a_miss_without_store_calls(make_store):
+    geom, _ = GEOMETRIES["full_length"]
+    store, parts = make_store("host")
+    nodes, _, _, kv_size = ingest(store, geom, 2)
+    nodes[1].blob.ready = False
+    parts["log"].clear()
+    assert store.read_path(nodes, nodes, target_for(geom, 2, kv_size)) is False
+    nodes[1].blob.ready = True
+    nodes[0].skeleton = None
+    assert store.read_path(nodes, nodes, target_for(geom, 2, kv_size)) is False
+    assert not [e for e in parts["log"] if e[1] == "get_start"]
+
+
+@pytest.mark.parametrize("field, value", [("n_layers", N_LAYERS + 1), ("nbytes", 12345)])
+def test_layout_mismatch_is_refused_before_reading(make_store, field, value):
+    geom, _ = GEOMETRIES["full_length"]
+    store, parts = make_store("host")
+    nodes, _, _, kv_size = ingest(store, geom, 2)
+    setattr(nodes[0].blob, field, value)
+    parts["log"].clear()
+    with pytest.raises(LayoutMismatchError):
+        store.read_path(nodes, nodes, target_for(geom, 2, kv_size))
+    assert not [e for e in parts["log"] if e[1] == "get_start"]
+
+
+def test_window_or_latent_count_mismatch_is_refused(make_store):
+    geom, _ = GEOMETRIES["full_length"]
+    store, _ = make_store("host")
+    nodes, _, _, kv_size = ingest(store, geom, 2)
+    with pytest.raises(LayoutMismatchError, match="window depths"):
+        store.read_path(nodes, nodes[1:], target_for(geom, 2, kv_size))
+    with pytest.raises(LayoutMismatchError, match="latent targets"):
+        store.read_path(nodes[:1], nodes, target_for(geom, 2, kv_size))
+
+
+def test_kv_copy_failure_synchronizes_and_releases_views(make_store):
+    geom, _ = GEOMETRIES["full_length"]
+    store, parts = make_store("fake_cuda", batch_api=None, stream=0)
+    nodes, _, _, kv_size = ingest(store, geom, 2)
+    fake, log = parts["fake"], parts["log"]
+    fake.fail("cudaMemcpyAsync", nth=2 + 3)  # the latent batch has 2 copies; fail the KV batch's third
+    log.clear()
+    with pytest.raises(TransferError):
+        store.read_path(nodes, nodes, target_for(geom, 2, kv_size))
+    tail = [e[1] for e in log if e[1] in ("cudaStreamSynchronize", "release_views")]
+    assert tail[-2:] == ["cudaStreamSynchronize", "release_views"]
+    assert fake.pending() == 0 and parts["client"].live_handles() == (0, 0)
+
+
+def test_get_transfer_failure_cancels_the_plan(make_store):
+    geom, _ = GEOMETRIES["full_length"]
+    store, parts = make_store("host")
+    nodes, _, _, kv_size = ingest(store, geom, 2)
+    parts["faults"].arm("get_transfer", nth=2)  # the KV read
+    with pytest.raises(PlanError, match="injected"):
+        store.read_path(nodes, nodes, target_for(geom, 2, kv_size))
+    assert "cancel_get_transfer" in [e[1] for e in parts["log"]]
+    assert store.stats.gets_cancelled == 1 and parts["client"].live_handles() == (0, 0)
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_decode_failure_on_read_releases_views(make_store, nth):
+    geom, _ = GEOMETRIES["full_length"]
+    store, parts = make_store("host")
+    nodes, _, _, kv_size = ingest(store, geom, 2)
+    parts["faults"].arm("table_count", nth=nth)
+    target = target_for(geom, 2, kv_size)
+    with pytest.raises(PlanTableError):
+        store.read_path(nodes, nodes, target)
+    assert kv_untouched(target) and parts["client"].live_handles() == (0, 0)
+
+
+def test_get_start_failure_leaves_no_handle(make_store):
+    geom, _ = GEOMETRIES["full_length"]
+    store, parts = make_store("host")
+    nodes, _, _, kv_size = ingest(store, geom, 2)
+    parts["faults"].arm("get_start")
+    with pytest.raises(PlanError):
+        store.read_path(nodes, nodes, target_for(geom, 2, kv_size))
+    assert parts["client"].live_handles() == (0, 0)
+
+
+def test_read_stages_nothing_through_cpu_copies(make_store, monkeypatch):
+    geom, _ = GEOMETRIES["sink_plus_recent"]
+    store, parts = make_store("host")
+    nodes, states, _, kv_size = ingest(store, geom, 4)
+    target = target_for(geom, 4, kv_size)
+
+    def refuse(*_a, **_k):
+        raise AssertionError("the Plan tier must not stage through CPU copies")
+
+    for name in ("cpu", "to", "numpy", "clone", "contiguous", "pin_memory", "copy_"):
+        monkeypatch.setattr(torch.Tensor, name, refuse)
+    assert store.read_path(nodes, window_of(nodes, geom, 4), target)
+    monkeypatch.undo()
+    cold, local_end, _ = states[3]
+    assert torch.equal(target.kv[1][1][:, :local_end], cold[1][1][:, :local_end])
