@@ -23,7 +23,7 @@ REGISTRIES = {"store": STORES, "transfer": TRANSFERS, "layout": LAYOUTS, "runtim
               "workload": WORKLOADS}
 PRESET_GROUPS = {"experiment"}  # groups of presets (@package _global_), not backends
 HAS_PLAN_TIER = (REPO / "cacheseek" / "stores" / "plan_tier.py").exists()
-NEEDS_SERVICE = {"fluxon_bytes"}  # compose only: instantiating needs a running Fluxon service
+NEEDS_SERVICE = {"fluxon"}  # compose only: instantiating needs a running Fluxon service
 SMALL_SEGMENT = 1 << 20
 
 
@@ -183,8 +183,9 @@ def test_experiment_yaml_composes_and_instantiates(compose_cfg, tmp_path, name):
     try:
         assert stack.runtime_factory.geometry.name == cfg.runtime.geometry
         stack.manager_config()  # the manager window agrees with the preset's ring
-        workload = instantiate(cfg.workload)
-        assert isinstance(workload, WORKLOADS.get(WORKLOADS.default))
+        workload = instantiate(cfg.workload)  # the preset's workload (abcd unless it overrides it)
+        registered = {f"{c.__module__}.{c.__qualname__}": c for c in map(WORKLOADS.get, WORKLOADS.names())}
+        assert isinstance(workload, registered[cfg.workload._target_])
     finally:
         stack.close()
 

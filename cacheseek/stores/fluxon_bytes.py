@@ -1,0 +1,265 @@
+"""Fluxon as a store: `FluxonBytesStore` (bytes under string keys) and `FluxonTensorTier`.
+
+Both attach a `FluxonClient` to a running Fluxon service (``tools/fluxon_service.py start``)
+identified by ``cluster_name`` and ``share_mem_path``; every call is bounded by ``op_timeout_s``
+and attaching by ``attach_timeout_s`` (`StoreTimeoutError` naming the op and key past that).
+
+`FluxonBytesStore` (registered as store backend ``fluxon_bytes``): ``put``/``get``/``remove``/
+``list_keys``. A missing key reads as None; a full store raises `StoreFullError` with Fluxon's
+text; a value that cannot fit the whole segment raises `FluxonValueTooLargeError`; no running
+service raises `FluxonUnavailableError` at construction, at once.
+
+`FluxonTensorTier`: the generic per-layer tier (`KeyValueTier`) over Fluxon. Values are CPU
+tensors (any dtype, bf16 included), bytes or str; each is stored as its raw bytes plus a small
+JSON header (kind, dtype, shape) in the value's metadata field, and read back as a new contiguous
+CPU tensor (one copy out of the segment). Keys ``{locator}:L{i}:k|v`` and ``{hex}:lat``.
+
+Importing this module needs neither fluxon-py nor torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import sys
+from typing import Any, Optional
+
+from cacheseek.errors import StoreClosedError, StoreError
+from cacheseek.fluxon.service import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
+from cacheseek.registry import STORES
+from cacheseek.stores.kv_tier import KeyValueTier
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "FluxonBytesStore",
+    "FluxonTierSchema",
+    "FluxonTensorTier",
+    "FluxonValueBackend",
+    "encode_header",
+]
+
+_HEADER_VERSION = 1
+
+
+def _make_client(client: Any, *, cluster_name: str, share_mem_path: str, instance_key: str,
+                 op_timeout_s: float, attach_timeout_s: float, settle_s: float) -> tuple[Any, bool]:
+    if client is not None:
+        return client, False
+    from cacheseek.fluxon.client import FluxonClient
+
+    return FluxonClient(cluster_name, share_mem_path, instance_key, op_timeout_s=op_timeout_s,
+                        attach_timeout_s=attach_timeout_s, settle_s=settle_s), True
+
+
+@dataclasses.dataclass
+class FluxonTierSchema:
+    _target_: str = "cacheseek.stores.fluxon_bytes.FluxonTensorTier"
+    cluster_name: str = DEFAULT_CLUSTER_NAME
+    share_mem_path: str = DEFAULT_SHARE_MEM_PATH
+    instance_key: str = "cacheseek-client"
+    op_timeout_s: float = 30.0
+    attach_timeout_s: float = 30.0
+    write_back: bool = False
+    queue_depth: int = 4
+
+
+class FluxonBytesStore:
+    """Bytes under string keys in a running Fluxon service.
+
+    ``client``: an attached `FluxonClient` to use instead of attaching a new one (then `close`
+    leaves it open). ``transfer`` is accepted and ignored (the orchestrator passes it to every
+    store).
+    """
+
+    def __init__(
+        self,
+        cluster_name: str = DEFAULT_CLUSTER_NAME,
+        share_mem_path: str = DEFAULT_SHARE_MEM_PATH,
+        instance_key: str = "cacheseek-client",
+        op_timeout_s: float = 30.0,
+        attach_timeout_s: float = 30.0,
+        *,
+        settle_s: float = 2.0,
+        client: Any = None,
+        transfer: Any = None,
+    ) -> None:
+        self._client, self._owns_client = _make_client(
+            client, cluster_name=cluster_name, share_mem_path=share_mem_path, instance_key=instance_key,
+            op_timeout_s=op_timeout_s, attach_timeout_s=attach_timeout_s, settle_s=settle_s)
+        self._closed = False
+
+    @property
+    def client(self) -> Any:
+        """The underlying `FluxonClient`."""
+        return self._client
+
+    def put(self, key: str, data: bytes) -> None:
+        """Store ``data`` (bytes, bytearray or memoryview) under ``key``, replacing any value."""
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise TypeError(f"FluxonBytesStore.put: data must be bytes, got {type(data).__name__}")
+        self._check_open()
+        self._client.put_bytes(key, data)
+
+    def get(self, key: str) -> Optional[bytes]:
+        """The bytes under ``key``, or None when it is missing."""
+        self._check_open()
+        return self._client.get_bytes(key)
+
+    def exists(self, key: str) -> bool:
+        self._check_open()
+        return self._client.exists(key)
+
+    def remove(self, key: str) -> None:
+        """Delete ``key``; a missing key is not an error."""
+        self._check_open()
+        self._client.remove(key)
+
+    def list_keys(self, prefix: str = "") -> list[str]:
+        """Sorted keys under ``prefix`` (those written through CacheSeek clients)."""
+        self._check_open()
+        return self._client.list_keys(prefix)
+
+    def close(self) -> None:
+        """Close the client (if this store attached it). Idempotent; later calls raise
+        StoreClosedError."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_client:
+            self._client.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("fluxon_bytes store is closed")
+
+    def __enter__(self) -> "FluxonBytesStore":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# -- the tensor tier ----------------------------------------------------------------------------
+
+
+def _torch() -> Any:
+    import torch
+
+    return torch
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")  # no torch imported: cannot be a tensor
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def encode_header(value: Any) -> tuple[bytes, Any]:
+    """``(header, body)`` of a value: a small JSON header and a zero-copy bytes-like body."""
+    if isinstance(value, str):
+        return json.dumps({"v": _HEADER_VERSION, "kind": "str"}).encode(), value.encode("utf-8")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return json.dumps({"v": _HEADER_VERSION, "kind": "bytes"}).encode(), value
+    if _is_tensor(value):
+        if value.device.type != "cpu":
+            raise StoreError(f"fluxon tier: expected a CPU snapshot, got a tensor on {value.device}")
+        torch = _torch()
+        t = value.detach().contiguous()
+        body: Any = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
+        head = {"v": _HEADER_VERSION, "kind": "tensor", "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape)}
+        return json.dumps(head, separators=(",", ":")).encode(), body
+    raise StoreError(f"fluxon tier: cannot store a {type(value).__name__} (tensor, bytes or str only)")
+
+
+def _decode(key: str, meta: bytes, view: Any) -> Any:
+    if not meta:
+        return view.tobytes()  # a plain bytes value (FluxonBytesStore.put)
+    try:
+        head = json.loads(meta.decode("utf-8"))
+        kind = head["kind"]
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+        raise StoreError(f"fluxon tier: value {key!r} has an unreadable header {meta[:80]!r}") from None
+    if kind == "bytes":
+        return view.tobytes()
+    if kind == "str":
+        return view.tobytes().decode("utf-8")
+    if kind != "tensor":
+        raise StoreError(f"fluxon tier: value {key!r} has unknown kind {kind!r}")
+    torch = _torch()
+    dtype = getattr(torch, str(head.get("dtype")), None)
+    shape = head.get("shape")
+    if not isinstance(dtype, torch.dtype) or not isinstance(shape, list) or not all(
+            isinstance(d, int) and d >= 0 for d in shape):
+        raise StoreError(f"fluxon tier: value {key!r} has a bad dtype or shape in its header: {head}")
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes != view.nbytes:
+        raise StoreError(f"fluxon tier: value {key!r} holds {view.nbytes} bytes, its header "
+                         f"({head['dtype']} {shape}) says {nbytes}")
+    out = torch.empty(shape, dtype=dtype)
+    if nbytes:
+        out.reshape(-1).view(torch.uint8).numpy()[:] = view.array  # the one copy out of the segment
+    return out
+
+
+class FluxonValueBackend:
+    """`ValueBackend` over a `FluxonClient`: values are tensors, bytes or str."""
+
+    def __init__(self, client: Any, *, owns_client: bool = True) -> None:
+        self.client = client
+        self._owns_client = owns_client
+
+    def write(self, key: str, value: Any) -> None:
+        header, body = encode_header(value)
+        self.client.put_bytes(key, body, meta=header)
+
+    def read(self, key: str) -> Optional[Any]:
+        with self.client.read(key) as view:
+            if view is None:
+                return None
+            return _decode(key, view.meta, view)
+
+    def delete(self, key: str) -> None:
+        self.client.remove(key)
+
+    def keys(self, prefix: str = "") -> list[str]:
+        return self.client.list_keys(prefix)
+
+    def close(self) -> None:
+        if self._owns_client:
+            self.client.close()
+
+
+@STORES.register("fluxon", FluxonTierSchema)
+class FluxonTensorTier(KeyValueTier):
+    """The generic per-layer tier over Fluxon (`KeyValueTier` over a `FluxonValueBackend`).
+
+    Same connection arguments as `FluxonBytesStore`; ``write_back``/``queue_depth`` as in
+    `KeyValueTier`; ``client`` shares an attached `FluxonClient` (left open by `close`).
+    """
+
+    def __init__(
+        self,
+        cluster_name: str = DEFAULT_CLUSTER_NAME,
+        share_mem_path: str = DEFAULT_SHARE_MEM_PATH,
+        instance_key: str = "cacheseek-client",
+        op_timeout_s: float = 30.0,
+        attach_timeout_s: float = 30.0,
+        *,
+        write_back: bool = False,
+        queue_depth: int = 4,
+        settle_s: float = 2.0,
+        client: Any = None,
+        transfer: Any = None,
+    ) -> None:
+        client, owns = _make_client(
+            client, cluster_name=cluster_name, share_mem_path=share_mem_path, instance_key=instance_key,
+            op_timeout_s=op_timeout_s, attach_timeout_s=attach_timeout_s, settle_s=settle_s)
+        super().__init__(FluxonValueBackend(client, owns_client=owns), write_back=write_back,
+                         queue_depth=queue_depth, name="fluxon")
+
+    def keys(self, prefix: str = "") -> list[str]:
+        self._check_open()
+        return self.backend.keys(prefix)

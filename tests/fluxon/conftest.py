@@ -1,0 +1,114 @@
+"""Fixtures of the real-Fluxon tests (marker ``fluxon``).
+
+They start a real local service (etcd + KV master + owner, `FluxonService`, the same code as
+``tools/fluxon_service.py``) with a small segment. The master and owner advertise a non-loopback
+address, so the fixtures refuse to start (skip, with the reason) unless the whole test process
+runs inside a private network namespace made by ``../shared/tools/netns-run.sh``; they also skip
+when fluxon-py or an etcd binary is missing (``bash tools/install_fluxon_deps.sh`` installs both).
+
+CI runs them as::
+
+    ../shared/tools/netns-run.sh python -m pytest -m fluxon tests/fluxon -q
+
+Each Fluxon op costs ~10-20 ms on a 2-core machine and the idle master and owner busy-poll a
+core each: keep payloads small and services short-lived.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from cacheseek.fluxon.service import (
+    FluxonService,
+    FluxonServiceError,
+    fluxon_py_problem,
+    private_netns_problem,
+    resolve_etcd_binary,
+)
+
+CI_COMMAND = "../shared/tools/netns-run.sh python -m pytest -m fluxon tests/fluxon -q"
+OP_TIMEOUT_S = 10.0  # generous for a loaded 2-core CI machine; the fault test uses 5 s
+_names = itertools.count(1)
+
+
+def fluxon_skip_reason() -> Optional[str]:
+    """Why real-Fluxon tests cannot run here, or None."""
+    problem = fluxon_py_problem()
+    if problem:
+        return problem
+    try:
+        resolve_etcd_binary()
+    except FluxonServiceError as exc:
+        return str(exc)
+    problem = private_netns_problem()
+    if problem:
+        return f"{problem} (the fluxon tests run as: {CI_COMMAND})"
+    return None
+
+
+def make_service(base: Path, *, dram: str = "64MiB", tag: str = "") -> FluxonService:
+    """A service with a cluster name and /dev/shm folder unique to this test process."""
+    n = next(_names)
+    name = f"cstest{os.getpid()}n{n}{tag}"
+    return FluxonService(base / name, dram=dram, cluster_name=name,
+                         share_mem_path=f"/dev/shm/cacheseek-test-{os.getpid()}-{n}",
+                         ready_timeout_s=90.0)
+
+
+@pytest.fixture(scope="session")
+def fluxon_env() -> None:
+    """Skips the requesting test unless a real service can be started here."""
+    reason = fluxon_skip_reason()
+    if reason:
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def fluxon_service(fluxon_env, tmp_path_factory):
+    """One 64 MiB service for the whole session."""
+    svc = make_service(tmp_path_factory.mktemp("fluxon"), dram="64MiB", tag="main")
+    svc.start()
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
+@pytest.fixture(scope="session")
+def fluxon_client(fluxon_service):
+    """One client attached to the session service (attaching costs ~3 s: share it)."""
+    from cacheseek.fluxon.client import FluxonClient
+
+    client = FluxonClient(fluxon_service.cluster_name, fluxon_service.share_mem_path,
+                          op_timeout_s=OP_TIMEOUT_S, attach_timeout_s=60.0)
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def new_fluxon_service(fluxon_env, tmp_path):
+    """new_fluxon_service(dram="32MiB", tag="") -> a not-yet-started service of its own; the
+    fixture stops it at the end of the test."""
+    made = []
+
+    def _make(dram: str = "32MiB", tag: str = "") -> FluxonService:
+        svc = make_service(tmp_path, dram=dram, tag=tag)
+        made.append(svc)
+        return svc
+
+    yield _make
+    for svc in made:
+        svc.stop()
+
+
+@pytest.fixture
+def key_prefix(request) -> str:
+    """A key prefix unique to the test, so tests sharing the session service never collide."""
+    return f"{request.node.name}/"
