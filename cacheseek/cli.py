@@ -47,6 +47,7 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
             flush()
         results["store"] = stack.store_name
         results["store_stats"] = _stats(stack.store)
+        results["metrics"] = stack.metrics.as_dict()
     finally:
         stack.close()
     results["config"] = OmegaConf.to_container(cfg, resolve=True)
@@ -55,6 +56,9 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
     (run_dir / "results.json").write_text(json.dumps(results, indent=2, default=str))
     if "requests" in results:
         print(report.request_table(results["requests"]))
+    print(report.metrics_block(results["metrics"]))
+    if results.get("summary"):
+        print(results["summary"])
     for row in results.get("ring_check", []):
         if row["verdict"] != "ok":
             print(f"ring check K={row['K']}: {row['verdict']} {row['diff']}")

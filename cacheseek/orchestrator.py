@@ -6,8 +6,9 @@ the store (``store: null`` resolves to the registry's default backend, logged). 
 OmegaConf cannot hold (a transfer runtime, a fake client) are passed at the call site to the
 classes whose constructors name them: that is also how tests inject fakes.
 
-A `Stack` hands out managers and bindings that share one forest and one store, which is what a
-serving process does with many sessions.
+A `Stack` hands out managers and bindings that share one forest, one store and one
+`CacheMetrics`, which is what a serving process does with many sessions. Managers get the
+``manager.eviction`` section (policy and watermarks).
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class Stack:
     fields: list[Any]
     forest: Any
     run_dir: Path
+    metrics: Any = attrs.field(factory=lambda: _new_metrics())
 
     def manager_config(self):
         from cacheseek.reuse.exact_prefix.telefuser_lingbot import make_full_kv_config, make_rolling_config
@@ -77,11 +79,19 @@ class Stack:
         return make_rolling_config(local_attn_size=rt.local_attn_size, sink_size=rt.sink_size,
                                    chunk_size=rt.geometry.chunk_size, break_even_k=be)
 
+    def eviction_config(self):
+        from cacheseek.eviction import EvictionConfig, make_policy
+
+        cfg = EvictionConfig.from_conf(self.cfg.manager.get("eviction"))
+        make_policy(cfg.policy)  # an unknown name is a ConfigError now, not at the first session
+        return cfg
+
     def new_manager(self, forest: Any = None):
         from cacheseek.reuse.exact_prefix import WorldKVManager
 
         return WorldKVManager(forest if forest is not None else self.forest, self.store,
-                              self.manager_config())
+                              self.manager_config(), eviction=self.eviction_config(),
+                              metrics=self.metrics)
 
     def new_binding(self, manager: Any = None, *, ingest_enabled: bool = True):
         from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding
@@ -133,7 +143,15 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, **objects: Any) -> 
                   transfer=transfer, layout=layout, fields=fields, forest=NamespaceForest(),
                   run_dir=run_dir)
     stack.manager_config()  # validates the manager section against the runtime before any work
+    stack.eviction_config()
+    stack.metrics.bind_store(store)
     return stack
+
+
+def _new_metrics() -> Any:
+    from cacheseek.metrics import CacheMetrics
+
+    return CacheMetrics()
 
 
 def _build_transfer(node: Any, device: str, objects: dict[str, Any]) -> Any:

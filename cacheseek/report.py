@@ -41,3 +41,32 @@ def request_table(requests: Sequence[dict[str, Any]]) -> str:
     rows = [dict(r, restored=fmt_bytes(r["bytes_restored"]), written=fmt_bytes(r["bytes_written"]))
             for r in requests]
     return table(rows, REQUEST_COLUMNS)
+
+
+def _capacity(n: Any) -> str:
+    return "unbounded" if n is None else fmt_bytes(n)
+
+
+def metrics_block(m: dict[str, Any]) -> str:
+    """The `CacheMetrics` block of the CLI report (``results["metrics"]``), a few lines."""
+    depths = ", ".join(f"K={k}: {v}" for k, v in m.get("hits_by_depth", {}).items()) or "none"
+    lines = [
+        f"metrics: {m['lookups']} lookups, {m['hits']} hits ({m['hit_rate']:.0%}; "
+        f"{m['full_hits']} full, {m['partial_hits']} partial), {m['misses']} misses, "
+        f"{m['below_break_even']} below break-even, {m['restore_failures']} failed restores",
+        f"  hits by depth: {depths}",
+        f"  restore: {fmt_bytes(m['restore_bytes'])} in {m['restore_seconds']:.3f} s ({m['restores']}), "
+        f"{m['restore_retries']} retries; write: {fmt_bytes(m['write_bytes'])} in "
+        f"{m['write_seconds']:.3f} s ({m['writes']}); registration {m['registration_seconds']:.3f} s",
+    ]
+    if m.get("store_used_bytes") is not None:
+        lines.append(
+            f"  store: {fmt_bytes(m['store_used_bytes'])} used of {_capacity(m['store_capacity_bytes'])}, "
+            f"peak {fmt_bytes(m['store_peak_bytes'] or 0)}"
+        )
+    lines.append(
+        f"  evictions {m['evictions']} ({fmt_bytes(m['evicted_bytes'])}), invalidations "
+        f"{m['invalidations']}, latents freed {m['skeletons_freed']}; writes dropped "
+        f"{m['dropped_writes']}, failed {m['failed_writes']}, pending {m['pending_writes']}"
+    )
+    return "\n".join(lines)

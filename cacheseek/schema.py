@@ -15,8 +15,20 @@ from omegaconf import MISSING
 
 
 @dataclasses.dataclass
+class EvictionConf:
+    """``manager.eviction``: an `EVICTION_POLICIES` name and the watermarks as fractions of the
+    store's capacity (above ``high_watermark`` after a write, evict down to ``low_watermark``)."""
+
+    policy: str = "lru"
+    high_watermark: float = 0.9
+    low_watermark: float = 0.7
+    enabled: bool = True
+
+
+@dataclasses.dataclass
 class ManagerConf:
     break_even_k: int = 1
+    eviction: EvictionConf = dataclasses.field(default_factory=EvictionConf)
 
 
 @dataclasses.dataclass

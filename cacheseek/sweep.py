@@ -11,7 +11,8 @@ from hydra.experimental.callback import Callback
 from cacheseek.report import table
 
 COLUMNS = [("job", "job"), ("verdict", "verdict"), ("store", "store"), ("geometry", "geometry"),
-           ("hits", "hit K (A,B,C,D)"), ("walls", "wall s (A,B,C,D)"), ("ring", "ring check")]
+           ("hits", "hit K (A,B,C,D)"), ("walls", "wall s (A,B,C,D)"), ("ring", "ring check"),
+           ("hit_rate", "hit rate"), ("evictions", "evictions"), ("invalidations", "invalidations")]
 
 
 class SweepSummary(Callback):
@@ -22,6 +23,7 @@ class SweepSummary(Callback):
             data = json.loads(res.read_text())
             reqs = data.get("requests", [])
             ring = data.get("ring_check", [])
+            metrics = data.get("metrics", {})
             rows.append({
                 "job": res.parent.name,
                 "verdict": "PASS" if data.get("passed") else "FAIL",
@@ -30,6 +32,9 @@ class SweepSummary(Callback):
                 "hits": ",".join(str(r["hit_depth"]) for r in reqs),
                 "walls": ",".join(f"{r['wall_s']:.2f}" for r in reqs),
                 "ring": f"{sum(r['verdict'] == 'ok' for r in ring)}/{len(ring)}",
+                "hit_rate": f"{metrics['hit_rate']:.0%}" if "hit_rate" in metrics else "",
+                "evictions": metrics.get("evictions"),
+                "invalidations": metrics.get("invalidations"),
                 "data": data,
             })
         failed = [p.name for p in sweep_dir.iterdir() if p.is_dir() and not (p / "results.json").exists()

@@ -1,8 +1,9 @@
 """The runtime binding end to end (real binding + synthetic runtime + in-memory and LocalDisk
 tiers): every "fix what the first version got wrong" item of issue 2.
 
-- a failed restore (missing latent, store error, partial layer, corrupt file, wrong layout)
-  publishes nothing and the session runs cold, D-equivalent;
+- a failed restore (store error, corrupt file, wrong layout) publishes nothing and the session
+  runs cold, D-equivalent; values gone from the store (missing latent, partial layer) invalidate
+  the stale node and restore the longest whole prefix (issue 5);
 - re-ingesting an existing ready (or in-flight) node never replaces its blob;
 - the namespace root covers every field that changes the bits (a change is a cold miss);
 - ``evict_blob`` refuses a blob whose write has not completed;
@@ -184,12 +185,16 @@ def _wrong_layout_layer1(store, nodes):
 
 
 FAILURES = {
-    "missing_latent": _delete_latent,
-    "partial_layer_k_without_v": _delete_v_of_layer1,
-    "partial_layer_v_without_k": _delete_k_of_layer0,
     "store_error_get_layer": _get_layer_error,
     "store_error_get_skeleton": _get_skeleton_error,
     "wrong_layout": _wrong_layout_layer1,
+}
+# Values gone from the store (issue 5 item 2): the stale node is invalidated and the restore
+# retries the longest whole prefix; value = (the stale node's depth, the depth restored instead).
+MISSING = {
+    "missing_latent": (_delete_latent, 1, 1),
+    "partial_layer_k_without_v": (_delete_v_of_layer1, N - 1, N - 1),
+    "partial_layer_v_without_k": (_delete_k_of_layer0, N - 1, N - 1),
 }
 
 
@@ -229,6 +234,33 @@ def test_failed_restore_publishes_nothing_and_runs_cold(store, mode, failure):
     assert store.keys() == values_before
 
 
+@pytest.mark.parametrize("failure", sorted(MISSING))
+def test_missing_values_invalidate_and_restore_the_longest_whole_prefix(store, mode, failure):
+    forest = NamespaceForest()
+    run_session(store, forest, mode)
+    cold = cold_hashes(mode)
+    damage, stale_depth, expect_k = MISSING[failure]
+    nodes = nodes_by_depth(forest)
+    damage(store, nodes)
+    stale = nodes[stale_depth]
+
+    b = binding_for(store, forest, mode)
+    rt = factory(mode).make(ACTS, hooks=b)
+    rt.generate(stop_after=0)
+    assert b.last_fast_forward == expect_k
+    assert b.manager.stats["invalidations"] == 1 and b.manager.stats["restore_failures"] == 0
+    assert stale.blob is None  # invalidated: its remaining KV values were freed
+    assert all(n.ref_count == 0 for ns in forest.namespaces() for n in ns.iter_nodes())
+    # The session resumes at K, recomputes the rest (bit-identical to cold) and re-ingests the
+    # stale chunk, skeleton included; the deeper nodes keep their blobs.
+    assert rt.generate() == cold
+    assert rt.restored_chunks == list(range(expect_k))
+    store.flush()
+    assert stale.has_kv and store.get_skeleton(stale.skeleton.latent_locator) is not None
+    b2, rt2, hashes = run_session(store, forest, mode, ingest=False)
+    assert b2.last_fast_forward == N and hashes == cold
+
+
 def test_corrupt_value_file_is_a_store_error_and_runs_cold(tmp_path):
     """A truncated LocalDisk value file raises StoreError on read: the restore runs cold."""
     store = LocalDiskTierStore(str(tmp_path / "kv"))
@@ -251,8 +283,8 @@ def test_corrupt_value_file_is_a_store_error_and_runs_cold(tmp_path):
 
 
 def test_partial_window_only_layer_missing_is_a_miss_on_every_depth(store):
-    """A prefix whose deepest node lacks one layer's V is a miss, not a crash, at every depth
-    that needs it; a shorter prefix that does not need it still hits."""
+    """A prefix whose node lacks one layer's V is a miss for that node, not a crash: every depth
+    that needs it restores the longest prefix before it; a shorter prefix still hits."""
     forest = NamespaceForest()
     run_session(store, forest)
     nodes = nodes_by_depth(forest)
@@ -261,7 +293,9 @@ def test_partial_window_only_layer_missing_is_a_miss_on_every_depth(store):
         b = binding_for(store, forest, ingest=False)
         rt = factory().make(ACTS[:k] + acts(N, variant=5)[k:], hooks=b)
         rt.generate(stop_after=0)
-        assert b.last_fast_forward == (k if k <= 2 else 0), k
+        # depth >= 3 needs node 2: it is invalidated, the restore retries depth 2 (issue 5 item 2)
+        assert b.last_fast_forward == min(k, 2), k
+    assert nodes[2].blob is None
 
 
 # -- re-ingest never replaces a ready blob --------------------------------------------------------

@@ -15,6 +15,14 @@ policy; this class is the mechanism that all of them share:
 - ``get_layer`` returns ``(k, v)`` or None when either half is missing.
 - ``free`` refuses a blob whose write is still in flight (`WriteNotCompleteError`), removes the
   values otherwise (idempotent) and lets backend errors surface.
+
+Capacity (``capacity_bytes``, None = unbounded; settable at run time): the tier counts the bytes
+of the values it holds, KV and latents, a write in flight included from the moment ``put_async``
+or ``put_skeleton`` reserves it. A write that would go above the capacity raises `StoreFullError`
+at once, before anything is written or queued (the manager evicts and retries once); so usage
+never exceeds the capacity. ``usage()`` reports used, capacity and peak bytes; a failed write or
+a removal gives its bytes back. Optional capabilities for the manager: ``contains(keys)`` (which
+values exist, without reading them where the backend has ``exists``) and ``free_skeleton``.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ from typing import Any, Optional, Protocol
 
 import attrs
 
-from cacheseek.errors import StoreClosedError, StoreError, WriteNotCompleteError
+from cacheseek.errors import ConfigError, StoreClosedError, StoreError, StoreFullError, WriteNotCompleteError
+from cacheseek.eviction.base import StoreUsage
 from cacheseek.reuse.exact_prefix.keys import layer_keys
 from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier
 from cacheseek.stores.base import LayerPayload
@@ -65,6 +74,10 @@ class TierStats:
     failed_writes: int = 0
     frees: int = 0
     pending_writes: int = 0
+    refused_full: int = 0
+    used_bytes: int = 0
+    peak_bytes: int = 0
+    capacity_bytes: Optional[int] = None
     last_error: Optional[str] = None
 
     def as_dict(self) -> dict[str, Any]:
@@ -79,7 +92,17 @@ def payload_nbytes(value: Any) -> int:
         return int(value.numel() * value.element_size())
     if isinstance(value, (bytes, bytearray, memoryview)):
         return len(value)
+    if isinstance(value, str):
+        return len(value.encode("utf-8"))
     return 0
+
+
+def _check_capacity(value: Any) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError("store.capacity_bytes", f"must be null or an integer >= 0, got {value!r}")
+    return value
 
 
 class KeyValueTier:
@@ -94,10 +117,12 @@ class KeyValueTier:
         write_back: bool = False,
         queue_depth: int = 4,
         name: str = "tier",
+        capacity_bytes: Optional[int] = None,
     ) -> None:
         self.backend = backend
         self.name = name
-        self.stats = TierStats()
+        self.stats = TierStats(capacity_bytes=_check_capacity(capacity_bytes))
+        self._sizes: dict[str, int] = {}  # bytes of every value this tier holds or is writing
         self._lock = threading.Lock()
         self._closed = False
         self._queue: Optional[queue.Queue] = None
@@ -129,15 +154,18 @@ class KeyValueTier:
             nbytes += payload_nbytes(k) + payload_nbytes(v)
         handle = BlobHandle(tier=tier, locator=locator, nbytes=nbytes, n_layers=len(payload))
         with self._lock:
+            old = self._reserve([(key, payload_nbytes(value)) for key, value in items])
             self.stats.pending_writes += 1
-        job = (handle, items, on_ready)
+        job = (handle, items, on_ready, old)
         if self._queue is None:
             self._write_blob(*job)
         else:
             self._queue.put(job)
         return handle
 
-    def _write_blob(self, handle: BlobHandle, items: list[tuple[str, Any]], on_ready) -> None:
+    def _write_blob(
+        self, handle: BlobHandle, items: list[tuple[str, Any]], on_ready, old: dict[str, Optional[int]]
+    ) -> None:
         t0 = time.perf_counter()
         touched: list[str] = []
         try:
@@ -145,13 +173,16 @@ class KeyValueTier:
                 touched.append(key)  # before the write: a failed write may leave part of it
                 self.backend.write(key, value)
         except BaseException as exc:  # noqa: BLE001 - every failure is surfaced on the handle
+            removed = []
             for key in touched:
                 try:
                     self.backend.delete(key)
+                    removed.append(key)
                 except Exception:  # noqa: BLE001
                     log.exception("%s: could not remove %s after a failed write", self.name, key)
             handle.error = exc
             with self._lock:
+                self._unreserve(old, removed=removed)
                 self.stats.failed_writes += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
                 self.stats.pending_writes -= 1
@@ -188,8 +219,78 @@ class KeyValueTier:
                 self._queue.task_done()
 
     def put_skeleton(self, locator: str, latent: Any) -> None:
+        """Write a latent (synchronously). `StoreFullError` when it does not fit; any backend
+        failure is a `StoreError` (what it wrote is not counted)."""
         self._check_open()
-        self.backend.write(locator, latent)
+        with self._lock:
+            old = self._reserve([(locator, payload_nbytes(latent))])
+        try:
+            self.backend.write(locator, latent)
+        except BaseException as exc:
+            with self._lock:
+                self._unreserve(old, removed=[])
+            if isinstance(exc, StoreError) or not isinstance(exc, Exception):
+                raise
+            raise StoreError(f"{self.name}: write of {locator} failed: {type(exc).__name__}: {exc}") from exc
+
+    # -- accounting ---------------------------------------------------------------------------
+
+    def _reserve(self, sizes: list[tuple[str, int]]) -> dict[str, Optional[int]]:
+        """Under ``_lock``: count ``sizes`` (replacing what those keys held), or raise
+        `StoreFullError` changing nothing. Returns the keys' previous sizes (None: absent)."""
+        old = {key: self._sizes.get(key) for key, _ in sizes}
+        delta = sum(n for _, n in sizes) - sum(n or 0 for n in old.values())
+        used, cap = self.stats.used_bytes, self.stats.capacity_bytes
+        if cap is not None and delta > 0 and used + delta > cap:
+            self.stats.refused_full += 1
+            raise StoreFullError(
+                f"{self.name} store full: need {delta} more bytes, {used} of {cap} used "
+                "(raise store.capacity_bytes, or let the manager evict)"
+            )
+        for key, n in sizes:
+            self._sizes[key] = n
+        self.stats.used_bytes = used + delta
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.used_bytes)
+        return old
+
+    def _unreserve(self, old: dict[str, Optional[int]], *, removed: list[str]) -> None:
+        """Under ``_lock``: undo a reservation after a failed write. ``removed`` keys are gone
+        from the backend; the others still hold their previous value (if any)."""
+        gone = set(removed)
+        for key, previous in old.items():
+            now = self._sizes.pop(key, 0)
+            self.stats.used_bytes -= now
+            if previous is not None and key not in gone:
+                self._sizes[key] = previous
+                self.stats.used_bytes += previous
+
+    def _forget(self, key: str) -> None:
+        """Under ``_lock``: ``key`` was removed from the backend."""
+        self.stats.used_bytes -= self._sizes.pop(key, 0)
+
+    def _seed_usage(self, sizes: dict[str, int]) -> None:
+        """Count values that already exist in the backend (a reopened persistent tier)."""
+        with self._lock:
+            for key, n in sizes.items():
+                self._sizes[key] = n
+            self.stats.used_bytes = sum(self._sizes.values())
+            self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.used_bytes)
+
+    @property
+    def capacity_bytes(self) -> Optional[int]:
+        return self.stats.capacity_bytes
+
+    @capacity_bytes.setter
+    def capacity_bytes(self, value: Optional[int]) -> None:
+        """Resize at run time; values above a lowered capacity stay until freed (the manager's
+        next eviction pass brings usage down), new writes are refused meanwhile."""
+        with self._lock:
+            self.stats.capacity_bytes = _check_capacity(value)
+
+    def usage(self) -> StoreUsage:
+        with self._lock:
+            return StoreUsage(self.stats.used_bytes, self.stats.capacity_bytes, self.stats.peak_bytes,
+                              len(self._sizes))
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -222,8 +323,26 @@ class KeyValueTier:
         for layer in range(handle.n_layers):
             for key in layer_keys(handle.locator, layer):
                 self.backend.delete(key)
+                with self._lock:
+                    self._forget(key)
         with self._lock:
             self.stats.frees += 1
+
+    def free_skeleton(self, locator: str) -> None:
+        """Remove a latent (idempotent); backend errors surface."""
+        self._check_open()
+        self.backend.delete(locator)
+        with self._lock:
+            self._forget(locator)
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Which of ``keys`` hold a value, in order (the backend's ``exists`` when it has one,
+        else a read)."""
+        self._check_open()
+        exists = getattr(self.backend, "exists", None)
+        if callable(exists):
+            return [bool(exists(key)) for key in keys]
+        return [self.backend.read(key) is not None for key in keys]
 
     def flush(self) -> None:
         """Wait until every queued write has completed (successfully or not)."""

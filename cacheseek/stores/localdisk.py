@@ -177,6 +177,19 @@ class DiskBackend:
     def keys(self) -> list[str]:
         return sorted(decode_key(p.name) for p in self._value_files())
 
+    def exists(self, key: str) -> bool:
+        return self.path_of(key).is_file()
+
+    def key_sizes(self) -> dict[str, int]:
+        """Every stored key with its file size (bytes on disk, header included)."""
+        out = {}
+        for p in self._value_files():
+            try:
+                out[decode_key(p.name)] = p.stat().st_size
+            except FileNotFoundError:  # deleted meanwhile
+                pass
+        return out
+
     def disk_usage_bytes(self) -> int:
         """Sum of the sizes of every file under root (values and any temp file in flight)."""
         total = 0
@@ -332,6 +345,8 @@ class LocalDiskSchema:
     write_back: bool = False
     queue_depth: int = 4
     fsync: bool = False
+    # Bytes of values the tier may hold (files already under root count, by size); null = unbounded.
+    capacity_bytes: Optional[int] = None
 
 
 @STORES.register("localdisk", LocalDiskSchema)
@@ -351,6 +366,7 @@ class LocalDiskTierStore(KeyValueTier):
         write_back: bool = False,
         queue_depth: int = 4,
         fsync: bool = False,
+        capacity_bytes: Optional[int] = None,
     ) -> None:
         if root is None or (isinstance(root, str) and not root.strip()):
             raise ConfigError(
@@ -365,7 +381,13 @@ class LocalDiskTierStore(KeyValueTier):
         disk = DiskBackend(Path(root).expanduser().absolute(), fsync=bool(fsync))
         disk.open()
         self.disk = disk
-        super().__init__(disk, write_back=bool(write_back), queue_depth=queue_depth, name="localdisk")
+        try:
+            super().__init__(disk, write_back=bool(write_back), queue_depth=queue_depth, name="localdisk",
+                             capacity_bytes=capacity_bytes)
+            self._seed_usage(disk.key_sizes())
+        except BaseException:
+            disk.close()
+            raise
 
     @property
     def root(self) -> Path:

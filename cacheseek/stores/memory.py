@@ -35,6 +35,10 @@ class DictBackend:
         with self._lock:
             self._values.pop(key, None)
 
+    def exists(self, key: str) -> bool:
+        with self._lock:
+            return key in self._values
+
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._values)
@@ -46,14 +50,18 @@ class DictBackend:
 @dataclasses.dataclass
 class InMemorySchema:
     _target_: str = "cacheseek.stores.memory.InMemoryTierStore"
+    # Bytes of values (KV and latents) the tier may hold; null = unbounded. Above the manager's
+    # high watermark the manager evicts (manager.eviction); a write that does not fit is refused.
+    capacity_bytes: Optional[int] = None
 
 
 @STORES.register("memory", InMemorySchema)
 class InMemoryTierStore(KeyValueTier):
-    """`KeyValueTier` over a `DictBackend`; writes complete before ``put_async`` returns."""
+    """`KeyValueTier` over a `DictBackend`; writes complete before ``put_async`` returns.
+    ``capacity_bytes``: see `KeyValueTier` (None = unbounded)."""
 
-    def __init__(self) -> None:
-        super().__init__(DictBackend(), name="memory")
+    def __init__(self, capacity_bytes: Optional[int] = None) -> None:
+        super().__init__(DictBackend(), name="memory", capacity_bytes=capacity_bytes)
 
     def keys(self) -> list[str]:
         return self.backend.keys()

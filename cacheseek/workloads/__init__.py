@@ -1,3 +1,3 @@
 """Workloads the orchestrator can run (the correctness gate, stress)."""
 
-from cacheseek.workloads import abcd  # noqa: F401
+from cacheseek.workloads import abcd, stress  # noqa: F401

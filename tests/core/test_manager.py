@@ -81,14 +81,20 @@ def test_below_break_even_runs_cold():
     assert mgr.try_fast_forward(ROOT, [b"a", b"b"], w).start_chunk == 0 and w.depth is None
 
 
-def test_missing_latent_publishes_nothing():
+def test_missing_latent_invalidates_the_node_and_restores_the_shorter_prefix():
+    """Issue 5 item 2: the stale node loses its blob (its KV is freed, no orphan) and the restore
+    retries the longest whole prefix instead of running cold."""
     mgr = make()
     ns = _ingest_chain(mgr, [b"a", b"b"])
     node = ns.root.children[b"a"].children[b"b"]
+    kv_loc = node.blob.locator
     mgr.store.backend.delete(node.skeleton.latent_locator)
     w = RecordingWindow()
-    assert mgr.try_fast_forward(ROOT, [b"a", b"b"], w).start_chunk == 0
-    assert w.depth is None and w.layers == {} and w.latents is None
+    assert mgr.try_fast_forward(ROOT, [b"a", b"b"], w).start_chunk == 1
+    assert w.depth == 1 and w.latents == ["lat0"] and [d for d, _ in w.layers[0]] == [0]
+    assert node.blob is None and node.skeleton is not None
+    assert not [k for k in mgr.store.keys() if k.startswith(kv_loc)]
+    assert mgr.stats["invalidations"] == 1 and mgr.stats["restore_retries"] == 1
     assert all(n.ref_count == 0 for n in ns.iter_nodes())
 
 

@@ -1,10 +1,20 @@
-"""`WorldKVManager`: decides what to restore and what to keep; moves no bytes itself.
+"""`WorldKVManager`: decides what to restore, what to keep and what to evict; moves no bytes itself.
 
-Read side: `try_fast_forward` looks up the longest ready prefix, and `materialize` restores the
-window path ending at that node. Nothing is published (the window's ``set_resume_depth`` is the
-single publication point) until every input has been fetched and copied: a missing latent, a
-partial layer or a store error leaves the runtime and the trie as they were, and the session runs
-cold. Path nodes are referenced while being read, so eviction cannot take them.
+Read side: `try_fast_forward` looks up the longest ready prefix, and restores the window path
+ending at that node. Nothing is published (the window's ``set_resume_depth`` is the single
+publication point) until every input has been fetched and copied. Path nodes are referenced
+(``ref_count``) while being read, so eviction cannot take them; the lookup, the wholeness check
+and the references are taken under one hold of the forest lock.
+
+Consistency with the store: when a restore finds values missing (the store evicted them, a
+worker restarted with an old snapshot), the nodes whose values are gone are *invalidated*: their
+blob is dropped and whatever is left of its values is freed (so a later cold run re-ingests them,
+skeleton included). The restore then retries the longest shorter prefix that is still whole,
+down to break-even, instead of running cold. Which nodes are gone: the first missing value a
+generic fetch meets, plus every node the store's optional ``contains(keys)`` reports; for a
+`PathReadStore` whose ``read_path`` returned False, ``contains`` alone (without it the session
+runs cold, as before). A store error or a layout mismatch is not a missing value: the session
+runs cold and the trie is left as it was.
 
 Two store paths, chosen by capability:
 
@@ -13,22 +23,40 @@ Two store paths, chosen by capability:
 - `PathReadStore` (and a window that offers ``restore_target``): the store restores the whole
   window path into the runtime's buffers itself (``read_path``).
 
-Write side: `ingest` commits the node, stores the latent skeleton, writes the KV and lets the
-store's completion callback flip the handle ready. Re-ingesting a ready node keeps its blob.
+Write side: `ingest` commits the node, claims it with a pending placeholder handle (so a
+concurrent ingest of the same chunk keeps it, and eviction skips it), stores the latent skeleton,
+writes the KV and lets the store's completion callback flip the handle ready. Re-ingesting a
+ready, in-flight or being-evicted node keeps it. A write that reports `StoreFullError` makes room
+(an eviction pass) and is retried once; a second refusal drops the write (counted).
+
+Capacity (`cacheseek.eviction`): after every ingest, when the store's usage is above the high
+watermark, an eviction pass frees victims chosen by the policy (leaf-first LRU by default) until
+usage is at or below the low watermark. A pass first reclaims the latents of dead subtrees (no
+blob anywhere below; only where the store offers ``free_skeleton``), then evicts KV blobs. Sink
+(pinned) nodes, nodes being read and writes in flight are never victims; evicted nodes keep their
+skeletons. The forest lock is held only to choose and claim; every store call runs outside it.
+
+Metrics: one `CacheMetrics` (``self.metrics``; pass a shared one to aggregate several managers).
+The legacy ``stats`` dict is kept for callers that read it.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Protocol
 
-from cacheseek.errors import CacheSeekError, HandleStateError, WriteNotCompleteError
+import attrs
+
+from cacheseek.errors import CacheSeekError, HandleStateError, StoreError, StoreFullError, WriteNotCompleteError
+from cacheseek.eviction import Candidate, EvictionConfig, make_policy, store_usage
+from cacheseek.metrics import CacheMetrics
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
-from cacheseek.reuse.exact_prefix.keys import kv_locator, latent_locator
+from cacheseek.reuse.exact_prefix.keys import kv_locator, latent_locator, layer_keys
 from cacheseek.reuse.exact_prefix.trie import Namespace, NamespaceForest
-from cacheseek.reuse.exact_prefix.types import FastForwardResult, Skeleton, TrieNode
+from cacheseek.reuse.exact_prefix.types import BlobHandle, BlobState, FastForwardResult, Skeleton, TrieNode
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +71,26 @@ class RestoreWindow(Protocol):
     def set_resume_depth(self, depth: int) -> None: ...
 
 
+@attrs.frozen(slots=True)
+class _Outcome:
+    """One restore attempt: ``ok``; else ``missing`` (nodes whose values are gone; empty when the
+    store cannot say) or ``not_whole`` (the trie changed under us: a path node lost its blob)."""
+
+    ok: bool
+    missing: tuple[TrieNode, ...] = ()
+    not_whole: bool = False
+
+
+_OK = _Outcome(True)
+_NOT_WHOLE = _Outcome(False, not_whole=True)
+
+
 class WorldKVManager:
-    """Trie bookkeeping over one store. Thread-safe through the forest's lock."""
+    """Trie bookkeeping over one store. Thread-safe through the forest's lock.
+
+    ``eviction``: an `EvictionConfig` (or a mapping with its fields; default LRU, 0.9/0.7).
+    ``metrics``: a `CacheMetrics` to report into (default: a new one). ``clock``: the time
+    source of ``last_access`` and the usage timeline (default ``time.monotonic``)."""
 
     def __init__(
         self,
@@ -53,42 +99,74 @@ class WorldKVManager:
         cfg: WorldKVConfig,
         *,
         clock: Optional[Callable[[], float]] = None,
+        eviction: Any = None,
+        metrics: Optional[CacheMetrics] = None,
     ) -> None:
         self.forest = forest
         self.store = store
         self.cfg = cfg
         self.clock = clock or time.monotonic
+        if not isinstance(eviction, EvictionConfig):
+            eviction = EvictionConfig.from_conf(eviction)
+        self.eviction = eviction
+        self.policy = make_policy(eviction.policy)
+        self.metrics = metrics if metrics is not None else CacheMetrics()
+        self.metrics.bind_store(store)
         self.stats: dict[str, int] = {
             "lookups": 0, "hits": 0, "misses": 0, "below_break_even": 0,
             "restore_failures": 0, "ingests": 0, "reingest_kept": 0, "evictions": 0,
+            "invalidations": 0, "restore_retries": 0, "dropped_writes": 0,
         }
+        self._stats_lock = threading.Lock()
+        self._evict_lock = threading.Lock()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._stats_lock:
+            self.stats[name] += n
 
     # -- read side ----------------------------------------------------------------------------
 
     def try_fast_forward(
         self, root_hash: bytes, actions: Sequence[bytes], window: RestoreWindow
     ) -> FastForwardResult:
-        self.stats["lookups"] += 1
-        match = self.forest.lookup(root_hash, actions)
-        if match.namespace is None or match.matched_len == 0 or match.node is None:
-            self.stats["misses"] += 1
-            return FastForwardResult(0, None, match.namespace)
-        if match.matched_len < self.cfg.break_even_k:
-            self.stats["below_break_even"] += 1
-            return FastForwardResult(0, None, match.namespace)
-        try:
-            ok = self.materialize(match.node, window)
-        except CacheSeekError as exc:
-            log.warning("restore of depth %d failed, running cold: %s", match.matched_len, exc)
-            ok = False
-        except Exception:  # noqa: BLE001 - a cache must never take a session down
-            log.exception("restore of depth %d failed unexpectedly, running cold", match.matched_len)
-            ok = False
-        if not ok:
-            self.stats["restore_failures"] += 1
-            return FastForwardResult(0, None, match.namespace)
-        self.stats["hits"] += 1
-        return FastForwardResult(match.matched_len, match.node, match.namespace)
+        self._count("lookups")
+        self.metrics.add(lookups=1)
+        requested = len(actions)
+        limit = requested
+        while True:
+            match = self.forest.lookup(root_hash, actions[:limit])
+            if match.namespace is None or match.matched_len == 0 or match.node is None:
+                self._count("misses")
+                self.metrics.add(misses=1)
+                return FastForwardResult(0, None, match.namespace)
+            if match.matched_len < self.cfg.break_even_k:
+                self._count("below_break_even")
+                self.metrics.add(below_break_even=1)
+                return FastForwardResult(0, None, match.namespace)
+            try:
+                outcome = self._materialize(match.node, window)
+            except CacheSeekError as exc:
+                log.warning("restore of depth %d failed, running cold: %s", match.matched_len, exc)
+                outcome = None
+            except Exception:  # noqa: BLE001 - a cache must never take a session down
+                log.exception("restore of depth %d failed unexpectedly, running cold", match.matched_len)
+                outcome = None
+            if outcome is not None and outcome.ok:
+                self._count("hits")
+                self.metrics.record_hit(match.matched_len, requested)
+                return FastForwardResult(match.matched_len, match.node, match.namespace)
+            if outcome is None or not (outcome.missing or outcome.not_whole):
+                self._count("restore_failures")
+                self.metrics.add(restore_failures=1)
+                return FastForwardResult(0, None, match.namespace)
+            # Values gone (invalidated by _materialize) or the path lost a blob meanwhile: retry
+            # the longest prefix shorter than the first broken node.
+            broken = [n.depth for n in outcome.missing] or [match.matched_len - 1]
+            limit = min(min(broken), match.matched_len - 1)
+            self._count("restore_retries")
+            self.metrics.add(restore_retries=1)
+            log.info("restore of depth %d found %s; retrying depth <= %d", match.matched_len,
+                     f"{len(outcome.missing)} stale nodes" if outcome.missing else "the path changed", limit)
 
     def window_path(self, node: TrieNode) -> list[TrieNode]:
         path = node.path()
@@ -96,57 +174,157 @@ class WorldKVManager:
         return [n for n in path if n.depth in depths]
 
     def materialize(self, node: TrieNode, window: RestoreWindow) -> bool:
+        """Restore the window path ending at ``node`` into ``window``; False when the path is not
+        whole (nodes found without their values are invalidated). Raises on store errors."""
+        return self._materialize(node, window).ok
+
+    def _materialize(self, node: TrieNode, window: RestoreWindow) -> _Outcome:
         path = node.path()
         win = self.window_path(node)
-        if not all(n.has_kv for n in win) or not all(n.skeleton is not None for n in path):
-            return False
         with self.forest.lock:
+            if not all(n.has_kv for n in win) or not all(n.skeleton is not None for n in path):
+                return _NOT_WHOLE
             for n in path:
                 n.ref_count += 1
+        missing: tuple[TrieNode, ...] = ()
         try:
-            now = self.clock()
+            t0 = time.perf_counter()
             if _is_path_store(self.store) and hasattr(window, "restore_target"):
                 target = window.restore_target(len(path), [n.depth for n in win])
                 if not self.store.read_path(path, win, target):
-                    return False
+                    missing = self._find_missing(path, win, None)
+                    return _Outcome(False, missing)
+                nbytes = int(getattr(window, "bytes_restored", 0) or 0)
             else:
-                if not self._fetch_generic(path, win, window):
-                    return False
+                fetched = self._fetch_generic(path, win, window)
+                if isinstance(fetched, _Outcome):
+                    missing = fetched.missing
+                    return fetched
+                nbytes = int(getattr(window, "bytes_restored", 0) or 0) or fetched
             window.set_resume_depth(len(path))
-            for n in path:
-                n.last_access = now
-            return True
+            now = self.clock()
+            with self.forest.lock:
+                for n in path:
+                    n.last_access = now
+            self.metrics.add(restores=1, restore_bytes=nbytes,
+                             restore_seconds=time.perf_counter() - t0)
+            return _OK
         finally:
             with self.forest.lock:
                 for n in path:
+                    if n.ref_count <= 0:
+                        raise HandleStateError(f"ref_count of {n!r} would go below zero")
                     n.ref_count -= 1
+            if missing:
+                self._invalidate(missing)
 
-    def _fetch_generic(self, path: list[TrieNode], win: list[TrieNode], window: RestoreWindow) -> bool:
+    def _fetch_generic(
+        self, path: list[TrieNode], win: list[TrieNode], window: RestoreWindow
+    ) -> "int | _Outcome":
+        """Fetch every latent and window layer, then seed; bytes fetched, or a miss `_Outcome`."""
+        from cacheseek.stores.kv_tier import payload_nbytes
+
         latents = []
+        nbytes = 0
         for n in path:
             latent = self.store.get_skeleton(n.skeleton.latent_locator)
             if latent is None:
-                log.info("latent of depth %d missing: miss", n.depth)
-                return False
+                log.info("latent of depth %d missing", n.depth)
+                return _Outcome(False, self._find_missing(path, win, n))
             latents.append(latent)
+            nbytes += payload_nbytes(latent)
         n_layers = {n.blob.n_layers for n in win}
         if len(n_layers) != 1:
-            return False
+            return _Outcome(False)
         per_layer: list[list[tuple[int, Any]]] = []
         for layer in range(n_layers.pop()):
             blobs = []
             for n in win:
                 kv = self.store.get_layer(n.blob, layer)
                 if kv is None or kv[0] is None or kv[1] is None:
-                    log.info("layer %d of depth %d missing: miss", layer, n.depth)
-                    return False
+                    log.info("layer %d of depth %d missing", layer, n.depth)
+                    return _Outcome(False, self._find_missing(path, win, n))
                 blobs.append((n.depth, kv))
+                nbytes += payload_nbytes(kv[0]) + payload_nbytes(kv[1])
             per_layer.append(blobs)
         if hasattr(window, "seed_latents"):
             window.seed_latents(latents)
         for layer, blobs in enumerate(per_layer):
             window.seed_layer(layer, blobs, len(path))
-        return True
+        return nbytes
+
+    def _find_missing(
+        self, path: list[TrieNode], win: list[TrieNode], first: Optional[TrieNode]
+    ) -> tuple[TrieNode, ...]:
+        """The nodes of ``path`` whose latent or (window nodes) KV values are gone: ``first`` (the
+        one a fetch met) plus every node the store's ``contains`` reports missing."""
+        found: dict[int, TrieNode] = {} if first is None else {id(first): first}
+        contains = getattr(self.store, "contains", None)
+        if callable(contains):
+            owners: list[TrieNode] = []
+            keys: list[str] = []
+            for n in path:
+                if n.skeleton is not None:
+                    owners.append(n)
+                    keys.append(n.skeleton.latent_locator)
+            for n in win:
+                blob = n.blob
+                if blob is None:
+                    continue
+                for layer in range(blob.n_layers):
+                    for key in layer_keys(blob.locator, layer):
+                        owners.append(n)
+                        keys.append(key)
+            try:
+                present = contains(keys)
+            except Exception as exc:  # noqa: BLE001 - cannot tell: only what the fetch saw
+                log.warning("could not check which values are missing: %s", exc)
+                present = [True] * len(keys)
+            for n, ok in zip(owners, present):
+                if not ok:
+                    found[id(n)] = n
+        return tuple(sorted(found.values(), key=lambda n: n.depth))
+
+    def _invalidate(self, nodes: Sequence[TrieNode]) -> int:
+        """Drop the blobs of nodes whose values are (partly) gone and free what is left of them,
+        so no value is orphaned and a later ingest rewrites the chunk. Returns how many."""
+        count = 0
+        for node in nodes:
+            with self.forest.lock:
+                handle = node.blob
+                if handle is None or node.evicting or handle.in_flight:
+                    continue
+                node.blob = None
+                node.evicting = True
+            try:
+                self.store.free(handle)
+            except Exception as exc:  # noqa: BLE001 - keep it as a failed blob: freed later
+                log.warning("invalidated %r but freeing its values failed: %s", node, exc)
+                handle.ready = False
+                handle.error = exc
+                with self.forest.lock:
+                    if node.blob is None:
+                        node.blob = handle
+            finally:
+                with self.forest.lock:
+                    node.evicting = False
+            count += 1
+            log.info("invalidated %r: its values are no longer in the store", node)
+        if count:
+            self._count("invalidations", count)
+            self.metrics.add(invalidations=count)
+        return count
+
+    def audit(self) -> int:
+        """Check every ready node's latent and KV values against the store (its ``contains``)
+        and invalidate the nodes whose values are gone, e.g. after a worker restart. Returns the
+        number invalidated; 0 when the store cannot say (no ``contains``)."""
+        if not callable(getattr(self.store, "contains", None)):
+            return 0
+        with self.forest.lock:
+            ready = [n for ns in self.forest.namespaces() for n in ns.iter_nodes() if n.has_kv]
+        stale = [n for n in ready if self._find_missing([n], [n], None)]
+        return self._invalidate(stale)
 
     # -- write side ---------------------------------------------------------------------------
 
@@ -165,54 +343,280 @@ class WorldKVManager:
     ) -> TrieNode:
         node = self.forest.commit(ns, parent, action, node_key, depth)
         with self.forest.lock:
-            if node.has_kv or (node.blob is not None and node.blob.in_flight):
-                self.stats["reingest_kept"] += 1
+            if node.has_kv or (node.blob is not None and node.blob.in_flight) or node.evicting:
+                self._count("reingest_kept")
+                self.metrics.add(reingest_kept=1)
                 return node
+            if n_layers is not None and n_layers != len(kv_payload):
+                raise ValueError(f"n_layers={n_layers} but kv_payload has {len(kv_payload)} layers")
             if depth < self.cfg.sink_chunks:
                 node.pinned = True
-        if n_layers is not None and n_layers != len(kv_payload):
-            raise ValueError(f"n_layers={n_layers} but kv_payload has {len(kv_payload)} layers")
-        lat_loc = latent_locator(node_key)
-        self.store.put_skeleton(lat_loc, latent)
-        node.skeleton = Skeleton(lat_loc)
+            locator = kv_locator(node_key)
+            placeholder = BlobHandle(self.cfg.commit_tier, locator, nbytes, len(kv_payload))
+            node.blob = placeholder  # PENDING: kept by concurrent ingests, skipped by eviction
+        need = (nbytes or sum(_nbytes_of(k) + _nbytes_of(v) for k, v in kv_payload)) + _nbytes_of(latent)
+        t0 = time.perf_counter()
 
-        def on_ready(handle) -> None:
+        def on_ready(handle: BlobHandle) -> None:
             with self.forest.lock:
                 node.last_access = self.clock()
+            self.metrics.add(writes=1, write_bytes=handle.nbytes or nbytes,
+                             write_seconds=time.perf_counter() - t0)
 
-        handle = self.store.put_async(kv_locator(node_key), kv_payload, tier=self.cfg.commit_tier,
-                                      on_ready=on_ready)
+        try:
+            lat_loc = latent_locator(node_key)
+            self._with_room(lambda: self.store.put_skeleton(lat_loc, latent), need)
+            with self.forest.lock:
+                node.skeleton = Skeleton(lat_loc)
+            handle = self._with_room(
+                lambda: self.store.put_async(locator, kv_payload, tier=self.cfg.commit_tier,
+                                             on_ready=on_ready),
+                need,
+            )
+        except BaseException as exc:
+            with self.forest.lock:
+                if node.blob is placeholder:
+                    node.blob = None
+            if isinstance(exc, StoreError):
+                self._count("dropped_writes")
+                self.metrics.add(dropped_writes=1)
+            raise
         with self.forest.lock:
             # A failed write leaves the handle unready with ``error`` set: never a hit, and a
             # later ingest of the same chunk replaces it.
-            node.blob = handle
+            if node.blob is placeholder:
+                node.blob = handle
             if nbytes and not handle.nbytes:
                 handle.nbytes = nbytes
-        self.stats["ingests"] += 1
+        self._count("ingests")
+        self.maybe_evict()
         return node
+
+    def _with_room(self, write: Callable[[], Any], need: int) -> Any:
+        """Run ``write``; on `StoreFullError` make room (an eviction pass) and retry once."""
+        try:
+            return write()
+        except StoreFullError as exc:
+            u = store_usage(self.store)
+            if not self.eviction.enabled or u is None or u.capacity_bytes is None:
+                raise
+            log.info("store full (%s): evicting, then retrying once", exc)
+            self.metrics.add(store_full_retries=1)
+            target = min(int(self.eviction.low_watermark * u.capacity_bytes), u.capacity_bytes - need)
+            self.evict(max(target, 0), at_least_one=True)
+            return write()
+
+    # -- capacity -----------------------------------------------------------------------------
+
+    def maybe_evict(self) -> int:
+        """After a write: when the store's usage is above the high watermark, evict down to the
+        low watermark. Returns the number of blobs evicted (0 when the store is unbounded)."""
+        u = store_usage(self.store)
+        if u is None:
+            return 0
+        self.metrics.observe_usage(self.clock(), u.used_bytes, u.capacity_bytes, "write")
+        if not self.eviction.enabled or u.capacity_bytes is None:
+            return 0
+        if u.used_bytes <= self.eviction.high_watermark * u.capacity_bytes:
+            return 0
+        return self.evict(int(self.eviction.low_watermark * u.capacity_bytes))
+
+    def evict(self, target_bytes: int, *, at_least_one: bool = False) -> int:
+        """One eviction pass: reclaim dead latents, then evict leaf blobs in the policy's order
+        until the store's usage is at or below ``target_bytes`` (or nothing is evictable). A
+        parent that becomes a leaf joins the queue; a victim's latent (and its dead ancestors')
+        is reclaimed right after it, while usage is still above the target. ``at_least_one``:
+        evict one blob even when already below the target (a full store refused a write).
+        Errors of single victims are logged and counted, not raised. Returns blobs evicted."""
+        evicted = 0
+        latents = callable(getattr(self.store, "free_skeleton", None))
+
+        def above() -> bool:
+            u = store_usage(self.store)
+            return u is not None and u.used_bytes > target_bytes
+
+        with self._evict_lock:
+            self.metrics.add(eviction_passes=1)
+            force = at_least_one
+            if force or above():
+                dead, candidates = self._collect()
+                for node in dead if latents else ():
+                    if not force and not above():
+                        break
+                    self._free_dead_skeleton(node)
+                queue = self.policy.order(candidates)
+                while queue and (force or above()):
+                    cand = queue.pop(0)
+                    try:
+                        done = self.evict_blob(cand.node)
+                    except Exception as exc:  # noqa: BLE001 - the blob is kept; try the next
+                        log.warning("eviction of %r failed (kept): %s", cand.node, exc)
+                        self.metrics.add(eviction_errors=1)
+                        continue
+                    if not done:
+                        continue
+                    evicted += 1
+                    force = False
+                    for node in self._dead_around(cand.node) if latents else ():
+                        if not above():
+                            break
+                        self._free_dead_skeleton(node)
+                    parent = self._candidate(cand.node.parent)
+                    if parent is not None:
+                        queue = self.policy.order(queue + [parent])
+        u = store_usage(self.store)
+        if u is not None:
+            self.metrics.observe_usage(self.clock(), u.used_bytes, u.capacity_bytes, "evict")
+        return evicted
+
+    def _collect(self) -> tuple[list[TrieNode], list[Candidate]]:
+        """Under the forest lock: dead skeletons, children before parents (no live blob in the
+        node's subtree, not referenced) and eviction candidates (see `_candidate`)."""
+        dead: list[TrieNode] = []
+        candidates: list[Candidate] = []
+        with self.forest.lock:
+            for ns in self.forest.namespaces():
+                # iterative post-order: (node, reachable, children visited?)
+                stack: list[tuple[TrieNode, bool, bool]] = [(c, True, False) for c in ns.root.children.values()]
+                live_below: dict[int, bool] = {}
+                while stack:
+                    node, reachable, visited = stack.pop()
+                    children = list(node.children.values())
+                    if not visited:
+                        stack.append((node, reachable, True))
+                        stack.extend((c, reachable and node.has_kv, False) for c in children)
+                        continue
+                    child_live = any(live_below[id(c)] for c in children)
+                    here = _holds_blob(node)
+                    live_below[id(node)] = here or child_live
+                    if not here and not child_live and node.skeleton is not None and node.ref_count == 0:
+                        dead.append(node)
+                    if _evictable(node):
+                        candidates.append(Candidate(node, node.blob.nbytes, node.last_access, node.depth,
+                                                    reachable))
+        return dead, candidates
+
+    def _candidate(self, node: Optional[TrieNode]) -> Optional[Candidate]:
+        """``node`` as an eviction candidate, or None: a ready blob, unpinned, unreferenced, not
+        being evicted, and no child holding a ready or in-flight blob (a leaf)."""
+        if node is None or node.depth < 0:
+            return None
+        with self.forest.lock:
+            if not _evictable(node):
+                return None
+            reachable = all(a.has_kv for a in node.path()[:-1])
+            return Candidate(node, node.blob.nbytes, node.last_access, node.depth, reachable)
+
+    def _dead_around(self, node: TrieNode) -> list[TrieNode]:
+        """After ``node`` lost its blob: the dead nodes of its subtree (children first), then
+        its ancestors that are dead now."""
+        with self.forest.lock:
+            if _subtree_has_blob(node):
+                return []
+            out: list[TrieNode] = []
+            stack, order = [node], []
+            while stack:
+                n = stack.pop()
+                order.append(n)
+                stack.extend(n.children.values())
+            out = [n for n in reversed(order) if n.skeleton is not None]
+            up = node.parent
+            while up is not None and up.depth >= 0 and not _subtree_has_blob(up):
+                if up.skeleton is not None:
+                    out.append(up)
+                up = up.parent
+            return out
+
+    def _free_dead_skeleton(self, node: TrieNode) -> bool:
+        """Free the latent of a node with no live blob in its subtree (claimed like an
+        eviction; a failed handle on it is dropped too)."""
+        with self.forest.lock:
+            if node.skeleton is None or node.evicting or node.ref_count or _subtree_has_blob(node):
+                return False
+            skeleton = node.skeleton
+            node.skeleton = None
+            node.blob = None  # None or a failed handle: the store holds nothing of it
+            node.evicting = True
+        try:
+            self.store.free_skeleton(skeleton.latent_locator)
+        except Exception as exc:  # noqa: BLE001 - keep the skeleton; counted
+            log.warning("freeing the latent of %r failed (kept): %s", node, exc)
+            self.metrics.add(eviction_errors=1)
+            with self.forest.lock:
+                if node.skeleton is None:
+                    node.skeleton = skeleton
+            return False
+        finally:
+            with self.forest.lock:
+                node.evicting = False
+        self.metrics.add(skeletons_freed=1)
+        return True
 
     # -- lifetime -----------------------------------------------------------------------------
 
     def evict_blob(self, node: TrieNode) -> bool:
         """Free a node's KV and drop its blob, keeping the skeleton. Refuses pinned, referenced,
-        blob-less and in-flight nodes (False). If freeing fails the blob is kept and the error
+        blob-less, being-evicted and in-flight nodes (False). The blob is detached under the
+        forest lock and freed outside it; if freeing fails the blob is put back and the error
         propagates."""
         with self.forest.lock:
-            if node.pinned or node.ref_count > 0 or node.blob is None:
-                return False
-            if node.blob.in_flight:
-                return False
             if node.ref_count < 0:
                 raise HandleStateError(f"negative ref_count on {node!r}")
+            if node.pinned or node.ref_count > 0 or node.blob is None or node.evicting:
+                return False
             handle = node.blob
-            try:
-                self.store.free(handle)
-            except WriteNotCompleteError:
+            if handle.in_flight:
                 return False
             node.blob = None
-            self.stats["evictions"] += 1
-            return True
+            node.evicting = True
+        restored = False
+        try:
+            self.store.free(handle)
+        except WriteNotCompleteError:
+            restored = True
+            return False
+        except BaseException:
+            restored = True
+            raise
+        finally:
+            with self.forest.lock:
+                if restored and node.blob is None:
+                    node.blob = handle
+                node.evicting = False
+        self._count("evictions")
+        self.metrics.add(evictions=1, evicted_bytes=handle.nbytes)
+        return True
 
 
 def _is_path_store(store: Any) -> bool:
     return callable(getattr(store, "read_path", None)) and getattr(store, "accepts_device_views", False)
+
+
+def _holds_blob(node: TrieNode) -> bool:
+    """A ready or in-flight blob, or one being evicted (a failed handle holds nothing)."""
+    return node.evicting or (node.blob is not None and node.blob.state is not BlobState.FAILED)
+
+
+def _evictable(node: TrieNode) -> bool:
+    blob = node.blob
+    return (
+        blob is not None and blob.ready and not node.pinned and node.ref_count == 0 and not node.evicting
+        and not any(c.evicting or (c.blob is not None and (c.blob.ready or c.blob.in_flight))
+                    for c in node.children.values())
+    )
+
+
+def _subtree_has_blob(node: TrieNode) -> bool:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if _holds_blob(n):
+            return True
+        stack.extend(n.children.values())
+    return False
+
+
+def _nbytes_of(value: Any) -> int:
+    from cacheseek.stores.kv_tier import payload_nbytes
+
+    return payload_nbytes(value)

@@ -9,6 +9,11 @@ Handle lifecycle (``BlobHandle.state``)::
 
     PENDING --(store completion callback)--> READY --(evict/free)--> dropped from the node
     PENDING --(write failed)--> FAILED                                (droppable, never ready)
+
+Node lifetime under eviction (`WorldKVManager`): a node is *read* while ``ref_count > 0`` (a
+restore holds its whole path) and *being evicted* while ``evicting`` is set (its blob was
+detached under the forest lock and its values are being freed outside it). Neither kind is an
+eviction victim; a node being evicted is not re-written until the free settles.
 """
 
 from __future__ import annotations
@@ -82,6 +87,7 @@ class TrieNode:
     ref_count: int = 0
     last_access: float = 0.0
     pinned: bool = False
+    evicting: bool = False
 
     @property
     def has_kv(self) -> bool:

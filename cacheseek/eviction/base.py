@@ -1,0 +1,174 @@
+"""Capacity and eviction: what a store reports, what a policy decides, how the manager asks.
+
+The seam is split by role (STYLE.md practice 2): a store *accounts* its bytes and moves none of
+the decisions; a policy *orders* candidates and touches no store; the manager (`WorldKVManager`)
+collects the candidates from the trie, asks the policy, and frees the victims' values.
+
+Store capabilities, each optional and checked by attribute (never NotImplementedError):
+
+- ``usage() -> StoreUsage | PlanUsage | None``: bytes in use and the capacity (None = unbounded).
+  Generic tiers count the bytes of their live values (KV and latents, writes in flight included);
+  the Plan tier reports its client's segment usage. Without it the store is unbounded.
+- ``contains(keys) -> list[bool]``: which values exist, without reading them. Lets a failed
+  restore name the nodes whose values are gone (`WorldKVManager` invalidates exactly those).
+- ``free_skeleton(locator)``: removes a latent (idempotent). Lets the manager reclaim the latents
+  of dead subtrees (no blob anywhere below); without it latents are kept.
+
+Lifecycle of a node's blob under eviction::
+
+    ready, leaf, unpinned, ref_count == 0, no write in flight below
+        --(claimed under the forest lock: blob detached, node.evicting = True)-->
+    store.free(handle) outside the lock
+        success: node.blob stays None, node.evicting = False, skeleton kept
+        failure: the blob is put back (still ready), the error surfaces
+
+A *leaf* is a node none of whose children holds a blob (ready or in flight), so evicting it
+never breaks the prefix of another cached node: lookups descend only through ready nodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import attrs
+
+from cacheseek.errors import ConfigError
+
+__all__ = [
+    "StoreUsage",
+    "EvictionConfig",
+    "Candidate",
+    "EvictionPolicy",
+    "CapacityStore",
+    "ExistenceStore",
+    "SkeletonFreeStore",
+    "store_usage",
+]
+
+
+@attrs.frozen(slots=True)
+class StoreUsage:
+    """Bytes a store holds: ``used_bytes`` of ``capacity_bytes`` (None = unbounded), the highest
+    ``peak_bytes`` it ever reached (None when the store does not track it), ``n_values``."""
+
+    used_bytes: int
+    capacity_bytes: Optional[int] = None
+    peak_bytes: Optional[int] = None
+    n_values: Optional[int] = None
+
+    @property
+    def bounded(self) -> bool:
+        return self.capacity_bytes is not None
+
+    def fraction(self) -> Optional[float]:
+        if not self.capacity_bytes:
+            return None
+        return self.used_bytes / self.capacity_bytes
+
+
+def store_usage(store: Any) -> Optional[StoreUsage]:
+    """The store's usage as a `StoreUsage`, or None when it cannot say (no ``usage()`` and no
+    ``stats`` with ``used_bytes`` and ``capacity_bytes``, a failure, a closed store). Accepts any
+    object with ``used_bytes`` and ``capacity_bytes``."""
+    fn = getattr(store, "usage", None)
+    try:
+        if callable(fn):
+            u = fn()
+        else:
+            u = getattr(store, "stats", None)
+            if getattr(u, "capacity_bytes", None) is None or getattr(u, "used_bytes", None) is None:
+                return None
+    except Exception:  # noqa: BLE001 - a closed store or a client that cannot say: unbounded
+        return None
+    if u is None:
+        return None
+    if isinstance(u, StoreUsage):
+        return u
+    return StoreUsage(
+        used_bytes=int(u.used_bytes),
+        capacity_bytes=None if getattr(u, "capacity_bytes", None) is None else int(u.capacity_bytes),
+        peak_bytes=getattr(u, "peak_bytes", None),
+        n_values=getattr(u, "n_values", None),
+    )
+
+
+@runtime_checkable
+class CapacityStore(Protocol):
+    def usage(self) -> Any: ...
+
+
+@runtime_checkable
+class ExistenceStore(Protocol):
+    def contains(self, keys: Sequence[str]) -> list[bool]: ...
+
+
+@runtime_checkable
+class SkeletonFreeStore(Protocol):
+    def free_skeleton(self, locator: str) -> None: ...
+
+
+def _fraction(name: str):
+    def check(_inst: Any, _attr: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+            raise ConfigError(f"manager.eviction.{name}", f"must be a number in (0, 1], got {value!r}")
+
+    return check
+
+
+@attrs.frozen(slots=True)
+class EvictionConfig:
+    """``manager.eviction``: the policy (an `EVICTION_POLICIES` name) and the watermarks, as
+    fractions of the store's capacity. Above ``high_watermark`` after a write, victims are
+    evicted until usage is at or below ``low_watermark``. ``enabled`` False turns automatic
+    eviction off (a full store then drops writes)."""
+
+    policy: str = "lru"
+    high_watermark: float = attrs.field(default=0.9, validator=_fraction("high_watermark"))
+    low_watermark: float = attrs.field(default=0.7, validator=_fraction("low_watermark"))
+    enabled: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        if self.low_watermark > self.high_watermark:
+            raise ConfigError(
+                "manager.eviction.low_watermark",
+                f"{self.low_watermark} is above high_watermark {self.high_watermark}",
+                "keep low_watermark <= high_watermark",
+            )
+
+    @classmethod
+    def from_conf(cls, node: Any) -> "EvictionConfig":
+        """From the ``manager.eviction`` config section (a mapping or an object), or defaults."""
+        if node is None:
+            return cls()
+        get = node.get if hasattr(node, "get") else lambda k, d=None: getattr(node, k, d)
+        d = cls()
+        return cls(
+            policy=str(get("policy", d.policy)),
+            high_watermark=get("high_watermark", d.high_watermark),
+            low_watermark=get("low_watermark", d.low_watermark),
+            enabled=bool(get("enabled", d.enabled)),
+        )
+
+
+@attrs.frozen(slots=True)
+class Candidate:
+    """A node whose blob may be evicted now, as the policy sees it.
+
+    ``reachable``: every ancestor has KV, so a lookup can reach this node. An unreachable blob
+    (an ancestor lost its KV) cannot be hit until that ancestor is written again."""
+
+    node: Any = attrs.field(eq=False)
+    nbytes: int
+    last_access: float
+    depth: int
+    reachable: bool
+
+
+class EvictionPolicy(Protocol):
+    """Orders eviction candidates, first victim first. Pure: reads the candidates, nothing else.
+
+    The manager evicts in that order until usage is at or below the low watermark, collecting
+    fresh candidates when it runs out (evicting a leaf can make its parent a leaf)."""
+
+    def order(self, candidates: Sequence[Candidate]) -> list[Candidate]: ...

@@ -1,0 +1,145 @@
+"""`CacheMetrics`: the one stats object of a cache (a manager, the bindings and the store report
+into it); shown in the CLI report and written to ``results.json`` under ``"metrics"``.
+
+Who records what:
+
+- the manager: lookups and their outcome (miss, below break-even, hit of depth K, full or
+  partial), restores (bytes, seconds, retries after invalidation, failures), writes (bytes and
+  seconds from ``put_async`` to the store's completion callback), dropped writes (store full after
+  eviction and one retry, or a write error), evictions and invalidations, and store usage after
+  every write and eviction pass (``timeline``);
+- the store, read when the metrics are rendered (`as_dict`): its current usage (``usage()``),
+  failed and pending writes and its registration seconds (``stats``), where it offers them.
+
+Thread-safe: every update holds one lock. Times come from the manager's clock.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Optional
+
+import attrs
+
+__all__ = ["CacheMetrics"]
+
+TIMELINE_MAX = 20_000  # samples kept (the oldest half is thinned when full)
+
+
+@attrs.define(eq=False)
+class CacheMetrics:
+    """Counters of one cache; see the module docstring. ``as_dict()`` is the rendered form."""
+
+    lookups: int = 0
+    misses: int = 0
+    below_break_even: int = 0
+    hits: int = 0
+    full_hits: int = 0
+    partial_hits: int = 0
+    hits_by_depth: dict[int, int] = attrs.field(factory=dict)
+    partial_hits_by_depth: dict[int, int] = attrs.field(factory=dict)
+    restores: int = 0
+    restore_bytes: int = 0
+    restore_seconds: float = 0.0
+    restore_retries: int = 0
+    restore_failures: int = 0
+    writes: int = 0
+    write_bytes: int = 0
+    write_seconds: float = 0.0
+    reingest_kept: int = 0
+    dropped_writes: int = 0
+    store_full_retries: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
+    eviction_passes: int = 0
+    eviction_errors: int = 0
+    skeletons_freed: int = 0
+    invalidations: int = 0
+    peak_used_bytes: int = 0
+    timeline: list[tuple[float, int, Optional[int], str]] = attrs.field(factory=list)
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
+    _store: Any = attrs.field(default=None, init=False, repr=False)
+    _t0: Optional[float] = attrs.field(default=None, init=False, repr=False)
+
+    # -- recording ------------------------------------------------------------------------------
+    def bind_store(self, store: Any) -> None:
+        """The store whose usage and stats `as_dict` reads (the last one bound wins)."""
+        self._store = store
+
+    def add(self, **deltas: Any) -> None:
+        with self._lock:
+            for name, value in deltas.items():
+                setattr(self, name, getattr(self, name) + value)
+
+    def record_hit(self, depth: int, requested: int) -> None:
+        with self._lock:
+            self.hits += 1
+            self.hits_by_depth[depth] = self.hits_by_depth.get(depth, 0) + 1
+            if depth < requested:
+                self.partial_hits += 1
+                self.partial_hits_by_depth[depth] = self.partial_hits_by_depth.get(depth, 0) + 1
+            else:
+                self.full_hits += 1
+
+    def observe_usage(self, now: float, used: int, capacity: Optional[int], event: str) -> None:
+        """A usage sample (after a write or an eviction pass); keeps the peak and the timeline."""
+        with self._lock:
+            if self._t0 is None:
+                self._t0 = now
+            self.peak_used_bytes = max(self.peak_used_bytes, used)
+            if len(self.timeline) >= TIMELINE_MAX:
+                self.timeline = self.timeline[: TIMELINE_MAX // 2 : 2] + self.timeline[TIMELINE_MAX // 2 :]
+            self.timeline.append((now - self._t0, used, capacity, event))
+
+    # -- rendering ------------------------------------------------------------------------------
+    def as_dict(self, *, timeline: bool = False) -> dict[str, Any]:
+        """Every counter, the store's usage (``store_used_bytes``, ``store_capacity_bytes``,
+        ``store_peak_bytes``), its failed and pending writes and registration seconds. With
+        ``timeline``, the usage samples as ``[t_s, used, capacity, event]`` too."""
+        from cacheseek.eviction.base import store_usage
+
+        with self._lock:
+            out = {
+                f.name: getattr(self, f.name)
+                for f in attrs.fields(type(self))
+                if not f.name.startswith("_") and f.name != "timeline"
+            }
+            out["hits_by_depth"] = dict(sorted(self.hits_by_depth.items()))
+            out["partial_hits_by_depth"] = dict(sorted(self.partial_hits_by_depth.items()))
+            samples = list(self.timeline) if timeline else None
+        out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
+        store = self._store
+        usage = store_usage(store) if store is not None else None
+        out["store_used_bytes"] = usage.used_bytes if usage else None
+        out["store_capacity_bytes"] = usage.capacity_bytes if usage else None
+        peak = max(out["peak_used_bytes"], (usage.peak_bytes or 0) if usage else 0)
+        out["store_peak_bytes"] = peak if usage else None
+        stats = _store_stats(store)
+        out["failed_writes"] = _first(stats, "failed_writes", "put_failures", default=0)
+        out["pending_writes"] = _first(stats, "pending_writes", default=0)
+        out["registration_seconds"] = _first(stats, "register_seconds", default=0.0)
+        if samples is not None:
+            out["timeline"] = [list(s) for s in samples]
+        return out
+
+
+def _store_stats(store: Any) -> dict[str, Any]:
+    if store is None:
+        return {}
+    try:
+        stats = getattr(store, "stats", None)
+    except Exception:  # noqa: BLE001 - a closed store's stats are not worth a crash in a report
+        return {}
+    if stats is None:
+        return {}
+    if isinstance(stats, dict):
+        return stats
+    as_dict = getattr(stats, "as_dict", None)
+    return as_dict() if callable(as_dict) else {}
+
+
+def _first(stats: dict[str, Any], *names: str, default: Any) -> Any:
+    for name in names:
+        if stats.get(name) is not None:
+            return stats[name]
+    return default

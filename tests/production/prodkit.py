@@ -1,0 +1,214 @@
+"""Helpers of the production-behaviour tests (issue 5): sessions on the synthetic runtime, Plan
+tier stores over the embedded client, and the store/trie invariants every test checks.
+
+Invariants (`check_invariants`):
+- no orphan value: every value in the store is the latent of some node's skeleton, or a KV value
+  of a node whose blob is ready or still in flight;
+- no half-published node: every node whose blob is ready has all ``2 * n_layers`` KV values and
+  its latent in the store;
+- nothing is referenced (``ref_count == 0``) or left half-evicted (``evicting``) once idle.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
+from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
+from cacheseek.reuse.exact_prefix.keys import layer_keys
+from cacheseek.reuse.exact_prefix.telefuser_lingbot import (
+    LingBotWorldKVBinding,
+    make_full_kv_config,
+    make_rolling_config,
+)
+from cacheseek.runtime.synthetic import SyntheticRuntimeFactory
+from cacheseek.stores.plan_tier import PlanTierStore
+from cacheseek.transfer.host_transfer import HostTransferRuntime
+
+N = 5
+FULL = (-1, 0)
+ROLLING = (7, 3)
+MODES = {"full": FULL, "L7S3": ROLLING}
+WAIT_S = 10.0
+
+
+def acts(n: int = N, *, variant: int = 0) -> list[list[float]]:
+    return [[0.1 * i + variant, -0.05 * i, 0.02 * variant, 0.3 * (i % 2)] for i in range(n)]
+
+
+ACTS = acts()
+
+
+def factory(mode=FULL) -> SyntheticRuntimeFactory:
+    return SyntheticRuntimeFactory(geometry="tiny", local_attn_size=mode[0], sink_size=mode[1])
+
+
+def manager_cfg(mode=FULL, break_even_k: int = 1):
+    if mode[0] == -1:
+        return make_full_kv_config(break_even_k=break_even_k)
+    return make_rolling_config(local_attn_size=mode[0], sink_size=mode[1], chunk_size=3,
+                               break_even_k=break_even_k)
+
+
+def new_manager(store, mode=FULL, forest=None, **kw) -> WorldKVManager:
+    return WorldKVManager(forest if forest is not None else NamespaceForest(), store, manager_cfg(mode), **kw)
+
+
+def run_session(manager: WorldKVManager, mode=FULL, actions=ACTS, *, ingest: bool = True):
+    """One full session through the real binding; returns (binding, runtime, frame hashes)."""
+    b = LingBotWorldKVBinding(manager, manager.forest, ingest_enabled=ingest)
+    rt = factory(mode).make(actions, hooks=b)
+    hashes = rt.generate()
+    flush = getattr(manager.store, "flush", None)
+    if flush is not None:
+        flush()
+    return b, rt, hashes
+
+
+_COLD: dict = {}
+
+
+def cold_hashes(mode=FULL, actions=ACTS) -> list[bytes]:
+    key = (mode, tuple(map(tuple, actions)))
+    if key not in _COLD:
+        _COLD[key] = factory(mode).make(actions, hooks=None).generate()
+    return _COLD[key]
+
+
+def nodes(forest: NamespaceForest) -> list:
+    return [n for ns in forest.namespaces() for n in ns.iter_nodes()]
+
+
+def chain(forest: NamespaceForest) -> dict[int, Any]:
+    """depth -> node of a forest holding a single chain."""
+    out = {}
+    for n in nodes(forest):
+        assert n.depth not in out, "one chain expected"
+        out[n.depth] = n
+    return out
+
+
+def store_keys(store: Any) -> list[str]:
+    if isinstance(store, PlanTierStore):
+        inner = store.plan_client
+        return list(getattr(inner, "_inner", inner).keys())
+    return list(store.keys())
+
+
+def check_invariants(forest: NamespaceForest, keys: list[str]) -> list[str]:
+    """Violations of the invariants of the module docstring (empty when all hold)."""
+    present = set(keys)
+    allowed: set[str] = set()
+    problems: list[str] = []
+    for n in nodes(forest):
+        if n.ref_count != 0 or n.evicting:
+            problems.append(f"{n!r}: ref_count {n.ref_count}, evicting {n.evicting}")
+        if n.skeleton is not None:
+            allowed.add(n.skeleton.latent_locator)
+        blob = n.blob
+        if blob is None or blob.error is not None:
+            continue
+        kv = [k for layer in range(blob.n_layers) for k in layer_keys(blob.locator, layer)]
+        allowed.update(kv)
+        if blob.ready:
+            missing = [k for k in kv if k not in present]
+            if n.skeleton is None or n.skeleton.latent_locator not in present:
+                missing.append("latent")
+            if missing:
+                problems.append(f"half-published {n!r}: missing {missing}")
+    orphans = sorted(present - allowed)
+    if orphans:
+        problems.append(f"orphan values: {orphans}")
+    return problems
+
+
+def plan_store(
+    *,
+    segment_bytes: int = 1 << 20,
+    faults: Optional[PlanFaults] = None,
+    transfer: Any = None,
+    **kw: Any,
+) -> tuple[PlanTierStore, EmbeddedPlanClient]:
+    """A Plan tier over a fresh embedded client (the caller closes both: `close_plan`)."""
+    client = EmbeddedPlanClient(segment_bytes=segment_bytes, prefault_threads=1, faults=faults or PlanFaults())
+    store = PlanTierStore(plan_client=client, transfer=transfer or HostTransferRuntime(), **kw)
+    return store, client
+
+
+def close_plan(store: PlanTierStore, client: EmbeddedPlanClient) -> None:
+    try:
+        store.close()
+    finally:
+        client.close()
+
+
+class FaultyBackend:
+    """Wraps a `ValueBackend`: ``write_fault(n, key)`` / ``read_fault(n, key)`` return an
+    exception to raise (or, for reads, the string ``"missing"`` to answer None) on the n-th call."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.writes = 0
+        self.reads = 0
+        self.write_fault: Optional[Callable[[int, str], Any]] = None
+        self.read_fault: Optional[Callable[[int, str], Any]] = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def write(self, key: str, value: Any) -> None:
+        self.writes += 1
+        fault = self.write_fault(self.writes, key) if self.write_fault else None
+        if fault is not None:
+            raise fault
+        self.inner.write(key, value)
+
+    def read(self, key: str) -> Any:
+        self.reads += 1
+        fault = self.read_fault(self.reads, key) if self.read_fault else None
+        if fault == "missing":
+            return None
+        if fault is not None:
+            raise fault
+        return self.inner.read(key)
+
+
+def fake_cuda(**kw: Any) -> tuple[Any, Any]:
+    """A CUDA transfer runtime over the fake cudart, CPU tensors standing in for device ones."""
+    from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
+    from cacheseek.transfer.fake_cuda import FakeCudart
+
+    fake = FakeCudart(unknown_is_device=True, **kw)
+    return CudaTransferRuntime(cudart=fake, current_stream=lambda: 7, tensor_device_type="cpu"), fake
+
+
+class PlanProxy:
+    """Delegates to a Plan client; logs ``("commit", keys, 0 | status | key code | "raised")`` and
+    ``("remove", key)``;
+    ``before_commit(keys)`` runs right before a commit is handed to the client (to arm a fault
+    for exactly that plan)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.log: list[tuple] = []
+        self.before_commit: Optional[Callable[[tuple], None]] = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def local_fast_put_commit(self, plan: Any) -> Any:
+        if self.before_commit is not None:
+            self.before_commit(tuple(plan.keys))
+        try:
+            future = self._inner.local_fast_put_commit(plan)
+        except Exception:
+            self.log.append(("commit", tuple(plan.keys), "raised"))
+            raise
+        result = future.result()
+        ok = result.status == 0 and not any(result.key_codes)
+        self.log.append(("commit", tuple(plan.keys), 0 if ok else (result.status or max(result.key_codes))))
+        return future
+
+    def remove(self, key: str) -> None:
+        self.log.append(("remove", key))
+        self._inner.remove(key)
