@@ -239,11 +239,15 @@ class PlanUsage:
 @attrs.frozen(slots=True)
 class SegmentTimers:
     """Setup costs of the segments: mapping, pre-faulting (``fault_method``: "madvise",
-    "touch" or "none")."""
+    "touch" or "none", from ``fault_threads`` threads). ``huge_page_bytes``: bytes of the segment
+    backed by 2 MiB pages after the fault (-1 when unknown)."""
 
     map_seconds: float = 0.0
     fault_seconds: float = 0.0
     fault_method: str = "none"
+    fault_threads: int = 0
+    huge_page_bytes: int = -1
+    segment_bytes: int = 0
 
 
 @runtime_checkable

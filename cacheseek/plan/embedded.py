@@ -4,12 +4,15 @@ The single-machine tier that needs no service, and the Plan test bed. It offers 
 `cacheseek.plan.base.PlanClient` with the lifecycles documented there, over:
 
 - one segment (``backing``): ``"shared"`` an anonymous MAP_SHARED mapping, ``"private"`` an
-  anonymous MAP_PRIVATE mapping advised MADV_HUGEPAGE (2 MiB pages where THP is ``madvise``:
-  the cheapest to fault and register, DESIGN.md section 4), or ``"shm"`` a MAP_SHARED file in
-  ``shm_dir`` (how a Fluxon owner's segment looks). It is created and pre-faulted by
+  anonymous MAP_PRIVATE mapping, or ``"shm"`` a MAP_SHARED file in ``shm_dir`` (how a Fluxon
+  owner's segment looks). With ``hugepages`` (default) the segment is advised MADV_HUGEPAGE: a
+  private mapping then gets 2 MiB pages where THP is ``madvise`` (the cheapest to fault and to
+  register, DESIGN.md section 4); shared memory gets them only where shmem THP is enabled (it is
+  ``never`` on the H200 machine). The bytes actually backed by huge pages are read back from
+  ``/proc/self/smaps`` into the segment timers. The segment is created and pre-faulted by
   ``wait_local_segments_ready`` (libc ``madvise(MADV_POPULATE_WRITE)`` through ctypes, which
-  releases the GIL, from up to ``prefault_threads`` threads; ``memset`` where the kernel refuses),
-  so that registering it with CUDA and the first write do not pay for page faults;
+  releases the GIL, from ``prefault_threads`` threads, 0 = one per CPU up to 16; ``memset`` where
+  the kernel refuses), so that registering it with CUDA and the first write pay for no page fault;
 - a first-fit allocator with ``alignment``-byte blocks that coalesces freed neighbours;
 - a key index of published values; each value counts its readers. A remove or an overwrite
   unpublishes a value at once but frees its bytes only when the last reader releases its views;
@@ -63,6 +66,7 @@ _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23
 _PAGE = mmap.PAGESIZE
 _PREFAULT_SLICE = 256 << 20  # one thread per 256 MiB, up to prefault_threads
+_MAX_AUTO_THREADS = 16
 _BACKINGS = ("shared", "private", "shm")
 _STORE_FULL_FIX = "raise store.segment_bytes or free values"
 
@@ -71,8 +75,9 @@ _STORE_FULL_FIX = "raise store.segment_bytes or free values"
 class EmbeddedPlanSchema:
     _target_: str = "cacheseek.plan.embedded.EmbeddedPlanClient"
     segment_bytes: int = 1 << 30
-    prefault_threads: int = 4
+    prefault_threads: int = 0
     backing: str = "shared"
+    hugepages: bool = True
     shm_dir: Optional[str] = None
     alignment: int = 256
     table_arena_bytes: int = 1 << 20
@@ -176,11 +181,45 @@ def _libc() -> Optional[ctypes.CDLL]:
         return None
 
 
+def auto_threads(threads: int) -> int:
+    """``threads``, or for 0 one per CPU (up to 16)."""
+    return threads if threads > 0 else max(1, min(_MAX_AUTO_THREADS, os.cpu_count() or 1))
+
+
+def huge_page_bytes(ptr: int) -> int:
+    """Bytes of the mapping that starts at ``ptr`` backed by 2 MiB pages (AnonHugePages plus
+    ShmemPmdMapped and FilePmdMapped in ``/proc/self/smaps``); -1 when that cannot be read."""
+    start = f"{ptr:x}-"
+    try:
+        with open("/proc/self/smaps") as f:
+            found = False
+            total = 0
+            for line in f:
+                if not found:
+                    found = line.startswith(start)
+                    continue
+                if line[:1].isdigit() or line[:1] in "abcdef" and "-" in line.split()[0]:
+                    break  # the next mapping
+                key, _, rest = line.partition(":")
+                if key in ("AnonHugePages", "ShmemPmdMapped", "FilePmdMapped"):
+                    total += int(rest.split()[0]) * 1024
+            return total if found else -1
+    except (OSError, ValueError, IndexError):
+        return -1
+
+
 class _Segment:
     """One mapped, pre-faulted segment (or the table arena): ``ptr``, ``length``, timers."""
 
     def __init__(
-        self, length: int, backing: str, shm_dir: Optional[str], prefault_threads: int, *, prefault: bool
+        self,
+        length: int,
+        backing: str,
+        shm_dir: Optional[str],
+        prefault_threads: int,
+        *,
+        prefault: bool,
+        hugepages: bool = True,
     ) -> None:
         t0 = time.perf_counter()
         self.length = length
@@ -198,17 +237,23 @@ class _Segment:
         self._anchor = ctypes.c_char.from_buffer(self._mm)
         self.ptr = ctypes.addressof(self._anchor)
         libc = _libc()
-        if backing == "private" and length >= 2 << 20 and libc is not None:
-            libc.madvise(self.ptr, length, _MADV_HUGEPAGE)
+        self.hugepages = bool(hugepages and length >= 2 << 20 and libc is not None)
+        if self.hugepages:
+            libc.madvise(self.ptr, length, _MADV_HUGEPAGE)  # advice only: refusal is harmless
         self.map_seconds = time.perf_counter() - t0
         t1 = time.perf_counter()
+        self.threads = 0
         self.fault_method = self._prefault(libc, prefault_threads) if prefault else "none"
         self.fault_seconds = time.perf_counter() - t1
+        self.huge_bytes = huge_page_bytes(self.ptr) if self.hugepages else 0
 
     def _prefault(self, libc: Optional[ctypes.CDLL], threads: int) -> str:
-        n = max(1, min(threads, math.ceil(self.length / _PREFAULT_SLICE)))
+        n = max(1, min(auto_threads(threads), math.ceil(self.length / _PREFAULT_SLICE)))
         step = -(-self.length // n // _PAGE) * _PAGE
+        if self.hugepages:
+            step = -(-step // (2 << 20)) * (2 << 20)  # whole huge pages per thread
         slices = [(off, min(step, self.length - off)) for off in range(0, self.length, step)]
+        self.threads = len(slices)
         methods: list[str] = []
 
         def fault(off: int, size: int) -> None:
@@ -265,8 +310,9 @@ class EmbeddedPlanClient:
     def __init__(
         self,
         segment_bytes: int = 1 << 30,
-        prefault_threads: int = 4,
+        prefault_threads: int = 0,
         backing: str = "shared",
+        hugepages: bool = True,
         shm_dir: Optional[str] = None,
         alignment: int = 256,
         table_arena_bytes: int = 1 << 20,
@@ -276,7 +322,7 @@ class EmbeddedPlanClient:
     ) -> None:
         for name, value, low in (
             ("segment_bytes", segment_bytes, alignment),
-            ("prefault_threads", prefault_threads, 1),
+            ("prefault_threads", prefault_threads, 0),
             ("alignment", alignment, 8),
             ("table_arena_bytes", table_arena_bytes, 4096),
         ):
@@ -291,6 +337,7 @@ class EmbeddedPlanClient:
         self.segment_bytes = -(-segment_bytes // alignment) * alignment
         self.prefault_threads = prefault_threads
         self.backing = backing
+        self.hugepages = bool(hugepages)
         self.shm_dir = shm_dir
         self.alignment = alignment
         self.table_arena_bytes = table_arena_bytes
@@ -319,10 +366,11 @@ class EmbeddedPlanClient:
         if self._segment is not None:
             return self._segment
         seg = _Segment(
-            self.segment_bytes, self.backing, self.shm_dir, self.prefault_threads, prefault=self.prefault
+            self.segment_bytes, self.backing, self.shm_dir, self.prefault_threads,
+            prefault=self.prefault, hugepages=self.hugepages,
         )
         try:
-            arena = _Segment(self.table_arena_bytes, "private", None, 1, prefault=True)
+            arena = _Segment(self.table_arena_bytes, "private", None, 1, prefault=True, hugepages=False)
         except BaseException:
             seg.close()
             raise
@@ -330,16 +378,20 @@ class EmbeddedPlanClient:
         self._alloc = _FirstFit(seg.length, self.alignment)
         self._tables = _FirstFit(arena.length, 64)
         self._generation += 1
-        self._timers = SegmentTimers(seg.map_seconds, seg.fault_seconds, seg.fault_method)
+        self._timers = SegmentTimers(
+            seg.map_seconds, seg.fault_seconds, seg.fault_method, seg.threads, seg.huge_bytes, seg.length
+        )
         log.info(
             "embedded Plan segment: %d MiB %s, generation %d, mapped in %.3f s, "
-            "pre-faulted (%s) in %.3f s",
+            "pre-faulted (%s, %d threads) in %.3f s, %d MiB in 2 MiB pages",
             seg.length >> 20,
             self.backing,
             self._generation,
             seg.map_seconds,
             seg.fault_method,
+            seg.threads,
             seg.fault_seconds,
+            max(seg.huge_bytes, 0) >> 20,
         )
         return seg
 

@@ -401,6 +401,10 @@ class SyntheticWorldRuntime:
 
         weights = _make_weights(g, self._gemm)
         self.weights_fingerprint = _fingerprint(weights)
+        if self._gemm is not None and self._gemm["gemms_per_layer_step"] != 1:
+            # the GEMM chain length changes the bits too: it is part of the model
+            chain = str(self._gemm["gemms_per_layer_step"]).encode()
+            self.weights_fingerprint = hashlib.sha256(_lp(self.weights_fingerprint, b"gemms", chain)).digest()
         self._w = {name: w.to(self.device) for name, w in weights.items()}
         if "compute.w" in self._w:
             self._w["compute.w"] = self._w["compute.w"].to(self.dtype)
@@ -781,7 +785,8 @@ def _check_compute(compute: Any) -> dict | None:
 
 @dataclasses.dataclass
 class SyntheticRuntimeSchema:
-    """Hydra schema of `runtime: synthetic`; `compute_gemm_dim` 0 means no extra compute."""
+    """Hydra schema of `runtime: synthetic`; `compute_gemm_dim` 0 means no extra compute,
+    `compute_gemms` is the number of chained GEMMs per layer and forward pass (see `compute`)."""
 
     _target_: str = "cacheseek.runtime.synthetic.SyntheticRuntimeFactory"
     geometry: str = "tiny"
@@ -793,6 +798,7 @@ class SyntheticRuntimeSchema:
     seed: int = 1234
     prompt: str = "a red car driving along a coast road"
     compute_gemm_dim: int = 0
+    compute_gemms: int = 1
 
 
 @RUNTIMES.register("synthetic", SyntheticRuntimeSchema)
@@ -811,12 +817,14 @@ class SyntheticRuntimeFactory:
         seed: int = 1234,
         prompt: str = "a red car driving along a coast road",
         compute_gemm_dim: int = 0,
+        compute_gemms: int = 1,
     ) -> None:
         self._geometry = get_geometry(geometry)
         validate_window(self._geometry, local_attn_size, sink_size)
         _check_int("runtime.num_steps", num_steps, 1)
         _check_int("runtime.seed", seed, 0)
         _check_int("runtime.compute_gemm_dim", compute_gemm_dim, 0)
+        _check_int("runtime.compute_gemms", compute_gemms, 1)
         _check_dtype(dtype)
         if not isinstance(prompt, str):
             raise ConfigError("runtime.prompt", f"must be a string, got {type(prompt).__name__}")
@@ -828,6 +836,7 @@ class SyntheticRuntimeFactory:
         self.seed = seed
         self.prompt = prompt
         self.compute_gemm_dim = compute_gemm_dim
+        self.compute_gemms = compute_gemms
 
     @property
     def geometry(self) -> Geometry:
@@ -871,5 +880,9 @@ class SyntheticRuntimeFactory:
             device=self._device,
             dtype=self._dtype,
             hooks=hooks,
-            compute={"gemm_dim": self.compute_gemm_dim} if self.compute_gemm_dim else None,
+            compute=(
+                {"gemm_dim": self.compute_gemm_dim, "gemms_per_layer_step": self.compute_gemms}
+                if self.compute_gemm_dim
+                else None
+            ),
         )

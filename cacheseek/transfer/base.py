@@ -1,4 +1,5 @@
-"""The transfer seam: immutable copy descriptors, host mappings, and the `TransferRuntime` Protocol.
+"""The transfer seam: copy descriptors and batches, host mappings, streams and events, and the
+`TransferRuntime` / `AsyncTransfer` Protocols.
 
 A transfer runtime moves bytes between two kinds of memory:
 
@@ -10,12 +11,17 @@ A transfer runtime moves bytes between two kinds of memory:
   `TransferRuntime.device_range`).
 
 ``Direction`` states where each side lives: ``H2D`` reads a host mapping and writes a device
-range, ``D2H`` the reverse, ``H2H`` copies between host mappings. The same contract holds for
-every runtime, whatever the physical memory behind a "device" range.
+range, ``D2H`` the reverse, ``H2H`` copies between host mappings, ``D2D`` between device ranges
+(a snapshot of the live ring into a staging buffer). The same contract holds for every runtime,
+whatever the physical memory behind a "device" range.
 
-Batch lifecycle (`TransferRuntime.copy_batch`)::
+A batch is a sequence of `CopyDescriptor` values or a `CopyBatch` (the same copies as numpy
+arrays: built and validated without a Python object per copy, which matters for thousands of
+small copies).
 
-    validate every descriptor (positive size, each range inside a registered mapping or a declared
+Synchronous batch lifecycle (`TransferRuntime.copy_batch`)::
+
+    validate every copy (positive size, each range inside a registered mapping or a declared
     device range, direction consistent, destinations disjoint)   -> TransferError, nothing submitted
     submit every copy on the stream (one batched call where offered, else one call per copy)
     synchronize the stream once                                   -> returns: every byte has landed
@@ -23,6 +29,20 @@ Batch lifecycle (`TransferRuntime.copy_batch`)::
 
 So when ``copy_batch`` returns or raises, no copy of that batch is still in flight: the caller may
 commit, abort or release the memory behind it.
+
+Asynchronous batch lifecycle (capability `AsyncTransfer`, offered by `TransferRuntimeBase`)::
+
+    new_stream()                          -> a stream of the runtime's own (CUDA: non-blocking, so
+                                             it neither waits for nor blocks the legacy stream)
+    record_event(stream)                  -> an `Event` marking everything submitted on it so far
+    submit_batch(batch, stream=s, after=[events or pending batches])
+        validates like copy_batch (TransferError, nothing submitted), makes ``s`` wait for every
+        ``after`` event, submits, records a completion event -> `PendingBatch` (nothing waited)
+        a submission failure synchronizes ``s`` before raising, so nothing of it is in flight
+    stream_wait(stream, pending_or_event) -> later work on ``stream`` starts after it (no host wait)
+    PendingBatch.done() / .wait()         -> query / block until every copy has landed; wait()
+                                             records the stats and frees the event; idempotent
+    release_event(event), destroy_stream(stream)
 
 Registration lifecycle: ``register(m)`` -> registered (idempotent for the same
 ``(ptr, length, generation)``; "already registered" by someone else is success) ->
@@ -37,20 +57,44 @@ import enum
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 import attrs
 
 from cacheseek.errors import TransferError
 
+
+class LazyModule:
+    """A module imported at its first attribute access (importing a backend costs nothing;
+    numpy is needed only once copies are built)."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._module: Any = None
+
+    def __getattr__(self, attr: str) -> Any:
+        module = self.__dict__["_module"]
+        if module is None:
+            import importlib
+
+            module = self.__dict__["_module"] = importlib.import_module(self.__dict__["_name"])
+        return getattr(module, attr)
+
+
+np = LazyModule("numpy")
+
 __all__ = [
     "Direction",
     "CopyDescriptor",
+    "CopyBatch",
     "HostMapping",
     "MemoryRange",
     "DirectionStats",
     "TransferStats",
     "TransferRuntime",
+    "AsyncTransfer",
+    "Event",
+    "PendingBatch",
     "TransferRuntimeBase",
     "SubmitFailed",
     "Registration",
@@ -63,14 +107,22 @@ class Direction(str, enum.Enum):
     H2D = "h2d"
     D2H = "d2h"
     H2H = "h2h"
+    D2D = "d2d"
 
     @property
     def src_on_device(self) -> bool:
-        return self is Direction.D2H
+        return self in (Direction.D2H, Direction.D2D)
 
     @property
     def dst_on_device(self) -> bool:
-        return self is Direction.H2D
+        return self in (Direction.H2D, Direction.D2D)
+
+    @property
+    def code(self) -> int:
+        return _DIRECTIONS.index(self)
+
+
+_DIRECTIONS = (Direction.H2D, Direction.D2H, Direction.H2H, Direction.D2D)
 
 
 def _positive_int(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -100,6 +152,80 @@ class CopyDescriptor:
     @property
     def src_end(self) -> int:
         return self.src + self.nbytes
+
+
+def _int64(values: Any, n: Optional[int] = None) -> np.ndarray:
+    arr = np.asarray(values, dtype=np.int64)
+    if arr.ndim == 0 and n is not None:
+        arr = np.full(n, int(arr), dtype=np.int64)
+    return np.ascontiguousarray(arr.reshape(-1))
+
+
+@attrs.frozen(slots=True, eq=False)
+class CopyBatch:
+    """A batch of copies as int64 arrays (``dsts``, ``srcs``, ``sizes``) and direction codes
+    (`Direction.code`), one entry per copy. Build with `of` (one direction), `from_descriptors`
+    or `concat`; the arrays are not copied again on submission."""
+
+    dsts: np.ndarray
+    srcs: np.ndarray
+    sizes: np.ndarray
+    codes: np.ndarray
+
+    @classmethod
+    def of(cls, dsts: Any, srcs: Any, sizes: Any, direction: Direction) -> "CopyBatch":
+        d = _int64(dsts)
+        s = _int64(srcs, len(d))
+        n = _int64(sizes, len(d))
+        if not len(d) == len(s) == len(n):
+            raise TransferError(f"copy batch arrays differ in length: {len(d)}, {len(s)}, {len(n)}")
+        return cls(d, s, n, np.full(len(d), Direction(direction).code, dtype=np.int8))
+
+    @classmethod
+    def from_descriptors(cls, descriptors: Sequence[CopyDescriptor]) -> "CopyBatch":
+        for i, d in enumerate(descriptors):
+            if not isinstance(d, CopyDescriptor):
+                raise TransferError(f"descriptor {i} is a {type(d).__name__}, not a CopyDescriptor")
+        return cls(
+            _int64([d.dst for d in descriptors]),
+            _int64([d.src for d in descriptors]),
+            _int64([d.nbytes for d in descriptors]),
+            np.array([d.direction.code for d in descriptors], dtype=np.int8),
+        )
+
+    @classmethod
+    def coerce(cls, batch: Union["CopyBatch", Sequence[CopyDescriptor]]) -> "CopyBatch":
+        return batch if isinstance(batch, CopyBatch) else cls.from_descriptors(list(batch))
+
+    @classmethod
+    def concat(cls, batches: Sequence["CopyBatch"]) -> "CopyBatch":
+        batches = list(batches)
+        if not batches:
+            return cls.of([], [], [], Direction.H2D)
+        return cls(*(np.concatenate([getattr(b, f) for b in batches]) for f in ("dsts", "srcs", "sizes", "codes")))
+
+    def __len__(self) -> int:
+        return len(self.dsts)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.sizes.sum())
+
+    def direction(self, i: int) -> Direction:
+        return _DIRECTIONS[int(self.codes[i])]
+
+    def descriptors(self) -> list[CopyDescriptor]:
+        """The copies as `CopyDescriptor` values (tests, diagnostics)."""
+        return [
+            CopyDescriptor(int(d), int(s), int(n), _DIRECTIONS[int(c)])
+            for d, s, n, c in zip(self.dsts, self.srcs, self.sizes, self.codes)
+        ]
+
+    def by_direction(self) -> dict[Direction, tuple[int, int]]:
+        """``{direction: (bytes, copies)}`` of the directions present."""
+        nbytes = np.bincount(self.codes, weights=self.sizes, minlength=len(_DIRECTIONS))
+        copies = np.bincount(self.codes, minlength=len(_DIRECTIONS))
+        return {d: (int(nbytes[i]), int(copies[i])) for i, d in enumerate(_DIRECTIONS) if copies[i]}
 
 
 @attrs.frozen(slots=True)
@@ -140,7 +266,8 @@ class HostMapping:
 
 @attrs.frozen(slots=True)
 class DirectionStats:
-    """Totals for one direction: bytes copied, wall seconds of the batches, copies submitted."""
+    """Totals for one direction: bytes copied, wall seconds of the batches, copies submitted.
+    An asynchronous batch counts from its submission to the wait that saw it complete."""
 
     bytes: int = 0
     seconds: float = 0.0
@@ -158,6 +285,7 @@ class TransferStats:
     h2d: DirectionStats = DirectionStats()
     d2h: DirectionStats = DirectionStats()
     h2h: DirectionStats = DirectionStats()
+    d2d: DirectionStats = DirectionStats()
     batches: int = 0
     n_registered: int = 0
     registered_bytes: int = 0
@@ -180,6 +308,9 @@ class TransferStats:
             register_seconds=self.register_seconds,
         )
         return out
+
+
+BatchLike = Union[CopyBatch, Sequence[CopyDescriptor]]
 
 
 @runtime_checkable
@@ -209,7 +340,7 @@ class TransferRuntime(Protocol):
 
     def copy_batch(
         self,
-        descriptors: Sequence[CopyDescriptor],
+        descriptors: BatchLike,
         *,
         stream: Any = None,
         device_ranges: Sequence[MemoryRange] = (),
@@ -224,6 +355,97 @@ class TransferRuntime(Protocol):
     def close(self) -> None:
         """Unregister everything this runtime registered. Idempotent."""
         ...
+
+
+@attrs.define(eq=False)
+class Event:
+    """A runtime's marker on a stream (see the module docstring); made by `record_event` or by
+    `submit_batch`. ``handle`` is the runtime's own (a CUDA event, or None when the host runtime
+    has nothing to wait for)."""
+
+    handle: Any
+    stream: Any
+    released: bool = False
+
+
+class PendingBatch:
+    """A submitted batch: ``done()`` asks, ``wait()`` blocks until every copy has landed (then
+    records the runtime's stats and frees the event). ``wait`` is idempotent and thread-safe; a
+    failed wait raises `TransferError` every time it is called."""
+
+    def __init__(self, runtime: "TransferRuntimeBase", batch: CopyBatch, stream: Any, event: Event, t0: float) -> None:
+        self._runtime = runtime
+        self._per_dir = batch.by_direction()
+        self.nbytes = batch.nbytes
+        self.copies = len(batch)
+        self.stream = stream
+        self.event = event
+        self.submitted_at = t0
+        self.completed_at: Optional[float] = None
+        self._error: Optional[TransferError] = None
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        with self._lock:
+            if self.completed_at is not None or self._error is not None:
+                return True
+            return self._runtime._event_query(self.event)
+
+    def wait(self, *, poll_s: Optional[float] = None, expected_s: float = 0.0) -> None:
+        """Block until the batch has landed. ``poll_s``: instead of one blocking synchronize,
+        sleep ``expected_s`` then ask every ``poll_s`` seconds (keeps the interpreter free for
+        other threads whatever the bindings do with the GIL)."""
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self.completed_at is not None:
+                return
+            try:
+                if poll_s is not None:
+                    if expected_s > 0:
+                        time.sleep(expected_s)
+                    while not self._runtime._event_query(self.event):
+                        time.sleep(poll_s)
+                self._runtime._event_synchronize(self.event)
+            except TransferError as exc:
+                self._error = exc
+                self._runtime.release_event(self.event)
+                raise
+            self.completed_at = time.perf_counter()
+            self._runtime.release_event(self.event)
+            self._runtime._record_dirs(self._per_dir, self.completed_at - self.submitted_at)
+
+    @property
+    def seconds(self) -> Optional[float]:
+        return None if self.completed_at is None else self.completed_at - self.submitted_at
+
+
+@runtime_checkable
+class AsyncTransfer(Protocol):
+    """Capability: streams, events and batches that return before they land (module docstring)."""
+
+    def new_stream(self) -> Any: ...
+
+    def destroy_stream(self, stream: Any) -> None: ...
+
+    def current_stream(self, stream: Any = None) -> Any:
+        """``stream`` resolved to the runtime's handle; None: the caller's current stream."""
+        ...
+
+    def record_event(self, stream: Any = None) -> Event: ...
+
+    def release_event(self, event: Event) -> None: ...
+
+    def stream_wait(self, stream: Any, event: Union[Event, PendingBatch]) -> None: ...
+
+    def submit_batch(
+        self,
+        batch: BatchLike,
+        *,
+        stream: Any = None,
+        device_ranges: Sequence[MemoryRange] = (),
+        after: Sequence[Union[Event, PendingBatch]] = (),
+    ) -> PendingBatch: ...
 
 
 def coerce_stream(stream: Optional[Any]) -> Optional[int]:
@@ -259,12 +481,16 @@ class Registration:
 
 class TransferRuntimeBase(abc.ABC):
     """The batch contract shared by every runtime: registration bookkeeping, whole-batch
-    validation, synchronize-on-failure and stats. Subclasses move the bytes:
+    validation (vectorized), synchronize-on-failure, streams and events, and stats. Subclasses
+    move the bytes:
 
     - ``_register_one(mapping) -> (owned, read_only)`` and ``_unregister_one(registration)``;
-    - ``_submit(descriptors, stream)`` submits every copy, raising `SubmitFailed`;
+    - ``_submit(batch, stream)`` submits every copy of a `CopyBatch`, raising `SubmitFailed`;
     - ``_synchronize(stream)`` waits for the stream, raising `TransferError`;
-    - ``_resolve_stream(stream)`` and ``_is_device_memory(ptr, nbytes)`` (undeclared ranges).
+    - ``_resolve_stream(stream)`` and ``_is_device_memory(ptr, nbytes)`` (undeclared ranges);
+    - streams and events: ``_new_stream``, ``_destroy_stream``, ``_new_event``, ``_record``,
+      ``_stream_wait_event``, ``_event_query``, ``_event_synchronize``, ``_destroy_event``.
+      The defaults suit a runtime whose copies are done at submission (nothing to wait for).
     """
 
     device_kind: str = "cpu"
@@ -274,9 +500,12 @@ class TransferRuntimeBase(abc.ABC):
         self._lock = threading.Lock()
         self._registrations: dict[tuple[int, int, int], Registration] = {}
         self._host_index: list[tuple[int, Registration]] = []  # sorted by ptr
+        self._host_arrays = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
         self._dir_stats = {d: DirectionStats() for d in Direction}
         self._batches = 0
         self._register_seconds = 0.0
+        self._register_timings: list[tuple[HostMapping, float]] = []
+        self._streams = 0
         self._closed = False
 
     # -- subclass hooks -------------------------------------------------------------------------
@@ -287,7 +516,7 @@ class TransferRuntimeBase(abc.ABC):
     def _unregister_one(self, registration: Registration) -> None: ...
 
     @abc.abstractmethod
-    def _submit(self, descriptors: Sequence[CopyDescriptor], stream: Any) -> None: ...
+    def _submit(self, batch: CopyBatch, stream: Any) -> None: ...
 
     @abc.abstractmethod
     def _synchronize(self, stream: Any) -> None: ...
@@ -297,6 +526,32 @@ class TransferRuntimeBase(abc.ABC):
 
     def _is_device_memory(self, ptr: int, nbytes: int) -> bool:
         return False
+
+    def _new_stream(self) -> Any:
+        with self._lock:
+            self._streams += 1
+            return -self._streams  # a token: copies are done at submission
+
+    def _destroy_stream(self, stream: Any) -> None:
+        return None
+
+    def _new_event(self) -> Any:
+        return None
+
+    def _record(self, event: Any, stream: Any) -> None:
+        return None
+
+    def _stream_wait_event(self, stream: Any, event: Any) -> None:
+        return None
+
+    def _event_query(self, event: Event) -> bool:
+        return True
+
+    def _event_synchronize(self, event: Event) -> None:
+        return None
+
+    def _destroy_event(self, event: Any) -> None:
+        return None
 
     # -- registration ---------------------------------------------------------------------------
     def register(self, mappings: Sequence[HostMapping]) -> None:
@@ -311,9 +566,16 @@ class TransferRuntimeBase(abc.ABC):
             owned, read_only = self._register_one(mapping)
             reg = Registration(mapping, owned, read_only)
             with self._lock:
-                self._register_seconds += time.perf_counter() - t0
+                seconds = time.perf_counter() - t0
+                self._register_seconds += seconds
+                self._register_timings.append((mapping, seconds))
                 self._registrations[mapping.key] = reg
                 self._rebuild_index()
+
+    def register_timings(self) -> list[tuple[HostMapping, float]]:
+        """``(mapping, seconds)`` of every registration this runtime made, in order."""
+        with self._lock:
+            return list(self._register_timings)
 
     def unregister(self, mappings: Sequence[HostMapping]) -> None:
         errors: list[BaseException] = []
@@ -338,6 +600,11 @@ class TransferRuntimeBase(abc.ABC):
         self._host_index = sorted(
             ((r.mapping.ptr, r) for r in self._registrations.values()), key=lambda e: e[0]
         )
+        self._host_arrays = (
+            np.array([r.mapping.ptr for _, r in self._host_index], dtype=np.int64),
+            np.array([r.mapping.ptr + r.mapping.length for _, r in self._host_index], dtype=np.int64),
+            np.array([r.mapping.writable for _, r in self._host_index], dtype=bool),
+        )
 
     # -- device ranges --------------------------------------------------------------------------
     def device_range(self, tensor: Any) -> MemoryRange:
@@ -354,23 +621,99 @@ class TransferRuntimeBase(abc.ABC):
             raise TransferError("device tensor is empty")
         return MemoryRange(int(tensor.data_ptr()), nbytes)
 
+    # -- streams and events (AsyncTransfer) -----------------------------------------------------
+    def new_stream(self) -> Any:
+        self._check_open()
+        return self._new_stream()
+
+    def destroy_stream(self, stream: Any) -> None:
+        if stream is not None:
+            self._destroy_stream(stream)
+
+    def current_stream(self, stream: Any = None) -> Any:
+        return self._resolve_stream(stream)
+
+    def record_event(self, stream: Any = None) -> Event:
+        self._check_open()
+        handle = self._resolve_stream(stream)
+        event = Event(self._new_event(), handle)
+        try:
+            self._record(event.handle, handle)
+        except BaseException:
+            self.release_event(event)
+            raise
+        return event
+
+    def release_event(self, event: Event) -> None:
+        """Free an event (idempotent); pending work it marks goes on."""
+        if event.released:
+            return
+        event.released = True
+        if event.handle is not None:
+            self._destroy_event(event.handle)
+
+    def stream_wait(self, stream: Any, event: Union[Event, PendingBatch]) -> None:
+        """Later work on ``stream`` waits for ``event`` (an `Event` or a `PendingBatch`)."""
+        ev = event.event if isinstance(event, PendingBatch) else event
+        if ev.released or ev.handle is None:
+            return  # released: it was waited for already; None: nothing to wait for
+        self._stream_wait_event(self._resolve_stream(stream), ev.handle)
+
     # -- copies ---------------------------------------------------------------------------------
     def copy_batch(
         self,
-        descriptors: Sequence[CopyDescriptor],
+        descriptors: BatchLike,
         *,
         stream: Any = None,
         device_ranges: Sequence[MemoryRange] = (),
+        after: Sequence[Union[Event, PendingBatch]] = (),
     ) -> None:
         self._check_open()
-        descriptors = list(descriptors)
-        if not descriptors:
+        batch = CopyBatch.coerce(descriptors)
+        if not len(batch):
             return
-        self._validate(descriptors, device_ranges)
+        self._validate(batch, device_ranges)
         handle = self._resolve_stream(stream)
+        for ev in after:
+            self.stream_wait(handle, ev)
         t0 = time.perf_counter()
+        self._submit_or_raise(batch, handle)
+        self._synchronize(handle)
+        self._record_dirs(batch.by_direction(), time.perf_counter() - t0)
+
+    def submit_batch(
+        self,
+        batch: BatchLike,
+        *,
+        stream: Any = None,
+        device_ranges: Sequence[MemoryRange] = (),
+        after: Sequence[Union[Event, PendingBatch]] = (),
+    ) -> PendingBatch:
+        """Validate, order ``stream`` after every ``after`` event, submit, record a completion
+        event; return without waiting. Raises `TransferError` (nothing of the batch in flight)."""
+        self._check_open()
+        batch = CopyBatch.coerce(batch)
+        self._validate(batch, device_ranges)
+        handle = self._resolve_stream(stream)
+        for ev in after:
+            self.stream_wait(handle, ev)
+        t0 = time.perf_counter()
+        if len(batch):
+            self._submit_or_raise(batch, handle)
+        event = Event(self._new_event(), handle)
         try:
-            self._submit(descriptors, handle)
+            self._record(event.handle, handle)
+        except BaseException:
+            try:
+                self._synchronize(handle)
+            finally:
+                self.release_event(event)
+            raise
+        return PendingBatch(self, batch, handle, event, t0)
+
+    def _submit_or_raise(self, batch: CopyBatch, handle: Any) -> None:
+        try:
+            self._submit(batch, handle)
         except SubmitFailed as failed:
             if failed.submitted != 0:
                 try:
@@ -380,60 +723,72 @@ class TransferRuntimeBase(abc.ABC):
             if isinstance(failed.cause, TransferError):
                 raise failed.cause
             raise TransferError(f"copy submission failed: {failed.cause}") from failed.cause
-        self._synchronize(handle)
-        self._record(descriptors, time.perf_counter() - t0)
 
-    def _validate(
-        self, descriptors: list[CopyDescriptor], device_ranges: Sequence[MemoryRange]
-    ) -> None:
+    def _validate(self, batch: CopyBatch, device_ranges: Sequence[MemoryRange]) -> None:
+        """Every copy of ``batch`` checked at once (numpy); the few that fail the fast check are
+        re-checked one by one (overlapping ranges, undeclared device memory) before raising."""
+        n = len(batch)
+        if n == 0:
+            return
+        dsts, srcs, sizes, codes = batch.dsts, batch.srcs, batch.sizes, batch.codes
+        bad = np.flatnonzero((sizes <= 0) | (dsts <= 0) | (srcs <= 0))
+        if len(bad):
+            i = int(bad[0])
+            raise TransferError(
+                f"descriptor {i}: dst {int(dsts[i]):#x}, src {int(srcs[i]):#x}, {int(sizes[i])} B: "
+                "addresses and size must be positive; nothing of the batch was submitted"
+            )
         with self._lock:
             host_index = list(self._host_index)
-        host_starts = [ptr for ptr, _ in host_index]
+            h_starts, h_ends, h_writable = self._host_arrays
         devs = sorted(((r.ptr, r) for r in device_ranges), key=lambda e: e[0])
-        dev_starts = [ptr for ptr, _ in devs]
-        for i, d in enumerate(descriptors):
-            if not isinstance(d, CopyDescriptor):
-                raise TransferError(f"descriptor {i} is a {type(d).__name__}, not a CopyDescriptor")
-            for side, ptr, on_device, write in (
-                ("src", d.src, d.direction.src_on_device, False),
-                ("dst", d.dst, d.direction.dst_on_device, True),
-            ):
-                if on_device:
-                    ok = _find(devs, dev_starts, ptr, d.nbytes) is not None or self._is_device_memory(
-                        ptr, d.nbytes
+        d_starts = np.array([p for p, _ in devs], dtype=np.int64)
+        d_ends = np.array([r.end for _, r in devs], dtype=np.int64)
+        src_dev = (codes == Direction.D2H.code) | (codes == Direction.D2D.code)
+        dst_dev = (codes == Direction.H2D.code) | (codes == Direction.D2D.code)
+        for side, ptrs, on_dev, write in (("src", srcs, src_dev, False), ("dst", dsts, dst_dev, True)):
+            ok = np.empty(n, dtype=bool)
+            ok[on_dev] = _inside(d_starts, d_ends, ptrs[on_dev], sizes[on_dev])[0]
+            host = ~on_dev
+            inside, idx = _inside(h_starts, h_ends, ptrs[host], sizes[host])
+            if write and len(idx):
+                inside &= h_writable[np.clip(idx, 0, None)] if len(h_writable) else False
+            ok[host] = inside
+            for i in np.flatnonzero(~ok):
+                i = int(i)
+                ptr, nbytes = int(ptrs[i]), int(sizes[i])
+                if on_dev[i]:
+                    good = _find(devs, [p for p, _ in devs], ptr, nbytes) is not None or self._is_device_memory(
+                        ptr, nbytes
                     )
                     where = "a declared device range"
                 else:
-                    reg = _find(host_index, host_starts, ptr, d.nbytes, key=lambda r: r.mapping.range)
-                    ok = reg is not None and (not write or reg.mapping.writable)
+                    reg = _find(host_index, [p for p, _ in host_index], ptr, nbytes, key=lambda r: r.mapping.range)
+                    good = reg is not None and (not write or reg.mapping.writable)
                     where = ("a writable " if write else "a ") + "registered host mapping"
-                if not ok:
+                if not good:
                     raise TransferError(
-                        f"descriptor {i} ({d.direction.value}): {side} [{ptr:#x}, +{d.nbytes}) is not "
-                        f"inside {where}; nothing of the batch was submitted"
+                        f"descriptor {i} ({batch.direction(i).value}): {side} [{ptr:#x}, +{nbytes}) is "
+                        f"not inside {where}; nothing of the batch was submitted"
                     )
-        ordered = sorted(descriptors, key=lambda d: d.dst)
-        for prev, cur in zip(ordered, ordered[1:]):
-            if cur.dst < prev.dst_end:
+        if n > 1:
+            order = np.argsort(dsts, kind="stable")
+            starts, ends = dsts[order], dsts[order] + sizes[order]
+            clash = np.flatnonzero(starts[1:] < ends[:-1])
+            if len(clash):
                 raise TransferError(
-                    f"descriptors overlap at destination {cur.dst:#x}; "
+                    f"descriptors overlap at destination {int(starts[int(clash[0]) + 1]):#x}; "
                     "nothing of the batch was submitted"
                 )
 
-    def _record(self, descriptors: list[CopyDescriptor], seconds: float) -> None:
-        per_dir: dict[Direction, list[int]] = {}
-        for d in descriptors:
-            acc = per_dir.setdefault(d.direction, [0, 0])
-            acc[0] += d.nbytes
-            acc[1] += 1
+    def _record_dirs(self, per_dir: dict[Direction, tuple[int, int]], seconds: float) -> None:
         total = sum(b for b, _ in per_dir.values())
         with self._lock:
             self._batches += 1
             for direction, (nbytes, copies) in per_dir.items():
                 s = self._dir_stats[direction]
-                self._dir_stats[direction] = DirectionStats(
-                    s.bytes + nbytes, s.seconds + seconds * nbytes / total, s.copies + copies
-                )
+                share = seconds * nbytes / total if total else 0.0
+                self._dir_stats[direction] = DirectionStats(s.bytes + nbytes, s.seconds + share, s.copies + copies)
 
     @property
     def stats(self) -> TransferStats:
@@ -443,6 +798,7 @@ class TransferRuntimeBase(abc.ABC):
                 h2d=self._dir_stats[Direction.H2D],
                 d2h=self._dir_stats[Direction.D2H],
                 h2h=self._dir_stats[Direction.H2H],
+                d2d=self._dir_stats[Direction.D2D],
                 batches=self._batches,
                 n_registered=len(regs),
                 registered_bytes=sum(r.mapping.length for r in regs),
@@ -461,6 +817,18 @@ class TransferRuntimeBase(abc.ABC):
             mappings = [r.mapping for r in self._registrations.values()]
         self.unregister(mappings)
         self._closed = True
+
+
+def _inside(starts: np.ndarray, ends: np.ndarray, ptrs: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per copy: does ``[ptr, ptr + size)`` lie in the range that starts last at or before ptr?
+    (ranges sorted by start). Returns ``(inside, index of that range or -1)``."""
+    if len(ptrs) == 0:
+        return np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64)
+    if len(starts) == 0:
+        return np.zeros(len(ptrs), dtype=bool), np.full(len(ptrs), -1, dtype=np.int64)
+    idx = np.searchsorted(starts, ptrs, side="right") - 1
+    inside = (idx >= 0) & (ptrs + sizes <= ends[np.clip(idx, 0, None)])
+    return inside, idx
 
 
 def _find(index: list, starts: list[int], ptr: int, nbytes: int, key=None):

@@ -5,10 +5,14 @@
   ``cudaHostRegisterReadOnly`` (a read-only MAP_SHARED mapping of a /dev/shm file registers only
   that way). ``cudaErrorHostMemoryAlreadyRegistered`` is success; such a registration belongs to
   someone else and is never unregistered here.
-- Copies go on the caller's current torch CUDA stream (or the ``stream`` given). Where the
-  bindings offer ``cudaMemcpyBatchAsync`` and the stream is not the legacy default stream (which
-  that call refuses), the whole batch is one call; otherwise one ``cudaMemcpyAsync`` per copy.
-  Then one ``cudaStreamSynchronize``.
+- Copies go on the stream given (None: the caller's current torch CUDA stream). Where the bindings
+  offer ``cudaMemcpyBatchAsync`` and the stream is not the legacy default stream (which that call
+  refuses), the batch is one call per ``max_batch`` copies; otherwise one ``cudaMemcpyAsync`` per
+  copy. `copy_batch` then synchronizes the stream once; `submit_batch` records an event instead.
+- Streams of its own (`new_stream`) are created with ``cudaStreamNonBlocking``: they never wait
+  for the legacy default stream (where PyTorch computes by default) nor block it, so copies on
+  them overlap compute. Ordering across streams is explicit: events (``cudaEventRecord``,
+  ``cudaStreamWaitEvent``), created with ``cudaEventDisableTiming``.
 - Device ranges not declared by the caller are checked with ``cudaPointerGetAttributes``.
 
 ``cudart`` is injectable (`cacheseek.transfer.fake_cuda.FakeCudart` in CPU tests); the real module
@@ -20,14 +24,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Optional
 
 from cacheseek.errors import RegistrationError, TransferError
 from cacheseek.registry import TRANSFERS
 from cacheseek.transfer.base import (
-    CopyDescriptor,
+    CopyBatch,
     Direction,
+    Event,
     HostMapping,
     Registration,
     SubmitFailed,
@@ -46,6 +51,7 @@ _BATCH_13_PARAMS = ("dsts", "srcs", "sizes", "count", "attrs", "attrsIdxs", "num
 class CudaTransferSchema:
     _target_: str = "cacheseek.transfer.cuda_transfer.CudaTransferRuntime"
     use_batch_api: Optional[bool] = None
+    max_batch: int = 4096
 
 
 def _import_cudart() -> Any:
@@ -100,7 +106,7 @@ class CudaTransferRuntime(TransferRuntimeBase):
     raw handle used when ``copy_batch`` gets no stream (None: torch's current stream).
     ``use_batch_api``: None = where offered, False = never, True = required.
     ``tensor_device_type``: the torch device type of device tensors ("cuda"; tests that run
-    the fake cudart over CPU memory pass "cpu").
+    the fake cudart over CPU memory pass "cpu"). ``max_batch``: copies per batched call.
     """
 
     device_kind = "cuda"
@@ -112,8 +118,12 @@ class CudaTransferRuntime(TransferRuntimeBase):
         current_stream: Optional[Callable[[], int]] = None,
         use_batch_api: Optional[bool] = None,
         tensor_device_type: str = "cuda",
+        max_batch: int = 4096,
     ) -> None:
         super().__init__()
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise TransferError(f"max_batch must be an int >= 1, got {max_batch!r}")
+        self.max_batch = max_batch
         self._rt = cudart if cudart is not None else _import_cudart()
         self._current_stream = current_stream or _torch_current_stream
         self.tensor_device_type = tensor_device_type
@@ -121,6 +131,7 @@ class CudaTransferRuntime(TransferRuntimeBase):
         self._ok = err.cudaSuccess
         self._already = err.cudaErrorHostMemoryAlreadyRegistered
         self._unsupported = tuple(getattr(err, n) for n in _BATCH_UNSUPPORTED if hasattr(err, n))
+        self._not_ready = getattr(err, "cudaErrorNotReady", None)
         batch_fn = None if use_batch_api is False else getattr(self._rt, "cudaMemcpyBatchAsync", None)
         if use_batch_api and batch_fn is None:
             raise TransferError("use_batch_api=True but these cuda bindings lack cudaMemcpyBatchAsync")
@@ -130,7 +141,11 @@ class CudaTransferRuntime(TransferRuntimeBase):
             Direction.H2D: self._rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
             Direction.D2H: self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost,
             Direction.H2H: self._rt.cudaMemcpyKind.cudaMemcpyHostToHost,
+            Direction.D2D: self._rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
         }
+        self._kind_by_code = [self._kinds[d] for d in (Direction.H2D, Direction.D2H, Direction.H2H, Direction.D2D)]
+        self._stream_flags = getattr(self._rt, "cudaStreamNonBlocking", 1)
+        self._event_flags = getattr(self._rt, "cudaEventDisableTiming", 2)
 
     @property
     def batch_api(self) -> bool:
@@ -198,37 +213,46 @@ class CudaTransferRuntime(TransferRuntimeBase):
         handle = coerce_stream(stream)
         return int(self._current_stream()) if handle is None else handle
 
-    def _submit(self, descriptors: Sequence[CopyDescriptor], stream: int) -> None:
+    def _submit(self, batch: CopyBatch, stream: int) -> None:
         if self._batch_fn is not None and stream not in _LEGACY_STREAMS:
-            if self._submit_batch(descriptors, stream):
-                return
-        self._submit_loop(descriptors, stream)
+            dsts, srcs, sizes = batch.dsts.tolist(), batch.srcs.tolist(), batch.sizes.tolist()
+            n = len(dsts)
+            for lo in range(0, n, self.max_batch):
+                hi = min(n, lo + self.max_batch)
+                if not self._submit_batch(dsts[lo:hi], srcs[lo:hi], sizes[lo:hi], stream, n_before=lo):
+                    return self._submit_loop(batch, stream, start=lo)
+            return
+        self._submit_loop(batch, stream)
 
-    def _submit_loop(self, descriptors: Sequence[CopyDescriptor], stream: int) -> None:
+    def _submit_loop(self, batch: CopyBatch, stream: int, start: int = 0) -> None:
         memcpy = self._rt.cudaMemcpyAsync
-        for i, d in enumerate(descriptors):
-            (err,) = memcpy(d.dst, d.src, d.nbytes, self._kinds[d.direction], stream)[:1]
+        kinds = self._kind_by_code
+        dsts, srcs, sizes, codes = (a[start:].tolist() for a in (batch.dsts, batch.srcs, batch.sizes, batch.codes))
+        n = len(batch)
+        for j, (dst, src, size, code) in enumerate(zip(dsts, srcs, sizes, codes)):
+            (err,) = memcpy(dst, src, size, kinds[code], stream)[:1]
             if err != self._ok:
                 self._clear_last_error()
+                i = start + j
                 raise SubmitFailed(
                     i,
                     TransferError(
-                        f"cudaMemcpyAsync {i} of {len(descriptors)} ({d.direction.value}, "
-                        f"{d.nbytes} B) failed: {self._name(err)}"
+                        f"cudaMemcpyAsync {i} of {n} ({batch.direction(i).value}, "
+                        f"{size} B) failed: {self._name(err)}"
                     ),
                 )
 
-    def _submit_batch(self, descriptors: Sequence[CopyDescriptor], stream: int) -> bool:
+    def _submit_batch(self, dsts: list, srcs: list, sizes: list, stream: int, *, n_before: int = 0) -> bool:
         """One cudaMemcpyBatchAsync; False when the driver does not support it (then the loop
         takes over for good, after a synchronize in case anything went out)."""
         rt = self._rt
         attr = rt.cudaMemcpyAttributes()
         attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
         values = {
-            "dsts": [d.dst for d in descriptors],
-            "srcs": [d.src for d in descriptors],
-            "sizes": [d.nbytes for d in descriptors],
-            "count": len(descriptors),
+            "dsts": dsts,
+            "srcs": srcs,
+            "sizes": sizes,
+            "count": len(dsts),
             "attrs": [attr],
             "attrsIdxs": [0],
             "numAttrs": 1,
@@ -247,13 +271,59 @@ class CudaTransferRuntime(TransferRuntimeBase):
             self._batch_fn = None
             return False
         fail_idx = ret[1] if len(ret) > 1 else None
-        where = f" at copy {fail_idx}" if fail_idx is not None else ""
+        where = f" at copy {n_before + int(fail_idx)}" if fail_idx is not None else ""
         raise SubmitFailed(
             -1,
             TransferError(
-                f"cudaMemcpyBatchAsync of {len(descriptors)} copies failed{where}: {self._name(err)}"
+                f"cudaMemcpyBatchAsync of {len(dsts)} copies failed{where}: {self._name(err)}"
             ),
         )
+
+    # -- streams and events ---------------------------------------------------------------------
+    def _check(self, err: Any, what: str) -> None:
+        if err != self._ok:
+            self._clear_last_error()
+            raise TransferError(f"{what} failed: {self._name(err)}")
+
+    def _new_stream(self) -> int:
+        err, stream = self._rt.cudaStreamCreateWithFlags(self._stream_flags)[:2]
+        self._check(err, "cudaStreamCreateWithFlags(cudaStreamNonBlocking)")
+        return int(stream)
+
+    def _destroy_stream(self, stream: Any) -> None:
+        self._check(self._rt.cudaStreamDestroy(stream)[0], "cudaStreamDestroy")
+
+    def _new_event(self) -> Any:
+        err, event = self._rt.cudaEventCreateWithFlags(self._event_flags)[:2]
+        self._check(err, "cudaEventCreateWithFlags(cudaEventDisableTiming)")
+        return event
+
+    def _record(self, event: Any, stream: Any) -> None:
+        self._check(self._rt.cudaEventRecord(event, stream)[0], "cudaEventRecord")
+
+    def _stream_wait_event(self, stream: Any, event: Any) -> None:
+        self._check(self._rt.cudaStreamWaitEvent(stream, event, 0)[0], "cudaStreamWaitEvent")
+
+    def _event_query(self, event: Event) -> bool:
+        if event.released or event.handle is None:
+            return True
+        err = self._rt.cudaEventQuery(event.handle)[0]
+        if err == self._ok:
+            return True
+        if self._not_ready is not None and err == self._not_ready:
+            return False
+        self._check(err, "cudaEventQuery")
+        return True
+
+    def _event_synchronize(self, event: Event) -> None:
+        if event.released or event.handle is None:
+            return
+        self._check(self._rt.cudaEventSynchronize(event.handle)[0], "cudaEventSynchronize")
+
+    def _destroy_event(self, event: Any) -> None:
+        err = self._rt.cudaEventDestroy(event)[0]
+        if err != self._ok:
+            self._clear_last_error()
 
     def _synchronize(self, stream: int) -> None:
         (err,) = self._rt.cudaStreamSynchronize(stream)[:1]

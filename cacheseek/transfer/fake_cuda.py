@@ -8,6 +8,11 @@ the 12.8 batch call that also returns a failing index; ``batch_api=None`` has no
 What it models, so tests see the bugs a GPU would show:
 - copies are queued per stream at submission and performed only by ``cudaStreamSynchronize``
   (or ``cudaDeviceSynchronize``): reading a destination before the synchronize sees old bytes;
+- events mark a stream's queue position (``cudaEventRecord``); ``cudaEventSynchronize``, and
+  ``cudaStreamWaitEvent`` (eagerly), perform the marked stream's copies up to that position;
+  ``cudaEventQuery`` answers ``cudaErrorNotReady`` ``not_ready_queries`` times for an event with
+  copies still queued before it, then performs them (the device "progresses" when polled);
+  streams made by ``cudaStreamCreateWithFlags`` get handles from 1000 up;
 - a failing call sets the last error, which stays until ``cudaGetLastError`` clears it;
 - a range listed in ``readonly_ranges`` refuses default-flag registration (invalid value), like a
   read-only MAP_SHARED mapping on the H200, and accepts ``cudaHostRegisterReadOnly``;
@@ -26,12 +31,14 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import itertools
+import threading
 from collections.abc import Sequence
 from typing import Any, Optional
 
 import attrs
 
-__all__ = ["FakeCudart", "FakeCall"]
+__all__ = ["FakeCudart", "FakeCall", "FakeEvent"]
 
 
 class cudaError_t(enum.IntEnum):
@@ -39,6 +46,8 @@ class cudaError_t(enum.IntEnum):
     cudaErrorInvalidValue = 1
     cudaErrorMemoryAllocation = 2
     cudaErrorInvalidDevicePointer = 17
+    cudaErrorInvalidResourceHandle = 400
+    cudaErrorNotReady = 600
     cudaErrorCallRequiresNewerDriver = 36
     cudaErrorIllegalAddress = 700
     cudaErrorHostMemoryAlreadyRegistered = 712
@@ -91,6 +100,23 @@ class cudaPointerAttributes:
         self.hostPointer = 0
 
 
+class FakeEvent:
+    """A fake ``cudaEvent_t``: the stream and queue position of its last record."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, flags: int) -> None:
+        self.id = next(self._ids)
+        self.flags = flags
+        self.stream: Optional[int] = None
+        self.pos = 0
+        self.queries = 0
+        self.destroyed = False
+
+    def __repr__(self) -> str:
+        return f"FakeEvent({self.id}, stream={self.stream}, pos={self.pos})"
+
+
 @attrs.frozen(slots=True)
 class FakeCall:
     name: str
@@ -124,6 +150,10 @@ class FakeCudart:
     cudaHostRegisterPortable = 1
     cudaHostRegisterMapped = 2
     cudaHostRegisterReadOnly = 8
+    cudaStreamDefault = 0
+    cudaStreamNonBlocking = 1
+    cudaEventDefault = 0
+    cudaEventDisableTiming = 2
 
     def __init__(
         self,
@@ -132,6 +162,7 @@ class FakeCudart:
         strict: bool = True,
         unknown_is_device: bool = False,
         log: Optional[list] = None,
+        not_ready_queries: int = 1,
     ) -> None:
         if batch_api not in ("13", "12", None):
             raise ValueError(f"batch_api must be '13', '12' or None, got {batch_api!r}")
@@ -145,7 +176,13 @@ class FakeCudart:
         self._registered: dict[int, tuple[int, int]] = {}  # ptr -> (length, flags)
         self._device: list[tuple[int, int, int]] = []  # (ptr, length, device)
         self._buffers: list[Any] = []
-        self._queues: dict[int, list[tuple[int, int, int]]] = {}
+        self._queues: dict[int, list[tuple[int, int, int, int]]] = {}  # (seq, dst, src, n)
+        self._seq: dict[int, int] = {}
+        self._streams: dict[int, int] = {}  # created stream -> flags
+        self._next_stream = 1000
+        self.not_ready_queries = not_ready_queries
+        self._events: set[FakeEvent] = set()
+        self.mutex = threading.RLock()
         if batch_api == "13":
             self.cudaMemcpyBatchAsync = self._batch13
         elif batch_api == "12":
@@ -173,15 +210,20 @@ class FakeCudart:
 
     def pending(self, stream: Optional[int] = None) -> int:
         """Copies submitted and not yet performed (on ``stream``, or on every stream)."""
-        if stream is None:
-            return sum(len(q) for q in self._queues.values())
-        return len(self._queues.get(stream, []))
+        with self.mutex:
+            if stream is None:
+                return sum(len(q) for q in self._queues.values())
+            return len(self._queues.get(stream, []))
 
     def is_registered(self, ptr: int) -> bool:
         return ptr in self._registered
 
     # -- internals ------------------------------------------------------------------------------
     def _call(self, name: str, *args: Any) -> cudaError_t:
+        with self.mutex:
+            return self._call_locked(name, *args)
+
+    def _call_locked(self, name: str, *args: Any) -> cudaError_t:
         self.calls.append(FakeCall(name, args))
         if self.log is not None:
             self.log.append(("cudart", name, args))
@@ -194,6 +236,22 @@ class FakeCudart:
             fault.remaining -= 1
             return self._error(fault.error)
         return _OK
+
+    def _enqueue(self, stream: int, copies: Sequence[tuple[int, int, int]]) -> None:
+        queue = self._queues.setdefault(stream, [])
+        for dst, src, n in copies:
+            seq = self._seq.get(stream, 0)
+            self._seq[stream] = seq + 1
+            queue.append((seq, dst, src, n))
+
+    def _execute(self, stream: int, upto: Optional[int] = None) -> None:
+        """Perform ``stream``'s queued copies (those before queue position ``upto``)."""
+        queue = self._queues.get(stream, [])
+        while queue and (upto is None or queue[0][0] < upto):
+            _, dst, src, n = queue.pop(0)
+            ctypes.memmove(dst, src, n)
+        if not queue:
+            self._queues.pop(stream, None)
 
     def _error(self, err: cudaError_t) -> cudaError_t:
         self.last_error = err
@@ -296,7 +354,8 @@ class FakeCudart:
             return (err,)
         if not self._check_copy(dst, src, count, cudaMemcpyKind(int(kind))):
             return (self._error(_INVALID),)
-        self._queues.setdefault(stream, []).append((dst, src, count))
+        with self.mutex:
+            self._enqueue(stream, [(dst, src, count)])
         return (_OK,)
 
     def _batch(
@@ -324,7 +383,8 @@ class FakeCudart:
         for i, (d, s, n) in enumerate(zip(dsts, srcs, sizes)):
             if not self._check_copy(d, s, n, None):
                 return self._error(_INVALID), i
-        self._queues.setdefault(stream, []).extend(zip(dsts, srcs, sizes))
+        with self.mutex:
+            self._enqueue(stream, list(zip(dsts, srcs, sizes)))
         return _OK, 0
 
     def _batch13(self, dsts, srcs, sizes, count, attrs, attrsIdxs, numAttrs, stream):
@@ -343,15 +403,120 @@ class FakeCudart:
         err = self._call("cudaStreamSynchronize", stream)
         if err != _OK:
             return (err,)
-        for dst, src, n in self._queues.pop(stream, []):
-            ctypes.memmove(dst, src, n)
+        with self.mutex:
+            self._execute(stream)
         return (_OK,)
 
     def cudaDeviceSynchronize(self) -> tuple[cudaError_t]:
         err = self._call("cudaDeviceSynchronize")
         if err != _OK:
             return (err,)
-        for stream in list(self._queues):
-            for dst, src, n in self._queues.pop(stream):
-                ctypes.memmove(dst, src, n)
+        with self.mutex:
+            for stream in list(self._queues):
+                self._execute(stream)
         return (_OK,)
+
+    # -- streams and events ---------------------------------------------------------------------
+    def cudaStreamCreateWithFlags(self, flags: int) -> tuple[cudaError_t, int]:
+        err = self._call("cudaStreamCreateWithFlags", flags)
+        if err != _OK:
+            return err, 0
+        with self.mutex:
+            handle = self._next_stream
+            self._next_stream += 1
+            self._streams[handle] = int(flags)
+        return _OK, handle
+
+    def cudaStreamDestroy(self, stream: int) -> tuple[cudaError_t]:
+        err = self._call("cudaStreamDestroy", stream)
+        if err != _OK:
+            return (err,)
+        with self.mutex:
+            if self._streams.pop(stream, None) is None:
+                return (self._error(cudaError_t.cudaErrorInvalidResourceHandle),)
+            self._execute(stream)  # destroying a stream lets its queued work finish
+        return (_OK,)
+
+    def live_streams(self) -> list[int]:
+        with self.mutex:
+            return sorted(self._streams)
+
+    def cudaEventCreateWithFlags(self, flags: int) -> tuple[cudaError_t, Any]:
+        err = self._call("cudaEventCreateWithFlags", flags)
+        if err != _OK:
+            return err, None
+        with self.mutex:
+            event = FakeEvent(int(flags))
+            self._events.add(event)
+        return _OK, event
+
+    def _live_event(self, event: Any) -> bool:
+        return isinstance(event, FakeEvent) and not event.destroyed
+
+    def cudaEventRecord(self, event: Any, stream: int) -> tuple[cudaError_t]:
+        err = self._call("cudaEventRecord", event, stream)
+        if err != _OK:
+            return (err,)
+        with self.mutex:
+            if not self._live_event(event):
+                return (self._error(cudaError_t.cudaErrorInvalidResourceHandle),)
+            event.stream = stream
+            event.pos = self._seq.get(stream, 0)
+            event.queries = 0
+        return (_OK,)
+
+    def _pending_before(self, event: FakeEvent) -> bool:
+        queue = self._queues.get(event.stream, []) if event.stream is not None else []
+        return bool(queue) and queue[0][0] < event.pos
+
+    def cudaStreamWaitEvent(self, stream: int, event: Any, flags: int = 0) -> tuple[cudaError_t]:
+        err = self._call("cudaStreamWaitEvent", stream, event, flags)
+        if err != _OK:
+            return (err,)
+        with self.mutex:
+            if not self._live_event(event):
+                return (self._error(cudaError_t.cudaErrorInvalidResourceHandle),)
+            if event.stream is not None:
+                self._execute(event.stream, event.pos)
+        return (_OK,)
+
+    def cudaEventQuery(self, event: Any) -> tuple[cudaError_t]:
+        err = self._call("cudaEventQuery", event)
+        if err != _OK:
+            return (err,)
+        with self.mutex:
+            if not self._live_event(event):
+                return (self._error(cudaError_t.cudaErrorInvalidResourceHandle),)
+            if self._pending_before(event):
+                if event.queries < self.not_ready_queries:
+                    event.queries += 1
+                    return (cudaError_t.cudaErrorNotReady,)
+                self._execute(event.stream, event.pos)
+        return (_OK,)
+
+    def cudaEventSynchronize(self, event: Any) -> tuple[cudaError_t]:
+        err = self._call("cudaEventSynchronize", event)
+        if err != _OK:
+            return (err,)
+        with self.mutex:
+            if not self._live_event(event):
+                return (self._error(cudaError_t.cudaErrorInvalidResourceHandle),)
+            if event.stream is not None:
+                self._execute(event.stream, event.pos)
+        return (_OK,)
+
+    def cudaEventDestroy(self, event: Any) -> tuple[cudaError_t]:
+        err = self._call("cudaEventDestroy", event)
+        if err != _OK:
+            return (err,)
+        with self.mutex:
+            if not self._live_event(event):
+                return (self._error(cudaError_t.cudaErrorInvalidResourceHandle),)
+            event.destroyed = True
+            self._events.discard(event)
+        return (_OK,)
+
+    def live_events(self) -> int:
+        """Events created and not destroyed (a leak check for tests)."""
+        with self.mutex:
+            return len(self._events)

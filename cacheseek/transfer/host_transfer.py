@@ -2,19 +2,19 @@
 
 For CPU runtimes (CI, CPU-only users): "device ranges" are the bytes of CPU tensors, host
 mappings are a Plan store's segments. Every copy is done at submission, so ``synchronize`` has
-nothing to wait for; validation, registration bookkeeping and stats are those of every runtime.
+nothing to wait for, streams are tokens and every event is complete when it is recorded;
+validation, registration bookkeeping and stats are those of every runtime.
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
-from collections.abc import Sequence
 from typing import Any
 
 from cacheseek.registry import TRANSFERS
 from cacheseek.transfer.base import (
-    CopyDescriptor,
+    CopyBatch,
     HostMapping,
     Registration,
     SubmitFailed,
@@ -42,10 +42,11 @@ class HostTransferRuntime(TransferRuntimeBase):
     def _unregister_one(self, registration: Registration) -> None:
         return None
 
-    def _submit(self, descriptors: Sequence[CopyDescriptor], stream: Any) -> None:
-        for i, d in enumerate(descriptors):
+    def _submit(self, batch: CopyBatch, stream: Any) -> None:
+        memmove = ctypes.memmove
+        for i, (dst, src, n) in enumerate(zip(batch.dsts.tolist(), batch.srcs.tolist(), batch.sizes.tolist())):
             try:
-                ctypes.memmove(d.dst, d.src, d.nbytes)
+                memmove(dst, src, n)
             except Exception as exc:  # memmove raises only on bad arguments
                 raise SubmitFailed(i, exc) from exc
 

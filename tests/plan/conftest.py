@@ -25,11 +25,13 @@ def transfer_kind(request) -> str:
 
 @pytest.fixture
 def make_store(event_log) -> Callable[..., tuple[PlanTierStore, dict]]:
-    """make_store(kind="host"|"fake_cuda", segment_bytes=..., batch_api=...) -> (store, parts):
-    parts holds the embedded client, its faults, the fake cudart (or None) and the recorders."""
+    """make_store(kind="host"|"fake_cuda", segment_bytes=..., batch_api=..., overlap=False,
+    **store options) -> (store, parts): parts holds the embedded client, its faults, the fake
+    cudart (or None) and the recorders."""
     made: list[PlanTierStore] = []
 
-    def _make(kind: str = "host", *, segment_bytes: int = 1 << 20, batch_api: str | None = "13", stream: int = STREAM):
+    def _make(kind: str = "host", *, segment_bytes: int = 1 << 20, batch_api: str | None = "13", stream: int = STREAM,
+              overlap: bool = False, **store_kw):
         faults = PlanFaults()
         client = EmbeddedPlanClient(segment_bytes=segment_bytes, prefault_threads=2, faults=faults)
         fake = None
@@ -39,7 +41,7 @@ def make_store(event_log) -> Callable[..., tuple[PlanTierStore, dict]]:
             runtime, fake = fake_cuda_runtime(log=event_log, batch_api=batch_api, stream=stream)
         transfer = RecordingTransfer(runtime, event_log)
         recording = RecordingClient(client, event_log)
-        store = PlanTierStore(plan_client=recording, transfer=transfer)
+        store = PlanTierStore(plan_client=recording, transfer=transfer, overlap=overlap, **store_kw)
         made.append(store)
         parts = dict(client=client, faults=faults, fake=fake, transfer=transfer, runtime=runtime, log=event_log)
         return store, parts

@@ -11,7 +11,7 @@ from cacheseek.plan.base import REQUIRED_PLAN_CALLS
 from cacheseek.reuse.exact_prefix.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.types import Skeleton, Tier, TrieNode
 from cacheseek.stores.base import RestoreTarget
-from cacheseek.transfer.base import HostMapping
+from cacheseek.transfer.base import CopyBatch, HostMapping
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
 from cacheseek.transfer.fake_cuda import FakeCudart
 
@@ -56,23 +56,35 @@ class RecordingClient:
 
 
 class RecordingTransfer:
-    """Delegates to a transfer runtime and keeps every batch's descriptors and device ranges."""
+    """Delegates to a transfer runtime and keeps every batch's descriptors and device ranges
+    (synchronous ``copy_batch`` and asynchronous ``submit_batch`` alike; the log names both
+    ``copy_batch``, plus ``("transfer", "wait", n)`` when a submitted batch is waited for)."""
 
     def __init__(self, inner: Any, log: list | None = None) -> None:
         self._inner = inner
         self._log = log
         self.batches: list[list] = []
         self.device_ranges: list[list] = []
+        self.streams: list = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
-    def copy_batch(self, descriptors, *, stream=None, device_ranges=()):
-        self.batches.append(list(descriptors))
+    def _keep(self, descriptors, stream, device_ranges) -> None:
+        descs = descriptors.descriptors() if isinstance(descriptors, CopyBatch) else list(descriptors)
+        self.batches.append(descs)
         self.device_ranges.append(list(device_ranges))
+        self.streams.append(stream)
         if self._log is not None:
-            self._log.append(("transfer", "copy_batch", len(descriptors)))
-        return self._inner.copy_batch(descriptors, stream=stream, device_ranges=device_ranges)
+            self._log.append(("transfer", "copy_batch", len(descs)))
+
+    def copy_batch(self, descriptors, *, stream=None, device_ranges=(), **kw):
+        self._keep(descriptors, stream, device_ranges)
+        return self._inner.copy_batch(descriptors, stream=stream, device_ranges=device_ranges, **kw)
+
+    def submit_batch(self, batch, *, stream=None, device_ranges=(), **kw):
+        self._keep(batch, stream, device_ranges)
+        return self._inner.submit_batch(batch, stream=stream, device_ranges=device_ranges, **kw)
 
 
 def fake_cuda_runtime(*, log: list | None = None, batch_api: str | None = "13", stream: int = STREAM) -> tuple[CudaTransferRuntime, FakeCudart]:
@@ -143,6 +155,7 @@ def ingest(store: Any, geom: RingGeometry, n_chunks: int, **ring_kw: Any):
         states.append(ring.snapshot())
         latents.append(latent)
         parent = node
+    store.flush()  # overlapped writes turn ready on the completion thread
     return nodes, states, latents, ring.kv_size
 
 

@@ -90,8 +90,8 @@ def test_readonly_shm_mapping_registers_read_only(runtime):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kv_and_latents_round_trip_through_the_plan_tier(side_stream, dtype):
     geom = RingGeometry(chunk_size=3, frame_tokens=4, local_attn_size=7, sink_size=3)
-    store = PlanTierStore(segment_bytes=64 * MiB, device="cuda")
-    assert isinstance(store.transfer, CudaTransferRuntime)
+    store = PlanTierStore(segment_bytes=64 * MiB, device="cuda")  # overlapped writes (the CUDA default)
+    assert isinstance(store.transfer, CudaTransferRuntime) and store.overlap
     ring_kw = dict(n_layers=3, heads=4, dim=16, dtype=dtype, device="cuda")
     stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
     with torch.cuda.stream(stream):
@@ -118,7 +118,7 @@ def test_gate_sized_chunk_round_trip_bandwidth():
     import time
 
     layers, tokens, heads, dim = 8, 4680, 40, 128
-    store = PlanTierStore(segment_bytes=1 << 30, device="cuda")
+    store = PlanTierStore(segment_bytes=1 << 30, device="cuda", overlap=False)  # put_async returns committed
     ring = [tuple(torch.randn(1, tokens, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(2)) for _ in range(layers)]
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -134,3 +134,39 @@ def test_gate_sized_chunk_round_trip_bandwidth():
     print(f"\nPlan tier put {gib:.2f} GiB in {put_s:.3f} s ({gib / put_s:.1f} GiB/s), "
           f"per-layer get {gib / get_s:.1f} GiB/s; stats {store.stats.as_dict()}")
     store.close()
+
+
+def test_overlapped_write_survives_ring_overwrite_on_cuda():
+    """The snapshot is taken on the producer stream before put_async returns; the D2H runs on the
+    write stream while the producer keeps computing and overwrites the ring."""
+    store = PlanTierStore(segment_bytes=256 * MiB, device="cuda", overlap=True)
+    assert store.overlap
+    ring = [tuple(torch.randn(1, 256, 8, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2)) for _ in range(4)]
+    want = [tuple(t.clone() for t in pair) for pair in ring]
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    for _ in range(30):  # keep the producer stream busy: the snapshot is queued behind this
+        x = torch.tanh(x @ x)
+    handle = store.put_async("gov:kv", ring, tier=Tier.FLUXON_DRAM)
+    for k, v in ring:  # the runtime writes the next chunk at once
+        k.fill_(0)
+        v.fill_(0)
+    store.flush()
+    assert handle.ready and handle.error is None
+    for i, pair in enumerate(want):
+        got = store.get_layer(handle, i, like=pair)
+        assert torch.equal(got[0], pair[0]) and torch.equal(got[1], pair[1])
+    stats = store.stats
+    assert stats.puts == 1 and stats.pending_writes == 0 and stats.snapshot_bytes == handle.nbytes
+    assert store.transfer.batch_api
+    store.close()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gate_on_cuda_with_the_plan_tier(compose_cfg, tmp_path, overlap):
+    from cacheseek.cli import run
+
+    cfg = compose_cfg("runtime.device=cuda", "runtime.geometry=small", "+store=fluxon_plan",
+                      f"store.overlap={str(overlap).lower()}", "store.segment_bytes=268435456")
+    results = run(cfg, tmp_path)
+    assert results["passed"]
+    assert results["store_stats"]["overlap"] is overlap and results["store_stats"]["put_failures"] == 0

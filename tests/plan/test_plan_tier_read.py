@@ -71,20 +71,34 @@ def test_a_rolled_restore_is_three_runs_per_tensor(make_store):
         assert d.nbytes == target.runs[run].n_tokens * TOKEN_BYTES
 
 
-def test_read_order_latents_first_and_views_released_after_sync(make_store):
+def test_read_order_latents_first_one_sync_then_views_released(make_store):
     geom, _ = GEOMETRIES["full_length"]
     store, parts = make_store("fake_cuda")
     nodes, _, _, kv_size = ingest(store, geom, 2)
     log = parts["log"]
     log.clear()
     assert store.read_path(nodes, nodes, target_for(geom, 2, kv_size))
-    seq = [e[1] for e in log if e[1] in ("get_start", "get_transfer", "copy_batch", "cudaStreamSynchronize", "release_views", "cancel_get_transfer")]
-    one_read = ["get_start", "get_transfer", "copy_batch", "cudaStreamSynchronize", "release_views"]
-    assert seq == one_read * 2
+    wanted = ("get_start", "get_transfer", "copy_batch", "cudaStreamWaitEvent", "cudaEventSynchronize",
+              "release_views", "cancel_get_transfer", "cudaStreamSynchronize")
+    seq = [e[1] for e in log if e[1] in wanted]
+    one_get = ["get_start", "get_transfer", "copy_batch"]
+    # the latent batch waits for the producer stream; the producer waits for the KV batch; then
+    # the host waits once per batch (same stream) and only then are the views released
+    assert seq == (one_get + ["cudaStreamWaitEvent"] + one_get
+                   + ["cudaStreamWaitEvent", "cudaEventSynchronize", "cudaEventSynchronize",
+                      "release_views", "release_views"])
     lat_keys, kv_keys = [e[2] for e in log if e[1] == "get_start"]
     assert lat_keys == [n.skeleton.latent_locator for n in nodes]
     h0, h1 = nodes[0].blob.locator, nodes[1].blob.locator
     assert kv_keys == [f"{h}:L{i}:{x}" for h in (h0, h1) for i in range(N_LAYERS) for x in "kv"]
+    fake = parts["fake"]
+    read_stream = parts["transfer"].streams[-1]
+    assert read_stream not in (0, 1, 7) and parts["transfer"].streams[-2] == read_stream
+    batches = fake.calls_named("cudaMemcpyBatchAsync")[-2:]
+    assert [c.args[-1] for c in batches] == [read_stream, read_stream]  # the batch API, on the read stream
+    waits = fake.calls_named("cudaStreamWaitEvent")[-2:]
+    assert waits[0].args[0] == read_stream and waits[1].args[0] == 7  # producer -> read -> producer
+    assert fake.live_events() == 0
 
 
 def kv_untouched(target):
@@ -163,9 +177,9 @@ def test_kv_copy_failure_synchronizes_and_releases_views(make_store):
     log.clear()
     with pytest.raises(TransferError):
         store.read_path(nodes, nodes, target_for(geom, 2, kv_size))
-    tail = [e[1] for e in log if e[1] in ("cudaStreamSynchronize", "release_views")]
-    assert tail[-2:] == ["cudaStreamSynchronize", "release_views"]
-    assert fake.pending() == 0 and parts["client"].live_handles() == (0, 0)
+    tail = [e[1] for e in log if e[1] in ("cudaStreamSynchronize", "cudaEventSynchronize", "release_views")]
+    assert tail == ["cudaStreamSynchronize", "cudaEventSynchronize", "release_views", "release_views"]
+    assert fake.pending() == 0 and parts["client"].live_handles() == (0, 0) and fake.live_events() == 0
 
 
 def test_get_transfer_failure_cancels_the_plan(make_store):

@@ -1,0 +1,124 @@
+"""Shared helpers of the benchmarks under ``experiments/``: Hydra composition of a script's own
+config, machine and version facts, a progress line per step, JSON results.
+
+Not part of the package: run the scripts from the repository root (they put it on sys.path)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+GiB = 1 << 30
+
+
+def compose(config_dir: Path, name: str, overrides: Sequence[str]) -> Any:
+    """The script's config composed by Hydra (``key=value`` overrides from the command line)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(config_dir), version_base="1.3"):
+        cfg = hydra_compose(config_name=name, overrides=list(overrides))
+    GlobalHydra.instance().clear()
+    return cfg
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return ""
+
+
+def meminfo() -> dict[str, int]:
+    out = {}
+    for line in _read("/proc/meminfo").splitlines():
+        key, _, rest = line.partition(":")
+        if key in ("MemTotal", "MemFree", "MemAvailable", "AnonHugePages"):
+            out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def env_info() -> dict[str, Any]:
+    """Machine, GPU and versions, for the results files and the READMEs."""
+    info: dict[str, Any] = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "thp_enabled": _read("/sys/kernel/mm/transparent_hugepage/enabled"),
+        "thp_shmem_enabled": _read("/sys/kernel/mm/transparent_hugepage/shmem_enabled"),
+        "meminfo": meminfo(),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_cuda"] = torch.version.cuda
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            info["gpu"] = p.name
+            info["gpu_memory_gib"] = round(p.total_memory / GiB, 1)
+    except Exception as exc:  # noqa: BLE001
+        info["torch_error"] = repr(exc)
+    try:
+        import cuda.bindings
+        from cuda.bindings import runtime as rt
+
+        info["cuda_bindings"] = cuda.bindings.__version__
+        info["cuda_driver"] = rt.cudaDriverGetVersion()[1]
+        info["cuda_runtime"] = rt.cudaRuntimeGetVersion()[1]
+    except Exception as exc:  # noqa: BLE001
+        info["cuda_bindings_error"] = repr(exc)
+    return info
+
+
+class Progress:
+    """One printed line per step: ``[i/n] elapsed  message``."""
+
+    def __init__(self, total: int, name: str) -> None:
+        self.total, self.name, self.i, self.t0 = total, name, 0, time.perf_counter()
+
+    def step(self, message: str) -> None:
+        self.i += 1
+        print(f"[{self.name} {self.i}/{self.total}] {time.perf_counter() - self.t0:7.1f} s  {message}", flush=True)
+
+    def note(self, message: str) -> None:
+        print(f"[{self.name}]          {message}", flush=True)
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def timed(fn: Callable[[], Any], reps: int, *, sync: Callable[[], None] = lambda: None) -> list[float]:
+    """Wall seconds of ``reps`` calls of ``fn`` (``sync`` after each, inside the timing)."""
+    out = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(path)
+
+
+def gib_s(nbytes: float, seconds: float) -> float:
+    return nbytes / seconds / GiB if seconds > 0 else 0.0

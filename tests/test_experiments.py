@@ -1,0 +1,53 @@
+"""The benchmarks under experiments/ run end to end on the CPU (tiny sizes, host runtime): their
+configs compose, their progress, JSON results and plots are produced. Figures need the H200."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load(name: str):
+    path = REPO / "experiments" / name / f"bench_{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(REPO / "experiments"))
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_transfer_benchmark_smoke(tmp_path):
+    res = load("transfer").main([
+        "device=cpu", "reps=1", "peak_bytes=4194304", "segment_bytes=67108864", "backing=shared",
+        "chunk.n_layers=2", "chunk.chunk_tokens=12", "chunk.heads=2", "chunk.head_dim=8", "chunk.latent_shape=[1,4,3,2,2]",
+        "rolled.n_layers=2", "rolled.heads=2", "rolled.head_dim=8", "rolled.depth=5",
+        "small.sizes=[65536]", "small.total_bytes=1048576", f"out_dir={tmp_path}",
+    ])
+    assert {r["section"] for r in res["rows"]} == {"peak", "plan", "rolled", "small"}
+    assert all(r.get("verified", True) for r in res["rows"])
+    assert json.loads((tmp_path / "results.json").read_text())["targets"]
+    assert (tmp_path / "transfer.png").stat().st_size > 0
+
+
+def test_registration_benchmark_smoke(tmp_path):
+    res = load("registration").main([
+        "device=cpu", "sizes_gib=[0.03125]", "cold_sizes_gib=[0.03125]", "prefault_threads=2", f"out_dir={tmp_path}",
+    ])
+    assert [r["mode"] for r in res["rows"]] == ["hugepages", "warmed", "cold", "hugepages"]
+    assert all(r["time_to_ready_s"] > 0 for r in res["rows"]) and (tmp_path / "registration.png").exists()
+
+
+@pytest.mark.slow
+def test_e2e_benchmark_smoke(tmp_path):
+    res = load("e2e").main([
+        "device=cpu", "geometry=tiny", "gemm_dim=0", "segment_bytes=16777216", "staging_slot_bytes=0",
+        "total_chunks=3", "prefix_chunks=1", f"out_dir={tmp_path}",
+    ])
+    assert all(res["modes"][m]["passed"] for m in res["modes"] if m != "nocache")
+    assert "| plan_overlap |" in (tmp_path / "summary.md").read_text()
