@@ -630,9 +630,13 @@ class PlanTierStore:
             dsts, order, sizes = self._start_plans(items, ranges, started)
             slot = self._acquire_slot(need, handle.nbytes, items[0][1])
             snap = CopyBatch.of(slot.ptr + offsets, [r.ptr for r in ranges], lengths, Direction.D2D)
+            d2h = CopyBatch.of(dsts, slot.ptr + offsets[order], sizes, Direction.D2H)
+            # Both batches are checked whole before the first copy goes out (DESIGN section 2),
+            # although the D2H is submitted later, in pieces, from the completion thread.
+            transfer.validate(snap, device_ranges=ranges + [slot.range()])
+            transfer.validate(d2h, device_ranges=[slot.range()])
             snapshot = transfer.submit_batch(snap, stream=stream, device_ranges=ranges + [slot.range()])
             batches.append(snapshot)
-            d2h = CopyBatch.of(dsts, slot.ptr + offsets[order], sizes, Direction.D2H)
             pieces = _split(d2h, self._piece_bytes)
             copy: Optional[PendingBatch] = None
             if len(pieces) == 1:

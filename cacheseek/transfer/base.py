@@ -724,6 +724,12 @@ class TransferRuntimeBase(abc.ABC):
                 raise failed.cause
             raise TransferError(f"copy submission failed: {failed.cause}") from failed.cause
 
+    def validate(self, descriptors: BatchLike, *, device_ranges: Sequence[MemoryRange] = ()) -> None:
+        """Check a whole batch without submitting anything (for callers that submit it later, in
+        pieces or on another thread). Raises `TransferError`."""
+        self._check_open()
+        self._validate(CopyBatch.coerce(descriptors), device_ranges)
+
     def _validate(self, batch: CopyBatch, device_ranges: Sequence[MemoryRange]) -> None:
         """Every copy of ``batch`` checked at once (numpy); the few that fail the fast check are
         re-checked one by one (overlapping ranges, undeclared device memory) before raising."""

@@ -158,3 +158,22 @@ def test_referenced_node_is_not_evicted():
     node = ns.root.children[b"a"]
     node.ref_count = 1
     assert not mgr.evict_blob(node)
+
+
+def test_handle_is_published_by_the_completion_callback():
+    """A store written to API.md calls on_ready(handle) and leaves ``ready`` to the manager."""
+
+    class CallbackOnly(InMemoryTierStore):
+        def put_async(self, locator, payload, *, tier, on_ready=None):
+            handle = BlobHandle(tier, locator, 0, len(payload))
+            for i, (k, v) in enumerate(payload):
+                self.backend.write(f"{locator}:L{i}:k", k)
+                self.backend.write(f"{locator}:L{i}:v", v)
+            if on_ready is not None:
+                on_ready(handle)
+            return handle
+
+    mgr = make(store=CallbackOnly())
+    ns = _ingest_chain(mgr, [b"a"])
+    assert ns.root.children[b"a"].has_kv
+    assert mgr.try_fast_forward(ROOT, [b"a"], RecordingWindow()).start_chunk == 1

@@ -358,7 +358,11 @@ class WorldKVManager:
         t0 = time.perf_counter()
 
         def on_ready(handle: BlobHandle) -> None:
+            # The publication bit of a write (API.md): set here, from the store's completion
+            # callback, whether or not the store already set it.
             with self.forest.lock:
+                if handle.error is None:
+                    handle.ready = True
                 node.last_access = self.clock()
             self.metrics.add(writes=1, write_bytes=handle.nbytes or nbytes,
                              write_seconds=time.perf_counter() - t0)

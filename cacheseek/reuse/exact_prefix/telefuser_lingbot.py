@@ -11,7 +11,8 @@ One `LingBotWorldKVBinding` per session. The runtime calls:
 Restore publication is the window's ``set_resume_depth``, called by the manager only after every
 input was fetched and copied: then, and only then, the cursors of every layer, the cached latents,
 the RNG advance and ``last_fast_forward`` are set. Ring slots written before a failure lie beyond
-the published cursors (zero), so the runtime is exactly as before.
+the published cursors, so the runtime's state (cursors, ``ring[:local_end]``, latents, RNG) is
+exactly as before.
 
 What goes to the store on write depends on its capability: a `PathReadStore` gets detached views
 of the ring tail (it copies before the hook returns); a generic tier gets owned CPU snapshots.
@@ -33,6 +34,19 @@ from cacheseek.reuse.exact_prefix.types import TrieNode
 log = logging.getLogger(__name__)
 
 __all__ = ["make_full_kv_config", "make_rolling_config", "LingBotWorldKVBinding", "action_bytes"]
+
+
+_DEFAULT_MODEL_FINGERPRINT = b"lingbot-world-fast"
+_warned_weights: list[bool] = []
+
+
+def _warn_no_weights_fingerprint() -> None:
+    if not _warned_weights:
+        _warned_weights.append(True)
+        log.warning(
+            "the runtime has no weights_fingerprint and model_fingerprint is the default: two "
+            "checkpoints would share a namespace; pass model_fingerprint=<hash of the weights>"
+        )
 
 
 def make_full_kv_config(*, break_even_k: int = 1) -> WorldKVConfig:
@@ -79,7 +93,7 @@ class LingBotWorldKVBinding:
         manager: WorldKVManager,
         forest: NamespaceForest,
         *,
-        model_fingerprint: bytes = b"lingbot-world-fast",
+        model_fingerprint: bytes = _DEFAULT_MODEL_FINGERPRINT,
         ingest_enabled: bool = True,
         snapshot_path: Optional[str] = None,
         snapshot_on_finalize: bool = False,
@@ -118,8 +132,10 @@ class LingBotWorldKVBinding:
         self.ring = self._validate_geometry(runtime)
         ctx = namespace.FingerprintContext(session_config, runtime, self.layout)
         cfg = namespace.config_blob(self.fields, ctx)
-        weights = sha256(b"weights", self.model_fingerprint,
-                         bytes(getattr(runtime, "weights_fingerprint", b"") or b""))
+        runtime_weights = bytes(getattr(runtime, "weights_fingerprint", b"") or b"")
+        if not runtime_weights and self.model_fingerprint == _DEFAULT_MODEL_FINGERPRINT:
+            _warn_no_weights_fingerprint()
+        weights = sha256(b"weights", self.model_fingerprint, runtime_weights)
         cbh = config_blob_hash(cfg, weights_fingerprint=weights)
         prompt = _get(session_config, "prompt") or ""
         self.root = root_hash(image_fp=_image_fingerprint(_get(session_config, "image")),
@@ -279,15 +295,21 @@ class _RuntimeWindow:
         if len(self.latents) != depth:
             raise CacheSeekError(f"restore of depth {depth} has {len(self.latents)} latents")
         global_end, local_end = self.ring.cursors(depth)
+        draws = max(len(rt.timesteps) - 1, 0)
+        gen = rt.generator
+        state = gen.get_state()
+        try:
+            for i in range(depth):
+                shape = tuple(rt.noise_chunks[i].shape)
+                for _ in range(draws):
+                    torch.randn(shape, generator=gen, dtype=torch.bfloat16, device=gen.device)
+        except BaseException:
+            gen.set_state(state)
+            raise
+        # Nothing below can fail: cursors, latents and the depth are published together.
         for layer in rt.self_kv_cache:
             layer["global_end_index"] = global_end
             layer["local_end_index"] = local_end
         for i, lat in enumerate(self.latents):
             rt.world_kv_cached_latents[i] = lat
-        draws = max(len(rt.timesteps) - 1, 0)
-        gen = rt.generator
-        for i in range(depth):
-            shape = tuple(rt.noise_chunks[i].shape)
-            for _ in range(draws):
-                torch.randn(shape, generator=gen, dtype=torch.bfloat16, device=gen.device)
         self.binding.last_fast_forward = depth
