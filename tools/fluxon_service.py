@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         info = svc.attach_info()
         overrides = " ".join(info["hydra_overrides"])
+        plan_overrides = " ".join(info["plan_hydra_overrides"])
         print(f"""
 Fluxon service ready in {svc.ready_seconds:.1f} s
   cluster name    {info['cluster_name']}
@@ -98,6 +99,8 @@ Fluxon service ready in {svc.ready_seconds:.1f} s
 
 Attach from a process in the same network namespace:
   python -m cacheseek {overrides}
+  python -m cacheseek {plan_overrides}
+  python -m cacheseek.workers --cluster-name {info['cluster_name']} --share-mem-path {info['share_mem_path']}
   FluxonBytesStore(cluster_name={info['cluster_name']!r}, share_mem_path={info['share_mem_path']!r})
   FluxonClient({info['cluster_name']!r}, {info['share_mem_path']!r})
 

@@ -22,6 +22,14 @@ Errors. KeyNotFoundError(4000) is a miss (None / False), StorageFullError(6000) 
 (no ``shared.json``) is `FluxonUnavailableError`, raised before Fluxon is touched: 0.2.4's
 ``new_store`` blocks forever without an owner.
 
+Consistency (0.2.4, seen on a 2-core machine). A remove is visible at once to every client,
+except to a process that still holds a view of the value: its own gets keep returning the held
+value until it releases it. This client hides that for its own removes (a read that returns a
+value this client removed while holding it is a miss); a remove by another process stays
+invisible to a holder until its views are released. An overwrite of an existing key becomes
+visible after up to ~1 s (the old value is returned meanwhile). CacheSeek's keys are
+content-addressed, so an overwrite rewrites the same bytes.
+
 Keys. 0.2.4 can count keys by prefix but not list them, so the client keeps a key index in the
 service's etcd (``/cacheseek/key_index/<cluster>/<key>``, ~1 ms a key): `put_*` adds the key
 before the value is written, `remove` drops it after. `list_keys` reads the index and checks it
@@ -83,6 +91,7 @@ __all__ = [
     "VALUE_FIELD",
     "META_FIELD",
     "MAX_STUCK_CALLS",
+    "slot_bytes",
 ]
 
 T = TypeVar("T")
@@ -337,10 +346,14 @@ def _buffer_address(data: Any) -> tuple[int, int]:
     return (int(arr.ctypes.data) if arr.nbytes else 0), int(arr.nbytes)
 
 
-def _slot_bytes(nbytes: int) -> int:
-    """The power-of-two slot a value of ``nbytes`` payload bytes occupies (header included)."""
+def slot_bytes(nbytes: int) -> int:
+    """The power-of-two slot a value of ``nbytes`` payload bytes occupies in the owner's segment
+    (field names, DLPack metadata and Fluxon's header included, rounded up)."""
     need = nbytes + SLOT_HEADER_ALLOWANCE
     return 1 << (need - 1).bit_length()
+
+
+_slot_bytes = slot_bytes
 
 
 def _error_text(err: Any) -> str:
@@ -409,6 +422,8 @@ class FluxonClient:
         self._store: Any = None
         self._etcd: Any = None
         self._views: "weakref.WeakSet[ValueView]" = weakref.WeakSet()
+        # key -> payload addresses of views this process held when it removed the key (see remove)
+        self._removed_held: dict[str, set[int]] = {}
         if fluxon_log:
             os.environ.setdefault("FLUXON_LOG", fluxon_log)
         self._attach(float(settle_s), key_index)
@@ -467,7 +482,9 @@ class FluxonClient:
         self._store = self._run("attach", None, _new, self.attach_timeout_s)
         try:
             time.sleep(settle_s)
-            self.exists(PROBE_KEY)
+            # the first RPC is part of attaching: bounded by attach_timeout_s, not op_timeout_s
+            self._run("exists", PROBE_KEY, lambda: self._unwrap("exists", PROBE_KEY, self._store.is_exist(PROBE_KEY)),
+                      self.attach_timeout_s)
             if key_index:
                 from fluxon_py.tool import import_fluxon_pyo3_local
 
@@ -553,6 +570,12 @@ class FluxonClient:
             raise StoreFullError(f"{where} ({nbytes} bytes): store full: {_error_text(err)}")
         raise StoreError(f"{where} failed: {_error_text(err)}")
 
+    def check_fits(self, key: Optional[str], nbytes: int) -> None:
+        """Raise `FluxonValueTooLargeError` when a value of ``nbytes`` payload bytes cannot be
+        stored even in an empty segment: its power-of-two slot is the whole segment or more."""
+        if self.segment_bytes and slot_bytes(nbytes) >= self.segment_bytes:
+            raise FluxonValueTooLargeError(self._too_large_text(key, nbytes))
+
     def _too_large_text(self, key: Optional[str], nbytes: int) -> str:
         return (f"fluxon value {key!r} of {nbytes} bytes cannot fit: it needs a slot of "
                 f"{_slot_bytes(nbytes)} bytes (values take power-of-two slots, header included) and "
@@ -624,6 +647,9 @@ class FluxonClient:
             if self._closed:
                 view._drop()
                 raise StoreClosedError(f"fluxon get of key {key!r}: the client closed meanwhile")
+            if self._removed_while_held(key, view._ptr):
+                view._drop()
+                return None
             self._views.add(view)
         return view
 
@@ -655,6 +681,9 @@ class FluxonClient:
             fields = self._unwrap("get", key, holder.access())
             view = ValueView(self, key, holder, fields)
             try:
+                with self._lock:
+                    if self._removed_while_held(key, view._ptr):
+                        return None
                 return view.meta, view.tobytes()
             finally:
                 view._drop()
@@ -681,6 +710,10 @@ class FluxonClient:
                 pass
 
         self._run("remove", key, _do)
+        with self._lock:
+            held = {v._ptr for v in self._views if v.key == key and not v.released}
+            if held:
+                self._removed_held.setdefault(key, set()).update(held)
         if self._etcd is not None:
             self._run("index remove", key, lambda: self._etcd.delete(self._index_key(key)))
 
@@ -709,19 +742,34 @@ class FluxonClient:
 
     # -- the segment ----------------------------------------------------------------------------
 
-    def segment_mapping(self) -> Optional[SegmentMapping]:
-        """This process's mapping of the owner's segment file (None if not mapped)."""
+    def segment_mappings(self) -> list[SegmentMapping]:
+        """Every mapping of the owner's segment file in this process, in address order. 0.2.4
+        maps it twice: read-only (``r--s``, where DLPack views point) and read-write (``rw-s``,
+        where the native client writes a put's payload)."""
         self._check_open()
         target = os.path.realpath(self.segment_dir / "mmap.file")
-        best: Optional[SegmentMapping] = None
+        out: list[SegmentMapping] = []
         with open("/proc/self/maps") as f:
             for line in f:
                 parts = line.split(None, 5)
                 if len(parts) == 6 and parts[5].strip() == target:
                     lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                    if best is None or hi - lo > best.length:
-                        best = SegmentMapping(target, lo, hi, parts[1])
-        return best
+                    out.append(SegmentMapping(target, lo, hi, parts[1]))
+        return out
+
+    def segment_mapping(self) -> Optional[SegmentMapping]:
+        """This process's read-only mapping of the owner's segment file, the one zero-copy views
+        point into (the largest such; None if not mapped). Falls back to the largest mapping of
+        any kind when no read-only one exists."""
+        maps = self.segment_mappings()
+        ro = [m for m in maps if not m.writable] or maps
+        return max(ro, key=lambda m: m.length, default=None)
+
+    def segment_generation(self) -> int:
+        """An identity of the owner's segment file (its inode and device, folded to 31 bits): it
+        changes when a restarted owner recreates the segment."""
+        st = os.stat(self.segment_dir / "mmap.file")
+        return ((st.st_ino * 1_000_003) ^ st.st_dev) & 0x7FFF_FFFF
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -798,6 +846,16 @@ class FluxonClient:
     def _forget_view(self, view: ValueView) -> None:
         with self._lock:
             self._views.discard(view)
+            if view.key in self._removed_held and not any(
+                    v.key == view.key and not v.released for v in self._views):
+                del self._removed_held[view.key]  # Fluxon answers right again once none is held
+
+    def _removed_while_held(self, key: str, ptr: int) -> bool:
+        """Whether a value read back is one this process removed while it held a view of it:
+        0.2.4 keeps serving a value to the process that holds it, even after a remove (any
+        client's). Such a read is a miss; a value put again lands elsewhere and reads normally.
+        Caller holds the lock."""
+        return ptr in self._removed_held.get(key, ())
 
     def _index_key(self, key: str) -> str:
         return f"/cacheseek/key_index/{self.cluster_name}/{key}"

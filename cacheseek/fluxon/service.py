@@ -374,6 +374,12 @@ class FluxonService:
                 f"store.cluster_name={self._cluster_name}",
                 f"store.share_mem_path={self._share_mem_path}",
             ],
+            "plan_hydra_overrides": [  # the Plan tier (store.client_options is an open dict: `+`)
+                "+store=fluxon_plan",
+                "store.client=fluxon",
+                f"+store.client_options.cluster_name={self._cluster_name}",
+                f"+store.client_options.share_mem_path={self._share_mem_path}",
+            ],
         }
 
     # -- lifecycle ------------------------------------------------------------------------------

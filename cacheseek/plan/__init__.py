@@ -1,9 +1,12 @@
 """Plan clients: the Plan API of DESIGN.md section 2 (direct copies into a store's host segments).
 
 Registered in `cacheseek.registry.PLAN_CLIENTS`: ``embedded`` (`EmbeddedPlanClient`, an in-process
-store over one pre-faulted segment) and ``fluxon_native`` (`FluxonNativePlanClient`, wrappers
-over a Fluxon client with the Plan API). Handle lifecycles are documented in `cacheseek.plan.base`;
-the FXPLANV1 table format in `cacheseek.plan.table`. Importing this package needs no torch.
+store over one pre-faulted segment), ``fluxon_native`` (`FluxonNativePlanClient`, wrappers
+over a Fluxon client with the Plan API), ``fluxon_public`` (`FluxonPublicPlanClient`, the Plan
+calls emulated over the public fluxon-py 0.2.4 client) and ``fluxon`` (`open_fluxon_plan_client`:
+the native one when the installed fluxon-py has the Plan API, else the emulation). Handle
+lifecycles are documented in `cacheseek.plan.base`; the FXPLANV1 table format in
+`cacheseek.plan.table`. Importing this package needs no torch.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from cacheseek.plan.base import (
 )
 from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
 from cacheseek.plan.fluxon_native import FluxonNativePlanClient
+from cacheseek.plan.fluxon_public import FluxonPublicPlanClient, open_fluxon_plan_client
 from cacheseek.plan.table import PLAN_MAGIC, decode_plan_table, encode_plan_table
 
 __all__ = [
@@ -38,6 +42,8 @@ __all__ = [
     "EmbeddedPlanClient",
     "PlanFaults",
     "FluxonNativePlanClient",
+    "FluxonPublicPlanClient",
+    "open_fluxon_plan_client",
     "PLAN_MAGIC",
     "decode_plan_table",
     "encode_plan_table",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +31,12 @@ from cacheseek.fluxon.service import (
     private_netns_problem,
     resolve_etcd_binary,
 )
+
+# The Plan tests here reuse the Plan test kit (recording proxies, the cold ring, the fake Fluxon
+# with a Plan API) the way tests/plan/conftest.py does: from its folder on sys.path.
+_PLAN_TESTS = str(Path(__file__).resolve().parents[1] / "plan")
+if _PLAN_TESTS not in sys.path:
+    sys.path.insert(0, _PLAN_TESTS)
 
 CI_COMMAND = "../shared/tools/netns-run.sh python -m pytest -m fluxon tests/fluxon -q"
 OP_TIMEOUT_S = 10.0  # generous for a loaded 2-core CI machine; the fault test uses 5 s

@@ -131,8 +131,12 @@ def test_modules_import_without_fluxon_or_torch(tmp_path):
         sys.meta_path.insert(0, Block())
         import cacheseek.stores.fluxon_bytes as fb
         import cacheseek.fluxon
-        from cacheseek.registry import STORES
+        import cacheseek.plan.fluxon_public as fp
+        import cacheseek.workers
+        from cacheseek.registry import PLAN_CLIENTS, STORES
         assert STORES.get("fluxon") is fb.FluxonTensorTier
+        assert PLAN_CLIENTS.get("fluxon_public") is fp.FluxonPublicPlanClient
+        assert PLAN_CLIENTS.get("fluxon") is fp.open_fluxon_plan_client
         assert not [m for m in sys.modules if m.split(".")[0] in BLOCKED], sorted(sys.modules)
         # a live-looking service (something answers on its etcd port), then attach
         srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen()
@@ -174,6 +178,9 @@ def test_service_lifecycle_and_service_stopped_mid_run(new_fluxon_service):
             assert (svc.logs_dir / f"{name}.log").is_file()
         assert info["hydra_overrides"][1:] == [f"store.cluster_name={svc.cluster_name}",
                                                f"store.share_mem_path={svc.share_mem_path}"]
+        assert info["plan_hydra_overrides"][1:] == [
+            "store.client=fluxon", f"+store.client_options.cluster_name={svc.cluster_name}",
+            f"+store.client_options.share_mem_path={svc.share_mem_path}"]
         svc.check()
         client = FluxonClient(svc.cluster_name, svc.share_mem_path, op_timeout_s=5.0, attach_timeout_s=60)
         client.put_bytes("k1", b"before the stop")
@@ -243,4 +250,6 @@ def test_cli_tool_starts_prints_attach_info_and_stops_on_sigterm(fluxon_env, tmp
             proc.communicate()
     assert proc.returncode == 0, out
     assert "+store=fluxon" in out and f"store.cluster_name={name}" in out and "stopped in" in out
+    assert f"+store=fluxon_plan store.client=fluxon +store.client_options.cluster_name={name}" in out
+    assert f"python -m cacheseek.workers --cluster-name {name}" in out
     assert not Path(share, name).exists() and not info_json.exists()

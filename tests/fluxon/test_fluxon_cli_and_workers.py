@@ -1,0 +1,105 @@
+"""The commands users run against a real Fluxon service, as subprocesses in the test's own
+network namespace: ``python -m cacheseek +store=fluxon_plan store.client=fluxon ...`` (the gate
+prints PASS) and ``python -m cacheseek.workers`` (one cache shared by two worker processes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cacheseek.workers import check, store_overrides
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(REPO), HYDRA_FULL_ERROR="0")
+
+
+def plan_cli(cluster_name: str, share_mem_path: str, run_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "cacheseek", "+store=fluxon_plan", "store.client=fluxon",
+            f"+store.client_options.cluster_name={cluster_name}",
+            f"+store.client_options.share_mem_path={share_mem_path}",
+            f"hydra.run.dir={run_dir}", *extra]
+
+
+def test_store_overrides_name_the_cluster():
+    assert store_overrides("fluxon_plan", "c", "/dev/shm/x", 5.0) == [
+        "+store=fluxon_plan", "store.client=fluxon", "+store.client_options.cluster_name=c",
+        "+store.client_options.share_mem_path=/dev/shm/x", "+store.client_options.op_timeout_s=5.0"]
+    assert store_overrides("fluxon", "c", "/dev/shm/x", 5.0)[:2] == ["+store=fluxon", "store.cluster_name=c"]
+    with pytest.raises(ValueError, match="unknown store"):
+        store_overrides("memory", "c", "/x", 1.0)
+
+
+def test_check_needs_full_hits_and_equal_frames():
+    a = {"name": "A", "hit_depth": 0, "ingest_errors": 0, "frame_hashes": ["a0", "a1", "a2"]}
+    first = {"total_chunks": 3, "prefix_chunks": 1, "requests": [a]}
+    b = dict(a, name="B", hit_depth=3)
+    c = {"name": "C", "hit_depth": 1, "frame_hashes": ["a0", "y1", "y2"]}
+    d = dict(c, name="D", hit_depth=0)
+    assert check(first, {"requests": [b, c, d]})[0]
+    assert not check(first, {"requests": [dict(b, hit_depth=2), c, d]})[0]
+    assert not check(first, {"requests": [b, dict(c, frame_hashes=["a0", "y1", "zz"]), d]})[0]
+
+
+def test_cli_without_a_service_fails_at_once_naming_it(tmp_path):
+    t0 = time.monotonic()
+    out = subprocess.run(plan_cli("nosuch", str(tmp_path / "shm"), tmp_path / "run"), cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "no Fluxon owner serves cluster 'nosuch'" in out.stdout + out.stderr
+    assert time.monotonic() - t0 < 60  # interpreter, torch and hydra start included; the attach fails at once
+
+
+@pytest.mark.fluxon
+def test_cli_gate_passes_on_the_plan_tier_over_fluxon(fluxon_service, tmp_path):
+    run = tmp_path / "run"
+    out = subprocess.run(plan_cli(fluxon_service.cluster_name, fluxon_service.share_mem_path, run,
+                                  "namespace.model_fingerprint=cli-test", "+store.client_options.op_timeout_s=20"),
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    assert "PASS: abcd on store=fluxon_plan geometry=tiny" in out.stdout
+    assert "ring check: 3/3 resume depths equal a cold run" in out.stdout
+    log_text = (run / "cacheseek.log").read_text()
+    assert "emulating it over the public client (fluxon_public" in log_text
+    results = json.loads((run / "results.json").read_text())
+    stats = results["store_stats"]
+    assert stats["plans_committed"] > 0 and stats["read_hits"] > 0 and stats["put_failures"] == 0
+    assert [m["writable"] for m in stats["mappings"]] == [False, True]  # owner's segment, staging
+
+
+@pytest.mark.fluxon
+@pytest.mark.parametrize("store,extra", [
+    ("fluxon_plan", []),
+    ("fluxon", ["runtime.local_attn_size=7", "runtime.sink_size=3", "workload.total_chunks=5",
+                "workload.prefix_chunks=3"]),
+])
+def test_two_worker_processes_share_one_fluxon_cache(fluxon_service, tmp_path, store, extra):
+    """Worker 1 runs A and saves its forest snapshot; worker 2, a fresh process, loads it and
+    hits: B all chunks, C |P|; frames equal worker 1's A and a cold D."""
+    workdir = tmp_path / "w"
+    cmd = [sys.executable, "-m", "cacheseek.workers", "--store", store,
+           "--cluster-name", fluxon_service.cluster_name, "--share-mem-path", fluxon_service.share_mem_path,
+           "--workdir", str(workdir), "--op-timeout", "20", "--worker-timeout", "240",
+           f"namespace.model_fingerprint=workers-{store}", *extra]
+    out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    n, p = (5, 3) if extra else (4, 2)
+    assert f"hit depths: B={n} (all {n} chunks), C={p} (|P|={p})" in out.stdout
+    assert f"PASS: one Fluxon cache shared by two worker processes (store={store})" in out.stdout
+    results = json.loads((workdir / "results.json").read_text())
+    first, second = results["workers"]
+    assert first["pid"] != second["pid"] != os.getpid()
+    assert second["loaded_ready_nodes"] == n == first["snapshot_nodes"]
+    a = first["requests"][0]
+    b, c, d = second["requests"]
+    assert b["frame_hashes"] == a["frame_hashes"] and c["frame_hashes"] == d["frame_hashes"]
+    assert b["bytes_restored"] > 0 and b["bytes_written"] == 0
