@@ -18,7 +18,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 import cacheseek.schema  # noqa: F401  (registers the root schema)
-from cacheseek.errors import ConfigError
+from cacheseek.errors import ConfigError, PlanUnavailableError, StoreError
 from cacheseek.registry import import_backends
 
 log = logging.getLogger("cacheseek")
@@ -95,6 +95,12 @@ def main(cfg: DictConfig) -> None:
         if multirun:
             raise
         sys.exit(2)
+    except (StoreError, PlanUnavailableError) as exc:  # e.g. no Fluxon service to attach to
+        print(f"error: store: {type(exc).__name__}: {exc}", file=sys.stderr)
+        log.error("store error: %s", exc)
+        if multirun:
+            raise
+        sys.exit(1)
     if not results["passed"]:
         if multirun:
             raise GateFailed(f"gate FAILED in {hc.runtime.output_dir}")

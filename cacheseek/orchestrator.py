@@ -22,7 +22,7 @@ import attrs
 from omegaconf import DictConfig, OmegaConf
 
 from cacheseek import namespace
-from cacheseek.errors import ConfigError
+from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.registry import STORES, TRANSFERS, import_backends
 
 log = logging.getLogger(__name__)
@@ -47,9 +47,9 @@ def instantiate(node: Any, **call_site: Any) -> Any:
         return hydra_instantiate(node, _convert_="all", **kwargs)
     except Exception as exc:  # hydra wraps constructor errors; surface ours unchanged
         cause = exc
-        while cause is not None and not isinstance(cause, ConfigError):
+        while cause is not None and not isinstance(cause, CacheSeekError):
             cause = cause.__cause__ or cause.__context__
-        if isinstance(cause, ConfigError):
+        if isinstance(cause, CacheSeekError):
             raise cause from None
         raise
 

@@ -70,6 +70,9 @@ BAD = {
     "window_too_small": (["runtime.local_attn_size=4", "runtime.sink_size=3"],
                          "runtime.local_attn_size"),
     "bad_workload": (["workload.total_chunks=1"], "workload.total_chunks"),
+    "no_fluxon_service": (["+store=fluxon", "store.cluster_name=cs-test-absent",
+                           "store.share_mem_path=/dev/shm/cs-test-absent", "store.attach_timeout_s=3"],
+                          "error: store:"),
 }
 # Errors raised by CacheSeek itself (ConfigError): the CLI prints "error: <field>: ..." once, exit 2
 CONFIG_ERRORS = {"unwritable_root", "root_under_file", "wrong_geometry", "window_too_small",
