@@ -49,7 +49,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import attrs
 
-from cacheseek.errors import HandleStateError
+from cacheseek.errors import HandleStateError, StoreClosedError
 
 __all__ = [
     "SegmentMapping",
@@ -60,6 +60,7 @@ __all__ = [
     "GetPlan",
     "PlanClient",
     "PlanClientInfo",
+    "InProcessPlanClient",
     "PlanUsage",
     "SegmentTimers",
     "PLAN_OK",
@@ -262,3 +263,35 @@ class PlanClientInfo(Protocol):
     def usage(self) -> PlanUsage: ...
 
     def segment_timers(self) -> SegmentTimers: ...
+
+
+class InProcessPlanClient:
+    """The handle verbs every in-process Plan client implements the same way (embedded, Fluxon
+    public): ending a read and checking that a handle is this open client's. Subclasses hold
+    ``_lock`` and ``_closed`` and implement ``_end_read(plan)`` (release the plan's table and the
+    values it keeps alive)."""
+
+    _client_name = "Plan client"
+
+    def cancel_get_transfer(self, plan: GetPlan) -> None:
+        with self._lock:  # type: ignore[attr-defined]
+            self._check_handle(plan)
+            plan.advance((GetPlanState.STARTED,), GetPlanState.CANCELLED, "cancel_get_transfer")
+            self._end_read(plan)
+
+    def release_views(self, plan: GetPlan) -> None:
+        with self._lock:  # type: ignore[attr-defined]
+            self._check_handle(plan)
+            plan.advance((GetPlanState.TRANSFERRING,), GetPlanState.RELEASED, "release_views")
+            self._end_read(plan)
+
+    def _end_read(self, plan: GetPlan) -> None:
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        if self._closed:  # type: ignore[attr-defined]
+            raise StoreClosedError(f"{self._client_name} used after close()")
+
+    def _check_handle(self, plan: Any) -> None:
+        self._check_open()
+        plan.check_owner(self)

@@ -48,6 +48,7 @@ from cacheseek.errors import ConfigError, PlanError, StoreClosedError, StoreFull
 from cacheseek.plan.base import (
     GetPlan,
     GetPlanState,
+    InProcessPlanClient,
     PlanUsage,
     PutCommitResult,
     PutPlan,
@@ -304,8 +305,10 @@ class _GetRecord:
 
 
 @PLAN_CLIENTS.register("embedded", EmbeddedPlanSchema)
-class EmbeddedPlanClient:
+class EmbeddedPlanClient(InProcessPlanClient):
     """In-process Plan store (see the module docstring). ``faults``: a `PlanFaults` for tests."""
+
+    _client_name = "embedded Plan store"
 
     def __init__(
         self,
@@ -552,18 +555,6 @@ class EmbeddedPlanClient:
             plan.advance((GetPlanState.STARTED,), GetPlanState.TRANSFERRING, "get_transfer")
             return ptr, len(record.held)
 
-    def cancel_get_transfer(self, plan: GetPlan) -> None:
-        with self._lock:
-            self._check_handle(plan)
-            plan.advance((GetPlanState.STARTED,), GetPlanState.CANCELLED, "cancel_get_transfer")
-            self._end_read(plan)
-
-    def release_views(self, plan: GetPlan) -> None:
-        with self._lock:
-            self._check_handle(plan)
-            plan.advance((GetPlanState.TRANSFERRING,), GetPlanState.RELEASED, "release_views")
-            self._end_read(plan)
-
     def _end_read(self, plan: GetPlan) -> None:
         self._live_gets.discard(plan)
         record: _GetRecord = plan.native
@@ -601,14 +592,6 @@ class EmbeddedPlanClient:
             self._closed = True
 
     # -- internals ------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosedError("embedded Plan store used after close()")
-
-    def _check_handle(self, plan: Any) -> None:
-        self._check_open()
-        plan.check_owner(self)
-
     def _allocator(self) -> _FirstFit:
         if self._alloc is None:
             raise StoreClosedError("embedded Plan store has no segment (closed)")

@@ -91,6 +91,7 @@ from cacheseek.errors import (
 )
 from cacheseek.fluxon.service import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
 from cacheseek.plan.base import (
+    InProcessPlanClient,
     REQUIRED_PLAN_CALLS,
     GetPlan,
     GetPlanState,
@@ -252,7 +253,7 @@ class _GetRecord:
 
 
 @PLAN_CLIENTS.register("fluxon_public", FluxonPublicPlanSchema)
-class FluxonPublicPlanClient:
+class FluxonPublicPlanClient(InProcessPlanClient):
     """`PlanClient` emulated over a public fluxon-py client (see the module docstring).
 
     ``client``: an attached `FluxonClient` to share (the caller keeps owning it: `close` leaves
@@ -265,6 +266,8 @@ class FluxonPublicPlanClient:
     ``madvise(MADV_POPULATE_WRITE)``, else a memset). ``key_index``: keep FluxonClient's etcd
     key index (only `FluxonClient.list_keys` needs it; it costs an etcd call per put and remove).
     """
+
+    _client_name = "fluxon Plan client"
 
     def __init__(
         self,
@@ -570,18 +573,6 @@ class FluxonPublicPlanClient:
             plan.advance((GetPlanState.STARTED,), GetPlanState.TRANSFERRING, "get_transfer")
             return ptr, len(ptrs)
 
-    def cancel_get_transfer(self, plan: GetPlan) -> None:
-        with self._lock:
-            self._check_handle(plan)
-            plan.advance((GetPlanState.STARTED,), GetPlanState.CANCELLED, "cancel_get_transfer")
-            self._end_read(plan)
-
-    def release_views(self, plan: GetPlan) -> None:
-        with self._lock:
-            self._check_handle(plan)
-            plan.advance((GetPlanState.TRANSFERRING,), GetPlanState.RELEASED, "release_views")
-            self._end_read(plan)
-
     def _end_read(self, plan: GetPlan) -> None:
         self._live_gets.discard(plan)
         record: _GetRecord = plan.native
@@ -635,14 +626,6 @@ class FluxonPublicPlanClient:
         return self._closed
 
     # -- internals ------------------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._closed:
-            raise StoreClosedError("fluxon Plan client used after close()")
-
-    def _check_handle(self, plan: Any) -> None:
-        self._check_open()
-        plan.check_owner(self)
-
     def _pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._io is None:
