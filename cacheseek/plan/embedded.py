@@ -27,7 +27,6 @@ the index, the allocator and the handles. `PlanFaults` injects failures at every
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import ctypes.util
 import dataclasses
@@ -56,6 +55,7 @@ from cacheseek.plan.base import (
     SegmentMapping,
     SegmentTimers,
 )
+from cacheseek.plan.allocator import FirstFitAllocator
 from cacheseek.plan.table import PLAN_MAGIC, encode_plan_table, plan_table_nbytes
 from cacheseek.registry import PLAN_CLIENTS
 
@@ -124,51 +124,6 @@ class PlanFaults:
 
     def key_code(self, key: str) -> int:
         return self.key_codes.get(key, 0)
-
-
-class _FirstFit:
-    """First-fit allocator over ``[0, capacity)`` in ``alignment``-byte blocks; frees coalesce."""
-
-    def __init__(self, capacity: int, alignment: int) -> None:
-        self.capacity = capacity
-        self.alignment = alignment
-        self._free: list[list[int]] = [[0, capacity]]  # [offset, size], sorted by offset
-        self._live: dict[int, int] = {}
-        self.used = 0
-
-    def block(self, nbytes: int) -> int:
-        return -(-nbytes // self.alignment) * self.alignment
-
-    def alloc(self, nbytes: int) -> Optional[int]:
-        size = self.block(nbytes)
-        for i, (off, free) in enumerate(self._free):
-            if free >= size:
-                if free == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = [off + size, free - size]
-                self._live[off] = size
-                self.used += size
-                return off
-        return None
-
-    def free(self, offset: int) -> None:
-        size = self._live.pop(offset, None)
-        if size is None:
-            raise PlanError(f"embedded allocator: free of offset {offset} that is not allocated")
-        self.used -= size
-        i = bisect.bisect_left(self._free, [offset, 0])
-        if i < len(self._free) and offset + size == self._free[i][0]:
-            size += self._free[i][1]
-            del self._free[i]
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == offset:
-            self._free[i - 1][1] += size
-        else:
-            self._free.insert(i, [offset, size])
-
-    @property
-    def largest_free(self) -> int:
-        return max((s for _, s in self._free), default=0)
 
 
 def _libc() -> Optional[ctypes.CDLL]:
@@ -349,8 +304,8 @@ class EmbeddedPlanClient(InProcessPlanClient):
         self._lock = threading.RLock()
         self._segment: Optional[_Segment] = None
         self._arena: Optional[_Segment] = None
-        self._alloc: Optional[_FirstFit] = None
-        self._tables: Optional[_FirstFit] = None
+        self._alloc: Optional[FirstFitAllocator] = None
+        self._tables: Optional[FirstFitAllocator] = None
         self._index: dict[str, _Value] = {}
         self._live_puts: set[PutPlan] = set()
         self._live_gets: set[GetPlan] = set()
@@ -378,8 +333,8 @@ class EmbeddedPlanClient(InProcessPlanClient):
             seg.close()
             raise
         self._segment, self._arena = seg, arena
-        self._alloc = _FirstFit(seg.length, self.alignment)
-        self._tables = _FirstFit(arena.length, 64)
+        self._alloc = FirstFitAllocator(seg.length, self.alignment)
+        self._tables = FirstFitAllocator(arena.length, 64)
         self._generation += 1
         self._timers = SegmentTimers(
             seg.map_seconds, seg.fault_seconds, seg.fault_method, seg.threads, seg.huge_bytes, seg.length
@@ -592,7 +547,7 @@ class EmbeddedPlanClient(InProcessPlanClient):
             self._closed = True
 
     # -- internals ------------------------------------------------------------------------------
-    def _allocator(self) -> _FirstFit:
+    def _allocator(self) -> FirstFitAllocator:
         if self._alloc is None:
             raise StoreClosedError("embedded Plan store has no segment (closed)")
         return self._alloc

@@ -102,6 +102,7 @@ from cacheseek.plan.base import (
     SegmentTimers,
 )
 from cacheseek.plan.fluxon_native import FluxonNativePlanClient, missing_plan_calls
+from cacheseek.plan.allocator import FirstFitAllocator
 from cacheseek.plan.table import encode_plan_table, plan_table_nbytes
 from cacheseek.registry import PLAN_CLIENTS
 
@@ -172,7 +173,7 @@ def _libc() -> Optional[ctypes.CDLL]:
 
 
 class _Arena:
-    """An anonymous private mapping with a first-fit allocator (offsets; coalescing frees)."""
+    """An anonymous private mapping, carved by a `FirstFitAllocator` (offsets)."""
 
     def __init__(self, length: int, *, prefault: bool, align: int) -> None:
         t0 = time.perf_counter()
@@ -193,39 +194,20 @@ class _Arena:
                 ctypes.memset(self.ptr, 0, self.length)
                 self.fault_method = "touch"
         self.fault_seconds = time.perf_counter() - t1
-        self._free: list[tuple[int, int]] = [(0, self.length)]  # (offset, size), sorted by offset
-        self._used: dict[int, int] = {}
+        self._alloc = FirstFitAllocator(self.length, align)
 
     @property
     def used(self) -> int:
-        return sum(self._used.values())
+        return self._alloc.used
 
     def block(self, n: int) -> int:
-        return -(-max(n, 1) // self.align) * self.align
+        return self._alloc.block(n)
 
     def alloc(self, n: int) -> Optional[int]:
-        size = self.block(n)
-        for i, (off, free) in enumerate(self._free):
-            if free >= size:
-                if free == size:
-                    del self._free[i]
-                else:
-                    self._free[i] = (off + size, free - size)
-                self._used[off] = size
-                return off
-        return None
+        return self._alloc.alloc(n)
 
     def free(self, off: int) -> None:
-        size = self._used.pop(off)
-        i = 0
-        while i < len(self._free) and self._free[i][0] < off:
-            i += 1
-        self._free.insert(i, (off, size))
-        if i + 1 < len(self._free) and off + size == self._free[i + 1][0]:  # merge right
-            self._free[i] = (off, size + self._free.pop(i + 1)[1])
-        if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == off:  # merge left
-            prev_off, prev_size = self._free[i - 1]
-            self._free[i - 1] = (prev_off, prev_size + self._free.pop(i)[1])
+        self._alloc.free(off)
 
     def close(self) -> None:
         if self._mm is not None:

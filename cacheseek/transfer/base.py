@@ -668,14 +668,9 @@ class TransferRuntimeBase(abc.ABC):
         device_ranges: Sequence[MemoryRange] = (),
         after: Sequence[Union[Event, PendingBatch]] = (),
     ) -> None:
-        self._check_open()
-        batch = CopyBatch.coerce(descriptors)
+        batch, handle = self._prepare(descriptors, stream, device_ranges, after)
         if not len(batch):
             return
-        self._validate(batch, device_ranges)
-        handle = self._resolve_stream(stream)
-        for ev in after:
-            self.stream_wait(handle, ev)
         t0 = time.perf_counter()
         self._submit_or_raise(batch, handle)
         self._synchronize(handle)
@@ -691,12 +686,7 @@ class TransferRuntimeBase(abc.ABC):
     ) -> PendingBatch:
         """Validate, order ``stream`` after every ``after`` event, submit, record a completion
         event; return without waiting. Raises `TransferError` (nothing of the batch in flight)."""
-        self._check_open()
-        batch = CopyBatch.coerce(batch)
-        self._validate(batch, device_ranges)
-        handle = self._resolve_stream(stream)
-        for ev in after:
-            self.stream_wait(handle, ev)
+        batch, handle = self._prepare(batch, stream, device_ranges, after)
         t0 = time.perf_counter()
         if len(batch):
             self._submit_or_raise(batch, handle)
@@ -710,6 +700,23 @@ class TransferRuntimeBase(abc.ABC):
                 self.release_event(event)
             raise
         return PendingBatch(self, batch, handle, event, t0)
+
+    def _prepare(
+        self,
+        descriptors: BatchLike,
+        stream: Any,
+        device_ranges: Sequence[MemoryRange],
+        after: Sequence[Union[Event, PendingBatch]],
+    ) -> tuple[CopyBatch, Any]:
+        """What every submission does first: the whole batch validated, then ``stream`` resolved
+        and ordered after every ``after`` event. Nothing is submitted here."""
+        self._check_open()
+        batch = CopyBatch.coerce(descriptors)
+        self._validate(batch, device_ranges)
+        handle = self._resolve_stream(stream)
+        for ev in after:
+            self.stream_wait(handle, ev)
+        return batch, handle
 
     def _submit_or_raise(self, batch: CopyBatch, handle: Any) -> None:
         try:
