@@ -55,6 +55,8 @@ class CacheMetrics:
     eviction_errors: int = 0
     skeletons_freed: int = 0
     invalidations: int = 0
+    hook_failures: int = 0
+    hook_failures_by_hook: dict[str, int] = attrs.field(factory=dict)
     peak_used_bytes: int = 0
     timeline: list[tuple[float, int, Optional[int], str]] = attrs.field(factory=list)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
@@ -81,6 +83,12 @@ class CacheMetrics:
             else:
                 self.full_hits += 1
 
+    def record_hook_failure(self, hook: str) -> None:
+        """A runtime hook of a binding raised (the runtime then runs cold)."""
+        with self._lock:
+            self.hook_failures += 1
+            self.hook_failures_by_hook[hook] = self.hook_failures_by_hook.get(hook, 0) + 1
+
     def observe_usage(self, now: float, used: int, capacity: Optional[int], event: str) -> None:
         """A usage sample (after a write or an eviction pass); keeps the peak and the timeline."""
         with self._lock:
@@ -106,6 +114,7 @@ class CacheMetrics:
             }
             out["hits_by_depth"] = dict(sorted(self.hits_by_depth.items()))
             out["partial_hits_by_depth"] = dict(sorted(self.partial_hits_by_depth.items()))
+            out["hook_failures_by_hook"] = dict(sorted(self.hook_failures_by_hook.items()))
             samples = list(self.timeline) if timeline else None
         out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
         store = self._store

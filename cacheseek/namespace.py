@@ -23,6 +23,7 @@ class FingerprintContext:
     session: Any
     runtime: Any
     layout: Any
+    store: Any = None
 
 
 def _field(name: str):
@@ -126,3 +127,13 @@ def _device(ctx):
     """Device type: kernels differ in their low bits between CPU and CUDA."""
     k = ctx.runtime.self_kv_cache[0]["k"]
     return k.device.type
+
+
+@_field("store_format")
+def _store_format(ctx):
+    """How the store encodes values: raw Plan bytes and a generic tier's tensors under the same
+    key names must never read each other's values (one shared Fluxon service can hold both)."""
+    store = ctx.store
+    if store is None:
+        return None
+    return getattr(store, "storage_format", None) or f"{type(store).__module__}.{type(store).__qualname__}"

@@ -14,10 +14,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import attrs
+
 from cacheseek.errors import LayoutMismatchError
 from cacheseek.registry import LAYOUTS
 
-__all__ = ["BshdLayout"]
+__all__ = ["BshdLayout", "LatentSpec"]
+
+
+@attrs.frozen(slots=True)
+class LatentSpec:
+    """How one chunk's latent is stored and restored: ``shape`` of the runtime's noise chunk
+    (``[1, C, chunk_size, h, w]``), ``dtype`` of the ring (the runtime decodes a cached latent
+    in its model dtype, whatever dtype its noise was drawn in), ``device`` of the runtime."""
+
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    dtype: Any
+    device: Any
 
 
 @dataclasses.dataclass
@@ -59,17 +72,22 @@ class BshdLayout:
             out.append((k[:, start:end].detach(), v[:, start:end].detach()))
         return out
 
+    def latent_spec(self, runtime: Any) -> LatentSpec:
+        """Shape, dtype and device of a stored latent (see `LatentSpec`)."""
+        k = runtime.self_kv_cache[0]["k"]
+        return LatentSpec(tuple(int(x) for x in runtime.noise_chunks[0].shape), k.dtype, k.device)
+
     def fingerprint_fields(self, runtime: Any) -> dict[str, Any]:
         k = runtime.self_kv_cache[0]["k"]
         chunk_tokens = int(runtime.chunk_size * runtime.frame_tokens)
-        latent_shape = list(runtime.noise_chunks[0].shape)
+        latent = self.latent_spec(runtime)
         return {
             "storage_format": self.storage_format,
             "n_layers": len(runtime.self_kv_cache),
             "kv_shape": [1, chunk_tokens, int(k.shape[2]), int(k.shape[3])],
             "kv_dtype": str(k.dtype),
-            "latent_shape": latent_shape,
-            "latent_dtype": str(runtime.noise_chunks[0].dtype),
+            "latent_shape": list(latent.shape),
+            "latent_dtype": str(latent.dtype),
             "chunk_size": int(runtime.chunk_size),
             "frame_tokens": int(runtime.frame_tokens),
         }

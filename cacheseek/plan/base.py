@@ -60,6 +60,7 @@ __all__ = [
     "GetPlan",
     "PlanClient",
     "PlanClientInfo",
+    "PlanValueLengths",
     "InProcessPlanClient",
     "PlanUsage",
     "SegmentTimers",
@@ -263,6 +264,19 @@ class PlanClientInfo(Protocol):
     def usage(self) -> PlanUsage: ...
 
     def segment_timers(self) -> SegmentTimers: ...
+
+
+@runtime_checkable
+class PlanValueLengths(Protocol):
+    """Optional capability: a client that knows the byte length of every value it hands out.
+
+    A Plan table holds bare pointers, so without it a reader trusts its own size records; with
+    it, the reader checks every value against its target before the first copy and never reads
+    past a value."""
+
+    def value_lengths(self, plan: GetPlan) -> tuple[int, ...]:
+        """Byte lengths of the transferable values of a TRANSFERRING plan, in key order."""
+        ...
 
 
 class InProcessPlanClient:

@@ -510,6 +510,13 @@ class EmbeddedPlanClient(InProcessPlanClient):
             plan.advance((GetPlanState.STARTED,), GetPlanState.TRANSFERRING, "get_transfer")
             return ptr, len(record.held)
 
+    def value_lengths(self, plan: GetPlan) -> tuple[int, ...]:
+        """See `PlanValueLengths`."""
+        with self._lock:
+            self._check_handle(plan)
+            plan.expect((GetPlanState.TRANSFERRING,), "value_lengths")
+            return tuple(v.length for v in plan.native.held)
+
     def _end_read(self, plan: GetPlan) -> None:
         self._live_gets.discard(plan)
         record: _GetRecord = plan.native

@@ -555,6 +555,13 @@ class FluxonPublicPlanClient(InProcessPlanClient):
             plan.advance((GetPlanState.STARTED,), GetPlanState.TRANSFERRING, "get_transfer")
             return ptr, len(ptrs)
 
+    def value_lengths(self, plan: GetPlan) -> tuple[int, ...]:
+        """See `PlanValueLengths`."""
+        with self._lock:
+            self._check_handle(plan)
+            plan.expect((GetPlanState.TRANSFERRING,), "value_lengths")
+            return tuple(int(v.nbytes) for v in plan.native.views)
+
     def _end_read(self, plan: GetPlan) -> None:
         self._live_gets.discard(plan)
         record: _GetRecord = plan.native

@@ -109,6 +109,7 @@ class KeyValueTier:
     """A `TierStore` over a `ValueBackend`; see the module docstring for the contract."""
 
     accepts_device_views = False
+    storage_format = "cacheseek.tier.objects.v1"  # a value per layer and key, as the backend encodes it
 
     def __init__(
         self,

@@ -75,7 +75,7 @@ from cacheseek.errors import (
     StoreTimeoutError,
     WriteNotCompleteError,
 )
-from cacheseek.plan.base import GetPlan, PlanClient, PutCommitResult, PutPlan
+from cacheseek.plan.base import GetPlan, PlanClient, PlanValueLengths, PutCommitResult, PutPlan
 from cacheseek.plan.table import decode_plan_table
 from cacheseek.registry import PLAN_CLIENTS, STORES, TRANSFERS
 from cacheseek.reuse.exact_prefix.keys import layer_keys
@@ -254,6 +254,7 @@ class PlanTierStore:
     """
 
     accepts_device_views = True
+    storage_format = "cacheseek.plan.raw.v1"  # bare bytes; shapes and dtypes come from the runtime
 
     def __init__(
         self,
@@ -957,7 +958,7 @@ class PlanTierStore:
             lat = _Read(self, self._client.get_start(latent_keys, [len(latent_keys)]))
             reads.append(lat)
             self._count(gets_started=1)
-            table, n = lat.transfer()
+            table, n = lat.transfer([_nbytes(t) for t in target.latents])
             if n < len(latent_keys):
                 return None
             srcs = decode_plan_table(table, n, arena=arena)
@@ -975,7 +976,7 @@ class PlanTierStore:
             kv = _Read(self, self._client.get_start(keys, [width] * len(blobs)))
             reads.append(kv)
             self._count(gets_started=1)
-            table, n = kv.transfer()
+            table, n = kv.transfer([target.chunk_value_nbytes] * len(keys))
             if n < len(keys):
                 return None
             values = np.array(decode_plan_table(table, n, arena=arena), dtype=np.int64).reshape(len(blobs), width)
@@ -1027,7 +1028,7 @@ class PlanTierStore:
         if size is None:
             raise LayoutMismatchError(f"size of latent {locator} unknown: pass like= or nbytes=")
         with self._reading([locator], [1]) as read:
-            table, n = read.transfer()
+            table, n = read.transfer([size])
             if n == 0:
                 return None
             (src,) = decode_plan_table(table, 1, arena=self._arena())
@@ -1047,13 +1048,14 @@ class PlanTierStore:
         raw bytes of ``handle.nbytes / (2 * n_layers)`` each (K and V of one size). The manager
         restores through `read_path`; this is the generic per-layer read."""
         self._check_open()
+        size = handle.nbytes // (2 * handle.n_layers)
+        sizes = [size, size] if like is None else [_nbytes(t) for t in like]
         with self._reading(list(layer_keys(handle.locator, layer)), [2]) as read:
-            table, n = read.transfer()
+            table, n = read.transfer(sizes)
             if n < 2:
                 return None
             srcs = decode_plan_table(table, 2, arena=self._arena())
             if like is None:
-                size = handle.nbytes // (2 * handle.n_layers)
                 return ctypes.string_at(srcs[0], size), ctypes.string_at(srcs[1], size)
             k, v = (t.new_empty(t.shape) for t in like)
             transfer = self._transfer_for(k)
@@ -1180,11 +1182,29 @@ class _Read:
         self.transferred = False
         self.ended = False
 
-    def transfer(self) -> tuple[int, int]:
+    def transfer(self, expected: Optional[Sequence[int]] = None) -> tuple[int, int]:
+        """``(table, n_transferable)``. With ``expected`` (the byte length of each key's target),
+        every transferable value is checked against its target before anything is copied:
+        `LayoutMismatchError` names the first that differs (the plan is still ended by `end`)."""
         table, n = self._store._client.get_transfer(self.plan)
         self.transferred = True
         self._store._count(gets_transferred=1)
+        if expected is not None and n:
+            self._check_lengths(list(expected)[:n])
         return table, n
+
+    def _check_lengths(self, expected: list[int]) -> None:
+        client, keys = self._store._client, self.plan.keys
+        if isinstance(client, PlanValueLengths):
+            lengths = list(client.value_lengths(self.plan))
+        else:  # the store's own records of what it wrote (latents; KV sizes are on the blob)
+            lengths = [self._store._latent_nbytes.get(k, want) for k, want in zip(keys, expected)]
+        for key, have, want in zip(keys, lengths, expected):
+            if have != want:
+                raise LayoutMismatchError(
+                    f"value {key} holds {have} B but its restore target takes {want} B: the stored "
+                    f"layout differs from the runtime's (nothing was copied)"
+                )
 
     def end(self) -> None:
         if self.ended:

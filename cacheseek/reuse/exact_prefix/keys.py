@@ -22,6 +22,7 @@ from typing import Any
 
 __all__ = [
     "sha256",
+    "sha256_of_parts",
     "canonical_json_bytes",
     "config_blob_hash",
     "root_hash",
@@ -36,14 +37,20 @@ __all__ = [
 
 def sha256(*parts: bytes) -> bytes:
     """sha256 over ``len(part).to_bytes(8, 'little') + part`` for each part."""
+    return sha256_of_parts(*parts).digest()
+
+
+def sha256_of_parts(*parts: bytes) -> "hashlib._Hash":
+    """The running hash of `sha256` after ``parts``: a caller that streams a large last part
+    writes its length (8 bytes, little-endian) and then its bytes in pieces."""
     h = hashlib.sha256()
     for part in parts:
         if not isinstance(part, (bytes, bytearray, memoryview)):
             raise TypeError(f"sha256 parts must be bytes, got {type(part).__name__}")
-        b = bytes(part)
-        h.update(len(b).to_bytes(8, "little"))
-        h.update(b)
-    return h.digest()
+        view = memoryview(part).cast("B")  # no copy, even of a large value
+        h.update(view.nbytes.to_bytes(8, "little"))
+        h.update(view)
+    return h
 
 
 def _jsonable(value: Any) -> Any:

@@ -20,10 +20,12 @@ of the ring tail (it copies before the hook returns); a generic tier gets owned 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Optional, Sequence
 
 from cacheseek.errors import CacheSeekError, GeometryError, LayoutMismatchError
+from cacheseek.reuse.exact_prefix.actions import action_bytes
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
 from cacheseek.reuse.exact_prefix.keys import canonical_json_bytes, config_blob_hash, node_key, root_hash, sha256
 from cacheseek.reuse.exact_prefix.manager import WorldKVManager
@@ -61,23 +63,6 @@ def make_rolling_config(
                         sink_size=sink_size)
     return WorldKVConfig(window_chunks=ring.window_chunks, sink_chunks=ring.sink_chunks,
                          break_even_k=break_even_k)
-
-
-def action_bytes(control: Any) -> bytes:
-    """Canonical bytes of one chunk's control: values quantized to 1e-6, then hashed."""
-    if control is None:
-        return b"noctrl"
-    if hasattr(control, "detach"):
-        control = control.detach().float().cpu().reshape(-1).tolist()
-    flat = _flatten(control)
-    quantized = [int(round(float(x) * 1_000_000)) for x in flat]
-    return sha256(b"action", canonical_json_bytes(quantized))
-
-
-def _flatten(x: Any) -> list[Any]:
-    if isinstance(x, (list, tuple)):
-        return [y for item in x for y in _flatten(item)]
-    return [x]
 
 
 def _image_fingerprint(image: Any) -> bytes:
@@ -119,18 +104,30 @@ class LingBotWorldKVBinding:
         self.actions: list[bytes] = []
         self.ring: Optional[RingGeometry] = None
         self.ingest_errors = 0
+        self.logged_failures: set[tuple[str, str]] = set()
         self.bytes_written = 0
         self.bytes_restored = 0
         self._ns = None
         self._cursor: Optional[TrieNode] = None
 
     # -- hooks --------------------------------------------------------------------------------
+    # TeleFuser catches every exception of a hook, logs a warning and runs cold: a failing binding
+    # would be invisible. So each hook counts its own failures in the metrics and logs the first
+    # failure of each kind with its cause, then re-raises for the runtime's fallback.
 
     def on_runtime_created(self, runtime: Any, session_config: Any) -> None:
+        with _counted_failures(self, "on_runtime_created"):
+            self._on_runtime_created(runtime, session_config)
+
+    def on_chunk_finalized(self, runtime: Any, idx: int, denoised: Any) -> None:
+        with _counted_failures(self, "on_chunk_finalized"):
+            self._on_chunk_finalized(runtime, idx, denoised)
+
+    def _on_runtime_created(self, runtime: Any, session_config: Any) -> None:
         from cacheseek import namespace
 
         self.ring = self._validate_geometry(runtime)
-        ctx = namespace.FingerprintContext(session_config, runtime, self.layout)
+        ctx = namespace.FingerprintContext(session_config, runtime, self.layout, self.manager.store)
         cfg = namespace.config_blob(self.fields, ctx)
         runtime_weights = bytes(getattr(runtime, "weights_fingerprint", b"") or b"")
         if not runtime_weights and self.model_fingerprint == _DEFAULT_MODEL_FINGERPRINT:
@@ -157,7 +154,7 @@ class LingBotWorldKVBinding:
             self._cursor = self._ns.root
         self.last_fast_forward = result.start_chunk
 
-    def on_chunk_finalized(self, runtime: Any, idx: int, denoised: Any) -> None:
+    def _on_chunk_finalized(self, runtime: Any, idx: int, denoised: Any) -> None:
         if not self.ingest_enabled or self._ns is None or self._cursor is None:
             return
         parent = self._cursor
@@ -167,11 +164,12 @@ class LingBotWorldKVBinding:
         key = node_key(parent.node_key, action)
         chunk_tokens = runtime.chunk_size * runtime.frame_tokens
         views = self.layout.tail_views(runtime, chunk_tokens)
+        latent = self._stored_latent(runtime, idx, denoised)
         if getattr(self.manager.store, "accepts_device_views", False):
-            payload, latent = views, denoised.detach()
+            payload = views
         else:
             payload = [(k.to("cpu", copy=True), v.to("cpu", copy=True)) for k, v in views]
-            latent = denoised.detach().to("cpu", copy=True)
+            latent = latent.to("cpu", copy=True)
         nbytes = sum(int(k.numel() * k.element_size()) * 2 for k, _ in views)
         existing = parent.children.get(action)
         blob_before = existing.blob if existing is not None else None
@@ -187,6 +185,18 @@ class LingBotWorldKVBinding:
         self._cursor = node
         if self.snapshot_on_finalize:
             self.flush_snapshot()
+
+    def _stored_latent(self, runtime: Any, idx: int, denoised: Any) -> Any:
+        """The latent as it is stored and decoded on a hit: the chunk's denoised x0 in the ring's
+        dtype (TeleFuser casts a cached latent to its torch_dtype, the ring's, before decoding),
+        contiguous, in the noise chunk's shape."""
+        spec = self.layout.latent_spec(runtime)
+        latent = denoised.detach()
+        if tuple(latent.shape) != spec.shape:
+            raise LayoutMismatchError(
+                f"chunk {idx}: denoised latent {tuple(latent.shape)}, the runtime's chunks are {spec.shape}"
+            )
+        return latent.to(dtype=spec.dtype).contiguous()
 
     def flush_snapshot(self) -> None:
         if self.snapshot_path:
@@ -217,6 +227,22 @@ class LingBotWorldKVBinding:
         return ring
 
 
+@contextlib.contextmanager
+def _counted_failures(binding: LingBotWorldKVBinding, hook: str):
+    try:
+        yield
+    except Exception as exc:
+        metrics = getattr(binding.manager, "metrics", None)
+        if metrics is not None:
+            metrics.record_hook_failure(hook)
+        kind = (hook, type(exc).__name__)
+        if kind not in binding.logged_failures:
+            binding.logged_failures.add(kind)
+            log.error("CacheSeek %s failed (the runtime falls back to a cold run; later failures of "
+                      "this kind are only counted): %s: %s", hook, type(exc).__name__, exc, exc_info=exc)
+        raise
+
+
 def _get(obj: Any, name: str) -> Any:
     return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
 
@@ -234,14 +260,13 @@ class _RuntimeWindow:
     # generic tiers -------------------------------------------------------------------------
 
     def seed_latents(self, latents: Sequence[Any]) -> None:
-        rt = self.runtime
+        spec = self.binding.layout.latent_spec(self.runtime)
         out = []
         for i, lat in enumerate(latents):
-            ref = rt.noise_chunks[i]
-            if tuple(lat.shape) != tuple(ref.shape) or lat.dtype != ref.dtype:
+            if tuple(lat.shape) != spec.shape or lat.dtype != spec.dtype:
                 raise LayoutMismatchError(f"latent {i}: stored {tuple(lat.shape)} {lat.dtype}, "
-                                          f"runtime expects {tuple(ref.shape)} {ref.dtype}")
-            out.append(lat.to(ref.device, copy=True))
+                                          f"runtime expects {spec.shape} {spec.dtype}")
+            out.append(lat.to(spec.device, copy=True))
         self.latents = out
 
     def seed_layer(self, layer: int, blobs: list[tuple[int, Any]], depth: int) -> None:
@@ -272,7 +297,8 @@ class _RuntimeWindow:
             raise GeometryError("manager.window_chunks",
                                 f"window path {list(window_depths)} != ring window {self.ring.window_depths(depth)}")
         rt = self.runtime
-        self.latents = [torch.empty_like(rt.noise_chunks[i]) for i in range(depth)]
+        spec = self.binding.layout.latent_spec(rt)
+        self.latents = [torch.empty(spec.shape, dtype=spec.dtype, device=spec.device) for _ in range(depth)]
         runs = self.ring.restore_runs(depth)
         token_bytes = self.binding.layout.token_bytes(rt)
         self.bytes_restored = sum(2 * r.n_tokens for r in runs) * token_bytes * len(rt.self_kv_cache)
