@@ -265,17 +265,23 @@ def test_evicted_slot_does_not_matter():
 
 @pytest.mark.parametrize("num_steps", [1, 3])
 def test_rng_draws_per_chunk(num_steps):
+    """As TeleFuser: one float32 draw for the whole video split per chunk, then len(timesteps)-1
+    draws of x0's shape in the model dtype (bf16) per denoised chunk."""
     rt = make(num_steps=num_steps)
     ref = torch.Generator(device="cpu").manual_seed(1234)
-    for noise in rt.noise_chunks:
-        want = torch.randn(TINY.latent_shape, generator=ref, dtype=torch.bfloat16)
-        assert noise.dtype == torch.bfloat16 and torch.equal(noise, want)
+    c = TINY.chunk_size
+    whole = torch.randn((1, TINY.latent_channels, len(rt.noise_chunks) * c, TINY.latent_h, TINY.latent_w),
+                        generator=ref, dtype=torch.float32)
+    for i, noise in enumerate(rt.noise_chunks):
+        assert noise.dtype == torch.float32 and noise.shape == TINY.latent_shape
+        assert torch.equal(noise, whole[:, :, i * c : (i + 1) * c])
     assert len(rt.timesteps) == num_steps
     for k_done in range(1, 4):
         rt.generate(stop_after=k_done)
         for _ in range(num_steps - 1):
             torch.randn(TINY.latent_shape, generator=ref, dtype=torch.bfloat16)
         assert torch.equal(rt.generator.get_state(), ref.get_state())
+        assert rt.latents[-1].dtype == torch.bfloat16
 
 
 # --- a reference restore through the binding's attributes --------------------------------------
@@ -387,6 +393,7 @@ def test_binding_attributes():
     assert sc.sample_shift == 5.0 and sc.control_mode == "cam" and sc.max_sequence_length == 512
     assert sc.image.mode == "RGB" and isinstance(sc.image.tobytes(), bytes)
     assert len(rt.control_chunks) == 4 and rt.control_chunks[1].dtype == torch.float32
+    assert rt.control_chunks[1].shape == (1, 384, 3, TINY.latent_h, TINY.latent_w)
     assert (rt.chunk_size, rt.frame_tokens, rt.kv_local_attn_size, rt.kv_sink_size) == (3, 2, 7, 3)
     assert rt.device == torch.device("cpu") and rt.dtype == torch.bfloat16
     assert len(rt.self_kv_cache) == 2 and rt.self_kv_cache[0]["k"].shape == (1, 14, 2, 4)
@@ -407,7 +414,8 @@ def test_other_dtypes(dtype):
     a, b = make((5, 1), dtype=dtype), make((5, 1), dtype=dtype)
     assert a.generate() == b.generate()
     assert a.self_kv_cache[0]["k"].dtype == getattr(torch, dtype)
-    assert a.noise_chunks[0].dtype == torch.bfloat16
+    assert a.noise_chunks[0].dtype == torch.float32
+    assert a.latents[0].dtype == getattr(torch, dtype)
     base = a.frame_hashes
     out = _corrupted_run((5, 1), 2, [(0, "k", 0)], dtype=dtype)
     assert out[:2] == base[:2] and all(x != y for x, y in zip(out[2:], base[2:]))

@@ -30,11 +30,15 @@ chunk's KV and latent by O(1), which bf16 rounding cannot hide. Each layer's K/V
 earlier layers' windows through h, the last layer's window feeds x0, and the latent of every step
 feeds the next, so a wrong byte anywhere in the window propagates to every later chunk.
 
-Sampling per denoised chunk (self-forcing style): `x = noise_chunks[i]`; for each of `num_steps`
-steps predict x0, then, except after the last step, re-noise to the next sigma with a fresh bf16
-draw `torch.randn(noise_chunks[i].shape, generator=generator, device=noise_chunks[i].device,
-dtype=torch.bfloat16)`. So a denoised chunk draws `len(timesteps) - 1` tensors; a restored chunk
-draws none (the binding advances the generator with the same calls instead).
+Sampling, as TeleFuser's LingBot-World-fast loop does it: at construction one float32 draw
+``[1, C, frame_num, h, w]`` from `generator` for the whole video, split along dim 2 into
+`noise_chunks` (float32 views, one per chunk). Per denoised chunk: ``x = noise_chunks[i]`` cast to
+the model dtype; for each of `num_steps` steps predict x0 (in the model dtype, bf16 by default),
+then, except after the last step, re-noise to the next sigma with a fresh draw
+``torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)``. So a denoised
+chunk draws `len(timesteps) - 1` tensors of x0's shape and dtype; a restored chunk draws none (the
+binding advances the generator with the same calls instead). The stored and decoded latent is x0
+in the model dtype, never the noise's float32.
 
 `compute` (optional, for GPU benchmarks) adds real matmuls: in every forward pass and every layer,
 `gemms_per_layer_step` chained `[chunk_tokens, gemm_dim] @ [gemm_dim, gemm_dim]` GEMMs in the
@@ -72,6 +76,7 @@ __all__ = [
     "SyntheticRuntimeFactory",
     "SyntheticRuntimeSchema",
     "SyntheticWorldRuntime",
+    "control_tensor",
     "default_image",
     "ring_write",
     "snapshot_diff",
@@ -82,6 +87,7 @@ SAMPLE_SHIFT = 5.0
 CONTROL_MODE = "cam"
 MAX_SEQUENCE_LENGTH = 512
 MAX_ACTION_DIM = 16
+CONTROL_CHANNELS = 384  # 6 Plucker coordinates x an 8x8 pixel patch per latent pixel
 VAE_STRIDE = 8
 _WEIGHT_SEED = 0x5EED_CAC4E
 _CHECKSUM_BLOCK_TOKENS = 2048
@@ -274,8 +280,9 @@ class SyntheticWorldRuntime:
     `self_kv_cache` (n_layers dicts: `k`, `v` `[1, kv_size, H, D]` in `dtype`, int cursors),
     `world_kv_cached_latents` (`{chunk_idx: latent}` the binding fills; each is popped when its
     chunk comes up and decoded instead of denoised), `generator`, `timesteps`, `noise_chunks`
-    (bf16 `latent_shape` per chunk, drawn from `generator` at construction, in chunk order),
-    `control_chunks` (float32 CPU tensors, one per chunk), `chunk_size`, `frame_tokens`,
+    (float32 views `latent_shape` of one whole-video draw, see the module docstring),
+    `control_chunks` (float32 `[1, 384, c, h, w]` camera-control tensors on the runtime device,
+    one per chunk, see `control_tensor`; `actions` keeps the action vectors), `chunk_size`, `frame_tokens`,
     `kv_local_attn_size` (L frames or -1), `kv_sink_size` (S frames), `device`, `dtype`
     (torch dtype), `weights_fingerprint` (sha256 of the model weights) and `session_config`.
 
@@ -349,9 +356,8 @@ class SyntheticWorldRuntime:
             if not hasattr(self.image, attr):
                 raise ConfigError("runtime.image", f"image lacks {attr!r} (needs a PIL-like image)")
 
-        self.control_chunks = [
-            torch.tensor(a, dtype=torch.float32) for a in controls[:total_chunks]
-        ]
+        self.actions = [list(a) for a in controls[:total_chunks]]
+        self.control_chunks = [control_tensor(g, a, device=self.device) for a in self.actions]
         self.session_config = SessionConfig(
             prompt=prompt,
             image=self.image,
@@ -375,12 +381,9 @@ class SyntheticWorldRuntime:
 
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
-        self.noise_chunks = [
-            torch.randn(
-                g.latent_shape, generator=self.generator, device=self.device, dtype=torch.bfloat16
-            )
-            for _ in range(total_chunks)
-        ]
+        whole = (1, g.latent_channels, self.frame_num, g.latent_h, g.latent_w)
+        noise = torch.randn(whole, generator=self.generator, device=self.device, dtype=torch.float32)
+        self.noise_chunks = list(noise.split(g.chunk_size, dim=2))
 
         ring_shape = (1, self.kv_size, g.n_heads, g.head_dim)
         self.self_kv_cache = [
@@ -493,9 +496,7 @@ class SyntheticWorldRuntime:
         for s in range(self.num_steps):
             x0 = self._forward(x, i, self._sigmas[s], window).to(self.dtype)
             if s + 1 < self.num_steps:
-                eps = torch.randn(
-                    noise.shape, generator=self.generator, device=noise.device, dtype=torch.bfloat16
-                )
+                eps = torch.randn(x0.shape, generator=self.generator, device=x0.device, dtype=x0.dtype)
                 sigma = self._sigmas[s + 1]
                 x = ((1.0 - sigma) * x0.float() + sigma * eps.float()).to(self.dtype)
         self._forward(x0, i, 0.0, window)
@@ -616,8 +617,8 @@ class SyntheticWorldRuntime:
         cond = _unit_floats(_lp(b"synthetic-cond", *parts, img.tobytes()), feats)
         self._cond = 0.5 * torch.tensor(cond, dtype=torch.float32, device=self.device)
         padded = torch.zeros((self.total_chunks, MAX_ACTION_DIM), dtype=torch.float32)
-        for i, a in enumerate(self.control_chunks):
-            padded[i, : a.numel()] = a
+        for i, a in enumerate(self.actions):
+            padded[i, : len(a)] = torch.tensor(a, dtype=torch.float32)
         self._action_emb = torch.tanh(padded.to(self.device) @ self._w["embed.action"])
         half = torch.arange(0, g.head_dim, 2, dtype=torch.float32, device=self.device)
         self._inv_freq = 1.0 / (10000.0 ** (half / g.head_dim))
@@ -685,6 +686,27 @@ def _make_weights(g: Geometry, gemm: dict | None) -> dict[str, torch.Tensor]:
         w["compute.expand"] = rnd(feats, dim, scale=1.0 / math.sqrt(feats))
         w["compute.w"] = rnd(dim, dim, scale=1.0 / math.sqrt(dim))
     return w
+
+
+def control_tensor(g: Geometry, action: Sequence[float], *, device: Any = "cpu") -> torch.Tensor:
+    """The camera-control tensor of one chunk as LingBot-World-fast's pipeline hands it over:
+    ``[1, CONTROL_CHANNELS, chunk_size, latent_h, latent_w]`` float32 (6 Plucker coordinates per
+    pixel of an 8x8 patch; 7.19 M values a chunk at 480x832). Here a fixed smooth function of
+    the action vector: every value depends on every action component, so the action key (a hash
+    of this tensor) separates actions exactly as the model does."""
+    import torch
+
+    a = torch.zeros(MAX_ACTION_DIM, dtype=torch.float32)
+    a[: len(action)] = torch.tensor(list(action), dtype=torch.float32)
+    ch = torch.arange(CONTROL_CHANNELS, dtype=torch.float32)
+    basis = torch.cos(ch[:, None] * (torch.arange(MAX_ACTION_DIM, dtype=torch.float32)[None, :] + 1.0) * 0.37)
+    per_channel = torch.tanh(basis @ a)  # [CONTROL_CHANNELS]
+    f = torch.arange(g.chunk_size, dtype=torch.float32)[:, None, None]
+    y = torch.arange(g.latent_h, dtype=torch.float32)[None, :, None] / g.latent_h
+    x = torch.arange(g.latent_w, dtype=torch.float32)[None, None, :] / g.latent_w
+    ramp = (y - 0.5) * (1.0 + 0.1 * f) + (x - 0.5)  # [c, h, w]
+    out = per_channel[:, None, None, None] * (1.0 + ramp[None])
+    return out[None].to(device).contiguous()
 
 
 def _fingerprint(weights: dict[str, torch.Tensor]) -> bytes:

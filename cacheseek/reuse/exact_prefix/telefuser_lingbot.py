@@ -322,13 +322,12 @@ class _RuntimeWindow:
             raise CacheSeekError(f"restore of depth {depth} has {len(self.latents)} latents")
         global_end, local_end = self.ring.cursors(depth)
         draws = max(len(rt.timesteps) - 1, 0)
+        spec = self.binding.layout.latent_spec(rt)  # a cold chunk re-noises x0: its shape and dtype
         gen = rt.generator
         state = gen.get_state()
         try:
-            for i in range(depth):
-                shape = tuple(rt.noise_chunks[i].shape)
-                for _ in range(draws):
-                    torch.randn(shape, generator=gen, dtype=torch.bfloat16, device=gen.device)
+            for _ in range(depth * draws):
+                torch.randn(spec.shape, generator=gen, dtype=spec.dtype, device=gen.device)
         except BaseException:
             gen.set_state(state)
             raise
