@@ -62,6 +62,7 @@ class CacheMetrics:
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
     _store: Any = attrs.field(default=None, init=False, repr=False)
     _t0: Optional[float] = attrs.field(default=None, init=False, repr=False)
+    _failure_kinds: set = attrs.field(factory=set, init=False, repr=False)
 
     # -- recording ------------------------------------------------------------------------------
     def bind_store(self, store: Any) -> None:
@@ -83,11 +84,15 @@ class CacheMetrics:
             else:
                 self.full_hits += 1
 
-    def record_hook_failure(self, hook: str) -> None:
-        """A runtime hook of a binding raised (the runtime then runs cold)."""
+    def record_hook_failure(self, hook: str, kind: str) -> bool:
+        """A runtime hook of a binding raised ``kind`` (an exception type; the runtime then runs
+        cold). True for the first failure of this hook and kind: the one worth a log line."""
         with self._lock:
             self.hook_failures += 1
             self.hook_failures_by_hook[hook] = self.hook_failures_by_hook.get(hook, 0) + 1
+            first = (hook, kind) not in self._failure_kinds
+            self._failure_kinds.add((hook, kind))
+            return first
 
     def observe_usage(self, now: float, used: int, capacity: Optional[int], event: str) -> None:
         """A usage sample (after a write or an eviction pass); keeps the peak and the timeline."""

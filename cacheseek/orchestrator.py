@@ -97,9 +97,11 @@ class Stack:
         from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding
 
         manager = manager if manager is not None else self.new_manager()
+        model = str(self.cfg.namespace.model_fingerprint).encode()
+        weights = getattr(self.runtime_factory, "weights_fingerprint", None)  # a runtime that knows its weights
         return LingBotWorldKVBinding(
             manager, manager.forest,
-            model_fingerprint=str(self.cfg.namespace.model_fingerprint).encode(),
+            model_fingerprint=model + b":" + weights.hex().encode() if weights else model,
             ingest_enabled=ingest_enabled, layout=self.layout, fingerprint_fields=self.fields,
         )
 

@@ -1,6 +1,6 @@
 """World-model runtimes. Importing this package registers them (torch is imported lazily)."""
 
-from cacheseek.runtime import geometry, synthetic
+from cacheseek.runtime import geometry, synthetic, telefuser
 from cacheseek.runtime.geometry import GEOMETRIES, Geometry, get_geometry, validate_window
 from cacheseek.runtime.synthetic import (
     SyntheticImage,
@@ -19,5 +19,6 @@ __all__ = [
     "geometry",
     "get_geometry",
     "synthetic",
+    "telefuser",
     "validate_window",
 ]

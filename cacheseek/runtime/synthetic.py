@@ -64,6 +64,7 @@ import attrs
 from cacheseek.errors import CacheSeekError, ConfigError, LayoutMismatchError
 from cacheseek.registry import RUNTIMES
 from cacheseek.runtime.geometry import Geometry, get_geometry, validate_window
+from cacheseek.runtime.snapshot import ring_snapshot, snapshot_diff
 
 if TYPE_CHECKING:
     import torch
@@ -225,16 +226,6 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    import torch
-
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    a = a.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    b = b.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-    return bool(torch.equal(a, b))
-
-
 def _splitmix64(z: int) -> int:
     z = (z + 0x9E3779B97F4A7C15) & _M64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
@@ -250,23 +241,6 @@ def _unit_floats(data: bytes, n: int) -> list[float]:
     """n floats in [-1, 1] derived from `data` by SHAKE-256."""
     raw = hashlib.shake_256(data).digest(2 * n)
     return [v / 32767.5 - 1.0 for v in struct.unpack(f"<{n}H", raw)]
-
-
-def snapshot_diff(a: dict, b: dict) -> list[str]:
-    """Byte-exact differences between two `state_snapshot()` results; empty when equal."""
-    diffs: list[str] = []
-    if len(a["layers"]) != len(b["layers"]):
-        return [f"layer count {len(a['layers'])} != {len(b['layers'])}"]
-    for i, (la, lb) in enumerate(zip(a["layers"], b["layers"])):
-        for key in ("global_end_index", "local_end_index"):
-            if la[key] != lb[key]:
-                diffs.append(f"layer {i} {key}: {la[key]} != {lb[key]}")
-        for key in ("k", "v"):
-            if not _same_bytes(la[key], lb[key]):
-                diffs.append(f"layer {i} {key}[:, :local_end] differs")
-    if not _same_bytes(a["generator_state"], b["generator_state"]):
-        diffs.append("generator state differs")
-    return diffs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -435,21 +409,9 @@ class SyntheticWorldRuntime:
         return list(self.frame_hashes)
 
     def state_snapshot(self) -> dict:
-        """Clones of everything a restore must reproduce: per layer `k`/`v` `[:, :local_end]` and
-        both cursors, the generator state, and `next_chunk`. Compare with `snapshot_diff`."""
-        return {
-            "layers": [
-                {
-                    "k": c["k"][:, : c["local_end_index"]].clone(),
-                    "v": c["v"][:, : c["local_end_index"]].clone(),
-                    "global_end_index": c["global_end_index"],
-                    "local_end_index": c["local_end_index"],
-                }
-                for c in self.self_kv_cache
-            ],
-            "generator_state": self.generator.get_state().clone(),
-            "next_chunk": self.next_chunk,
-        }
+        """Clones of everything a restore must reproduce (`ring_snapshot`) and `next_chunk`.
+        Compare with `snapshot_diff`."""
+        return ring_snapshot(self, next_chunk=self.next_chunk)
 
     def decode(self, latent: torch.Tensor) -> torch.Tensor:
         """Frames of one chunk: `[chunk_size, 3, latent_h, latent_w]` float32, a fixed channel

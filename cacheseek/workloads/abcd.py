@@ -122,7 +122,7 @@ class AbcdGate:
 
     def _ring_check(self, stack) -> list[dict[str, Any]]:
         """Restore every depth K from the cache A filled and compare with a cold run before chunk K."""
-        from cacheseek.runtime.synthetic import snapshot_diff
+        from cacheseek.runtime.snapshot import same_bytes, snapshot_diff
 
         actions = self.P + self.X
         cold = stack.runtime_factory.make(actions, hooks=None)
@@ -138,19 +138,12 @@ class AbcdGate:
             diff = snapshot_diff(rt.state_snapshot(), states[k])
             for i in range(k):
                 got = rt.world_kv_cached_latents.get(i)
-                if got is None or not _same(got, cold.latents[i]):
+                if got is None or not same_bytes(got, cold.latents[i]):
                     diff.append(f"cached latent {i} differs from the cold run's")
             ok = binding.last_fast_forward == k and not diff
             out.append({"K": k, "hit_depth": binding.last_fast_forward,
                         "verdict": "ok" if ok else "MISMATCH", "diff": diff})
         return out
-
-
-def _same(a: Any, b: Any) -> bool:
-    import torch
-
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.detach().cpu().contiguous().view(torch.uint8), b.detach().cpu().contiguous().view(torch.uint8))
 
 
 def _fresh_forest():

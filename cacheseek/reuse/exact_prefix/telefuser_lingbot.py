@@ -234,10 +234,11 @@ def _counted_failures(binding: LingBotWorldKVBinding, hook: str):
     except Exception as exc:
         metrics = getattr(binding.manager, "metrics", None)
         if metrics is not None:
-            metrics.record_hook_failure(hook)
-        kind = (hook, type(exc).__name__)
-        if kind not in binding.logged_failures:
-            binding.logged_failures.add(kind)
+            first = metrics.record_hook_failure(hook, type(exc).__name__)
+        else:
+            first = (hook, type(exc).__name__) not in binding.logged_failures
+            binding.logged_failures.add((hook, type(exc).__name__))
+        if first:
             log.error("CacheSeek %s failed (the runtime falls back to a cold run; later failures of "
                       "this kind are only counted): %s: %s", hook, type(exc).__name__, exc, exc_info=exc)
         raise

@@ -1,0 +1,189 @@
+"""A real LingBot-World-fast pipeline with tiny random weights: TeleFuser's own code, no checkpoint.
+
+`build_tiny_pipeline` constructs TeleFuser's ``LingBotWorldFastPipeline`` without ``init()``
+(which loads umt5-xxl, the Wan VAE and the 14B DiT from disk) and sets its parts:
+
+- the DiT: TeleFuser's ``LingBotWorldFastDiT`` at a tiny size (default 2 layers, 2 heads,
+  head_dim 12: divisible by 6 for the 3-D RoPE split), every weight redrawn from ``weight_seed``
+  (its ``init_weights`` zeroes the output head, which would make every chunk the same), in bf16;
+- TeleFuser's ``LingBotWorldFastDenoisingStage``, ``LingBotWorldFastTimesteps`` and scheduler;
+- stand-ins with the real interfaces and shapes for the parts that need weights from disk: a VAE
+  (8x spatial and 4x temporal compression, z=16; `TinyVAE`), a byte tokenizer and a seeded
+  prompt embedding (`TinyTextEncoder`).
+
+Everything the binding observes (ring layout and cursors, noise, RNG draws, control tensors,
+cached-latent decode, hook order) is TeleFuser's. The VAE stand-in is a pure function of the
+latent, so two equal latents decode to equal frames and one changed bit changes them; it keeps
+the last latent and frames it decoded, which the gate compares bit for bit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any
+
+__all__ = ["TinyDiTSpec", "TinyTextEncoder", "TinyTokenizer", "TinyVAE", "build_tiny_pipeline",
+           "module_fingerprint"]
+
+Z_DIM = 16
+SPATIAL = 8
+TEMPORAL = 4
+TEXT_LEN = 512
+
+
+class TinyDiTSpec:
+    """Sizes of the tiny DiT; ``dim = n_heads * head_dim``."""
+
+    def __init__(self, n_layers: int = 2, n_heads: int = 2, head_dim: int = 12, text_dim: int = 32,
+                 weight_seed: int = 0) -> None:
+        if head_dim % 6:
+            raise ValueError(f"head_dim {head_dim} must be divisible by 6 (TeleFuser's 3-D RoPE split)")
+        self.n_layers, self.n_heads, self.head_dim = n_layers, n_heads, head_dim
+        self.text_dim, self.weight_seed = text_dim, weight_seed
+
+    @property
+    def dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+
+class TinyTokenizer:
+    """TeleFuser's tokenizer call: ``(prompt, return_mask=True, add_special_tokens=True)`` ->
+    ids and mask ``[1, 512]``; ids are the prompt's UTF-8 bytes + 2, then an end token (1)."""
+
+    def __call__(self, prompt: str, return_mask: bool = True, add_special_tokens: bool = True) -> Any:
+        import torch
+
+        data = list(prompt.encode("utf-8"))[: TEXT_LEN - 1]
+        ids = torch.zeros((1, TEXT_LEN), dtype=torch.long)
+        mask = torch.zeros((1, TEXT_LEN), dtype=torch.long)
+        n = len(data) + 1
+        ids[0, :n] = torch.tensor([b + 2 for b in data] + [1], dtype=torch.long)
+        mask[0, :n] = 1
+        return (ids, mask) if return_mask else ids
+
+
+class TinyTextEncoder:
+    """``(ids, mask) -> [1, 512, text_dim]``: a seeded embedding table, in the pipeline dtype."""
+
+    def __init__(self, text_dim: int, *, seed: int, device: Any, dtype: Any) -> None:
+        import torch
+
+        gen = torch.Generator(device="cpu").manual_seed(seed + 1)
+        self.table = torch.randn((258, text_dim), generator=gen).to(device=device, dtype=dtype)
+
+    def __call__(self, ids: Any, mask: Any) -> Any:
+        return self.table[ids.to(self.table.device)]
+
+
+class TinyVAE:
+    """Wan VAE's interface and shapes: ``encode([video [3, F, H, W]]) -> [[16, 1 + (F-1)/4, H/8,
+    W/8]]``; ``cached_decode_withflag(latent [1, 16, T, h, w]) -> frames [3, T', 8h, 8w]`` in
+    [-1, 1], ``T' = 1 + 4(T-1)`` on the first clip and ``4T`` after (as the streaming decoder)."""
+
+    def __init__(self, *, seed: int, device: Any, dtype: Any) -> None:
+        import torch
+
+        gen = torch.Generator(device="cpu").manual_seed(seed + 2)
+        self.enc = (torch.randn((Z_DIM, 3), generator=gen) / math.sqrt(3)).to(device)
+        self.dec = (torch.randn((3, Z_DIM), generator=gen) / math.sqrt(Z_DIM)).to(device)
+        self.dtype = dtype
+        self.last_latent: Any = None
+        self.last_frames: Any = None
+
+    def encode(self, videos: list, device: Any = None, tiled: bool = False) -> list:
+        import torch
+        import torch.nn.functional as F
+
+        out = []
+        for video in videos:
+            v = video.float()
+            first, rest = v[:, :1], v[:, 1:]
+            groups = rest.reshape(3, rest.shape[1] // TEMPORAL, TEMPORAL, *rest.shape[2:]).mean(dim=2)
+            frames = torch.cat([first, groups], dim=1)  # [3, lat_f, H, W]
+            pooled = F.avg_pool2d(frames.transpose(0, 1), SPATIAL).transpose(0, 1)
+            out.append(torch.tanh(torch.einsum("zc,cthw->zthw", self.enc, pooled)).to(video.dtype))
+        return out
+
+    def cached_decode_withflag(self, hidden_state: Any, device: Any, is_first_clip: bool,
+                               is_last_clip: bool) -> Any:
+        import torch
+
+        self.last_latent = hidden_state.detach().clone()
+        z = hidden_state[0] if hidden_state.dim() == 5 else hidden_state
+        x = torch.tanh(torch.einsum("cz,zthw->cthw", self.dec, z.float()))
+        x = x.repeat_interleave(TEMPORAL, dim=1)
+        if is_first_clip:
+            x = x[:, TEMPORAL - 1 :]
+        x = x.repeat_interleave(SPATIAL, dim=2).repeat_interleave(SPATIAL, dim=3)
+        self.last_frames = x.to(hidden_state.dtype)
+        return self.last_frames
+
+
+def build_tiny_pipeline(*, device: str = "cpu", local_attn_size: int = -1, sink_size: int = 0,
+                        height: int = 64, width: int = 64, spec: TinyDiTSpec | None = None) -> Any:
+    """TeleFuser's ``LingBotWorldFastPipeline`` with tiny random weights (see the module doc)."""
+    import torch
+    from telefuser.models.lingbot_world_fast_dit import LingBotWorldFastDiT
+    from telefuser.pipelines.lingbot_world_fast.denoising import (
+        LingBotWorldFastDenoisingStage,
+        LingBotWorldFastTimesteps,
+    )
+    from telefuser.pipelines.lingbot_world_fast.pipeline import (
+        LingBotWorldFastPipeline,
+        LingBotWorldFastPipelineConfig,
+    )
+
+    spec = spec or TinyDiTSpec()
+    dtype = torch.bfloat16
+    pipeline = LingBotWorldFastPipeline(device=device, torch_dtype=dtype)
+    pipeline.config = LingBotWorldFastPipelineConfig(
+        control_type="cam", orig_height=height, orig_width=width, max_area=height * width,
+        local_attn_size=int(local_attn_size), sink_size=int(sink_size),
+    )
+    pipeline.text_device = torch.device(device)
+    pipeline.vae_device = torch.device(device)
+    pipeline.tokenizer = TinyTokenizer()
+    pipeline.text_encoder = TinyTextEncoder(spec.text_dim, seed=spec.weight_seed, device=device, dtype=dtype)
+    pipeline.vae = TinyVAE(seed=spec.weight_seed, device=device, dtype=dtype)
+    dit = LingBotWorldFastDiT(
+        patch_size=(1, 2, 2), text_len=TEXT_LEN, in_dim=2 * Z_DIM + 4, dim=spec.dim,
+        ffn_dim=2 * spec.dim, freq_dim=256, text_dim=spec.text_dim, out_dim=Z_DIM,
+        num_heads=spec.n_heads, num_layers=spec.n_layers, local_attn_size=int(local_attn_size),
+        sink_size=int(sink_size), control_type="cam",
+    )
+    _redraw(dit, spec.weight_seed)
+    pipeline.dit = dit.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    pipeline.denoise_stage = LingBotWorldFastDenoisingStage(pipeline.dit, torch_dtype=dtype)
+    pipeline.timesteps = LingBotWorldFastTimesteps()
+    return pipeline
+
+
+def _redraw(module: Any, seed: int) -> None:
+    """Every parameter from one seeded generator, in name order: matrices ~ N(0, 1/fan_in),
+    norm scales ~ 1 + N(0, 0.05^2), other vectors ~ N(0, 0.05^2)."""
+    import torch
+
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters()):
+            draw = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+            if p.dim() >= 2 and "modulation" not in name:
+                draw /= math.sqrt(max(1, p[0].numel()))
+            elif "norm" in name:
+                draw = 1.0 + 0.05 * draw
+            else:
+                draw *= 0.05
+            p.copy_(draw)
+
+
+def module_fingerprint(module: Any) -> bytes:
+    """sha256 over a module's state dict (names, shapes, dtypes, bytes), in name order."""
+    import torch
+
+    h = hashlib.sha256(b"cacheseek.weights.v1")
+    for name, t in sorted(module.state_dict().items()):
+        t = t.detach().to("cpu").contiguous()
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.digest()

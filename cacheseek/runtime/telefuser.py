@@ -1,0 +1,255 @@
+"""The ``telefuser`` runtime: TeleFuser's real LingBot-World-fast loop, with tiny random weights.
+
+`TeleFuserRuntimeFactory` builds one real ``LingBotWorldFastPipeline``
+(`cacheseek.integrations.telefuser.tiny`), attaches CacheSeek to it (native hooks on a hooked
+TeleFuser, installed ones on the 0.1.0.post3 release) and hands out `TeleFuserSession` objects,
+which the workloads drive like the synthetic runtime: ``generate(stop_after)``,
+``state_snapshot()``, ``latents``, ``frame_hashes``, ``world_kv_cached_latents``.
+
+A workload's action per chunk is a small vector (``[a0, a1, a2, ...]`` in [-1, 1]); here it is a
+camera move, turned into the inputs a TeleFuser user passes: per video frame a camera-to-world
+pose ``[N, 4, 4]`` and intrinsics ``[N, 4]`` (`camera_path`). TeleFuser turns them into the
+control tensors ``[1, 384, 3, h, w]`` float32 that the binding keys on. The moves are rotations
+(yaw, pitch, roll rates per latent frame): TeleFuser normalizes translations by the largest step
+of the whole trajectory, which would make the control of an early chunk depend on later actions
+and defeat prefix reuse; rotations reach the DiT unnormalized.
+
+Requires the ``telefuser`` extra (``pip install -e '.[telefuser]'``); importing this module does
+not import TeleFuser or torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from cacheseek.errors import ConfigError
+from cacheseek.registry import RUNTIMES
+from cacheseek.runtime.geometry import Geometry, validate_window
+from cacheseek.runtime.snapshot import ring_snapshot
+
+__all__ = ["TeleFuserRuntimeFactory", "TeleFuserRuntimeSchema", "TeleFuserSession", "camera_path"]
+
+VIDEO_PER_LATENT = 4  # Wan VAE: 4 video frames per latent frame (the first latent holds one)
+_DEG = math.pi / 180.0
+
+
+def camera_path(actions: Sequence[Sequence[float]], *, chunk_size: int, width: int, height: int,
+                step_degrees: float = 8.0) -> tuple[Any, Any]:
+    """Poses ``[N, 4, 4]`` float32 and intrinsics ``[N, 4]`` float32 (``fx, fy, cx, cy``) for
+    ``N = 4 * (len(actions) * chunk_size - 1) + 1`` video frames. Latent frame j (video frame 4j,
+    where TeleFuser samples the path) turns by ``step_degrees * (a1, a0, a2 / 2)`` (pitch, yaw,
+    roll) of its chunk's action; the frames between two samples keep the earlier pose, so the
+    control of a chunk depends only on the actions of that chunk and the ones before it."""
+    import numpy as np
+    from scipy.spatial.transform import Rotation
+
+    latent_frames = len(actions) * chunk_size
+    n = VIDEO_PER_LATENT * (latent_frames - 1) + 1
+    rotation = Rotation.identity()
+    per_latent = []
+    for j in range(latent_frames):
+        if j:
+            a = list(actions[j // chunk_size]) + [0.0, 0.0, 0.0]
+            step = np.array([a[1], a[0], 0.5 * a[2]], dtype=np.float64) * step_degrees * _DEG
+            rotation = rotation * Rotation.from_rotvec(step)
+        per_latent.append(rotation.as_matrix())
+    poses = np.tile(np.eye(4, dtype=np.float32), (n, 1, 1))
+    for f in range(n):
+        poses[f, :3, :3] = per_latent[f // VIDEO_PER_LATENT]
+    focal = float(max(width, height))
+    intrinsics = np.tile(np.array([[focal, focal, width / 2.0, height / 2.0]], dtype=np.float32), (n, 1))
+    return poses, intrinsics
+
+
+@dataclasses.dataclass
+class TeleFuserRuntimeSchema:
+    """Hydra schema of ``runtime: telefuser`` (sizes of the tiny DiT and the video)."""
+
+    _target_: str = "cacheseek.runtime.telefuser.TeleFuserRuntimeFactory"
+    local_attn_size: int = -1
+    sink_size: int = 0
+    device: str = "cpu"
+    seed: int = 42
+    prompt: str = "a red car driving along a coast road"
+    height: int = 64
+    width: int = 64
+    n_layers: int = 2
+    n_heads: int = 2
+    head_dim: int = 12
+    weight_seed: int = 0
+
+
+@RUNTIMES.register("telefuser", TeleFuserRuntimeSchema)
+class TeleFuserRuntimeFactory:
+    """One tiny real pipeline; `make()` opens one session on it."""
+
+    def __init__(self, *, local_attn_size: int = -1, sink_size: int = 0, device: str = "cpu",
+                 seed: int = 42, prompt: str = "a red car driving along a coast road", height: int = 64,
+                 width: int = 64, n_layers: int = 2, n_heads: int = 2, head_dim: int = 12,
+                 weight_seed: int = 0) -> None:
+        for name, value, low in (("height", height, 16), ("width", width, 16), ("n_layers", n_layers, 1),
+                                 ("n_heads", n_heads, 1), ("head_dim", head_dim, 6), ("seed", seed, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ConfigError(f"runtime.{name}", f"must be an integer >= {low}, got {value!r}")
+        for name, value in (("height", height), ("width", width)):
+            if value % 16:
+                raise ConfigError(f"runtime.{name}", f"{value} is not a multiple of 16",
+                                  "TeleFuser's VAE and patching need multiples of 16")
+        if head_dim % 6:
+            raise ConfigError("runtime.head_dim", f"{head_dim} is not divisible by 6",
+                              "TeleFuser's 3-D RoPE splits head_dim in thirds of even size: use 12, 24, ...")
+        self._geometry = Geometry(name="telefuser", n_layers=n_layers, n_heads=n_heads, head_dim=head_dim,
+                                  latent_channels=16, latent_h=height // 8, latent_w=width // 8, chunk_size=3)
+        validate_window(self._geometry, local_attn_size, sink_size)
+        self._local_attn_size, self._sink_size = local_attn_size, sink_size
+        self.seed, self.prompt, self.height, self.width = seed, prompt, height, width
+        self._device = _check_device(device)
+        self._weight_seed = weight_seed
+        self._pipeline: Any = None
+        self.layout: Any = None
+        self._weights: Optional[bytes] = None
+
+    # the settings the orchestrator and workloads read
+    geometry = property(lambda self: self._geometry)
+    local_attn_size = property(lambda self: self._local_attn_size)
+    sink_size = property(lambda self: self._sink_size)
+    device = property(lambda self: self._device)
+    dtype = property(lambda self: "bfloat16")
+
+    @property
+    def pipeline(self) -> Any:
+        """The attached pipeline, built on first use."""
+        if self._pipeline is None:
+            from cacheseek.integrations.telefuser import attach
+            from cacheseek.integrations.telefuser.tiny import TinyDiTSpec, build_tiny_pipeline
+
+            _require_telefuser()
+            g = self._geometry
+            spec = TinyDiTSpec(n_layers=g.n_layers, n_heads=g.n_heads, head_dim=g.head_dim,
+                               weight_seed=self._weight_seed)
+            pipeline = build_tiny_pipeline(device=self._device, local_attn_size=self._local_attn_size,
+                                           sink_size=self._sink_size, height=self.height,
+                                           width=self.width, spec=spec)
+            self.layout = attach(pipeline)
+            self._pipeline = pipeline
+        return self._pipeline
+
+    @property
+    def weights_fingerprint(self) -> bytes:
+        """sha256 of the DiT's weights: two checkpoints never share a namespace."""
+        if self._weights is None:
+            from cacheseek.integrations.telefuser.tiny import module_fingerprint
+
+            self._weights = module_fingerprint(self.pipeline.dit)
+        return self._weights
+
+    def make(self, actions: Sequence[Sequence[float]], hooks: Any = None, total_chunks: Optional[int] = None,
+             *, image: Any = None) -> "TeleFuserSession":
+        actions = list(actions)[: total_chunks or len(actions)]
+        if not actions:
+            raise ConfigError("runtime.actions", "a session needs at least one chunk's action")
+        return TeleFuserSession(self, actions, hooks, image)
+
+    def session_config(self, actions: Sequence[Sequence[float]], image: Any = None) -> Any:
+        from telefuser.pipelines.lingbot_world_fast.session import LingBotWorldFastSessionConfig
+
+        c = self._geometry.chunk_size
+        poses, intrinsics = camera_path(actions, chunk_size=c, width=self.width, height=self.height)
+        return LingBotWorldFastSessionConfig(
+            prompt=self.prompt, image=_pil_image(image, self.width, self.height), control_mode="cam",
+            chunk_size=c, frame_num=len(poses), seed=self.seed, poses=poses, intrinsics=intrinsics,
+        )
+
+
+class TeleFuserSession:
+    """One session on the real pipeline. ``hooks`` (a binding or None) is set as
+    ``session_config.world_kv_binding``; TeleFuser (or the installed hooks) calls it."""
+
+    def __init__(self, factory: TeleFuserRuntimeFactory, actions: list, hooks: Any, image: Any) -> None:
+        self.factory = factory
+        self.pipeline = factory.pipeline
+        self.session_config = factory.session_config(actions, image)
+        self.session_config.world_kv_binding = hooks
+        self.total_chunks = len(actions)
+        self.runtime: Any = None
+        self.frame_hashes: list[bytes] = []
+        self.latents: list[Any] = []
+        self.next_chunk = 0
+
+    def generate(self, stop_after: Optional[int] = None) -> list[bytes]:
+        """Create the runtime (the binding restores here) and run chunks until ``stop_after`` are
+        done (default all). A frame hash is the sha256 of the decoded frames' bytes, taken before
+        TeleFuser's uint8 conversion so that one changed latent bit shows."""
+        stop = self.total_chunks if stop_after is None else stop_after
+        if not 0 <= stop <= self.total_chunks:
+            raise ConfigError("stop_after", f"{stop} is outside 0..{self.total_chunks}")
+        if self.runtime is None:
+            self.runtime = self.pipeline.create_runtime(self.session_config)
+        vae = self.pipeline.vae
+        while self.next_chunk < stop:
+            self.pipeline.generate_next_chunk(self.runtime)
+            frames = vae.last_frames.detach().to("cpu").contiguous()
+            self.frame_hashes.append(hashlib.sha256(_raw(frames)).digest())
+            self.latents.append(vae.last_latent)
+            self.next_chunk += 1
+        return list(self.frame_hashes)
+
+    def state_snapshot(self) -> dict:
+        if self.runtime is None:
+            self.runtime = self.pipeline.create_runtime(self.session_config)
+        return ring_snapshot(self.runtime, next_chunk=self.next_chunk)
+
+    @property
+    def world_kv_cached_latents(self) -> dict:
+        return {} if self.runtime is None else self.runtime.world_kv_cached_latents
+
+    @property
+    def self_kv_cache(self) -> Any:
+        return self.runtime.self_kv_cache
+
+
+def _raw(t: Any) -> bytes:
+    import torch
+
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _pil_image(image: Any, width: int, height: int) -> Any:
+    """A PIL image: the given one, one made from a PIL-like (mode, size, tobytes) image, or a
+    fixed gradient of the configured size."""
+    from PIL import Image
+
+    if image is None:
+        data = bytes((x * 3 + y * 5 + c * 70) % 256 for y in range(height) for x in range(width) for c in range(3))
+        return Image.frombytes("RGB", (width, height), data)
+    if isinstance(image, Image.Image):
+        return image
+    return Image.frombytes(image.mode, tuple(image.size), image.tobytes())
+
+
+def _check_device(device: Any) -> str:
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ConfigError("runtime.device", f"unknown device {device!r}", "use cpu or cuda[:N]") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("runtime.device", "CUDA is not available", "use runtime.device=cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError("runtime.device", f"unsupported device {device!r}", "use cpu or cuda[:N]")
+    return str(dev)
+
+
+def _require_telefuser() -> None:
+    try:
+        import telefuser.pipelines.lingbot_world_fast  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            "runtime", f"runtime=telefuser needs TeleFuser's LingBot-World-fast pipeline ({exc})",
+            "pip install -e '.[telefuser]' (then pip install --no-deps telefuser==0.1.0.post3, see README)",
+        ) from None

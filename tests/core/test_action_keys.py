@@ -1,0 +1,215 @@
+"""Action keys (`cacheseek.reuse.exact_prefix.actions`): the encoding is pinned, the quantization
+is the old per-value path's, and every input form of the same values gives the same key.
+
+The key names trie nodes in shared stores, so it must be the same in every process and on every
+machine: a change of encoding must fail here (pinned digests), not silently miss every cache.
+Timing is in experiments/action_keys, not here."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cacheseek.reuse.exact_prefix.actions import NO_CONTROL, QUANTUM, action_bytes, quantized_values
+
+REPO = Path(__file__).resolve().parents[2]
+
+# One fixed small control (i4 encoding) and one with a value past the int32 range (i8 encoding).
+PINNED_I4 = ([[0.0, 1e-6, -0.5, 0.0078125], [1.0, -2147.0, 3.25, 0.1]],
+             "91432258a8f2149d8165ecd90d377047b8125898e5a06c7810014565ef96b260")
+PINNED_I8 = ([3000.0, -0.25], "b16f1a7a68dabebd44d0b8cd32985f7836ac47f59cf18b2e384298c58199cb72")
+
+
+def _old_quantized(t: torch.Tensor) -> list[int]:
+    """The old per-value path (before 3e58b43), the reference for the quantized integers."""
+    return [int(round(float(x) * 1_000_000)) for x in t.detach().float().cpu().reshape(-1).tolist()]
+
+
+def _spec_key(shape: tuple[int, ...], q: np.ndarray) -> bytes:
+    """The key as the module docstring specifies it, written out from hashlib alone."""
+
+    def part(b: bytes) -> bytes:
+        return len(b).to_bytes(8, "little") + b
+
+    shape_bytes = np.asarray(shape, dtype="<i8").tobytes()
+    data = q.astype(q.dtype.newbyteorder("<")).tobytes()
+    preimage = part(b"action") + part(b"q1e-6") + part(q.dtype.str.encode()) + part(shape_bytes) + part(data)
+    return hashlib.sha256(preimage).digest()
+
+
+# --- encoding ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values, digest", [PINNED_I4, PINNED_I8], ids=["i4", "i8"])
+def test_pinned_digest(values, digest):
+    """Changing the encoding (scale, rounding, byte order, layout of the preimage) fails here."""
+    assert action_bytes(torch.tensor(values, dtype=torch.float32)).hex() == digest
+    assert action_bytes(values).hex() == digest
+
+
+@pytest.mark.parametrize("values", [PINNED_I4[0], PINNED_I8[0]], ids=["i4", "i8"])
+def test_key_matches_documented_encoding(values):
+    q = quantized_values(values)
+    assert q.dtype == (np.dtype("<i8") if np.max(np.abs(values)) > 2147.483647 else np.dtype("<i4"))
+    assert action_bytes(values) == _spec_key(np.shape(values), q)
+
+
+def test_key_is_32_bytes_and_none_is_noctrl():
+    assert len(action_bytes([0.5])) == 32
+    assert action_bytes(None) == NO_CONTROL == b"noctrl"
+
+
+def test_deterministic_across_processes():
+    """A fresh interpreter (another hash seed) computes the same key for the same seeded values."""
+    code = textwrap.dedent("""
+        import numpy as np
+        from cacheseek.reuse.exact_prefix.actions import action_bytes
+        x = np.random.default_rng(1234).standard_normal((1, 384, 3, 2, 4)).astype(np.float32)
+        print(action_bytes(x).hex())
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONHASHSEED": "97"}
+    child = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                           timeout=60, check=True).stdout.strip()
+    x = np.random.default_rng(1234).standard_normal((1, 384, 3, 2, 4)).astype(np.float32)
+    assert child == action_bytes(x).hex() == action_bytes(torch.from_numpy(x)).hex()
+
+
+# --- quantization --------------------------------------------------------------------------------
+
+
+def test_quantum_is_one_millionth():
+    assert QUANTUM == 1e-6
+    assert quantized_values([1e-6, -1e-6, 0.5, 0.0]).tolist() == [1, -1, 500000, 0]
+
+
+def test_within_half_a_quantum_same_key_1e_5_apart_another():
+    base = action_bytes(np.array([0.25, -1.5], dtype=np.float64))
+    assert action_bytes(np.array([0.25 + 4e-7, -1.5 - 4.9e-7])) == base
+    assert action_bytes(np.array([0.25 - 4.9e-7, -1.5 + 3e-7])) == base
+    assert action_bytes(np.array([0.25 + 1e-5, -1.5])) != base
+    assert action_bytes(np.array([0.25, -1.5 + 1e-5])) != base
+    assert action_bytes(np.array([0.25 + 6e-7, -1.5])) != base  # just past half a quantum
+
+
+def test_exact_halves_round_to_even():
+    """m/128 is exact in float32 and float64, and m/128 * 1e6 = m * 7812.5 exactly: for odd m the
+    product is an exact half, rounded to the even neighbour (as Python's round did)."""
+    halves = [m / 128 for m in (1, 3, 5, -1, -3, 7)]  # 7812.5, 23437.5, 39062.5, ...
+    expect = [7812, 23438, 39062, -7812, -23438, 54688]
+    assert [x * 1e6 % 1 for x in halves] == [0.5] * 6
+    assert quantized_values(halves).tolist() == expect
+    assert quantized_values(np.float32(halves)).tolist() == expect
+    assert quantized_values(torch.tensor(halves, dtype=torch.float32)).tolist() == expect
+    assert [round(x * 1_000_000) for x in halves] == expect
+
+
+def test_old_and_new_paths_quantize_alike():
+    """The old per-value Python path and the vectorized one give the same integers, here on random
+    float32 values of several magnitudes, exact halves and a bf16 tensor."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.cat([
+        torch.randn(20000, generator=g),
+        torch.randn(2000, generator=g) * 1000,
+        torch.rand(2000, generator=g) * 1e-5,
+        torch.tensor([m / 128 for m in range(-64, 65)]),
+    ])
+    assert quantized_values(x).tolist() == _old_quantized(x)
+    xb = x[:4000].to(torch.bfloat16)
+    assert quantized_values(xb).tolist() == _old_quantized(xb)
+
+
+def test_many_blocks_match_one_shot_reference():
+    """A control longer than one internal block (2**18 values) is quantized and hashed as one."""
+    x = np.random.default_rng(3).standard_normal(300_001).astype(np.float32)
+    q = np.rint(x.astype(np.float64) * 1e6).astype("<i4")
+    assert np.array_equal(quantized_values(x), q)
+    assert action_bytes(x) == _spec_key(x.shape, q)
+
+
+# --- input forms ---------------------------------------------------------------------------------
+
+VALUES = [[0.1, -0.5, 0.0078125], [1.234567, 0.0, -3.0]]
+
+
+@pytest.mark.parametrize("form", [
+    lambda v: torch.tensor(v, dtype=torch.float32),
+    lambda v: torch.tensor(v, dtype=torch.float64),
+    lambda v: np.array(v, dtype=np.float32),
+    lambda v: np.array(v, dtype=np.float64),
+    lambda v: v,
+    lambda v: tuple(tuple(r) for r in v),
+    lambda v: torch.tensor(v).T.contiguous().T,  # a non-contiguous view: its logical C order counts
+], ids=["torch_f32", "torch_f64", "np_f32", "np_f64", "list", "tuple", "torch_strided"])
+def test_same_values_same_key_in_every_form(form):
+    assert action_bytes(form(VALUES)) == action_bytes(np.array(VALUES, dtype=np.float64))
+
+
+def test_integer_values_key_like_floats():
+    assert action_bytes([[1, -2, 3]]) == action_bytes(torch.tensor([[1.0, -2.0, 3.0]]))
+    assert action_bytes(np.array([1, 2], dtype=np.int16)) == action_bytes([1.0, 2.0])
+
+
+def test_bf16_tensor_keys_like_its_float32_values():
+    x = torch.randn(1, 384, 3, 2, 4, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert action_bytes(x) == action_bytes(x.float())
+    assert action_bytes(x.to(torch.float16)) == action_bytes(x.to(torch.float16).float())
+    assert quantized_values(x).shape == (x.numel(),)
+
+
+def test_shape_is_part_of_the_key():
+    v = [0.5, -0.25, 1.0, 2.0]
+    keys = {action_bytes(np.array(v).reshape(s)) for s in [(1, 4), (4,), (2, 2), (4, 1), (1, 1, 4)]}
+    assert len(keys) == 5
+    assert action_bytes([]) != action_bytes(np.empty((0, 3)))
+
+
+def test_order_of_values_is_part_of_the_key():
+    t = torch.tensor([[0.5, -0.25], [1.0, 2.0]])
+    assert action_bytes(t.T) != action_bytes(t)
+    assert action_bytes(t.T) == action_bytes(t.T.contiguous())
+
+
+# --- wide values, bad values ---------------------------------------------------------------------
+
+
+def test_int64_fallback_past_int32_range():
+    assert quantized_values([2147.483647]).dtype == np.int32
+    assert quantized_values([2147.483648]).dtype == np.int64
+    assert quantized_values([3000.0, -4e6]).tolist() == [3_000_000_000, -4_000_000_000_000]
+    # values that wrap in int32 stay distinct in int64
+    assert action_bytes([3000.0]) != action_bytes([3000.0 - 2**32 / 1e6])
+    assert action_bytes([3000.0, 1.0]) != action_bytes([3000.0, 1.000001])
+    # the same value bytes under another integer width: dtype and shape keep the keys apart
+    wide, narrow = [3000.0], [-1294.967296, 0.0]
+    assert quantized_values(wide).tobytes() == quantized_values(narrow).tobytes()
+    assert action_bytes(wide) != action_bytes(narrow)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_non_finite_values_raise(bad):
+    for control in ([0.5, bad], np.array([0.5, bad], dtype=np.float32), torch.tensor([[0.5, bad]]),
+                    torch.tensor([0.5, bad], dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="non-finite"):
+            action_bytes(control)
+        with pytest.raises(ValueError, match="non-finite"):
+            quantized_values(control)
+
+
+def test_values_too_large_to_quantize_raise():
+    with pytest.raises(ValueError, match="too large"):
+        action_bytes([1e13])
+
+
+def test_non_numeric_controls_raise():
+    with pytest.raises(ValueError, match="no action key"):
+        action_bytes(np.array(["a", "b"]))
+    with pytest.raises(ValueError, match="no action key"):
+        action_bytes(torch.tensor([1 + 2j]))
