@@ -20,12 +20,14 @@ class RecordingWindow:
         self.layers = {}
         self.latents = None
         self.depth = None
+        self.seed_depths = set()
 
     def seed_latents(self, latents):
         self.latents = list(latents)
 
     def seed_layer(self, layer, blobs, depth):
         self.layers[layer] = blobs
+        self.seed_depths.add(depth)
 
     def set_resume_depth(self, depth):
         self.depth = depth
@@ -50,7 +52,9 @@ def test_full_hit_seeds_window_then_publishes():
     _ingest_chain(mgr, [b"a", b"b", b"c"])
     w = RecordingWindow()
     res = mgr.try_fast_forward(ROOT, [b"a", b"b", b"c"], w)
-    assert res.start_chunk == 3 and w.depth == 3
+    # K = 3 chunks restored; the window is told the deepest node's trie depth, K-1 (as upstream).
+    assert res.start_chunk == 3 and res.node.depth == 2
+    assert w.depth == 2 and w.seed_depths == {2}
     assert w.latents == ["lat0", "lat1", "lat2"]
     assert [d for d, _ in w.layers[1]] == [0, 1, 2]
     assert w.layers[1][2][1] == ("k2.1", "v2.1")
@@ -91,7 +95,7 @@ def test_missing_latent_invalidates_the_node_and_restores_the_shorter_prefix():
     mgr.store.backend.delete(node.skeleton.latent_locator)
     w = RecordingWindow()
     assert mgr.try_fast_forward(ROOT, [b"a", b"b"], w).start_chunk == 1
-    assert w.depth == 1 and w.latents == ["lat0"] and [d for d, _ in w.layers[0]] == [0]
+    assert w.depth == 0 and w.latents == ["lat0"] and [d for d, _ in w.layers[0]] == [0]
     assert node.blob is None and node.skeleton is not None
     assert not [k for k in mgr.store.keys() if k.startswith(kv_loc)]
     assert mgr.stats["invalidations"] == 1 and mgr.stats["restore_retries"] == 1
