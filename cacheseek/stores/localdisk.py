@@ -275,7 +275,8 @@ class DiskBackend:
             meta = {"kind": "tensor", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
         else:
             try:
-                body = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode("utf-8")
+                text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+                body = text.encode("utf-8")
             except (TypeError, ValueError):
                 raise StoreError(
                     f"localdisk: {key}: cannot store a {type(value).__name__} (a CPU tensor, bytes, "

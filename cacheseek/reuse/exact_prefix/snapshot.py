@@ -180,7 +180,7 @@ def _decode_action(nd: Mapping[str, Any], where: str, legacy: bool) -> ActionKey
     kind = "bytes" if legacy else nd.get("action_type")
     if kind == "bytes":
         if not isinstance(action, str):
-            raise ConfigError(f"{where}.action", f"a bytes action must be written as hex, got {action!r}", _FIX)
+            raise ConfigError(f"{where}.action", f"a bytes action is written as hex, got {action!r}", _FIX)
         try:
             return bytes.fromhex(action)
         except ValueError:
