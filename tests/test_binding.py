@@ -694,6 +694,30 @@ def test_snapshot_then_new_manager_hits_every_chunk(tier, tmp_path, mode):
         store.close()
 
 
+def test_snapshot_path_is_loaded_at_construction_into_an_empty_forest(tmp_path):
+    """As upstream: a binding given ``snapshot_path`` loads it when the forest is empty, so a new
+    process hits without calling load_forest_snapshot itself; a forest in use is left alone."""
+    snap = tmp_path / "forest.json"
+    store = InMemoryTierStore()
+    a, _, hashes_a = run_session(store, NamespaceForest(), snapshot_path=str(snap))
+    a.flush_snapshot()
+
+    fresh = NamespaceForest()
+    b = binding_for(store, fresh, ingest=False, snapshot_path=str(snap))
+    assert len(fresh) == 1  # before any hook ran
+    rt = factory().make(ACTS, hooks=b)
+    assert rt.generate() == hashes_a and b.last_fast_forward == N
+
+    busy = NamespaceForest()
+    busy.get_or_create_namespace(b"\x01" * 32, b"cfg")
+    binding_for(store, busy, snapshot_path=str(snap))
+    assert len(busy) == 1 and busy.resolve(a.root) is None
+
+    missing = NamespaceForest()
+    binding_for(store, missing, snapshot_path=str(tmp_path / "none.json"))
+    assert len(missing) == 0
+
+
 def test_snapshot_persists_only_ready_blobs(tmp_path):
     store = InMemoryTierStore()
     forest = NamespaceForest()

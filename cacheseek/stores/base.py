@@ -4,6 +4,8 @@ Generic tiers (`TierStore`) keep the per-layer path: ``put_async`` receives a ca
 snapshot of each layer (the runtime overwrites its ring right after the hook returns) and calls
 ``on_ready(handle)`` once every value is durably written; ``get_layer`` returns one layer's
 ``(k, v)`` or ``None`` when either half is missing (a partial layer is a miss, never a crash).
+A generic tier also takes layers that are not ``(k, v)`` pairs (any object, as upstream CacheSeek's
+tests store strings) and returns each as it was stored (``BlobHandle.pairs`` is then False).
 
 A store that also satisfies `PathReadStore` (checked with ``isinstance``, a runtime-checkable
 Protocol) moves bytes itself: it accepts detached views of the live ring on write
@@ -38,13 +40,13 @@ class TierStore(Protocol):
     def put_async(
         self,
         locator: str,
-        payload: Sequence[LayerPayload],
+        payload: Sequence[Any],
         *,
         tier: Tier,
         on_ready: Optional[Callable[[BlobHandle], None]] = None,
     ) -> BlobHandle: ...
 
-    def get_layer(self, handle: BlobHandle, layer: int) -> Optional[LayerPayload]: ...
+    def get_layer(self, handle: BlobHandle, layer: int) -> Optional[Any]: ...
 
     def put_skeleton(self, locator: str, latent: Any) -> None: ...
 

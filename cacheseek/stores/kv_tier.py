@@ -1,7 +1,10 @@
 """`KeyValueTier`: the shared mechanism of every generic (per-layer) tier store.
 
 A generic tier stores each chunk as ``2 * n_layers`` values under ``{locator}:L{i}:k|v`` plus the
-latent under ``{hex}:lat``, in any key-value backend (a dict, files, Fluxon). The backend is the
+latent under ``{hex}:lat``, in any key-value backend (a dict, files, Fluxon). A payload whose
+layers are not all ``(k, v)`` pairs (upstream CacheSeek's tests store a string per layer) is
+stored as one value per layer, ``{locator}:L{i}``, and its handle says so (``pairs=False``); each
+layer must then be a value the backend can hold (the dict: any object but None). The backend is the
 policy; this class is the mechanism that all of them share:
 
 - ``put_async`` takes caller-owned CPU snapshots, writes every value, and only then marks the
@@ -12,7 +15,7 @@ policy; this class is the mechanism that all of them share:
   counts and logs the failure (`TierStats.failed_writes`). Neither ``put_async`` (write-through)
   nor `flush` (write-back) raises it: both modes report a failure the same way, on the handle and
   in the stats, and the caller runs on without caching that chunk.
-- ``get_layer`` returns ``(k, v)`` or None when either half is missing.
+- ``get_layer`` returns ``(k, v)`` (or the layer's single value) or None when a value is missing.
 - ``free`` refuses a blob whose write is still in flight (`WriteNotCompleteError`), removes the
   values otherwise (idempotent) and lets backend errors surface.
 
@@ -38,13 +41,12 @@ import attrs
 
 from cacheseek.errors import ConfigError, StoreClosedError, StoreError, StoreFullError, WriteNotCompleteError
 from cacheseek.eviction.base import StoreUsage
-from cacheseek.reuse.exact_prefix.keys import layer_keys
-from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier
-from cacheseek.stores.base import LayerPayload
+from cacheseek.reuse.exact_prefix.keys import blob_keys, layer_keys, object_key
+from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier, kv_pairs
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ValueBackend", "KeyValueTier", "TierStats", "payload_nbytes"]
+__all__ = ["ValueBackend", "KeyValueTier", "TierStats", "payload_nbytes", "layer_nbytes"]
 
 
 class ValueBackend(Protocol):
@@ -97,6 +99,13 @@ def payload_nbytes(value: Any) -> int:
     return 0
 
 
+def layer_nbytes(layer: Any) -> int:
+    """Bytes of one layer's payload: both halves of a ``(k, v)`` pair, else the value itself."""
+    if isinstance(layer, tuple):
+        return sum(payload_nbytes(part) for part in layer)
+    return payload_nbytes(layer)
+
+
 def _check_capacity(value: Any) -> Optional[int]:
     if value is None:
         return None
@@ -141,19 +150,23 @@ class KeyValueTier:
     def put_async(
         self,
         locator: str,
-        payload: Sequence[LayerPayload],
+        payload: Sequence[Any],
         *,
         tier: Tier,
         on_ready: Optional[Callable[[BlobHandle], None]] = None,
     ) -> BlobHandle:
         self._check_open()
-        items = []
-        nbytes = 0
-        for i, (k, v) in enumerate(payload):
-            kk, vk = layer_keys(locator, i)
-            items += [(kk, k), (vk, v)]
-            nbytes += payload_nbytes(k) + payload_nbytes(v)
-        handle = BlobHandle(tier=tier, locator=locator, nbytes=nbytes, n_layers=len(payload))
+        pairs = kv_pairs(payload)
+        items: list[tuple[str, Any]] = []
+        for i, layer in enumerate(payload):
+            if pairs:
+                items += zip(layer_keys(locator, i), layer)
+            elif layer is None:
+                raise ValueError(f"{locator}: layer {i} is None (a stored None would read as a miss)")
+            else:
+                items.append((object_key(locator, i), layer))
+        nbytes = sum(payload_nbytes(value) for _, value in items)
+        handle = BlobHandle(tier=tier, locator=locator, nbytes=nbytes, n_layers=len(payload), pairs=pairs)
         with self._lock:
             old = self._reserve([(key, payload_nbytes(value)) for key, value in items])
             self.stats.pending_writes += 1
@@ -299,21 +312,26 @@ class KeyValueTier:
         self._check_open()
         return self.backend.read(locator)
 
-    def get_layer(self, handle: BlobHandle, layer: int) -> Optional[LayerPayload]:
+    def get_layer(self, handle: BlobHandle, layer: int) -> Optional[Any]:
         self._check_open()
         if not 0 <= layer < handle.n_layers:
             raise IndexError(f"layer {layer} out of range for a blob of {handle.n_layers} layers")
         t0 = time.perf_counter()
-        kk, vk = layer_keys(handle.locator, layer)
-        k = self.backend.read(kk)
-        v = self.backend.read(vk) if k is not None else None
-        if k is None or v is None:
+        out: Any
+        if handle.pairs:
+            kk, vk = layer_keys(handle.locator, layer)
+            k = self.backend.read(kk)
+            v = self.backend.read(vk) if k is not None else None
+            out = None if k is None or v is None else (k, v)
+        else:
+            out = self.backend.read(object_key(handle.locator, layer))
+        if out is None:
             return None
         with self._lock:
             self.stats.gets += 1
-            self.stats.get_bytes += payload_nbytes(k) + payload_nbytes(v)
+            self.stats.get_bytes += layer_nbytes(out)
             self.stats.get_seconds += time.perf_counter() - t0
-        return k, v
+        return out
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -321,11 +339,10 @@ class KeyValueTier:
         self._check_open()
         if handle.in_flight:
             raise WriteNotCompleteError(f"{handle.locator}: write still in flight; cannot free")
-        for layer in range(handle.n_layers):
-            for key in layer_keys(handle.locator, layer):
-                self.backend.delete(key)
-                with self._lock:
-                    self._forget(key)
+        for key in blob_keys(handle.locator, handle.n_layers, pairs=handle.pairs):
+            self.backend.delete(key)
+            with self._lock:
+                self._forget(key)
         with self._lock:
             self.stats.frees += 1
 

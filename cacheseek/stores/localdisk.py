@@ -6,8 +6,9 @@ an escaped name never contains a dot; temporary files (``.{name}.{random}.tmp``)
 they are never mistaken for values.
 
 File format: ``MAGIC`` (8 bytes), header length (u32 little-endian), a JSON header, the raw
-payload. The header says the kind (``tensor``, ``bytes`` or ``str``), the payload size and, for
-tensors, dtype and shape. Tensors are written byte for byte through a ``uint8`` view (bf16
+payload. The header says the kind (``tensor``, ``bytes``, ``str`` or ``json``: plain data such as a
+number or a list, for layers that are not tensors; tuples read back as lists), the payload size
+and, for tensors, dtype and shape. Tensors are written byte for byte through a ``uint8`` view (bf16
 included, no numpy dtype needed) and read back as contiguous CPU tensors.
 
 Writes are atomic: a temp file in the value's folder, optional ``fsync``, ``os.replace``. A
@@ -273,9 +274,15 @@ class DiskBackend:
             body = _tensor_bytes(t) if t.numel() else b""
             meta = {"kind": "tensor", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
         else:
-            raise StoreError(
-                f"localdisk: {key}: cannot store a {type(value).__name__} (tensor, bytes or str only)"
-            )
+            try:
+                text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+                body = text.encode("utf-8")
+            except (TypeError, ValueError):
+                raise StoreError(
+                    f"localdisk: {key}: cannot store a {type(value).__name__} (a CPU tensor, bytes, "
+                    "str, or plain JSON data: numbers, lists, dicts with string keys)"
+                ) from None
+            meta = {"kind": "json"}
         meta["nbytes"] = memoryview(body).nbytes
         header = json.dumps(meta, separators=(",", ":")).encode("utf-8")
         return MAGIC + _HLEN.pack(len(header)) + header, body
@@ -301,6 +308,11 @@ class DiskBackend:
             return f.read(nbytes).decode("utf-8")
         if kind == "bytes":
             return f.read(nbytes)
+        if kind == "json":
+            try:
+                return json.loads(f.read(nbytes).decode("utf-8"))
+            except (ValueError, UnicodeDecodeError):
+                raise StoreError(f"localdisk: corrupt value file {path}: unreadable JSON payload") from None
         if kind != "tensor":
             raise StoreError(f"localdisk: corrupt value file {path}: unknown kind {kind!r}")
         torch = _torch()

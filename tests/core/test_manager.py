@@ -20,12 +20,14 @@ class RecordingWindow:
         self.layers = {}
         self.latents = None
         self.depth = None
+        self.seed_depths = set()
 
     def seed_latents(self, latents):
         self.latents = list(latents)
 
     def seed_layer(self, layer, blobs, depth):
         self.layers[layer] = blobs
+        self.seed_depths.add(depth)
 
     def set_resume_depth(self, depth):
         self.depth = depth
@@ -50,7 +52,9 @@ def test_full_hit_seeds_window_then_publishes():
     _ingest_chain(mgr, [b"a", b"b", b"c"])
     w = RecordingWindow()
     res = mgr.try_fast_forward(ROOT, [b"a", b"b", b"c"], w)
-    assert res.start_chunk == 3 and w.depth == 3
+    # K = 3 chunks restored; the window is told the deepest node's trie depth, K-1 (as upstream).
+    assert res.start_chunk == 3 and res.node.depth == 2
+    assert w.depth == 2 and w.seed_depths == {2}
     assert w.latents == ["lat0", "lat1", "lat2"]
     assert [d for d, _ in w.layers[1]] == [0, 1, 2]
     assert w.layers[1][2][1] == ("k2.1", "v2.1")
@@ -91,7 +95,7 @@ def test_missing_latent_invalidates_the_node_and_restores_the_shorter_prefix():
     mgr.store.backend.delete(node.skeleton.latent_locator)
     w = RecordingWindow()
     assert mgr.try_fast_forward(ROOT, [b"a", b"b"], w).start_chunk == 1
-    assert w.depth == 1 and w.latents == ["lat0"] and [d for d, _ in w.layers[0]] == [0]
+    assert w.depth == 0 and w.latents == ["lat0"] and [d for d, _ in w.layers[0]] == [0]
     assert node.blob is None and node.skeleton is not None
     assert not [k for k in mgr.store.keys() if k.startswith(kv_loc)]
     assert mgr.stats["invalidations"] == 1 and mgr.stats["restore_retries"] == 1
@@ -177,3 +181,73 @@ def test_handle_is_published_by_the_completion_callback():
     ns = _ingest_chain(mgr, [b"a"])
     assert ns.root.children[b"a"].has_kv
     assert mgr.try_fast_forward(ROOT, [b"a"], RecordingWindow()).start_chunk == 1
+
+
+# -- as upstream CacheSeek (issue 10) --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_window_is_told_the_deepest_restored_nodes_depth(k):
+    """K restored chunks: ``seed_layer`` and ``set_resume_depth`` get node.depth = K-1, the value
+    upstream passes (a window written for upstream would otherwise sit one chunk off)."""
+    mgr = make(window_chunks=2, sink_chunks=1)
+    _ingest_chain(mgr, [b"a", b"b", b"c", b"d"])
+    w = RecordingWindow()
+    res = mgr.try_fast_forward(ROOT, [b"a", b"b", b"c", b"d"][:k] + [b"x"], w)
+    assert res.start_chunk == k and res.node.depth == k - 1
+    assert w.depth == k - 1 and w.seed_depths == {k - 1}
+    assert [d for d, _ in w.layers[0]][-1] == k - 1  # the newest seeded chunk is that node
+
+
+def test_a_cold_result_mounts_at_the_namespace_root():
+    mgr = make(break_even=2)
+    ns = _ingest_chain(mgr, [b"a"])
+    assert mgr.try_fast_forward(ROOT, [b"a"], RecordingWindow()).node is ns.root  # below break-even
+    assert mgr.try_fast_forward(ROOT, [b"z"], RecordingWindow()).node is ns.root  # no match
+    miss = mgr.try_fast_forward(b"other" * 7, [b"a"], RecordingWindow())
+    assert miss.node is None and miss.namespace is None
+
+
+class UpstreamStyleStore:
+    """A store written against upstream's KVTierStore protocol: ``put_async`` returns nothing and
+    calls ``on_ready()`` without arguments, later (on ``flush``); layers are any objects."""
+
+    def __init__(self):
+        self.blobs, self.latents, self.pending = {}, {}, []
+
+    def put_async(self, locator, payload, *, tier, on_ready=None):
+        self.blobs[locator] = list(payload)
+        if on_ready is not None:
+            self.pending.append(on_ready)
+
+    def flush(self):
+        while self.pending:
+            self.pending.pop(0)()
+
+    def get_layer(self, handle, layer):
+        return self.blobs[handle.locator][layer]
+
+    def put_skeleton(self, locator, latent):
+        self.latents[locator] = latent
+
+    def get_skeleton(self, locator):
+        return self.latents.get(locator)
+
+    def free(self, handle):
+        self.blobs.pop(handle.locator, None)
+
+
+def test_a_store_written_for_upstream_works():
+    store = UpstreamStyleStore()
+    mgr = make(store=store)
+    ns = mgr.forest.get_or_create_namespace(ROOT, b"C")
+    parent = ns.root
+    for d, a in enumerate(["u", "r"]):
+        parent = mgr.ingest(ns, parent, a, node_key(parent.node_key, a.encode()), d, [f"kv{d}"], f"lat{d}")
+    assert parent.blob is not None and not parent.has_kv  # published only from on_ready
+    assert mgr.try_fast_forward(ROOT, ["u", "r"], RecordingWindow()).start_chunk == 0
+    store.flush()
+    w = RecordingWindow()
+    assert mgr.try_fast_forward(ROOT, ["u", "r"], w).start_chunk == 2
+    assert w.layers[0] == [(0, "kv0"), (1, "kv1")] and w.latents == ["lat0", "lat1"] and w.depth == 1
+    assert mgr.evict_blob(parent) and "lat1" in store.latents.values() and len(store.blobs) == 1

@@ -220,8 +220,8 @@ def test_stored_bytes_are_independent_of_the_callers_tensor(tmp_path):
 
 
 def test_unsupported_values_fail_the_write(store):
-    h = put(store, [(123, "v")])
-    assert not h.ready and isinstance(h.error, StoreError) and "int" in str(h.error)
+    h = put(store, [({1, 2}, "v")])  # neither a tensor, bytes, str nor plain JSON data
+    assert not h.ready and isinstance(h.error, StoreError) and "set" in str(h.error)
     meta = torch.empty(2, device="meta")
     h2 = put(store, [(meta, meta)], locator="cd" * 32 + ":kv")
     assert not h2.ready and "CPU snapshot" in str(h2.error)

@@ -165,6 +165,37 @@ def test_string_payloads(store):
     assert store.get_layer(h, 1) == ("k1", "v1")
 
 
+@pytest.mark.parametrize("layers", [
+    ["kv@0:L0", "kv@0:L1"],  # a string per layer, as upstream CacheSeek's tests and quickstart store
+    [b"\x00raw", "text", 42, [1, "two", {"three": 3.0}]],  # any value the backend can hold
+], ids=["strings", "mixed"])
+def test_any_object_per_layer_round_trips_as_one_value(store, layers):
+    h = put(store, layers)
+    store.flush()
+    assert h.ready and not h.pairs and h.n_layers == len(layers)
+    assert [store.get_layer(h, i) for i in range(len(layers))] == layers
+    assert sorted(k for k in store.keys() if k.startswith(LOC)) == [f"{LOC}:L{i}" for i in range(len(layers))]
+    assert store.contains([f"{LOC}:L0", layer_keys(LOC, 0)[0]]) == [True, False]
+    store.free(h)
+    assert [store.get_layer(h, i) for i in range(len(layers))] == [None] * len(layers)
+    assert not any(key.startswith(LOC) for key in store.keys()) and store.usage().used_bytes == 0
+
+
+def test_kv_pairs_keep_two_values_per_layer(store):
+    h = put(store, clone_payload(bf16_payload(n_layers=2)))
+    store.flush()
+    assert h.pairs
+    assert sorted(k for k in store.keys() if k.startswith(LOC)) == sorted(
+        key for layer in range(2) for key in layer_keys(LOC, layer))
+
+
+def test_a_none_layer_is_refused_before_anything_is_written(store):
+    with pytest.raises(ValueError, match="layer 1 is None"):
+        put(store, ["a", None])
+    store.flush()
+    assert store.keys() == [] and store.usage().used_bytes == 0
+
+
 @pytest.mark.parametrize("half", [0, 1], ids=["k-missing", "v-missing"])
 def test_partial_layer_is_a_miss(store, half):
     h = put(store, [("k0", "v0"), ("k1", "v1")])

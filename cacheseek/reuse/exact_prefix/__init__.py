@@ -19,6 +19,7 @@ from cacheseek.reuse.exact_prefix.trie import (
     save_forest_snapshot,
 )
 from cacheseek.reuse.exact_prefix.types import (
+    ActionKey,
     BlobHandle,
     FastForwardResult,
     Skeleton,
@@ -45,6 +46,7 @@ __all__ = [
     "BlobHandle",
     "Tier",
     "FastForwardResult",
+    "ActionKey",
     "save_forest_snapshot",
     "load_forest_snapshot",
 ]

@@ -9,7 +9,8 @@ different part lists (and no two domains) can produce the same preimage:
     node key       = H("node", parent_key, action_bytes)        # 32 bytes, chained from the root
     seed           = first 8 bytes of H("seed", node_key), little-endian
 
-Store keys derive from a node key's hex: ``{hex}:kv:L{i}:k``, ``{hex}:kv:L{i}:v``, ``{hex}:lat``.
+Store keys derive from a node key's hex: ``{hex}:kv:L{i}:k``, ``{hex}:kv:L{i}:v``, ``{hex}:lat``;
+a layer that is not a ``(k, v)`` pair (any object, on a generic tier) is one value ``{hex}:kv:L{i}``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ __all__ = [
     "kv_locator",
     "latent_locator",
     "layer_keys",
+    "object_key",
+    "blob_keys",
 ]
 
 
@@ -111,3 +114,15 @@ def latent_locator(key: bytes) -> str:
 def layer_keys(locator: str, layer: int) -> tuple[str, str]:
     """Store keys of one layer's K and V under a KV locator ``{hex}:kv``."""
     return f"{locator}:L{layer}:k", f"{locator}:L{layer}:v"
+
+
+def object_key(locator: str, layer: int) -> str:
+    """Store key of one layer stored as a single value (a layer that is not a ``(k, v)`` pair)."""
+    return f"{locator}:L{layer}"
+
+
+def blob_keys(locator: str, n_layers: int, *, pairs: bool = True) -> list[str]:
+    """Every store key of a blob's KV: K and V per layer, or one key per layer (``pairs=False``)."""
+    if pairs:
+        return [key for layer in range(n_layers) for key in layer_keys(locator, layer)]
+    return [object_key(locator, layer) for layer in range(n_layers)]

@@ -54,9 +54,17 @@ from cacheseek.errors import CacheSeekError, HandleStateError, StoreError, Store
 from cacheseek.eviction import Candidate, EvictionConfig, make_policy, store_usage
 from cacheseek.metrics import CacheMetrics
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
-from cacheseek.reuse.exact_prefix.keys import kv_locator, latent_locator, layer_keys
+from cacheseek.reuse.exact_prefix.keys import blob_keys, kv_locator, latent_locator
 from cacheseek.reuse.exact_prefix.trie import Namespace, NamespaceForest
-from cacheseek.reuse.exact_prefix.types import BlobHandle, BlobState, FastForwardResult, Skeleton, TrieNode
+from cacheseek.reuse.exact_prefix.types import (
+    ActionKey,
+    BlobHandle,
+    BlobState,
+    FastForwardResult,
+    Skeleton,
+    TrieNode,
+    kv_pairs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +72,10 @@ __all__ = ["WorldKVManager", "RestoreWindow"]
 
 
 class RestoreWindow(Protocol):
-    """What `materialize` seeds. ``blobs`` is ``[(chunk_depth, (k, v)), ...]`` oldest first."""
+    """What `materialize` seeds. ``blobs`` is ``[(chunk_depth, layer_payload), ...]`` oldest first
+    (``(k, v)`` from the binding, any object a generic tier stored). ``depth`` in both calls is the
+    trie depth of the deepest restored node, ``node.depth`` = K-1 for K restored chunks (as
+    upstream CacheSeek passes it); the runtime resumes at chunk ``depth + 1``."""
 
     def seed_layer(self, layer: int, blobs: list[tuple[int, Any]], depth: int) -> None: ...
 
@@ -127,7 +138,7 @@ class WorldKVManager:
     # -- read side ----------------------------------------------------------------------------
 
     def try_fast_forward(
-        self, root_hash: bytes, actions: Sequence[bytes], window: RestoreWindow
+        self, root_hash: bytes, actions: Sequence[ActionKey], window: RestoreWindow
     ) -> FastForwardResult:
         self._count("lookups")
         self.metrics.add(lookups=1)
@@ -138,11 +149,11 @@ class WorldKVManager:
             if match.namespace is None or match.matched_len == 0 or match.node is None:
                 self._count("misses")
                 self.metrics.add(misses=1)
-                return FastForwardResult(0, None, match.namespace)
+                return _cold(match.namespace)
             if match.matched_len < self.cfg.break_even_k:
                 self._count("below_break_even")
                 self.metrics.add(below_break_even=1)
-                return FastForwardResult(0, None, match.namespace)
+                return _cold(match.namespace)
             try:
                 outcome = self._materialize(match.node, window)
             except CacheSeekError as exc:
@@ -158,7 +169,7 @@ class WorldKVManager:
             if outcome is None or not (outcome.missing or outcome.not_whole):
                 self._count("restore_failures")
                 self.metrics.add(restore_failures=1)
-                return FastForwardResult(0, None, match.namespace)
+                return _cold(match.namespace)
             # Values gone (invalidated by _materialize) or the path lost a blob meanwhile: retry
             # the longest prefix shorter than the first broken node.
             broken = [n.depth for n in outcome.missing] or [match.matched_len - 1]
@@ -201,7 +212,7 @@ class WorldKVManager:
                     missing = fetched.missing
                     return fetched
                 nbytes = int(getattr(window, "bytes_restored", 0) or 0) or fetched
-            window.set_resume_depth(len(path))
+            window.set_resume_depth(node.depth)
             now = self.clock()
             with self.forest.lock:
                 for n in path:
@@ -222,7 +233,7 @@ class WorldKVManager:
         self, path: list[TrieNode], win: list[TrieNode], window: RestoreWindow
     ) -> "int | _Outcome":
         """Fetch every latent and window layer, then seed; bytes fetched, or a miss `_Outcome`."""
-        from cacheseek.stores.kv_tier import payload_nbytes
+        from cacheseek.stores.kv_tier import layer_nbytes, payload_nbytes
 
         latents = []
         nbytes = 0
@@ -241,16 +252,16 @@ class WorldKVManager:
             blobs = []
             for n in win:
                 kv = self.store.get_layer(n.blob, layer)
-                if kv is None or kv[0] is None or kv[1] is None:
+                if kv is None or (n.blob.pairs and (kv[0] is None or kv[1] is None)):
                     log.info("layer %d of depth %d missing", layer, n.depth)
                     return _Outcome(False, self._find_missing(path, win, n))
                 blobs.append((n.depth, kv))
-                nbytes += payload_nbytes(kv[0]) + payload_nbytes(kv[1])
+                nbytes += layer_nbytes(kv)
             per_layer.append(blobs)
         if hasattr(window, "seed_latents"):
             window.seed_latents(latents)
         for layer, blobs in enumerate(per_layer):
-            window.seed_layer(layer, blobs, len(path))
+            window.seed_layer(layer, blobs, path[-1].depth)
         return nbytes
 
     def _find_missing(
@@ -271,10 +282,9 @@ class WorldKVManager:
                 blob = n.blob
                 if blob is None:
                     continue
-                for layer in range(blob.n_layers):
-                    for key in layer_keys(blob.locator, layer):
-                        owners.append(n)
-                        keys.append(key)
+                for key in blob_keys(blob.locator, blob.n_layers, pairs=blob.pairs):
+                    owners.append(n)
+                    keys.append(key)
             try:
                 present = contains(keys)
             except Exception as exc:  # noqa: BLE001 - cannot tell: only what the fetch saw
@@ -332,10 +342,10 @@ class WorldKVManager:
         self,
         ns: Namespace,
         parent: TrieNode,
-        action: bytes,
+        action: ActionKey,
         node_key: bytes,
         depth: int,
-        kv_payload: Sequence[tuple[Any, Any]],
+        kv_payload: Sequence[Any],
         latent: Any,
         *,
         nbytes: int = 0,
@@ -352,14 +362,18 @@ class WorldKVManager:
             if depth < self.cfg.sink_chunks:
                 node.pinned = True
             locator = kv_locator(node_key)
-            placeholder = BlobHandle(self.cfg.commit_tier, locator, nbytes, len(kv_payload))
+            placeholder = BlobHandle(self.cfg.commit_tier, locator, nbytes, len(kv_payload),
+                                     pairs=kv_pairs(kv_payload))
             node.blob = placeholder  # PENDING: kept by concurrent ingests, skipped by eviction
-        need = (nbytes or sum(_nbytes_of(k) + _nbytes_of(v) for k, v in kv_payload)) + _nbytes_of(latent)
+        need = (nbytes or sum(_layer_nbytes(layer) for layer in kv_payload)) + _nbytes_of(latent)
         t0 = time.perf_counter()
 
-        def on_ready(handle: BlobHandle) -> None:
+        def on_ready(handle: Optional[BlobHandle] = None) -> None:
             # The publication bit of a write (API.md): set here, from the store's completion
-            # callback, whether or not the store already set it.
+            # callback, whether or not the store already set it. A store written for upstream
+            # CacheSeek returns no handle and calls ``on_ready()``: the placeholder is its handle.
+            if handle is None:
+                handle = placeholder
             with self.forest.lock:
                 if handle.error is None:
                     handle.ready = True
@@ -377,6 +391,8 @@ class WorldKVManager:
                                              on_ready=on_ready),
                 need,
             )
+            if handle is None:
+                handle = placeholder
         except BaseException as exc:
             with self.forest.lock:
                 if node.blob is placeholder:
@@ -592,6 +608,12 @@ class WorldKVManager:
         return True
 
 
+def _cold(namespace: Optional[Namespace]) -> FastForwardResult:
+    """Run from chunk 0; ``node`` is the namespace's virtual root (the parent of chunk 0's
+    ingest, as upstream returns it), None on a namespace miss."""
+    return FastForwardResult(0, namespace.root if namespace is not None else None, namespace)
+
+
 def _is_path_store(store: Any) -> bool:
     return callable(getattr(store, "read_path", None)) and getattr(store, "accepts_device_views", False)
 
@@ -624,3 +646,9 @@ def _nbytes_of(value: Any) -> int:
     from cacheseek.stores.kv_tier import payload_nbytes
 
     return payload_nbytes(value)
+
+
+def _layer_nbytes(layer: Any) -> int:
+    from cacheseek.stores.kv_tier import layer_nbytes
+
+    return layer_nbytes(layer)

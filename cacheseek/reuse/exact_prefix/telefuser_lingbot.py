@@ -30,7 +30,7 @@ from cacheseek.reuse.exact_prefix.config import WorldKVConfig
 from cacheseek.reuse.exact_prefix.keys import canonical_json_bytes, config_blob_hash, node_key, root_hash, sha256
 from cacheseek.reuse.exact_prefix.manager import WorldKVManager
 from cacheseek.reuse.exact_prefix.ring import RingGeometry
-from cacheseek.reuse.exact_prefix.trie import NamespaceForest, save_forest_snapshot
+from cacheseek.reuse.exact_prefix.trie import NamespaceForest, load_forest_snapshot, save_forest_snapshot
 from cacheseek.reuse.exact_prefix.types import TrieNode
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,8 @@ class LingBotWorldKVBinding:
         self.layout = layout
         self.fields = list(fingerprint_fields) if fingerprint_fields is not None else namespace.resolve_fields(None)
         self.last_fast_forward = 0
+        if snapshot_path is not None and len(forest) == 0:
+            load_forest_snapshot(snapshot_path, into=forest)
         self.root: Optional[bytes] = None
         self.actions: list[bytes] = []
         self.ring: Optional[RingGeometry] = None
@@ -279,7 +281,7 @@ class _RuntimeWindow:
                 if tuple(t.shape) != expected or t.dtype != k_ring.dtype:
                     raise LayoutMismatchError(f"layer {layer} chunk {d}: stored {tuple(t.shape)} "
                                               f"{t.dtype}, ring expects {expected} {k_ring.dtype}")
-        for run in self.ring.restore_runs(depth):
+        for run in self.ring.restore_runs(depth + 1):  # depth: of the deepest restored node
             k, v = by_depth[run.chunk_depth]
             src = slice(run.src_token, run.src_token + run.n_tokens)
             dst = slice(run.dst_token, run.dst_token + run.n_tokens)
@@ -315,10 +317,11 @@ class _RuntimeWindow:
     # publication ----------------------------------------------------------------------------
 
     def set_resume_depth(self, depth: int) -> None:
-        """The single publication point of a restore."""
+        """The single publication point of a restore; ``depth`` is the deepest restored node's."""
         import torch
 
         rt = self.runtime
+        depth += 1  # from here on: K, the number of restored chunks
         if len(self.latents) != depth:
             raise CacheSeekError(f"restore of depth {depth} has {len(self.latents)} latents")
         global_end, local_end = self.ring.cursors(depth)

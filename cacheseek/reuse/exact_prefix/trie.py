@@ -5,8 +5,10 @@ bits). Inside it, a node per chunk keyed by the action that produced it; ``depth
 index and the namespace's ``root`` is a virtual node of depth -1. `lookup` descends only through
 nodes whose blob is ready, so a pending or failed write is never a hit.
 
-The snapshot persists only ready blobs (plus the skeletons on their paths), so a restarted worker
-finds exactly what the store committed. Saving is an atomic replace.
+Actions are ints, strings or bytes (`ActionKey`), compared exactly. The snapshot persists only
+ready blobs (plus the skeletons on their paths), so a restarted worker finds exactly what the
+store committed; its format (`cacheseek.reuse.exact_prefix.snapshot`) is the one upstream
+CacheSeek reads and writes. Saving is an atomic replace.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
-from cacheseek.reuse.exact_prefix.types import BlobHandle, Skeleton, Tier, TrieNode
+from cacheseek.errors import ConfigError
+from cacheseek.reuse.exact_prefix import snapshot as snapshot_format
+from cacheseek.reuse.exact_prefix.types import ActionKey, BlobState, Skeleton, TrieNode, check_action
 
 __all__ = [
     "Namespace",
@@ -29,7 +33,7 @@ __all__ = [
     "load_forest_snapshot",
 ]
 
-SNAPSHOT_VERSION = 1
+SNAPSHOT_VERSION = snapshot_format.SNAPSHOT_VERSION
 
 
 @dataclass(eq=False)
@@ -82,7 +86,7 @@ class NamespaceForest:
         with self.lock:
             return self._namespaces.get(root_hash)
 
-    def lookup(self, root_hash: bytes, actions: Sequence[bytes]) -> PrefixMatch:
+    def lookup(self, root_hash: bytes, actions: Sequence[ActionKey]) -> PrefixMatch:
         with self.lock:
             ns = self._namespaces.get(root_hash)
             if ns is None:
@@ -98,9 +102,10 @@ class NamespaceForest:
             return PrefixMatch(ns, node, matched)
 
     def commit(
-        self, ns: Namespace, parent: TrieNode, action: bytes, node_key: bytes, depth: int
+        self, ns: Namespace, parent: TrieNode, action: ActionKey, node_key: bytes, depth: int
     ) -> TrieNode:
-        """Get or create the child of ``parent`` for ``action``."""
+        """Get or create the child of ``parent`` for ``action`` (an int, str or bytes)."""
+        action = check_action(action)
         with self.lock:
             child = parent.children.get(action)
             if child is None:
@@ -118,57 +123,60 @@ class NamespaceForest:
     # -- snapshot ---------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
-        """A JSON-able dict of every namespace, with only ready blobs and their ancestors."""
+        """A JSON-able dict of every namespace, with only ready blobs and their ancestors
+        (format: `cacheseek.reuse.exact_prefix.snapshot`)."""
         with self.lock:
             out = []
             for ns in self._namespaces.values():
-                nodes = []
-                for node in sorted(ns.iter_nodes(), key=lambda n: n.depth):
-                    if not _subtree_has_ready(node):
-                        continue
-                    blob = None
-                    if node.blob is not None and node.blob.ready:
-                        b = node.blob
-                        blob = {"tier": b.tier.value, "locator": b.locator, "nbytes": b.nbytes,
-                                "n_layers": b.n_layers}
-                    nodes.append({
-                        "key": node.node_key.hex(),
-                        "parent": node.parent.node_key.hex() if node.parent else None,
-                        "action": node.action.hex(),
-                        "depth": node.depth,
-                        "skeleton": node.skeleton.latent_locator if node.skeleton else None,
-                        "blob": blob,
-                        "pinned": node.pinned,
-                    })
+                nodes = [n for n in sorted(ns.iter_nodes(), key=lambda n: n.depth) if _subtree_has_ready(n)]
                 if nodes:
-                    out.append({"root": ns.root_hash.hex(), "cfg": ns.config_blob_hash.hex(),
-                                "nodes": nodes})
-            return {"version": SNAPSHOT_VERSION, "namespaces": out}
+                    out.append(snapshot_format.encode_namespace(ns.root_hash, ns.config_blob_hash, nodes))
+            return {"version": snapshot_format.SNAPSHOT_VERSION, "namespaces": out}
 
-    def load_snapshot(self, data: dict[str, Any]) -> int:
-        """Merge a snapshot into this forest; returns the number of ready blobs loaded."""
-        if data.get("version") != SNAPSHOT_VERSION:
-            raise ValueError(f"unsupported snapshot version {data.get('version')!r}")
-        loaded = 0
+    def load_snapshot(self, data: Mapping[str, Any]) -> int:
+        """Merge a snapshot (this project's or upstream CacheSeek's) into this forest; returns the
+        number of ready blobs loaded. The whole snapshot is checked, against itself and against
+        the nodes already here, before anything changes (`ConfigError` naming the field)."""
+        records = snapshot_format.decode(data)
         with self.lock:
-            for nsd in data["namespaces"]:
-                ns = self.get_or_create_namespace(bytes.fromhex(nsd["root"]), bytes.fromhex(nsd["cfg"]))
-                by_key = {ns.root.node_key: ns.root}
-                for nd in sorted(nsd["nodes"], key=lambda n: n["depth"]):
-                    parent = by_key.get(bytes.fromhex(nd["parent"]))
-                    if parent is None:
-                        raise ValueError(f"snapshot node {nd['key'][:16]} has no parent in the snapshot")
-                    node = self.commit(ns, parent, bytes.fromhex(nd["action"]),
-                                       bytes.fromhex(nd["key"]), nd["depth"])
-                    if nd["skeleton"] and node.skeleton is None:
-                        node.skeleton = Skeleton(nd["skeleton"])
-                    node.pinned = node.pinned or bool(nd.get("pinned"))
-                    b = nd.get("blob")
-                    if b is not None and not node.has_kv:
-                        node.blob = BlobHandle(Tier(b["tier"]), b["locator"], int(b["nbytes"]),
-                                               int(b["n_layers"]), ready=True)
-                        loaded += 1
-                    by_key[node.node_key] = node
+            for rec in records:
+                self._check_merge(rec)
+            loaded = 0
+            for rec in records:
+                loaded += self._merge(rec)
+        return loaded
+
+    def _check_merge(self, rec: "snapshot_format.NamespaceRecord") -> None:
+        """Under ``lock``: a node of ``rec`` whose (parent, action) slot here holds another key."""
+        ns = self._namespaces.get(rec.root_hash)
+        if ns is None:
+            return
+        here: dict[bytes, Optional[TrieNode]] = {ns.root.node_key: ns.root}
+        for n in rec.nodes:
+            parent = here[n.parent_key]
+            child = parent.children.get(n.action) if parent is not None else None
+            if child is not None and child.node_key != n.node_key:
+                raise ConfigError(
+                    f"snapshot node {n.node_key.hex()[:16]}",
+                    f"at depth {n.depth} this forest already has {child.node_key.hex()[:16]} for that action",
+                    "load it into an empty forest (keys are derived differently)",
+                )
+            here[n.node_key] = child
+
+    def _merge(self, rec: "snapshot_format.NamespaceRecord") -> int:
+        ns = self.get_or_create_namespace(rec.root_hash, rec.config_blob_hash)
+        by_key = {ns.root.node_key: ns.root}
+        loaded = 0
+        for n in rec.nodes:
+            node = self.commit(ns, by_key[n.parent_key], n.action, n.node_key, n.depth)
+            if n.skeleton and node.skeleton is None:
+                node.skeleton = Skeleton(n.skeleton)
+            node.pinned = node.pinned or n.pinned
+            held = node.blob is not None and node.blob.state is not BlobState.FAILED
+            if n.blob is not None and not held and not node.evicting:
+                node.blob = n.blob.handle()
+                loaded += 1
+            by_key[node.node_key] = node
         return loaded
 
 

@@ -19,10 +19,16 @@ eviction victim; a node being evicted is not re-written until the free settles.
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
-__all__ = ["Tier", "BlobState", "BlobHandle", "Skeleton", "TrieNode", "FastForwardResult"]
+__all__ = ["ActionKey", "Tier", "BlobState", "BlobHandle", "Skeleton", "TrieNode", "FastForwardResult",
+           "kv_pairs", "check_action"]
+
+ActionKey = Union[int, str, bytes]
+"""One chunk's action: a discrete code (int), a name (str) or a digest (bytes, from the binding).
+Actions are compared exactly; 1 and "1" and b"1" are three different actions."""
 
 
 class Tier(str, enum.Enum):
@@ -45,7 +51,9 @@ class BlobHandle:
     """A chunk's KV in a store: ``n_layers`` layers of (K, V), ``nbytes`` in total.
 
     Mutable by design (the store's completion callback flips it ready). ``error`` holds the
-    exception of a failed write; such a handle never becomes ready.
+    exception of a failed write; such a handle never becomes ready. ``pairs``: every layer is a
+    ``(k, v)`` pair, stored as two values; False when the layers are other objects (upstream's
+    tests store a string per layer), stored as one value each.
     """
 
     tier: Tier
@@ -54,6 +62,7 @@ class BlobHandle:
     n_layers: int
     ready: bool = False
     error: Optional[BaseException] = None
+    pairs: bool = True
 
     @property
     def state(self) -> BlobState:
@@ -68,6 +77,24 @@ class BlobHandle:
         return self.state is BlobState.PENDING
 
 
+def kv_pairs(payload: Sequence[Any]) -> bool:
+    """Whether a blob's layers are ``(k, v)`` pairs (each a 2-tuple), the binding's payload."""
+    return all(isinstance(layer, tuple) and len(layer) == 2 for layer in payload)
+
+
+def check_action(action: Any) -> ActionKey:
+    """``action`` as stored in the trie: an int (any integral type), str or bytes; TypeError naming
+    the type otherwise (a bool, a float or a tuple is not an action)."""
+    if isinstance(action, (str, bytes)):
+        return action
+    if isinstance(action, numbers.Integral) and not isinstance(action, bool):
+        return int(action)  # numpy integers too
+    raise TypeError(
+        f"action must be an int, str or bytes, got {type(action).__name__} {action!r} "
+        "(fix: pass a discrete code, a name, or a digest such as action_bytes(control))"
+    )
+
+
 @dataclass(frozen=True)
 class Skeleton:
     latent_locator: str
@@ -78,10 +105,10 @@ class TrieNode:
     """One chunk in a namespace trie. ``depth`` is the chunk index (the virtual root has -1)."""
 
     node_key: bytes
-    action: bytes
+    action: ActionKey
     depth: int
     parent: Optional["TrieNode"]
-    children: dict[bytes, "TrieNode"] = field(default_factory=dict)
+    children: dict[ActionKey, "TrieNode"] = field(default_factory=dict)
     skeleton: Optional[Skeleton] = None
     blob: Optional[BlobHandle] = None
     ref_count: int = 0
@@ -109,7 +136,9 @@ class TrieNode:
 
 @dataclass(frozen=True)
 class FastForwardResult:
-    """What `WorldKVManager.try_fast_forward` decided: resume at ``start_chunk`` (0 = cold)."""
+    """What `WorldKVManager.try_fast_forward` decided: resume at ``start_chunk`` (0 = cold).
+    ``node``: the deepest restored node (the parent of the next ingest); on a cold result the
+    namespace's virtual root, or None on a namespace miss."""
 
     start_chunk: int
     node: Optional[TrieNode] = None
