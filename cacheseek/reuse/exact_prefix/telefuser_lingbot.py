@@ -189,16 +189,15 @@ class LingBotWorldKVBinding:
             self.flush_snapshot()
 
     def _stored_latent(self, runtime: Any, idx: int, denoised: Any) -> Any:
-        """The latent as it is stored and decoded on a hit: the chunk's denoised x0 in the ring's
-        dtype (TeleFuser casts a cached latent to its torch_dtype, the ring's, before decoding),
-        contiguous, in the noise chunk's shape."""
+        """The latent as stored: the chunk's denoised x0 as the model produced it (its dtype, bf16
+        on TeleFuser, never the float32 of the noise), contiguous, in the noise chunk's shape."""
         spec = self.layout.latent_spec(runtime)
         latent = denoised.detach()
         if tuple(latent.shape) != spec.shape:
             raise LayoutMismatchError(
                 f"chunk {idx}: denoised latent {tuple(latent.shape)}, the runtime's chunks are {spec.shape}"
             )
-        return latent.to(dtype=spec.dtype).contiguous()
+        return latent.contiguous()
 
     def flush_snapshot(self) -> None:
         if self.snapshot_path:
@@ -266,9 +265,10 @@ class _RuntimeWindow:
         spec = self.binding.layout.latent_spec(self.runtime)
         out = []
         for i, lat in enumerate(latents):
-            if tuple(lat.shape) != spec.shape or lat.dtype != spec.dtype:
-                raise LayoutMismatchError(f"latent {i}: stored {tuple(lat.shape)} {lat.dtype}, "
-                                          f"runtime expects {spec.shape} {spec.dtype}")
+            # the dtype is as stored: the model's x0 (a runtime may keep its ring in another dtype)
+            if tuple(lat.shape) != spec.shape or not lat.dtype.is_floating_point or lat.dtype != latents[0].dtype:
+                raise LayoutMismatchError(f"latent {i}: stored {tuple(lat.shape)} {lat.dtype}, the runtime "
+                                          f"expects {spec.shape} in one floating dtype for the whole path")
             out.append(lat.to(spec.device, copy=True))
         self.latents = out
 
@@ -326,12 +326,12 @@ class _RuntimeWindow:
             raise CacheSeekError(f"restore of depth {depth} has {len(self.latents)} latents")
         global_end, local_end = self.ring.cursors(depth)
         draws = max(len(rt.timesteps) - 1, 0)
-        spec = self.binding.layout.latent_spec(rt)  # a cold chunk re-noises x0: its shape and dtype
         gen = rt.generator
         state = gen.get_state()
         try:
-            for _ in range(depth * draws):
-                torch.randn(spec.shape, generator=gen, dtype=spec.dtype, device=gen.device)
+            for lat in self.latents:  # a cold chunk re-noises its x0: x0's shape and dtype
+                for _ in range(draws):
+                    torch.randn(tuple(lat.shape), generator=gen, dtype=lat.dtype, device=gen.device)
         except BaseException:
             gen.set_state(state)
             raise

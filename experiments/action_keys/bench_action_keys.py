@@ -1,0 +1,266 @@
+"""Action keys: the old per-value Python path against the vectorized `action_bytes`, same run.
+
+The action key of one chunk's camera control is computed for every chunk of a session in
+`on_runtime_created`. At 480x832 LingBot-World-fast hands over ``[1, 384, 3, 60, 104]`` float32
+(7.19 M values) per chunk. Issue 9 asks for at most 50 ms per chunk on one CPU core.
+
+Both paths run on ONE thread: ``torch.set_num_threads(1)`` and OMP/MKL/OpenBLAS threads 1, set
+before numpy and torch are imported. The cases:
+
+  480p fp32   the synthetic runtime's control tensor (`control_tensor`, lingbot_480p geometry, a
+              fixed camera action): the real shape and dtype, smooth values in about [-2, 2]
+  480p bf16   the same tensor cast to bfloat16 on the CPU (no CUDA)
+  tiny fp32   the tiny geometry's control, [1, 384, 3, 2, 4] (9,216 values)
+
+  old  the path before commit 3e58b43, reimplemented here as the baseline: ``tolist()`` of the
+       float32 values, ``int(round(x * 1e6))`` per value, sha256 of the canonical JSON list
+  new  `cacheseek.reuse.exact_prefix.actions.action_bytes`
+
+For each case: wall and thread-CPU seconds per call (the new path: median and p90 over
+``new_runs`` calls after one warm-up), the speedup, and whether both paths quantize to the same
+integers (`quantized_values` against the old list). Writes results.json, results.md and
+action_keys.png into ``out_dir`` (default: beside this script).
+
+    python experiments/action_keys/bench_action_keys.py [key=value ...]   # conf/action_keys.yaml
+"""
+
+from __future__ import annotations
+
+import os
+
+for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[_var] = "1"  # before numpy and torch load their thread pools
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, Callable  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+from benchlib import REPO, Progress, compose, env_info, median, write_json  # noqa: E402
+
+
+def old_action_bytes(control: Any) -> tuple[bytes, list[int]]:
+    """BASELINE: the old path (cacheseek/reuse/exact_prefix/telefuser_lingbot.py at 620bdc5),
+    for a tensor control. Returns the key and the quantized list it hashed."""
+    from cacheseek.reuse.exact_prefix.keys import canonical_json_bytes, sha256
+
+    flat = control.detach().float().cpu().reshape(-1).tolist()
+    quantized = [int(round(float(x) * 1_000_000)) for x in flat]
+    return sha256(b"action", canonical_json_bytes(quantized)), quantized
+
+
+def _time_call(fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    w0, c0 = time.perf_counter(), time.thread_time()
+    out = fn()
+    return time.perf_counter() - w0, time.thread_time() - c0, out
+
+
+def _p90(xs: list[float]) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(round(0.9 * (len(s) - 1))))]
+
+
+def main(argv: list[str]) -> dict:
+    import numpy as np
+    import torch
+
+    from cacheseek.reuse.exact_prefix.actions import action_bytes, quantized_values
+    from cacheseek.runtime.geometry import get_geometry
+    from cacheseek.runtime.synthetic import control_tensor
+
+    cfg = compose(HERE / "conf", "action_keys", argv)
+    torch.set_num_threads(int(cfg.threads))
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else HERE
+    out_dir.mkdir(parents=True, exist_ok=True)
+    action = [float(a) for a in cfg.action]
+
+    big = control_tensor(get_geometry(cfg.geometry), action)
+    tiny = control_tensor(get_geometry(cfg.tiny_geometry), action)
+    cases = [
+        (f"{cfg.geometry} fp32", big, int(cfg.old_runs), int(cfg.new_runs)),
+        (f"{cfg.geometry} bf16", big.to(torch.bfloat16), int(cfg.old_runs_bf16), int(cfg.new_runs)),
+        (f"{cfg.tiny_geometry} fp32", tiny, int(cfg.tiny_runs), int(cfg.tiny_runs)),
+    ]
+    results: dict = {
+        "what": "action key of one control chunk: old per-value Python path vs vectorized action_bytes",
+        "command": " ".join(["python", "experiments/action_keys/bench_action_keys.py", *argv]),
+        "config": _plain(cfg),
+        "env": {**env_info(), **_machine(cfg, np, torch)},
+        "control": "cacheseek.runtime.synthetic.control_tensor(get_geometry(g), action): the synthetic "
+                   "runtime's camera control, real shape and dtype, smooth values",
+        "loadavg_start": list(os.getloadavg()),
+        "cases": [],
+    }
+    print(f"action keys on {results['env']['cpu_model']} ({results['env']['cpus']} cores), torch threads "
+          f"{torch.get_num_threads()}, load average {results['loadavg_start'][0]:.2f} at start", flush=True)
+    prog = Progress(sum(old + 1 for _, _, old, _ in cases), "action_keys")
+
+    for name, control, old_runs, new_runs in cases:
+        n = control.numel()
+        old_wall, old_cpu, old_q, old_keys = [], [], None, set()
+        for i in range(old_runs):
+            w, c, (key, old_q) = _time_call(lambda: old_action_bytes(control))
+            old_wall.append(w), old_cpu.append(c), old_keys.add(key)
+            if n > 100_000 or i == old_runs - 1:
+                prog.step(f"{name}: old path run {i + 1}/{old_runs}: {w * 1e3:.0f} ms wall, {c * 1e3:.0f} ms CPU")
+        w_first, _, key0 = _time_call(lambda: action_bytes(control))
+        new_wall, new_cpu, new_keys = [], [], {key0}
+        for _ in range(new_runs):
+            w, c, key = _time_call(lambda: action_bytes(control))
+            new_wall.append(w), new_cpu.append(c), new_keys.add(key)
+        q = quantized_values(control)
+        same = bool(q.size == len(old_q) and np.array_equal(q.astype(np.int64), np.asarray(old_q, dtype=np.int64)))
+        row = {
+            "case": name, "shape": list(control.shape), "dtype": str(control.dtype).replace("torch.", ""),
+            "values": n, "int_dtype": q.dtype.str,
+            "old_runs": old_runs, "old_wall_ms": [x * 1e3 for x in old_wall], "old_cpu_ms": [x * 1e3 for x in old_cpu],
+            "old_median_ms": median(old_wall) * 1e3, "old_cpu_median_ms": median(old_cpu) * 1e3,
+            "new_runs": new_runs, "new_first_ms": w_first * 1e3,
+            "new_median_ms": median(new_wall) * 1e3, "new_p90_ms": _p90(new_wall) * 1e3,
+            "new_min_ms": min(new_wall) * 1e3, "new_cpu_median_ms": median(new_cpu) * 1e3,
+            "new_cpu_p90_ms": _p90(new_cpu) * 1e3,
+            "speedup_median": median(old_wall) / median(new_wall),
+            "same_integers": same, "keys_stable_across_runs": len(new_keys) == 1 and len(old_keys) == 1,
+            "key": key0.hex(),
+        }
+        results["cases"].append(row)
+        prog.step(f"{name}: new path {row['new_median_ms']:.1f} ms median, {row['new_p90_ms']:.1f} ms p90 "
+                  f"({new_runs} runs), {row['speedup_median']:.0f}x; same integers: {same}")
+
+    results["loadavg_end"] = list(os.getloadavg())
+    head = results["cases"][0]
+    target = float(cfg.target_ms)
+    results["target"] = {
+        "case": head["case"], "target_ms": target,
+        "wall_median_ms": head["new_median_ms"], "cpu_median_ms": head["new_cpu_median_ms"],
+        "met_wall": head["new_median_ms"] <= target, "met_cpu": head["new_cpu_median_ms"] <= target,
+    }
+    results["all_same_integers"] = all(r["same_integers"] for r in results["cases"])
+
+    write_json(out_dir / "results.json", results)
+    (out_dir / "results.md").write_text(_markdown(results))
+    _plot(results, out_dir / "action_keys.png")
+    print(_table(results), flush=True)
+    t = results["target"]
+    print(f"target <= {target:g} ms ({t['case']}): median {t['wall_median_ms']:.1f} ms wall "
+          f"({'met' if t['met_wall'] else 'MISSED'}), {t['cpu_median_ms']:.1f} ms thread CPU "
+          f"({'met' if t['met_cpu'] else 'MISSED'}); load average {results['loadavg_start'][0]:.2f} -> "
+          f"{results['loadavg_end'][0]:.2f}; same integers in every case: {results['all_same_integers']}", flush=True)
+    print(f"wrote {out_dir / 'results.json'}, results.md, action_keys.png", flush=True)
+    return results
+
+
+def _machine(cfg: Any, np: Any, torch: Any) -> dict:
+    cpu_model = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {
+        "cpu_model": cpu_model,
+        "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "numpy": np.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "git_commit": git("rev-parse", "--short", "HEAD") or "unknown",
+        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+
+
+def _table(results: dict) -> str:
+    lines = [
+        "| case | shape | dtype | values | old median ms (runs) | new median ms | new p90 ms | new CPU median ms "
+        "| speedup | same integers |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in results["cases"]:
+        lines.append(
+            f"| {r['case']} | {r['shape']} | {r['dtype']} | {r['values']:,} | {r['old_median_ms']:,.1f} ({r['old_runs']}) "
+            f"| {r['new_median_ms']:.2f} | {r['new_p90_ms']:.2f} | {r['new_cpu_median_ms']:.2f} "
+            f"| {r['speedup_median']:,.0f}x | {'yes' if r['same_integers'] else 'NO'} |"
+        )
+    return "\n".join(lines)
+
+
+def _markdown(results: dict) -> str:
+    e, t = results["env"], results["target"]
+    return "\n".join([
+        "# Action keys: old per-value path vs vectorized `action_bytes` (one CPU thread)",
+        "",
+        f"- command: `{results['command']}`",
+        f"- date: {e['date']}; git {e['git_commit']}{' (with uncommitted changes)' if e['git_dirty'] else ''}",
+        f"- machine: {e['cpu_model']}, {e['cpus']} cores ({e['cpu_affinity']} usable), {e['platform']}",
+        f"- versions: Python {e['python']}, torch {e['torch']}, numpy {e['numpy']}; torch threads {e['torch_threads']}",
+        f"- load average (1 min) {results['loadavg_start'][0]:.2f} at start, {results['loadavg_end'][0]:.2f} at end",
+        f"- control: {results['control']}",
+        "",
+        _table(results),
+        "",
+        f"Target (issue 9): <= {t['target_ms']:g} ms for one {t['case']} chunk on one core: "
+        f"median {t['wall_median_ms']:.1f} ms wall ({'met' if t['met_wall'] else 'missed'}), "
+        f"{t['cpu_median_ms']:.1f} ms thread CPU ({'met' if t['met_cpu'] else 'missed'}).",
+        "",
+        "Wall is what the hook waits; thread CPU is the time the calling thread was on a core (it "
+        "excludes time the scheduler gave to other processes).",
+        "",
+    ])
+
+
+def _plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = results["cases"]
+    x = range(len(rows))
+    old = [r["old_median_ms"] for r in rows]
+    new = [r["new_median_ms"] for r in rows]
+    p90 = [r["new_p90_ms"] - r["new_median_ms"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    ax.bar([i - 0.2 for i in x], old, 0.4, label="old: per-value Python (baseline)", color="#b0b0b0")
+    ax.bar([i + 0.2 for i in x], new, 0.4, yerr=[[0] * len(rows), p90], capsize=3,
+           label="new: vectorized action_bytes (median, p90)", color="#2b7bba")
+    for i, r in enumerate(rows):
+        ax.text(i, old[i] * 1.25, f"{r['speedup_median']:,.0f}x faster", ha="center", fontsize=8)
+    ax.axhline(results["target"]["target_ms"], color="k", ls="--", lw=0.8, label=f"target {results['target']['target_ms']:g} ms")
+    ax.set_yscale("log")
+    ax.set_xticks(list(x), [f"{r['case']}\n{r['values']:,} values" for r in rows], fontsize=8)
+    ax.set_ylabel("ms per chunk key (log)")
+    e = results["env"]
+    ax.set_title(f"Action key, one thread: {e['cpu_model']}, load {results['loadavg_start'][0]:.1f}", fontsize=9)
+    ax.set_ylim(top=max(old + [results["target"]["target_ms"]]) * 3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plain(cfg: Any) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--plot"]:  # re-plot a results file: --plot results.json out.png
+        import json
+
+        _plot(json.loads(Path(sys.argv[2]).read_text()), Path(sys.argv[3]))
+    else:
+        main(sys.argv[1:])
