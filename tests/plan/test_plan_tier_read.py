@@ -230,3 +230,30 @@ def test_read_stages_nothing_through_cpu_copies(make_store, monkeypatch):
     monkeypatch.undo()
     cold, local_end, _ = states[3]
     assert torch.equal(target.kv[1][1][:, :local_end], cold[1][1][:, :local_end])
+
+
+@pytest.mark.parametrize("wider", ["latent", "kv"])
+def test_a_value_shorter_than_its_target_is_refused_before_any_copy(make_store, wider):
+    """The real client's first failure: a bf16 latent restored into a float32 target read past the
+    stored value. Every value's length is checked against its target before the first copy."""
+    geom, _ = GEOMETRIES["full_length"]
+    store, parts = make_store("fake_cuda")
+    nodes, _, _, kv_size = ingest(store, geom, 2)
+    target = target_for(geom, 2, kv_size)
+    if wider == "latent":  # twice the stored latent's bytes, as float64 is to float32
+        target = RestoreTarget(kv=target.kv, runs=target.runs, window_depths=target.window_depths,
+                               token_bytes=target.token_bytes, chunk_tokens=target.chunk_tokens,
+                               latents=tuple(torch.zeros(t.shape, dtype=torch.float64) for t in target.latents))
+    else:  # the blob's nbytes say the values are what the ring takes, but one is not
+        victim = f"{nodes[1].blob.locator}:L1:v"
+        client = parts["client"]
+        client.remove(victim)
+        plan, table = client.local_fast_put_start([victim], 8)
+        client.local_fast_put_commit(plan).result()
+    parts["transfer"].batches.clear()
+    with pytest.raises(LayoutMismatchError, match="restore target takes"):
+        store.read_path(nodes, window_of(nodes, geom, 2), target)
+    # KV lengths are checked after the latents' batch into their private targets, before the ring
+    assert len(parts["transfer"].batches) == (0 if wider == "latent" else 1)
+    assert not any(t.any() for pair in target.kv for t in pair)
+    assert parts["client"].live_handles() == (0, 0)
