@@ -46,6 +46,8 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
         if flush is not None:
             flush()
         results["store"] = stack.store_name
+        describe = getattr(stack.runtime_factory, "describe", None)
+        results["runtime"] = describe() if describe is not None else {"runtime": type(stack.runtime_factory).__name__}
         results["store_stats"] = _stats(stack.store)
         results["metrics"] = stack.metrics.as_dict()
     finally:
@@ -66,8 +68,8 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
         ok = sum(r["verdict"] == "ok" for r in results["ring_check"])
         print(f"ring check: {ok}/{len(results['ring_check'])} resume depths equal a cold run")
     verdict = "PASS" if results["passed"] else "FAIL"
-    print(f"{verdict}: {results.get('workload')} on store={stack.store_name} "
-          f"geometry={cfg.runtime.get('geometry')} device={cfg.runtime.get('device')} "
+    runtime = " ".join(f"{k}={v}" for k, v in results["runtime"].items())
+    print(f"{verdict}: {results.get('workload')} on store={stack.store_name} {runtime} "
           f"({results['wall_s']:.2f} s) -> {run_dir / 'results.json'}")
     return results
 

@@ -51,3 +51,10 @@ def test_e2e_benchmark_smoke(tmp_path):
     ])
     assert all(res["modes"][m]["passed"] for m in res["modes"] if m != "nocache")
     assert "| plan_overlap |" in (tmp_path / "summary.md").read_text()
+
+
+def test_action_keys_benchmark_smoke(tmp_path):
+    res = load("action_keys").main(["geometry=tiny", "old_runs=1", "old_runs_bf16=1", "new_runs=2",
+                                    "tiny_runs=2", f"out_dir={tmp_path}"])
+    assert res["all_same_integers"] and all(r["keys_stable_across_runs"] for r in res["cases"])
+    assert (tmp_path / "action_keys.png").stat().st_size > 0

@@ -826,6 +826,10 @@ class SyntheticRuntimeFactory:
     def geometry(self) -> Geometry:
         return self._geometry
 
+    def describe(self) -> dict[str, Any]:
+        """What a report names: the runtime, its geometry and device."""
+        return {"runtime": "synthetic", "geometry": self._geometry.name, "device": self._device}
+
     @property
     def local_attn_size(self) -> int:
         return self._local_attn_size

@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import math
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Optional
 
 from cacheseek.errors import ConfigError
@@ -146,6 +147,26 @@ class TeleFuserRuntimeFactory:
 
             self._weights = module_fingerprint(self.pipeline.dit)
         return self._weights
+
+    def describe(self) -> dict[str, Any]:
+        """What a report names: TeleFuser's version and layout, the model size, the device."""
+        import importlib.metadata
+
+        import telefuser
+
+        self.pipeline  # the layout is known once the pipeline is attached
+        here = Path(telefuser.__path__[0]).resolve()
+        try:
+            dist = importlib.metadata.distribution("telefuser")
+            installed = Path(dist.locate_file("telefuser")).resolve() == here
+            version = dist.version if installed else "a source checkout"
+        except importlib.metadata.PackageNotFoundError:
+            version = "a source checkout"
+        g = self._geometry
+        return {"runtime": "telefuser", "layout": self.layout.value, "telefuser": version,
+                "telefuser_path": str(here),
+                "model": f"{g.n_layers}x{g.n_heads}x{g.head_dim} {self.height}x{self.width}",
+                "device": self._device}
 
     def make(self, actions: Sequence[Sequence[float]], hooks: Any = None, total_chunks: Optional[int] = None,
              *, image: Any = None) -> "TeleFuserSession":

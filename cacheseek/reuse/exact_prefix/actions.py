@@ -91,8 +91,10 @@ def _flat_values(control: Any) -> np.ndarray:
             raise ValueError(f"a control of dtype {t.dtype} has no action key")
         if t.device.type != "cpu":
             t = t.to("cpu")
-        if t.dtype not in (torch.float32, torch.float64):
-            t = t.to(torch.float64)  # bf16, fp16 and integers are exact in float64
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.to(torch.float32)  # exact, and half the bytes of float64
+        elif t.dtype not in (torch.float32, torch.float64):
+            t = t.to(torch.float64)  # integers are exact in float64
         return t.contiguous().numpy().reshape(-1)
     arr = np.asarray(control)
     if arr.dtype not in (np.float32, np.float64):
