@@ -13,6 +13,12 @@ telefuser = pytest.importorskip("telefuser.pipelines.lingbot_world_fast",
                                 reason="needs the telefuser extra (see README)")
 
 
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if "tests/telefuser/" in str(item.fspath):
+            item.add_marker(pytest.mark.telefuser)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_torch_thread():
     import torch
