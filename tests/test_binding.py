@@ -731,3 +731,19 @@ def test_snapshot_persists_only_ready_blobs(tmp_path):
     b, _, _ = run_session(store, loaded, ingest=False)
     assert b.last_fast_forward == N - 1
     assert load_forest_snapshot(tmp_path / "missing.json").namespaces() == []
+
+
+def test_the_store_format_is_part_of_the_namespace():
+    """A Plan tier stores bare bytes, a generic tier its own encoding, under the same key names; on
+    one shared Fluxon service they must never read each other's values."""
+    from cacheseek.stores.plan_tier import PlanTierStore
+
+    class BytesLikeTier(InMemoryTierStore):
+        storage_format = PlanTierStore.storage_format
+
+    assert PlanTierStore.storage_format != InMemoryTierStore.storage_format
+    roots = []
+    for store in (InMemoryTierStore(), BytesLikeTier()):
+        b, _, _ = run_session(store, NamespaceForest(), ROLLING, ingest=False)
+        roots.append(b.root)
+    assert roots[0] != roots[1]
