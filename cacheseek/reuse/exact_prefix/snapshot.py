@@ -179,12 +179,7 @@ def _decode_action(nd: Mapping[str, Any], where: str, legacy: bool) -> ActionKey
     action = nd["action"]
     kind = "bytes" if legacy else nd.get("action_type")
     if kind == "bytes":
-        if not isinstance(action, str):
-            raise ConfigError(f"{where}.action", f"a bytes action is written as hex, got {action!r}", _FIX)
-        try:
-            return bytes.fromhex(action)
-        except ValueError:
-            raise ConfigError(f"{where}.action", f"not hex: {action!r}", _FIX) from None
+        return _hex(nd, "action", where)
     if kind is not None:
         raise ConfigError(f"{where}.action_type", f"unknown action type {kind!r} (only 'bytes')", _FIX)
     try:
