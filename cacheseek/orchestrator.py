@@ -6,6 +6,10 @@ the store (``store: null`` resolves to the registry's default backend, logged). 
 OmegaConf cannot hold (a transfer runtime, a fake client) are passed at the call site to the
 classes whose constructors name them: that is also how tests inject fakes.
 
+A store that can list and remove its values (LocalDisk) is reconciled with the stack's fresh
+forest when the stack is built (`WorldKVManager.reconcile`): values a previous process left, which
+no trie of this one names, are removed instead of counting against the capacity.
+
 A `Stack` hands out managers and bindings that share one forest, one store and one
 `CacheMetrics`, which is what a serving process does with many sessions. Managers get the
 ``manager.eviction`` section (policy and watermarks).
@@ -145,6 +149,12 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, **objects: Any) -> 
     stack.manager_config()  # validates the manager section against the runtime before any work
     stack.eviction_config()
     stack.metrics.bind_store(store)
+    if callable(getattr(store, "delete_values", None)):
+        # A persistent store under a fresh forest: what a previous process left is unreachable.
+        done = stack.new_manager().reconcile()
+        if done["orphans_removed"]:
+            log.info("store %s: removed %d values of a previous run that no trie names",
+                     store_name, done["orphans_removed"])
     return stack
 
 

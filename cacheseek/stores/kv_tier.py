@@ -10,9 +10,12 @@ policy; this class is the mechanism that all of them share:
   backpressure, not unbounded memory).
 - A failed write removes what it wrote of the blob, leaves the handle unready with ``error`` set,
   counts and logs the failure (`TierStats.failed_writes`). Neither ``put_async`` (write-through)
-  nor `flush` (write-back) raises it: both modes report a failure the same way, on the handle and
+  nor `flush` (write-back) raises it (a full backend medium excepted, see Capacity): both modes report a failure the same way, on the handle and
   in the stats, and the caller runs on without caching that chunk.
-- ``get_layer`` returns ``(k, v)`` or None when either half is missing.
+- ``get_layer`` returns ``(k, v)`` or None when either half is missing. A value the backend
+  reports corrupt (`CorruptValueError`: checksum mismatch, truncated, unreadable) is removed,
+  counted (`TierStats.corrupt_values`) and read as missing, so the manager treats it exactly like
+  a value that is gone: it invalidates the node and retries the longest whole shorter prefix.
 - ``free`` refuses a blob whose write is still in flight (`WriteNotCompleteError`), removes the
   values otherwise (idempotent) and lets backend errors surface.
 
@@ -20,7 +23,15 @@ Capacity (``capacity_bytes``, None = unbounded; settable at run time): the tier 
 of the values it holds, KV and latents, a write in flight included from the moment ``put_async``
 or ``put_skeleton`` reserves it. A write that would go above the capacity raises `StoreFullError`
 at once, before anything is written or queued (the manager evicts and retries once); so usage
-never exceeds the capacity. ``usage()`` reports used, capacity and peak bytes; a failed write or
+never exceeds the capacity. Bytes are counted in the backend's unit when it has one
+(``stored_nbytes(key, value)``: LocalDisk counts file bytes, header included, the same unit it
+reads back from the files on reopen), else in payload bytes.
+
+A backend that is itself full (a disk at ENOSPC) raises `StoreFullError` from ``write``. The tier
+then lowers ``capacity_bytes`` to the bytes it holds at that moment (logged; the medium cannot
+hold more), so the manager's watermarks apply from then on; a write-through ``put_async`` (and
+``put_skeleton``) raises that `StoreFullError` after removing what it wrote, like a capacity
+refusal, so the manager evicts and retries once. A write-back blob fails on its handle. ``usage()`` reports used, capacity and peak bytes; a failed write or
 a removal gives its bytes back. Optional capabilities for the manager: ``contains(keys)`` (which
 values exist, without reading them where the backend has ``exists``) and ``free_skeleton``.
 """
@@ -36,7 +47,14 @@ from typing import Any, Optional, Protocol
 
 import attrs
 
-from cacheseek.errors import ConfigError, StoreClosedError, StoreError, StoreFullError, WriteNotCompleteError
+from cacheseek.errors import (
+    ConfigError,
+    CorruptValueError,
+    StoreClosedError,
+    StoreError,
+    StoreFullError,
+    WriteNotCompleteError,
+)
 from cacheseek.eviction.base import StoreUsage
 from cacheseek.reuse.exact_prefix.keys import layer_keys
 from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier
@@ -72,6 +90,7 @@ class TierStats:
     get_bytes: int = 0
     get_seconds: float = 0.0
     failed_writes: int = 0
+    corrupt_values: int = 0
     frees: int = 0
     pending_writes: int = 0
     refused_full: int = 0
@@ -153,8 +172,9 @@ class KeyValueTier:
             items += [(kk, k), (vk, v)]
             nbytes += payload_nbytes(k) + payload_nbytes(v)
         handle = BlobHandle(tier=tier, locator=locator, nbytes=nbytes, n_layers=len(payload))
+        sizes = [(key, self._value_nbytes(key, value)) for key, value in items]
         with self._lock:
-            old = self._reserve([(key, payload_nbytes(value)) for key, value in items])
+            old = self._reserve(sizes)
             self.stats.pending_writes += 1
         job = (handle, items, on_ready, old)
         if self._queue is None:
@@ -183,13 +203,15 @@ class KeyValueTier:
             handle.error = exc
             with self._lock:
                 self._unreserve(old, removed=removed)
+                if isinstance(exc, StoreFullError):
+                    self._backend_full(exc)
                 self.stats.failed_writes += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
                 self.stats.pending_writes -= 1
                 self._idle.notify_all()
             log.error("%s: write of %s failed: %s", self.name, handle.locator, exc)
-            if self._queue is None and not isinstance(exc, Exception):
-                raise  # KeyboardInterrupt and the like still stop the calling thread
+            if self._queue is None and (isinstance(exc, StoreFullError) or not isinstance(exc, Exception)):
+                raise  # a full medium (the caller evicts and retries); KeyboardInterrupt and the like
             return
         with self._lock:
             self.stats.puts += 1
@@ -222,13 +244,16 @@ class KeyValueTier:
         """Write a latent (synchronously). `StoreFullError` when it does not fit; any backend
         failure is a `StoreError` (what it wrote is not counted)."""
         self._check_open()
+        size = self._value_nbytes(locator, latent)
         with self._lock:
-            old = self._reserve([(locator, payload_nbytes(latent))])
+            old = self._reserve([(locator, size)])
         try:
             self.backend.write(locator, latent)
         except BaseException as exc:
             with self._lock:
                 self._unreserve(old, removed=[])
+                if isinstance(exc, StoreFullError):
+                    self._backend_full(exc)
             if isinstance(exc, StoreError) or not isinstance(exc, Exception):
                 raise
             raise StoreError(f"{self.name}: write of {locator} failed: {type(exc).__name__}: {exc}") from exc
@@ -264,6 +289,24 @@ class KeyValueTier:
                 self._sizes[key] = previous
                 self.stats.used_bytes += previous
 
+    def _value_nbytes(self, key: str, value: Any) -> int:
+        sized = getattr(self.backend, "stored_nbytes", None)
+        if callable(sized):
+            try:
+                return int(sized(key, value))
+            except StoreError:  # a value the backend cannot store: its write fails on the handle
+                pass
+        return payload_nbytes(value)
+
+    def _backend_full(self, exc: BaseException) -> None:
+        """Under ``_lock``: the backend's medium is full; cap the tier at what it holds now."""
+        used, cap = self.stats.used_bytes, self.stats.capacity_bytes
+        if cap is None or used < cap:
+            self.stats.capacity_bytes = used
+            log.warning("%s: the backend is full (%s); capacity lowered from %s to %d bytes (the bytes "
+                        "held now); the manager evicts from here on", self.name, exc,
+                        "unbounded" if cap is None else cap, used)
+
     def _forget(self, key: str) -> None:
         """Under ``_lock``: ``key`` was removed from the backend."""
         self.stats.used_bytes -= self._sizes.pop(key, 0)
@@ -296,7 +339,25 @@ class KeyValueTier:
 
     def get_skeleton(self, locator: str) -> Any:
         self._check_open()
-        return self.backend.read(locator)
+        return self._read(locator)
+
+    def _read(self, key: str) -> Optional[Any]:
+        """The backend's value, or None when it is missing or corrupt (then it is removed)."""
+        try:
+            return self.backend.read(key)
+        except CorruptValueError as exc:
+            log.error("%s: %s; removing it and reading it as missing", self.name, exc)
+            with self._lock:
+                self.stats.corrupt_values += 1
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+            try:
+                self.backend.delete(key)
+            except Exception:  # noqa: BLE001 - the manager's free of the blob retries the removal
+                log.exception("%s: could not remove corrupt value %s", self.name, key)
+            else:
+                with self._lock:
+                    self._forget(key)
+            return None
 
     def get_layer(self, handle: BlobHandle, layer: int) -> Optional[LayerPayload]:
         self._check_open()
@@ -304,8 +365,8 @@ class KeyValueTier:
             raise IndexError(f"layer {layer} out of range for a blob of {handle.n_layers} layers")
         t0 = time.perf_counter()
         kk, vk = layer_keys(handle.locator, layer)
-        k = self.backend.read(kk)
-        v = self.backend.read(vk) if k is not None else None
+        k = self._read(kk)
+        v = self._read(vk) if k is not None else None
         if k is None or v is None:
             return None
         with self._lock:

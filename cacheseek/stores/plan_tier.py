@@ -48,6 +48,15 @@ and earlier work land first); the producer stream then waits for the read's comp
 (the runtime cannot read the ring before the copies land) and the host synchronizes once before
 releasing the views. Every get handle is ended on every path (transferred -> release_views, else
 cancel_get_transfer), after any copy out of its values has landed.
+
+No checksum on this tier, by decision: its values live in host DRAM (ECC on server machines) that
+only the GPU's copy engines write and read, in batches at PCIe speed (about 50 GiB/s a
+direction). A checksum would need the CPU to read every byte of a 3.57 GiB chunk on the hot
+path (xxh3 at about 10-30 GB/s on one core: 0.15-0.4 s, against the 70 ms copy), or a checksum
+kernel on the device in the middle of the batch, to guard a medium with no silent-corruption path
+of its own (no disk, no socket). Values that vanish (evicted, a restarted owner) are caught as
+misses (``contains``) and invalidated by the manager; the tiers whose media can corrupt (LocalDisk
+files, the generic Fluxon tier) carry checksums (`cacheseek.stores.checksum`).
 """
 
 from __future__ import annotations
