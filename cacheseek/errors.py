@@ -81,6 +81,10 @@ class TransferError(CacheSeekError):
     """A host/device copy failed validation or submission."""
 
 
+class TransferTimeoutError(TransferError):
+    """A submitted batch did not land within its time bound; its buffers are still in use."""
+
+
 class RegistrationError(TransferError):
     """Registering a host mapping with the transfer runtime failed."""
 

@@ -53,6 +53,7 @@ from cacheseek.errors import (
     StoreClosedError,
     StoreError,
     StoreFullError,
+    StoreTimeoutError,
     WriteNotCompleteError,
 )
 from cacheseek.eviction.base import StoreUsage
@@ -128,6 +129,7 @@ class KeyValueTier:
     """A `TierStore` over a `ValueBackend`; see the module docstring for the contract."""
 
     accepts_device_views = False
+    flush_timeout_s: float = 300.0  # the bound of `flush` and `close`; settable per store
 
     def __init__(
         self,
@@ -405,24 +407,50 @@ class KeyValueTier:
             return [bool(exists(key)) for key in keys]
         return [self.backend.read(key) is not None for key in keys]
 
-    def flush(self) -> None:
-        """Wait until every queued write has completed (successfully or not)."""
-        if self._queue is not None:
-            self._queue.join()
+    def flush(self, timeout_s: Optional[float] = None) -> None:
+        """Wait until every queued write has completed (successfully or not), at most
+        ``timeout_s`` seconds (default ``flush_timeout_s``); `StoreTimeoutError` past it, naming
+        how many writes are still pending (they go on; a later flush may succeed)."""
+        bound = self.flush_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + bound
         with self._lock:
             while self.stats.pending_writes > 0:
-                self._idle.wait(timeout=1.0)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise StoreTimeoutError(
+                        f"{self.name}: {self.stats.pending_writes} writes still pending after {bound} s "
+                        "(a stuck backend?)")
+                self._idle.wait(timeout=min(remaining, 1.0))
 
     def close(self) -> None:
-        """Flush pending writes, stop the write-back thread, close the backend. Idempotent."""
+        """Flush pending writes, stop the write-back thread, close the backend. Idempotent.
+
+        Bounded: when the writes do not drain within ``flush_timeout_s`` or the write-back
+        thread does not stop, the store is closed to callers but the backend is left open under
+        the live thread (never torn down under it) and `StoreTimeoutError` is raised."""
         if self._closed:
             return
-        self.flush()
+        try:
+            self.flush()
+        except StoreTimeoutError:
+            self._closed = True
+            if self._queue is not None:
+                self._stop_worker(wait_s=0.0)
+            raise
         self._closed = True
-        if self._queue is not None and self._worker is not None:
-            self._queue.put(None)
-            self._worker.join(timeout=30)
+        if self._queue is not None and not self._stop_worker(wait_s=self.flush_timeout_s):
+            raise StoreTimeoutError(f"{self.name}: the write-back thread did not stop; backend left open")
         self.backend.close()
+
+    def _stop_worker(self, *, wait_s: float) -> bool:
+        """Ask the write-back thread to stop after the queued jobs; True once it has."""
+        assert self._queue is not None and self._worker is not None
+        try:
+            self._queue.put(None, timeout=max(wait_s, 0.001))
+        except queue.Full:
+            return False
+        self._worker.join(timeout=wait_s)
+        return not self._worker.is_alive()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -411,13 +411,12 @@ class PlanTierStore:
         if transfer is None:
             return
         entries = []
-        registered = getattr(transfer, "registered", None)
-        before = {m.key for m in registered()} if callable(registered) else set()
-        # unregistered at close: only what this store registered (a shared runtime keeps the rest)
-        self._registered_here = [m for m in self._mappings if m.key not in before]
+        # registrations are reference-counted by the runtime: this store unregisters exactly what
+        # it registered at close, and a shared runtime keeps what another user still holds
         for m in self._mappings:
             t0 = time.perf_counter()
             transfer.register([m])
+            self._registered_here.append(m)
             seconds = time.perf_counter() - t0
             self._count(register_seconds=seconds)
             entries.append(dict(ptr=m.ptr, length=m.length, generation=m.generation,
@@ -1129,12 +1128,21 @@ class PlanTierStore:
         self._count(values_removed=1)
         self._latent_nbytes.pop(locator, None)
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: Optional[float] = None) -> None:
         """Wait until every pending write has committed or failed (a failure is on its handle and
-        in `stats`; nothing is raised). Returns at once without overlap."""
+        in `stats`; nothing is raised). Returns at once without overlap. Bounded: at most
+        ``timeout_s`` seconds (default: ``commit_timeout_s`` per pending write, at least 4 of them);
+        `StoreTimeoutError` past it, naming how many writes are pending (they go on)."""
         with self._cv:
+            bound = timeout_s if timeout_s is not None else self.commit_timeout_s * max(4, len(self._queue) + 1)
+            deadline = time.monotonic() + bound
             while self._queue:
-                self._cv.wait(timeout=1.0)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise StoreTimeoutError(
+                        f"Plan tier: {len(self._queue)} writes still pending after {bound:.1f} s "
+                        "(a stuck copy or commit?)")
+                self._cv.wait(timeout=min(remaining, 1.0))
 
     def close(self) -> None:
         """Flush, stop the completion thread, destroy the streams, drop the staging slots,
@@ -1150,6 +1158,11 @@ class PlanTierStore:
                 self._cv.notify_all()
             if self._worker is not None:
                 self._worker.join(timeout=self.commit_timeout_s)
+                if self._worker.is_alive():
+                    # Never tear streams, registrations or the client down under a live worker.
+                    raise StoreTimeoutError(
+                        f"Plan tier: the completion thread did not stop within {self.commit_timeout_s} s; "
+                        "streams, registrations and the client are left as they are")
             try:
                 self._teardown_transfer()
             finally:

@@ -135,3 +135,32 @@ def test_invalidation_of_a_referenced_node_waits_for_its_last_reader():
     assert b.last_fast_forward == 1 and hashes == cold_hashes(FULL, P_X)
     b, _, _ = run_session(mgr, FULL, P_X, ingest=False)
     assert b.last_fast_forward == N
+
+
+def test_two_plan_tiers_sharing_a_transfer_runtime_close_independently():
+    """Closing one Plan tier must not unregister memory the other still uses (issue 12 item 5)."""
+    from cacheseek.plan.embedded import EmbeddedPlanClient
+    from cacheseek.stores.plan_tier import PlanTierStore
+
+    from prodkit import fake_cuda
+
+    transfer, fake = fake_cuda()
+    client = EmbeddedPlanClient(segment_bytes=1 << 20, prefault_threads=1)
+    a = PlanTierStore(plan_client=client, transfer=transfer)
+    b = PlanTierStore(plan_client=client, transfer=transfer)
+    try:
+        mapping = transfer.registered()[0]
+        assert transfer.users(mapping) == 2
+        a.close()
+        assert fake.is_registered(mapping.ptr) and transfer.users(mapping) == 1
+        mgr = new_manager(b, FULL)
+        run_session(mgr, FULL, P_X)
+        bb, _, hashes = run_session(mgr, FULL, P_X, ingest=False)
+        assert bb.last_fast_forward == N and hashes == cold_hashes(FULL, P_X)
+        b.close()
+        assert not fake.is_registered(mapping.ptr) and transfer.registered() == []
+    finally:
+        a.close()
+        b.close()
+        client.close()
+        transfer.close()

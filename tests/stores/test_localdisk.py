@@ -413,3 +413,26 @@ def test_describe_reports_root_and_usage(store):
     d = store.describe()
     assert d["name"] == "localdisk" and d["root"] == str(store.root)
     assert d["disk_usage_bytes"] > 0 and d["stats"]["puts"] == 1
+
+
+def test_flush_and_close_are_bounded_and_never_close_under_a_live_writer(tmp_path):
+    from cacheseek.errors import StoreTimeoutError
+
+    s = LocalDiskTierStore(str(tmp_path / "kv"), write_back=True)
+    gated = GatedDisk(s.backend)
+    s.backend = gated
+    closed = []
+    real_close = gated.inner.close
+    gated.close = lambda: (closed.append(True), real_close())
+    h = put(s, kv(n_layers=1))
+    assert gated.entered.wait(WAIT_S)
+    with pytest.raises(StoreTimeoutError, match="1 writes still pending"):
+        s.flush(timeout_s=0.1)
+    s.flush_timeout_s = 0.1
+    with pytest.raises(StoreTimeoutError):
+        s.close()
+    assert closed == [] and s._worker.is_alive()  # the backend stays open under the writer
+    gated.gate.set()
+    s._worker.join(WAIT_S)
+    assert h.ready and not s._worker.is_alive()
+    real_close()
