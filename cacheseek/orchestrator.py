@@ -170,7 +170,8 @@ def _build_transfer(node: Any, device: str, objects: dict[str, Any]) -> Any:
         name = "cuda" if str(device).startswith("cuda") else "host"
         node = OmegaConf.create({"_target_": _target_of(TRANSFERS.get(name))})
         log.info("transfer: auto -> %r for runtime device %r", name, device)
-    return instantiate(node, **objects)
+    # a runtime that takes a device (CUDA) creates its streams, events and threads on this one
+    return instantiate(node, device=str(device), **objects)
 
 
 def _target_of(cls: type) -> str:

@@ -65,6 +65,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import inspect
 import logging
 import threading
 import time
@@ -377,7 +378,12 @@ class PlanTierStore:
 
     def _build_transfer(self, device: Any) -> TransferRuntime:
         factory = TRANSFERS.get(self.transfer_kind)
-        runtime = factory(device=device) if self.transfer_kind == "auto" else factory()
+        if self.transfer_kind == "auto":
+            runtime = factory(device=device)
+        elif "device" in inspect.signature(factory).parameters:
+            runtime = factory(device=str(device))  # streams, events and threads on that GPU
+        else:
+            runtime = factory()
         self._owns_transfer = True
         return runtime
 
@@ -741,7 +747,11 @@ class PlanTierStore:
             self._cv.notify_all()
 
     def _drain(self) -> None:
-        """The completion thread: writes complete in submission order (one write stream)."""
+        """The completion thread: writes complete in submission order (one write stream). It runs
+        on the transfer runtime's device (`bind_thread`), never on device 0 by default."""
+        bind = getattr(self._transfer, "bind_thread", None)
+        if callable(bind):
+            bind()
         while True:
             with self._cv:
                 while not self._queue and not self._stopping:

@@ -581,6 +581,10 @@ class TransferRuntimeBase(abc.ABC):
     def _destroy_event(self, event: Any) -> None:
         return None
 
+    def bind_thread(self) -> None:
+        """Make this runtime's device current on the calling thread; worker threads that use the
+        runtime call it when they start. Nothing to do for a host runtime."""
+
     # -- registration ---------------------------------------------------------------------------
     def register(self, mappings: Sequence[HostMapping]) -> None:
         self._check_open()
