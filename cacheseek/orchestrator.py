@@ -142,7 +142,8 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, **objects: Any) -> 
         store_cfg = OmegaConf.to_container(store_cfg, resolve=True)
         if "root" in store_cfg and store_cfg["root"] is None:
             store_cfg["root"] = str(run_dir / "kvstore")
-        store = instantiate(store_cfg, transfer=transfer, **objects)
+        store = instantiate(store_cfg, transfer=transfer, geometry_bytes=_geometry_bytes(runtime_factory),
+                            **objects)
     stack = Stack(cfg=cfg, runtime_factory=runtime_factory, store=store, store_name=store_name,
                   transfer=transfer, layout=layout, fields=fields, forest=NamespaceForest(),
                   run_dir=run_dir)
@@ -156,6 +157,20 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, **objects: Any) -> 
             log.info("store %s: removed %d values of a previous run that no trie names",
                      store_name, done["orphans_removed"])
     return stack
+
+
+def _geometry_bytes(runtime_factory: Any) -> Optional[tuple[int, int]]:
+    """``(one layer's K or V of a chunk, one chunk's KV)`` in bytes, for stores whose clients size
+    their staging from it (None when the runtime does not say)."""
+    try:
+        import torch
+
+        g = runtime_factory.geometry
+        itemsize = torch.empty((), dtype=getattr(torch, str(getattr(runtime_factory, "dtype", "bfloat16")))).element_size()
+        value = int(g.chunk_tokens * g.n_heads * g.head_dim * itemsize)
+        return value, 2 * int(g.n_layers) * value
+    except Exception:  # noqa: BLE001 - a runtime without a geometry: clients keep their defaults
+        return None
 
 
 def _new_metrics() -> Any:

@@ -286,6 +286,7 @@ class PlanTierStore:
         *,
         transfer: Optional[TransferRuntime] = None,
         plan_client: Optional[PlanClient] = None,
+        geometry_bytes: Optional[tuple[int, int]] = None,
     ) -> None:
         for name, value in (
             ("staging_slots", staging_slots), ("staging_slot_bytes", staging_slot_bytes),
@@ -334,6 +335,8 @@ class PlanTierStore:
                 hugepages=hugepages,
                 shm_dir=shm_dir,
             )
+            if geometry_bytes is not None:  # (largest value, one chunk's KV): clients size staging
+                given.update(value_bytes=geometry_bytes[0], chunk_bytes=geometry_bytes[1])
             kwargs = {k: v for k, v in given.items() if k in accepted}
             kwargs.update(client_options or {})
             plan_client = factory(**kwargs)
@@ -535,7 +538,7 @@ class PlanTierStore:
                 raise PlanError(f"put of {locator}: empty payload")
             handle.nbytes = sum(_nbytes(t) for _, t in items)
             self._transfer_for(items[0][1])
-            if self._overlap:
+            if self._overlap and len(self._waves(items)) == 1:
                 self._put_overlapped(handle, items, on_ready, stream, t0)
                 self._count(put_submit_seconds=time.perf_counter() - t0)
                 return handle
@@ -599,14 +602,49 @@ class PlanTierStore:
         started: list[PutPlan] = []
         submitted: list[PutPlan] = []
         futures: dict[PutPlan, Future] = {}
+        done: list[PutPlan] = []  # committed by earlier waves
         try:
-            dsts, order, sizes = self._start_plans(items, ranges, started)
-            batch = CopyBatch.of(dsts, [ranges[i].ptr for i in order], sizes, Direction.D2H)
-            self._copy_now(transfer, batch, ranges, producer=stream, on=self._write_stream)
-            self._commit(started, submitted, futures)
+            for wave in self._waves(items):
+                sub = [items[i] for i in wave]
+                sub_ranges = [ranges[i] for i in wave]
+                dsts, order, sizes = self._start_plans(sub, sub_ranges, started)
+                batch = CopyBatch.of(dsts, [sub_ranges[i].ptr for i in order], sizes, Direction.D2H)
+                self._copy_now(transfer, batch, sub_ranges, producer=stream, on=self._write_stream)
+                self._commit(started, submitted, futures)
+                done += submitted
+                submitted.clear()
         except BaseException as exc:
-            self._undo_put(exc, started, submitted, futures)
+            self._undo_put(exc, started, done + submitted, futures)
             raise
+
+    def _waves(self, items: list[tuple[str, Any]]) -> list[list[int]]:
+        """Item indices in waves of plans whose staging fits the client at once (its optional
+        ``max_plan_values(value_len)``); one wave when the client stages no bytes of its own or
+        everything fits. Each wave is started, copied and committed before the next starts."""
+        limit = self._info("max_plan_values")
+        everything = [list(range(len(items)))]
+        if limit is None:
+            return everything
+        sizes = [_nbytes(t) for _, t in items]
+        by_size: dict[int, list[int]] = {}
+        for i, n in enumerate(sizes):
+            by_size.setdefault(n, []).append(i)
+        fits = {n: int(limit(n)) for n in by_size}
+        for n, cap in fits.items():
+            if cap < 1:
+                raise PlanError(f"the Plan client cannot stage one value of {n} bytes (raise its staging)")
+        if sum(len(idxs) / fits[n] for n, idxs in by_size.items()) <= 1.0:
+            return everything
+        waves: list[list[int]] = [[]]
+        share = 0.0
+        for n, idxs in by_size.items():
+            for i in idxs:
+                if share + 1.0 / fits[n] > 1.0 + 1e-9:
+                    waves.append([])
+                    share = 0.0
+                waves[-1].append(i)
+                share += 1.0 / fits[n]
+        return waves
 
     def _copy_now(
         self, transfer: Any, batch: CopyBatch, ranges: list[MemoryRange], *, producer: Any, on: Any
