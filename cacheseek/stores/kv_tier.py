@@ -10,8 +10,9 @@ policy; this class is the mechanism that all of them share:
   backpressure, not unbounded memory).
 - A failed write removes what it wrote of the blob, leaves the handle unready with ``error`` set,
   counts and logs the failure (`TierStats.failed_writes`). Neither ``put_async`` (write-through)
-  nor `flush` (write-back) raises it (a full backend medium excepted, see Capacity): both modes report a failure the same way, on the handle and
-  in the stats, and the caller runs on without caching that chunk.
+  nor `flush` (write-back) raises it (a full LocalDisk excepted, see "A full medium"): both
+  modes report a failure the same way, on the handle and in the stats, and the caller runs on
+  without caching that chunk.
 - ``get_layer`` returns ``(k, v)`` or None when either half is missing. A value the backend
   reports corrupt (`CorruptValueError`: checksum mismatch, truncated, unreadable) is removed,
   counted (`TierStats.corrupt_values`) and read as missing, so the manager treats it exactly like
@@ -23,17 +24,21 @@ Capacity (``capacity_bytes``, None = unbounded; settable at run time): the tier 
 of the values it holds, KV and latents, a write in flight included from the moment ``put_async``
 or ``put_skeleton`` reserves it. A write that would go above the capacity raises `StoreFullError`
 at once, before anything is written or queued (the manager evicts and retries once); so usage
-never exceeds the capacity. Bytes are counted in the backend's unit when it has one
+never exceeds the capacity. ``usage()`` reports used, capacity and peak bytes; a failed write
+or a removal gives its bytes back. Bytes are counted in the backend's unit when it has one
 (``stored_nbytes(key, value)``: LocalDisk counts file bytes, header included, the same unit it
 reads back from the files on reopen), else in payload bytes.
 
-A backend that is itself full (a disk at ENOSPC) raises `StoreFullError` from ``write``. The tier
-then lowers ``capacity_bytes`` to the bytes it holds at that moment (logged; the medium cannot
-hold more), so the manager's watermarks apply from then on; a write-through ``put_async`` (and
+A full medium: a backend raises `StoreFullError` from ``write``. When the backend says the tier
+accounts for its medium (``full_caps_tier``: a LocalDisk root at ENOSPC), the tier lowers
+``capacity_bytes`` to the bytes it holds at that moment (logged; the medium holds no more), so
+the manager's watermarks apply from then on, and a write-through ``put_async`` (or
 ``put_skeleton``) raises that `StoreFullError` after removing what it wrote, like a capacity
-refusal, so the manager evicts and retries once. A write-back blob fails on its handle. ``usage()`` reports used, capacity and peak bytes; a failed write or
-a removal gives its bytes back. Optional capabilities for the manager: ``contains(keys)`` (which
-values exist, without reading them where the backend has ``exists``) and ``free_skeleton``.
+refusal, so the manager evicts and retries once; a write-back blob fails on its handle. A shared
+store that evicts by itself (Fluxon) reports the failure on the handle and caps nothing.
+
+Optional capabilities for the manager: ``contains(keys)`` (which values exist, without reading
+them where the backend has ``exists``) and ``free_skeleton``.
 """
 
 from __future__ import annotations
@@ -205,14 +210,14 @@ class KeyValueTier:
             handle.error = exc
             with self._lock:
                 self._unreserve(old, removed=removed)
-                if isinstance(exc, StoreFullError):
+                if self._caps_on_full(exc):
                     self._backend_full(exc)
                 self.stats.failed_writes += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
                 self.stats.pending_writes -= 1
                 self._idle.notify_all()
             log.error("%s: write of %s failed: %s", self.name, handle.locator, exc)
-            if self._queue is None and (isinstance(exc, StoreFullError) or not isinstance(exc, Exception)):
+            if self._queue is None and (self._caps_on_full(exc) or not isinstance(exc, Exception)):
                 raise  # a full medium (the caller evicts and retries); KeyboardInterrupt and the like
             return
         with self._lock:
@@ -254,7 +259,7 @@ class KeyValueTier:
         except BaseException as exc:
             with self._lock:
                 self._unreserve(old, removed=[])
-                if isinstance(exc, StoreFullError):
+                if self._caps_on_full(exc):
                     self._backend_full(exc)
             if isinstance(exc, StoreError) or not isinstance(exc, Exception):
                 raise
@@ -299,6 +304,11 @@ class KeyValueTier:
             except StoreError:  # a value the backend cannot store: its write fails on the handle
                 pass
         return payload_nbytes(value)
+
+    def _caps_on_full(self, exc: BaseException) -> bool:
+        """A full medium this tier accounts for alone (``backend.full_caps_tier``: LocalDisk). A
+        shared store that evicts by itself (Fluxon) reports full without capping the tier."""
+        return isinstance(exc, StoreFullError) and bool(getattr(self.backend, "full_caps_tier", False))
 
     def _backend_full(self, exc: BaseException) -> None:
         """Under ``_lock``: the backend's medium is full; cap the tier at what it holds now."""

@@ -121,6 +121,8 @@ def _torch() -> Any:
 class DiskBackend:
     """`ValueBackend` over files under ``root``; see the module docstring for the format."""
 
+    full_caps_tier = True  # ENOSPC caps the tier at what it holds (`KeyValueTier`)
+
     def __init__(self, root: Path, *, fsync: bool = True) -> None:
         self.root = root
         self.fsync = fsync
