@@ -42,6 +42,17 @@ class StoreClosedError(StoreError):
     """A store (or Plan client) was used after `close()`."""
 
 
+class CorruptValueError(StoreError):
+    """A stored value failed its checksum, or is truncated or unreadable. Treated like a missing
+    value: the tier removes it and the manager invalidates the node that named it. ``key``: the
+    value's store key."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        self.key = key
+        self.problem = problem
+        super().__init__(f"corrupt value {key!r}: {problem}")
+
+
 class StoreTimeoutError(StoreError):
     """A store call did not complete within its time bound."""
 
@@ -68,6 +79,10 @@ class PlanUnavailableError(CacheSeekError):
 
 class TransferError(CacheSeekError):
     """A host/device copy failed validation or submission."""
+
+
+class TransferTimeoutError(TransferError):
+    """A submitted batch did not land within its time bound; its buffers are still in use."""
 
 
 class RegistrationError(TransferError):

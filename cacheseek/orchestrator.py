@@ -6,6 +6,10 @@ the store (``store: null`` resolves to the registry's default backend, logged). 
 OmegaConf cannot hold (a transfer runtime, a fake client) are passed at the call site to the
 classes whose constructors name them: that is also how tests inject fakes.
 
+A store that can list and remove its values (LocalDisk) is reconciled with the stack's fresh
+forest when the stack is built (`WorldKVManager.reconcile`): values a previous process left, which
+no trie of this one names, are removed instead of counting against the capacity.
+
 A `Stack` hands out managers and bindings that share one forest, one store and one
 `CacheMetrics`, which is what a serving process does with many sessions. Managers get the
 ``manager.eviction`` section (policy and watermarks).
@@ -140,14 +144,35 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, **objects: Any) -> 
         store_cfg = OmegaConf.to_container(store_cfg, resolve=True)
         if "root" in store_cfg and store_cfg["root"] is None:
             store_cfg["root"] = str(run_dir / "kvstore")
-        store = instantiate(store_cfg, transfer=transfer, **objects)
+        store = instantiate(store_cfg, transfer=transfer, geometry_bytes=_geometry_bytes(runtime_factory),
+                            **objects)
     stack = Stack(cfg=cfg, runtime_factory=runtime_factory, store=store, store_name=store_name,
                   transfer=transfer, layout=layout, fields=fields, forest=NamespaceForest(),
                   run_dir=run_dir)
     stack.manager_config()  # validates the manager section against the runtime before any work
     stack.eviction_config()
     stack.metrics.bind_store(store)
+    if callable(getattr(store, "delete_values", None)):
+        # A persistent store under a fresh forest: what a previous process left is unreachable.
+        done = stack.new_manager().reconcile()
+        if done["orphans_removed"]:
+            log.info("store %s: removed %d values of a previous run that no trie names",
+                     store_name, done["orphans_removed"])
     return stack
+
+
+def _geometry_bytes(runtime_factory: Any) -> Optional[tuple[int, int]]:
+    """``(one layer's K or V of a chunk, one chunk's KV)`` in bytes, for stores whose clients size
+    their staging from it (None when the runtime does not say)."""
+    try:
+        import torch
+
+        g = runtime_factory.geometry
+        itemsize = torch.empty((), dtype=getattr(torch, str(getattr(runtime_factory, "dtype", "bfloat16")))).element_size()
+        value = int(g.chunk_tokens * g.n_heads * g.head_dim * itemsize)
+        return value, 2 * int(g.n_layers) * value
+    except Exception:  # noqa: BLE001 - a runtime without a geometry: clients keep their defaults
+        return None
 
 
 def _new_metrics() -> Any:
@@ -162,7 +187,8 @@ def _build_transfer(node: Any, device: str, objects: dict[str, Any]) -> Any:
         name = "cuda" if str(device).startswith("cuda") else "host"
         node = OmegaConf.create({"_target_": _target_of(TRANSFERS.get(name))})
         log.info("transfer: auto -> %r for runtime device %r", name, device)
-    return instantiate(node, **objects)
+    # a runtime that takes a device (CUDA) creates its streams, events and threads on this one
+    return instantiate(node, device=str(device), **objects)
 
 
 def _target_of(cls: type) -> str:

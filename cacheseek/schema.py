@@ -23,6 +23,8 @@ class EvictionConf:
     high_watermark: float = 0.9
     low_watermark: float = 0.7
     enabled: bool = True
+    # Sink pins hold while their namespace was used by one of the last N sessions.
+    live_sessions: int = 4
 
 
 @dataclasses.dataclass

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cacheseek.errors import GeometryError, StoreError, WriteNotCompleteError
+from cacheseek.errors import CorruptValueError, GeometryError, StoreError, WriteNotCompleteError
 from cacheseek.layout.bshd import BshdLayout
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
 from cacheseek.reuse.exact_prefix.keys import layer_keys
@@ -261,23 +261,25 @@ def test_missing_values_invalidate_and_restore_the_longest_whole_prefix(store, m
     assert b2.last_fast_forward == N and hashes == cold
 
 
-def test_corrupt_value_file_is_a_store_error_and_runs_cold(tmp_path):
-    """A truncated LocalDisk value file raises StoreError on read: the restore runs cold."""
+def test_corrupt_value_file_is_a_miss_and_its_node_is_invalidated(tmp_path):
+    """A truncated LocalDisk value file is a corrupt value (issue 12): the backend names it, the
+    tier reads it as missing and removes it, the manager invalidates its node and restores the
+    longest whole prefix before it; frames equal a cold run's."""
     store = LocalDiskTierStore(str(tmp_path / "kv"))
     try:
         forest = NamespaceForest()
         run_session(store, forest)
         nodes = nodes_by_depth(forest)
-        path = store.disk.path_of(layer_keys(nodes[2].blob.locator, 1)[0])
+        key = layer_keys(nodes[2].blob.locator, 1)[0]
+        path = store.disk.path_of(key)
         data = path.read_bytes()
         path.write_bytes(data[:-3])
-        with pytest.raises(StoreError):
-            store.get_layer(nodes[2].blob, 1)
-        before = trie_state(forest)
+        with pytest.raises(CorruptValueError):
+            store.disk.read(key)
         b, rt, hashes = run_session(store, forest, ingest=False)
-        assert b.last_fast_forward == 0 and rt.restored_chunks == []
+        assert b.last_fast_forward == 2 and rt.restored_chunks == [0, 1]
         assert hashes == cold_hashes()
-        assert trie_state(forest) == before
+        assert nodes[2].blob is None and not path.exists() and store.stats.corrupt_values == 1
     finally:
         store.close()
 

@@ -112,7 +112,9 @@ class CorruptingMemoryStore(InMemoryTierStore):
 
 
 class CorruptingDiskStore(LocalDiskTierStore):
-    """Flips one payload byte in the file of layer 0's K of the ``target``-th blob written."""
+    """Rewrites layer 0's K of the ``target``-th blob written with one byte flipped, through the
+    backend, so the file's checksum covers the wrong bytes: a writer bug, which only the gate can
+    see (a flip on the medium is caught by the checksum: tests/production/test_integrity.py)."""
 
     def __init__(self, root, target: int) -> None:
         super().__init__(root)
@@ -122,10 +124,10 @@ class CorruptingDiskStore(LocalDiskTierStore):
     def put_async(self, locator, payload, *, tier, on_ready=None):
         handle = super().put_async(locator, payload, tier=tier, on_ready=on_ready)
         if self.puts_seen == self.target:
-            path = self.disk.path_of(layer_keys(locator, 0)[0])
-            data = bytearray(path.read_bytes())
-            data[-2] ^= 1  # low byte of the last bf16 element
-            path.write_bytes(bytes(data))
+            key = layer_keys(locator, 0)[0]
+            value = self.disk.read(key)
+            _flip(value)  # low byte of the last bf16 element
+            self.disk.write(key, value)
         self.puts_seen += 1
         return handle
 

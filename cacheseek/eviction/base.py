@@ -16,11 +16,16 @@ Store capabilities, each optional and checked by attribute (never NotImplemented
 
 Lifecycle of a node's blob under eviction::
 
-    ready, leaf, unpinned, ref_count == 0, no write in flight below
+    ready, leaf, not pinned by a live namespace, ref_count == 0, no write in flight below
         --(claimed under the forest lock: blob detached, node.evicting = True)-->
     store.free(handle) outside the lock
         success: node.blob stays None, node.evicting = False, skeleton kept
         failure: the blob is put back (still ready), the error surfaces
+
+Pins: a sink chunk (depth < ``sink_chunks``) is pinned, and a pin holds only while its namespace
+is *live*: touched (looked up or written) by one of the last ``live_sessions`` sessions of the
+forest (`NamespaceForest.is_live`). The sinks of namespaces nobody uses any more are ordinary
+LRU victims, so pins cannot fill a store: at most ``live_sessions`` namespaces' sinks are held.
 
 A *leaf* is a node none of whose children holds a blob (ready or in flight), so evicting it
 never breaks the prefix of another cached node: lookups descend only through ready nodes.
@@ -121,12 +126,20 @@ class EvictionConfig:
     """``manager.eviction``: the policy (an `EVICTION_POLICIES` name) and the watermarks, as
     fractions of the store's capacity. Above ``high_watermark`` after a write, victims are
     evicted until usage is at or below ``low_watermark``. ``enabled`` False turns automatic
-    eviction off (a full store then drops writes)."""
+    eviction off (a full store then drops writes). ``live_sessions``: the pins (sink chunks) of a
+    namespace hold while it was touched by one of the last ``live_sessions`` sessions; keep it
+    below the store's capacity in namespaces' sinks (capacity / (sink chunks x chunk bytes))."""
 
     policy: str = "lru"
     high_watermark: float = attrs.field(default=0.9, validator=_fraction("high_watermark"))
     low_watermark: float = attrs.field(default=0.7, validator=_fraction("low_watermark"))
     enabled: bool = True
+    live_sessions: int = attrs.field(default=4)
+
+    @live_sessions.validator
+    def _check_live(self, _attr: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError("manager.eviction.live_sessions", f"must be an integer >= 1, got {value!r}")
 
     def __attrs_post_init__(self) -> None:
         if self.low_watermark > self.high_watermark:
@@ -148,6 +161,7 @@ class EvictionConfig:
             high_watermark=get("high_watermark", d.high_watermark),
             low_watermark=get("low_watermark", d.low_watermark),
             enabled=bool(get("enabled", d.enabled)),
+            live_sessions=get("live_sessions", d.live_sessions),
         )
 
 

@@ -23,7 +23,9 @@ How the emulation meets the Plan contract (`cacheseek.plan.base`)::
         FXPLANV1 table of their addresses: the caller copies (D2H) into staging, not into Fluxon.
         A value whose power-of-two slot cannot fit the owner's segment raises
         `FluxonValueTooLargeError` here, before any copy; staging exhausted raises
-        `StoreFullError` (raise ``staging_bytes``).
+        `StoreFullError` (raise ``staging_bytes``). The staging is sized from the geometry and
+        checked at construction (one value must fit); `max_plan_values` tells the Plan tier how
+        many values one plan may stage, and the tier writes a larger chunk in waves.
     local_fast_put_commit(plan) -> Future[PutCommitResult]
         on the commit thread: one Fluxon put per key straight from its staging block
         (``put_from_ptr``): ONE copy, by Fluxon (fluxon-py's native code, in this process, writes
@@ -145,7 +147,10 @@ class FluxonPublicPlanSchema:
     op_timeout_s: float = 30.0
     attach_timeout_s: float = 60.0
     settle_s: float = 2.0
-    staging_bytes: int = 256 << 20
+    # null: sized from the geometry (value_bytes, chunk_bytes; the Plan tier passes them)
+    staging_bytes: Optional[int] = None
+    value_bytes: Optional[int] = None
+    chunk_bytes: Optional[int] = None
     io_threads: int = 4
     prefault: bool = True
     table_arena_bytes: int = 1 << 20
@@ -240,8 +245,11 @@ class FluxonPublicPlanClient(InProcessPlanClient):
 
     ``client``: an attached `FluxonClient` to share (the caller keeps owning it: `close` leaves
     it open); else one is attached now from the connection options. ``staging_bytes``: host
-    staging for uncommitted puts (every write in flight needs its chunk's bytes there; a 480p
-    LingBot chunk is 3.57 GiB). ``io_threads``: Fluxon calls in flight per get or commit (calls
+    staging for uncommitted puts; None sizes it from the geometry (`staging_for`: ``value_bytes``,
+    the largest value, one layer's K or V of a chunk; ``chunk_bytes``, one chunk's KV; the Plan
+    tier passes both). A staging that cannot hold one value is a `ConfigError` here. A chunk larger
+    than the staging (a 480p LingBot chunk is 3.57 GiB) is written in waves of plans of at most
+    `max_plan_values` values each (the Plan tier splits it). ``io_threads``: Fluxon calls in flight per get or commit (calls
     are round-trip bound: 4 in flight were 1.4-3x faster than 1 on a 2-core machine,
     experiments/fluxon_plan).
     ``prefault``: fault the staging in at `wait_local_segments_ready` (libc
@@ -259,18 +267,31 @@ class FluxonPublicPlanClient(InProcessPlanClient):
         op_timeout_s: float = 30.0,
         attach_timeout_s: float = 60.0,
         settle_s: float = 2.0,
-        staging_bytes: int = 256 << 20,
+        staging_bytes: Optional[int] = None,
         io_threads: int = 4,
         prefault: bool = True,
         table_arena_bytes: int = 1 << 20,
         key_index: bool = False,
+        value_bytes: Optional[int] = None,
+        chunk_bytes: Optional[int] = None,
         *,
         client: Any = None,
     ) -> None:
+        for name, value, low in (("value_bytes", value_bytes, 1), ("chunk_bytes", chunk_bytes, 1)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise ConfigError(f"store.client_options.{name}", f"must be null or an int >= {low}, got {value!r}")
+        if staging_bytes is None:
+            staging_bytes = staging_for(value_bytes, chunk_bytes)
         for name, value, low in (("staging_bytes", staging_bytes, _ALIGN), ("io_threads", io_threads, 1),
                                  ("table_arena_bytes", table_arena_bytes, 4096)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"store.client_options.{name}", f"must be an int >= {low}, got {value!r}")
+        if value_bytes is not None and _block(value_bytes) > staging_bytes:
+            raise ConfigError(
+                "store.client_options.staging_bytes",
+                f"{staging_bytes} bytes cannot stage one value of {value_bytes} bytes (one layer's K or V of "
+                "a chunk): no write could ever start",
+                f"set it to at least {_block(value_bytes)}, or null to size it from the geometry")
         self.staging_bytes = staging_bytes
         self.io_threads = io_threads
         self.prefault = bool(prefault)
@@ -359,6 +380,12 @@ class FluxonPublicPlanClient(InProcessPlanClient):
         return self._client
 
     # -- put ------------------------------------------------------------------------------------
+    def max_plan_values(self, value_len: int) -> int:
+        """How many values of ``value_len`` bytes one put plan can stage (plans hold their
+        staging until committed, so the Plan tier splits a chunk into plans of at most this many
+        values and writes them in waves); 0 when not even one fits."""
+        return self.staging_bytes // _block(value_len)
+
     def local_fast_put_start(self, keys: Sequence[str], value_len: int) -> tuple[PutPlan, int]:
         keys = tuple(keys)
         if not keys or len(set(keys)) != len(keys) or not all(isinstance(k, str) and k for k in keys):
@@ -369,7 +396,7 @@ class FluxonPublicPlanClient(InProcessPlanClient):
         self._client.check_fits(keys[0], value_len)  # refused before any copy or Fluxon call
         with self._lock:
             self._ensure_ready()
-            staging, block = self._staging, -(-value_len // _ALIGN) * _ALIGN
+            staging, block = self._staging, _block(value_len)
             if staging is None:
                 raise StoreClosedError("fluxon Plan client has no staging (closed)")
             off = staging.alloc(block * len(keys))
@@ -651,6 +678,29 @@ class FluxonPublicPlanClient(InProcessPlanClient):
         used, total = self.staging_usage()
         return (f"FluxonPublicPlanClient(cluster={self._client.cluster_name!r}, staging {used}/{total} B, "
                 f"closed={self._closed})")
+
+
+def _block(value_len: int) -> int:
+    """The staging bytes one value of ``value_len`` bytes takes."""
+    return -(-value_len // _ALIGN) * _ALIGN
+
+
+_STAGING_MIN = 64 << 20
+_STAGING_MAX = 4 << 30
+_STAGING_DEFAULT = 256 << 20
+
+
+def staging_for(value_bytes: Optional[int], chunk_bytes: Optional[int]) -> int:
+    """The staging size from the geometry: one chunk's KV (so a chunk is one wave of plans) and
+    at least 4 values, within 64 MiB..4 GiB (a larger chunk is written in several waves); 256 MiB
+    when the geometry is unknown."""
+    if value_bytes is None and chunk_bytes is None:
+        return _STAGING_DEFAULT
+    want = max(chunk_bytes or 0, 4 * _block(value_bytes or 1))
+    size = min(max(want, _STAGING_MIN), _STAGING_MAX)
+    if value_bytes is not None:
+        size = max(size, _block(value_bytes))
+    return -(-size // _ALIGN) * _ALIGN
 
 
 def _release_all(views: Sequence[Any]) -> None:

@@ -11,8 +11,9 @@ service raises `FluxonUnavailableError` at construction, at once.
 
 `FluxonTensorTier`: the generic per-layer tier (`KeyValueTier`) over Fluxon. Values are CPU
 tensors (any dtype, bf16 included), bytes or str; each is stored as its raw bytes plus a small
-JSON header (kind, dtype, shape) in the value's metadata field, and read back as a new contiguous
-CPU tensor (one copy out of the segment). Keys ``{locator}:L{i}:k|v`` and ``{hex}:lat``.
+JSON header (kind, dtype, shape and an xxh3 checksum, `cacheseek.stores.checksum`) in the
+value's metadata field, and read back as a new contiguous CPU tensor (one copy out of the
+segment), verified after that copy: a mismatch reads as a missing value (`KeyValueTier`). Keys ``{locator}:L{i}:k|v`` and ``{hex}:lat``.
 
 Importing this module needs neither fluxon-py nor torch.
 """
@@ -26,9 +27,10 @@ import math
 import sys
 from typing import Any, Optional
 
-from cacheseek.errors import StoreClosedError, StoreError
+from cacheseek.errors import CorruptValueError, StoreClosedError, StoreError
 from cacheseek.fluxon.service import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
 from cacheseek.registry import STORES
+from cacheseek.stores import checksum
 from cacheseek.stores.kv_tier import KeyValueTier
 
 log = logging.getLogger(__name__)
@@ -157,50 +159,53 @@ def _is_tensor(value: Any) -> bool:
 
 
 def encode_header(value: Any) -> tuple[bytes, Any]:
-    """``(header, body)`` of a value: a small JSON header and a zero-copy bytes-like body."""
+    """``(header, body)`` of a value: a small sealed JSON header (`cacheseek.stores.checksum`:
+    kind, dtype, shape and the xxh3 checksum of header and body) and a zero-copy bytes-like body."""
     if isinstance(value, str):
-        return json.dumps({"v": _HEADER_VERSION, "kind": "str"}).encode(), value.encode("utf-8")
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return json.dumps({"v": _HEADER_VERSION, "kind": "bytes"}).encode(), value
-    if _is_tensor(value):
+        body: Any = value.encode("utf-8")
+        head: dict[str, Any] = {"v": _HEADER_VERSION, "kind": "str"}
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        body, head = value, {"v": _HEADER_VERSION, "kind": "bytes"}
+    elif _is_tensor(value):
         if value.device.type != "cpu":
             raise StoreError(f"fluxon tier: expected a CPU snapshot, got a tensor on {value.device}")
         torch = _torch()
         t = value.detach().contiguous()
-        body: Any = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
+        body = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
         head = {"v": _HEADER_VERSION, "kind": "tensor", "dtype": str(t.dtype).removeprefix("torch."),
                 "shape": list(t.shape)}
-        return json.dumps(head, separators=(",", ":")).encode(), body
-    raise StoreError(f"fluxon tier: cannot store a {type(value).__name__} (tensor, bytes or str only)")
+    else:
+        raise StoreError(f"fluxon tier: cannot store a {type(value).__name__} (tensor, bytes or str only)")
+    return checksum.seal(head, body), body
 
 
 def _decode(key: str, meta: bytes, view: Any) -> Any:
-    if not meta:
-        return view.tobytes()  # a plain bytes value (FluxonBytesStore.put)
-    try:
-        head = json.loads(meta.decode("utf-8"))
-        kind = head["kind"]
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-        raise StoreError(f"fluxon tier: value {key!r} has an unreadable header {meta[:80]!r}") from None
-    if kind == "bytes":
-        return view.tobytes()
-    if kind == "str":
-        return view.tobytes().decode("utf-8")
+    """The value of a sealed header and its payload view, verified after the copy out of the
+    segment; `CorruptValueError` on a missing or wrong checksum or an inconsistent header."""
+    sealed = checksum.unseal(key, meta)
+    head = sealed.meta
+    kind = head.get("kind")
+    if kind in ("bytes", "str"):
+        raw = view.tobytes()
+        sealed.verify(raw)
+        return raw if kind == "bytes" else raw.decode("utf-8")
     if kind != "tensor":
-        raise StoreError(f"fluxon tier: value {key!r} has unknown kind {kind!r}")
+        raise CorruptValueError(key, f"unknown kind {kind!r}")
     torch = _torch()
     dtype = getattr(torch, str(head.get("dtype")), None)
     shape = head.get("shape")
     if not isinstance(dtype, torch.dtype) or not isinstance(shape, list) or not all(
             isinstance(d, int) and d >= 0 for d in shape):
-        raise StoreError(f"fluxon tier: value {key!r} has a bad dtype or shape in its header: {head}")
+        raise CorruptValueError(key, f"bad dtype or shape in its header: {head}")
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes != view.nbytes:
-        raise StoreError(f"fluxon tier: value {key!r} holds {view.nbytes} bytes, its header "
-                         f"({head['dtype']} {shape}) says {nbytes}")
+        raise CorruptValueError(key, f"holds {view.nbytes} bytes, its header ({head['dtype']} {shape}) "
+                                     f"says {nbytes}")
     out = torch.empty(shape, dtype=dtype)
+    flat = out.reshape(-1).view(torch.uint8).numpy()
     if nbytes:
-        out.reshape(-1).view(torch.uint8).numpy()[:] = view.array  # the one copy out of the segment
+        flat[:] = view.array  # the one copy out of the segment
+    sealed.verify(flat)
     return out
 
 

@@ -13,9 +13,14 @@ policy; this class is the mechanism that all of them share:
   backpressure, not unbounded memory).
 - A failed write removes what it wrote of the blob, leaves the handle unready with ``error`` set,
   counts and logs the failure (`TierStats.failed_writes`). Neither ``put_async`` (write-through)
-  nor `flush` (write-back) raises it: both modes report a failure the same way, on the handle and
-  in the stats, and the caller runs on without caching that chunk.
+  nor `flush` (write-back) raises it (a full LocalDisk excepted, see "A full medium"): both
+  modes report a failure the same way, on the handle and in the stats, and the caller runs on
+  without caching that chunk.
 - ``get_layer`` returns ``(k, v)`` (or the layer's single value) or None when a value is missing.
+  A value the backend reports corrupt (`CorruptValueError`: checksum mismatch, truncated,
+  unreadable) is removed, counted (`TierStats.corrupt_values`) and read as missing, so the
+  manager treats it exactly like a value that is gone: it invalidates the node and retries the
+  longest whole shorter prefix.
 - ``free`` refuses a blob whose write is still in flight (`WriteNotCompleteError`), removes the
   values otherwise (idempotent) and lets backend errors surface.
 
@@ -23,9 +28,21 @@ Capacity (``capacity_bytes``, None = unbounded; settable at run time): the tier 
 of the values it holds, KV and latents, a write in flight included from the moment ``put_async``
 or ``put_skeleton`` reserves it. A write that would go above the capacity raises `StoreFullError`
 at once, before anything is written or queued (the manager evicts and retries once); so usage
-never exceeds the capacity. ``usage()`` reports used, capacity and peak bytes; a failed write or
-a removal gives its bytes back. Optional capabilities for the manager: ``contains(keys)`` (which
-values exist, without reading them where the backend has ``exists``) and ``free_skeleton``.
+never exceeds the capacity. ``usage()`` reports used, capacity and peak bytes; a failed write
+or a removal gives its bytes back. Bytes are counted in the backend's unit when it has one
+(``stored_nbytes(key, value)``: LocalDisk counts file bytes, header included, the same unit it
+reads back from the files on reopen), else in payload bytes.
+
+A full medium: a backend raises `StoreFullError` from ``write``. When the backend says the tier
+accounts for its medium (``full_caps_tier``: a LocalDisk root at ENOSPC), the tier lowers
+``capacity_bytes`` to the bytes it holds at that moment (logged; the medium holds no more), so
+the manager's watermarks apply from then on, and a write-through ``put_async`` (or
+``put_skeleton``) raises that `StoreFullError` after removing what it wrote, like a capacity
+refusal, so the manager evicts and retries once; a write-back blob fails on its handle. A shared
+store that evicts by itself (Fluxon) reports the failure on the handle and caps nothing.
+
+Optional capabilities for the manager: ``contains(keys)`` (which values exist, without reading
+them where the backend has ``exists``) and ``free_skeleton``.
 """
 
 from __future__ import annotations
@@ -39,7 +56,15 @@ from typing import Any, Optional, Protocol
 
 import attrs
 
-from cacheseek.errors import ConfigError, StoreClosedError, StoreError, StoreFullError, WriteNotCompleteError
+from cacheseek.errors import (
+    ConfigError,
+    CorruptValueError,
+    StoreClosedError,
+    StoreError,
+    StoreFullError,
+    StoreTimeoutError,
+    WriteNotCompleteError,
+)
 from cacheseek.eviction.base import StoreUsage
 from cacheseek.reuse.exact_prefix.keys import blob_keys, layer_keys, object_key
 from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier, kv_pairs
@@ -74,6 +99,7 @@ class TierStats:
     get_bytes: int = 0
     get_seconds: float = 0.0
     failed_writes: int = 0
+    corrupt_values: int = 0
     frees: int = 0
     pending_writes: int = 0
     refused_full: int = 0
@@ -119,6 +145,7 @@ class KeyValueTier:
 
     accepts_device_views = False
     storage_format = "cacheseek.tier.objects.v1"  # a value per layer and key, as the backend encodes it
+    flush_timeout_s: float = 300.0  # the bound of `flush` and `close`; settable per store
 
     def __init__(
         self,
@@ -167,8 +194,9 @@ class KeyValueTier:
                 items.append((object_key(locator, i), layer))
         nbytes = sum(payload_nbytes(value) for _, value in items)
         handle = BlobHandle(tier=tier, locator=locator, nbytes=nbytes, n_layers=len(payload), pairs=pairs)
+        sizes = [(key, self._value_nbytes(key, value)) for key, value in items]
         with self._lock:
-            old = self._reserve([(key, payload_nbytes(value)) for key, value in items])
+            old = self._reserve(sizes)
             self.stats.pending_writes += 1
         job = (handle, items, on_ready, old)
         if self._queue is None:
@@ -197,13 +225,15 @@ class KeyValueTier:
             handle.error = exc
             with self._lock:
                 self._unreserve(old, removed=removed)
+                if self._caps_on_full(exc):
+                    self._backend_full(exc)
                 self.stats.failed_writes += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
                 self.stats.pending_writes -= 1
                 self._idle.notify_all()
             log.error("%s: write of %s failed: %s", self.name, handle.locator, exc)
-            if self._queue is None and not isinstance(exc, Exception):
-                raise  # KeyboardInterrupt and the like still stop the calling thread
+            if self._queue is None and (self._caps_on_full(exc) or not isinstance(exc, Exception)):
+                raise  # a full medium (the caller evicts and retries); KeyboardInterrupt and the like
             return
         with self._lock:
             self.stats.puts += 1
@@ -236,13 +266,16 @@ class KeyValueTier:
         """Write a latent (synchronously). `StoreFullError` when it does not fit; any backend
         failure is a `StoreError` (what it wrote is not counted)."""
         self._check_open()
+        size = self._value_nbytes(locator, latent)
         with self._lock:
-            old = self._reserve([(locator, payload_nbytes(latent))])
+            old = self._reserve([(locator, size)])
         try:
             self.backend.write(locator, latent)
         except BaseException as exc:
             with self._lock:
                 self._unreserve(old, removed=[])
+                if self._caps_on_full(exc):
+                    self._backend_full(exc)
             if isinstance(exc, StoreError) or not isinstance(exc, Exception):
                 raise
             raise StoreError(f"{self.name}: write of {locator} failed: {type(exc).__name__}: {exc}") from exc
@@ -278,6 +311,29 @@ class KeyValueTier:
                 self._sizes[key] = previous
                 self.stats.used_bytes += previous
 
+    def _value_nbytes(self, key: str, value: Any) -> int:
+        sized = getattr(self.backend, "stored_nbytes", None)
+        if callable(sized):
+            try:
+                return int(sized(key, value))
+            except StoreError:  # a value the backend cannot store: its write fails on the handle
+                pass
+        return payload_nbytes(value)
+
+    def _caps_on_full(self, exc: BaseException) -> bool:
+        """A full medium this tier accounts for alone (``backend.full_caps_tier``: LocalDisk). A
+        shared store that evicts by itself (Fluxon) reports full without capping the tier."""
+        return isinstance(exc, StoreFullError) and bool(getattr(self.backend, "full_caps_tier", False))
+
+    def _backend_full(self, exc: BaseException) -> None:
+        """Under ``_lock``: the backend's medium is full; cap the tier at what it holds now."""
+        used, cap = self.stats.used_bytes, self.stats.capacity_bytes
+        if cap is None or used < cap:
+            self.stats.capacity_bytes = used
+            log.warning("%s: the backend is full (%s); capacity lowered from %s to %d bytes (the bytes "
+                        "held now); the manager evicts from here on", self.name, exc,
+                        "unbounded" if cap is None else cap, used)
+
     def _forget(self, key: str) -> None:
         """Under ``_lock``: ``key`` was removed from the backend."""
         self.stats.used_bytes -= self._sizes.pop(key, 0)
@@ -310,7 +366,25 @@ class KeyValueTier:
 
     def get_skeleton(self, locator: str) -> Any:
         self._check_open()
-        return self.backend.read(locator)
+        return self._read(locator)
+
+    def _read(self, key: str) -> Optional[Any]:
+        """The backend's value, or None when it is missing or corrupt (then it is removed)."""
+        try:
+            return self.backend.read(key)
+        except CorruptValueError as exc:
+            log.error("%s: %s; removing it and reading it as missing", self.name, exc)
+            with self._lock:
+                self.stats.corrupt_values += 1
+                self.stats.last_error = f"{type(exc).__name__}: {exc}"
+            try:
+                self.backend.delete(key)
+            except Exception:  # noqa: BLE001 - the manager's free of the blob retries the removal
+                log.exception("%s: could not remove corrupt value %s", self.name, key)
+            else:
+                with self._lock:
+                    self._forget(key)
+            return None
 
     def get_layer(self, handle: BlobHandle, layer: int) -> Optional[Any]:
         self._check_open()
@@ -320,11 +394,11 @@ class KeyValueTier:
         out: Any
         if handle.pairs:
             kk, vk = layer_keys(handle.locator, layer)
-            k = self.backend.read(kk)
-            v = self.backend.read(vk) if k is not None else None
+            k = self._read(kk)
+            v = self._read(vk) if k is not None else None
             out = None if k is None or v is None else (k, v)
         else:
-            out = self.backend.read(object_key(handle.locator, layer))
+            out = self._read(object_key(handle.locator, layer))
         if out is None:
             return None
         with self._lock:
@@ -362,24 +436,50 @@ class KeyValueTier:
             return [bool(exists(key)) for key in keys]
         return [self.backend.read(key) is not None for key in keys]
 
-    def flush(self) -> None:
-        """Wait until every queued write has completed (successfully or not)."""
-        if self._queue is not None:
-            self._queue.join()
+    def flush(self, timeout_s: Optional[float] = None) -> None:
+        """Wait until every queued write has completed (successfully or not), at most
+        ``timeout_s`` seconds (default ``flush_timeout_s``); `StoreTimeoutError` past it, naming
+        how many writes are still pending (they go on; a later flush may succeed)."""
+        bound = self.flush_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + bound
         with self._lock:
             while self.stats.pending_writes > 0:
-                self._idle.wait(timeout=1.0)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise StoreTimeoutError(
+                        f"{self.name}: {self.stats.pending_writes} writes still pending after {bound} s "
+                        "(a stuck backend?)")
+                self._idle.wait(timeout=min(remaining, 1.0))
 
     def close(self) -> None:
-        """Flush pending writes, stop the write-back thread, close the backend. Idempotent."""
+        """Flush pending writes, stop the write-back thread, close the backend. Idempotent.
+
+        Bounded: when the writes do not drain within ``flush_timeout_s`` or the write-back
+        thread does not stop, the store is closed to callers but the backend is left open under
+        the live thread (never torn down under it) and `StoreTimeoutError` is raised."""
         if self._closed:
             return
-        self.flush()
+        try:
+            self.flush()
+        except StoreTimeoutError:
+            self._closed = True
+            if self._queue is not None:
+                self._stop_worker(wait_s=0.0)
+            raise
         self._closed = True
-        if self._queue is not None and self._worker is not None:
-            self._queue.put(None)
-            self._worker.join(timeout=30)
+        if self._queue is not None and not self._stop_worker(wait_s=self.flush_timeout_s):
+            raise StoreTimeoutError(f"{self.name}: the write-back thread did not stop; backend left open")
         self.backend.close()
+
+    def _stop_worker(self, *, wait_s: float) -> bool:
+        """Ask the write-back thread to stop after the queued jobs; True once it has."""
+        assert self._queue is not None and self._worker is not None
+        try:
+            self._queue.put(None, timeout=max(wait_s, 0.001))
+        except queue.Full:
+            return False
+        self._worker.join(timeout=wait_s)
+        return not self._worker.is_alive()
 
     def _check_open(self) -> None:
         if self._closed:

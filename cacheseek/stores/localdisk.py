@@ -7,17 +7,34 @@ they are never mistaken for values.
 
 File format: ``MAGIC`` (8 bytes), header length (u32 little-endian), a JSON header, the raw
 payload. The header says the kind (``tensor``, ``bytes``, ``str`` or ``json``: plain data such as a
-number or a list, for layers that are not tensors; tuples read back as lists), the payload size
-and, for tensors, dtype and shape. Tensors are written byte for byte through a ``uint8`` view (bf16
+number or a list, for layers that are not tensors; tuples read back as lists), the payload size,
+for tensors dtype and shape, and the xxh3 checksum of header and payload
+(`cacheseek.stores.checksum`). Tensors are written byte for byte through a ``uint8`` view (bf16
 included, no numpy dtype needed) and read back as contiguous CPU tensors.
 
-Writes are atomic: a temp file in the value's folder, optional ``fsync``, ``os.replace``. A
-reader sees the old value, the new one or none, never a partial file. A temp file left by a
+Writes are atomic: a temp file in the value's folder, ``fsync``, ``os.replace``, ``fsync`` of the
+folder. A reader sees the old value, the new one or none, never a partial file.
+
+Durable commit is the default (``fsync=True``): every value of a blob is on the device before the
+blob's handle is ready, and the forest snapshot names only ready blobs (and is itself fsynced), so
+a snapshot never names a value a power loss can take. ``fsync=False`` is the explicit weaker mode
+(faster on slow disks): after a crash a snapshot may name values that are gone or torn; they read
+as missing or corrupt and the manager invalidates those nodes (data lost, never wrong). A temp file left by a
 killed process is invisible to reads and ``keys()`` and is removed when the root is next opened.
 
-Reads return None for a missing value. A file that exists but is truncated or not in this format
-raises `StoreError` naming the file: it is damage to look at, not a normal miss (the manager turns
-any store error during a restore into a cold run). ``delete`` unlinks the file, so freeing a blob
+Reads return None for a missing value. A file that exists but is truncated, fails its checksum
+or is not in this format raises `CorruptValueError` naming the key and the file; `KeyValueTier`
+removes it and reads it as missing, so the manager invalidates the node and retries the longest
+whole shorter prefix (a poisoned file never outlives the read that found it).
+
+A full disk (``ENOSPC``, ``EDQUOT``) is `StoreFullError`: the tier caps itself at the bytes it
+holds and the manager evicts (`KeyValueTier`). Usage is counted in file bytes (header included)
+at write time and at reopen alike (``stored_nbytes``).
+
+Files that no snapshot names (a previous process's, when this process loaded no snapshot or an
+older one) are garbage: `WorldKVManager.reconcile` removes every value no node of its forest names
+(``keys`` and ``delete_values`` here), so a reopened store does not start full of unreachable
+values. The orchestrator runs it when it opens a persistent store on a fresh forest. ``delete`` unlinks the file, so freeing a blob
 gives its disk space back at once.
 
 One open store owns a root at a time (an ``flock`` on ``{root}/.lock``, released by `close`);
@@ -40,20 +57,22 @@ import threading
 from pathlib import Path
 from typing import Any, Optional
 
-from cacheseek.errors import ConfigError, StoreError
+from cacheseek.errors import ConfigError, CorruptValueError, StoreError, StoreFullError
 from cacheseek.registry import STORES
+from cacheseek.stores import checksum
 from cacheseek.stores.kv_tier import KeyValueTier
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LocalDiskTierStore", "LocalDiskSchema", "DiskBackend", "encode_key", "decode_key"]
 
-MAGIC = b"CSKVAL01"
+MAGIC = b"CSKVAL02"  # 02: the header carries an xxh3 checksum (cacheseek.stores.checksum)
 _HLEN = struct.Struct("<I")
 _PREFIX = len(MAGIC) + _HLEN.size
 _MAX_NAME = 200  # escaped key length limit; leaves room for the temp-file decoration in 255
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _LOCK_NAME = ".lock"
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _ROOT_FIX = "set store.root to a writable folder, e.g. +store=localdisk store.root=/tmp/kv"
 
 
@@ -104,7 +123,9 @@ def _torch() -> Any:
 class DiskBackend:
     """`ValueBackend` over files under ``root``; see the module docstring for the format."""
 
-    def __init__(self, root: Path, *, fsync: bool = False) -> None:
+    full_caps_tier = True  # ENOSPC caps the tier at what it holds (`KeyValueTier`)
+
+    def __init__(self, root: Path, *, fsync: bool = True) -> None:
         self.root = root
         self.fsync = fsync
         self._lock_fd: Optional[int] = None
@@ -144,6 +165,8 @@ class DiskBackend:
             if self.fsync:
                 _fsync_dir(path.parent)
         except OSError as exc:
+            if exc.errno in _FULL_ERRNOS:
+                raise StoreFullError(f"localdisk: disk full writing {path}: {exc}") from exc
             raise StoreError(f"localdisk: cannot write {path}: {exc}") from exc
         finally:
             if tmp is not None:
@@ -162,7 +185,11 @@ class DiskBackend:
             raise StoreError(f"localdisk: cannot read {path}: {exc}") from exc
         with f:
             try:
-                return self._decode(path, f)
+                return self._decode(key, path, f)
+            except CorruptValueError as exc:
+                if str(path) in exc.problem:
+                    raise
+                raise CorruptValueError(key, f"file {path}: {exc.problem}") from None
             except OSError as exc:
                 raise StoreError(f"localdisk: cannot read {path}: {exc}") from exc
 
@@ -259,6 +286,17 @@ class DiskBackend:
     # -- format -------------------------------------------------------------------------------
 
     def _encode(self, key: str, value: Any) -> tuple[bytes, Any]:
+        """``(header, body)``: the file's first bytes (magic, length, sealed JSON) and its payload."""
+        meta, body = self._meta(key, value)
+        header = checksum.seal(meta, body)
+        return MAGIC + _HLEN.pack(len(header)) + header, body
+
+    def stored_nbytes(self, key: str, value: Any) -> int:
+        """The size of the file ``write(key, value)`` makes (the unit of the tier's usage)."""
+        meta, body = self._meta(key, value)
+        return _PREFIX + len(checksum.seal(meta, b"")) + meta["nbytes"]
+
+    def _meta(self, key: str, value: Any) -> tuple[dict[str, Any], Any]:
         if isinstance(value, str):
             body: Any = value.encode("utf-8")
             meta: dict[str, Any] = {"kind": "str"}
@@ -284,55 +322,59 @@ class DiskBackend:
                 ) from None
             meta = {"kind": "json"}
         meta["nbytes"] = memoryview(body).nbytes
-        header = json.dumps(meta, separators=(",", ":")).encode("utf-8")
-        return MAGIC + _HLEN.pack(len(header)) + header, body
+        return meta, body
 
-    def _decode(self, path: Path, f: Any) -> Any:
+    def _decode(self, key: str, path: Path, f: Any) -> Any:
+        def corrupt(problem: str) -> CorruptValueError:
+            return CorruptValueError(key, f"file {path}: {problem}")
+
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(_PREFIX)
         if len(prefix) < _PREFIX or prefix[: len(MAGIC)] != MAGIC:
-            raise StoreError(f"localdisk: corrupt value file {path}: not a CacheSeek value (bad magic)")
+            raise corrupt("not a CacheSeek value of this format (bad magic)")
         (hlen,) = _HLEN.unpack(prefix[len(MAGIC) :])
-        raw = f.read(hlen)
+        if _PREFIX + hlen > size:
+            raise corrupt(f"{size} bytes on disk, shorter than its header (truncated)")
+        sealed = checksum.unseal(key, f.read(hlen))
+        meta = sealed.meta
         try:
-            meta = json.loads(raw.decode("utf-8"))
             kind, nbytes = meta["kind"], int(meta["nbytes"])
-        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
-            raise StoreError(f"localdisk: corrupt value file {path}: unreadable header") from None
+        except (ValueError, KeyError, TypeError):
+            raise corrupt("unreadable header") from None
         if size != _PREFIX + hlen + nbytes:
-            raise StoreError(
-                f"localdisk: corrupt value file {path}: {size} bytes on disk, header says "
-                f"{_PREFIX + hlen + nbytes} (truncated or damaged)"
-            )
-        if kind == "str":
-            return f.read(nbytes).decode("utf-8")
-        if kind == "bytes":
-            return f.read(nbytes)
-        if kind == "json":
+            raise corrupt(f"{size} bytes on disk, header says {_PREFIX + hlen + nbytes} (truncated or damaged)")
+        if kind in ("str", "bytes", "json"):
+            raw = f.read(nbytes)
+            if len(raw) != nbytes:
+                raise corrupt("truncated payload")
+            sealed.verify(raw)
+            if kind == "bytes":
+                return raw
             try:
-                return json.loads(f.read(nbytes).decode("utf-8"))
+                text = raw.decode("utf-8")
+                return json.loads(text) if kind == "json" else text
             except (ValueError, UnicodeDecodeError):
-                raise StoreError(f"localdisk: corrupt value file {path}: unreadable JSON payload") from None
+                raise corrupt(f"unreadable {kind} payload") from None
         if kind != "tensor":
-            raise StoreError(f"localdisk: corrupt value file {path}: unknown kind {kind!r}")
+            raise corrupt(f"unknown kind {kind!r}")
         torch = _torch()
         dtype = getattr(torch, str(meta.get("dtype")), None)
         shape = meta.get("shape")
         if not isinstance(dtype, torch.dtype) or not isinstance(shape, list):
-            raise StoreError(f"localdisk: corrupt value file {path}: bad dtype or shape in header")
+            raise corrupt("bad dtype or shape in header")
         if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise StoreError(f"localdisk: corrupt value file {path}: bad shape {shape!r}")
+            raise corrupt(f"bad shape {shape!r}")
         if math.prod(shape) * torch.empty((), dtype=dtype).element_size() != nbytes:
-            raise StoreError(f"localdisk: corrupt value file {path}: shape and size disagree")
+            raise corrupt("shape and size disagree")
         out = torch.empty(shape, dtype=dtype)
-        if nbytes:
-            buf = _tensor_bytes(out)
-            got = 0
-            while got < nbytes:
-                n = f.readinto(buf[got:])
-                if not n:
-                    raise StoreError(f"localdisk: corrupt value file {path}: truncated payload")
-                got += n
+        buf = _tensor_bytes(out) if nbytes else b""
+        got = 0
+        while got < nbytes:
+            n = f.readinto(buf[got:])
+            if not n:
+                raise corrupt("truncated payload")
+            got += n
+        sealed.verify(buf)
         return out
 
 
@@ -356,7 +398,9 @@ class LocalDiskSchema:
     root: Optional[str] = None
     write_back: bool = False
     queue_depth: int = 4
-    fsync: bool = False
+    # True: every value is on the device before its blob is published (durable commit); False is
+    # the weaker, faster mode (after a crash, values a snapshot names may be gone: read as misses).
+    fsync: bool = True
     # Bytes of values the tier may hold (files already under root count, by size); null = unbounded.
     capacity_bytes: Optional[int] = None
 
@@ -367,7 +411,8 @@ class LocalDiskTierStore(KeyValueTier):
 
     ``write_back``: writes run on a background thread fed by a queue of ``queue_depth`` blobs
     (``put_async`` blocks when it is full); otherwise ``put_async`` returns after the files are
-    in place. ``fsync``: flush each file and its folder to the device before publishing.
+    in place. ``fsync`` (default True, durable commit): flush each file and its folder to the device
+before publishing; False is the explicit weaker mode.
     A bad root raises `ConfigError` naming ``store.root`` here, not at the first write.
     """
 
@@ -377,7 +422,7 @@ class LocalDiskTierStore(KeyValueTier):
         *,
         write_back: bool = False,
         queue_depth: int = 4,
-        fsync: bool = False,
+        fsync: bool = True,
         capacity_bytes: Optional[int] = None,
     ) -> None:
         if root is None or (isinstance(root, str) and not root.strip()):
@@ -413,6 +458,15 @@ class LocalDiskTierStore(KeyValueTier):
     def disk_usage_bytes(self) -> int:
         self._check_open()
         return self.disk.disk_usage_bytes()
+
+    def delete_values(self, keys: list[str]) -> None:
+        """Remove these values (idempotent), giving their bytes back; `WorldKVManager.reconcile`
+        uses it for files no snapshot names."""
+        self._check_open()
+        for key in keys:
+            self.disk.delete(key)
+            with self._lock:
+                self._forget(key)
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()

@@ -48,6 +48,15 @@ and earlier work land first); the producer stream then waits for the read's comp
 (the runtime cannot read the ring before the copies land) and the host synchronizes once before
 releasing the views. Every get handle is ended on every path (transferred -> release_views, else
 cancel_get_transfer), after any copy out of its values has landed.
+
+No checksum on this tier, by decision: its values live in host DRAM (ECC on server machines) that
+only the GPU's copy engines write and read, in batches at PCIe speed (about 50 GiB/s a
+direction). A checksum would need the CPU to read every byte of a 3.57 GiB chunk on the hot
+path (xxh3 at about 10-30 GB/s on one core: 0.15-0.4 s, against the 70 ms copy), or a checksum
+kernel on the device in the middle of the batch, to guard a medium with no silent-corruption path
+of its own (no disk, no socket). Values that vanish (evicted, a restarted owner) are caught as
+misses (``contains``) and invalidated by the manager; the tiers whose media can corrupt (LocalDisk
+files, the generic Fluxon tier) carry checksums (`cacheseek.stores.checksum`).
 """
 
 from __future__ import annotations
@@ -56,6 +65,7 @@ import collections
 import contextlib
 import ctypes
 import dataclasses
+import inspect
 import logging
 import threading
 import time
@@ -277,6 +287,7 @@ class PlanTierStore:
         *,
         transfer: Optional[TransferRuntime] = None,
         plan_client: Optional[PlanClient] = None,
+        geometry_bytes: Optional[tuple[int, int]] = None,
     ) -> None:
         for name, value in (
             ("staging_slots", staging_slots), ("staging_slot_bytes", staging_slot_bytes),
@@ -325,6 +336,8 @@ class PlanTierStore:
                 hugepages=hugepages,
                 shm_dir=shm_dir,
             )
+            if geometry_bytes is not None:  # (largest value, one chunk's KV): clients size staging
+                given.update(value_bytes=geometry_bytes[0], chunk_bytes=geometry_bytes[1])
             kwargs = {k: v for k, v in given.items() if k in accepted}
             kwargs.update(client_options or {})
             plan_client = factory(**kwargs)
@@ -369,7 +382,12 @@ class PlanTierStore:
 
     def _build_transfer(self, device: Any) -> TransferRuntime:
         factory = TRANSFERS.get(self.transfer_kind)
-        runtime = factory(device=device) if self.transfer_kind == "auto" else factory()
+        if self.transfer_kind == "auto":
+            runtime = factory(device=device)
+        elif "device" in inspect.signature(factory).parameters:
+            runtime = factory(device=str(device))  # streams, events and threads on that GPU
+        else:
+            runtime = factory()
         self._owns_transfer = True
         return runtime
 
@@ -403,13 +421,12 @@ class PlanTierStore:
         if transfer is None:
             return
         entries = []
-        registered = getattr(transfer, "registered", None)
-        before = {m.key for m in registered()} if callable(registered) else set()
-        # unregistered at close: only what this store registered (a shared runtime keeps the rest)
-        self._registered_here = [m for m in self._mappings if m.key not in before]
+        # registrations are reference-counted by the runtime: this store unregisters exactly what
+        # it registered at close, and a shared runtime keeps what another user still holds
         for m in self._mappings:
             t0 = time.perf_counter()
             transfer.register([m])
+            self._registered_here.append(m)
             seconds = time.perf_counter() - t0
             self._count(register_seconds=seconds)
             entries.append(dict(ptr=m.ptr, length=m.length, generation=m.generation,
@@ -522,7 +539,7 @@ class PlanTierStore:
                 raise PlanError(f"put of {locator}: empty payload")
             handle.nbytes = sum(_nbytes(t) for _, t in items)
             self._transfer_for(items[0][1])
-            if self._overlap:
+            if self._overlap and len(self._waves(items)) == 1:
                 self._put_overlapped(handle, items, on_ready, stream, t0)
                 self._count(put_submit_seconds=time.perf_counter() - t0)
                 return handle
@@ -586,14 +603,49 @@ class PlanTierStore:
         started: list[PutPlan] = []
         submitted: list[PutPlan] = []
         futures: dict[PutPlan, Future] = {}
+        done: list[PutPlan] = []  # committed by earlier waves
         try:
-            dsts, order, sizes = self._start_plans(items, ranges, started)
-            batch = CopyBatch.of(dsts, [ranges[i].ptr for i in order], sizes, Direction.D2H)
-            self._copy_now(transfer, batch, ranges, producer=stream, on=self._write_stream)
-            self._commit(started, submitted, futures)
+            for wave in self._waves(items):
+                sub = [items[i] for i in wave]
+                sub_ranges = [ranges[i] for i in wave]
+                dsts, order, sizes = self._start_plans(sub, sub_ranges, started)
+                batch = CopyBatch.of(dsts, [sub_ranges[i].ptr for i in order], sizes, Direction.D2H)
+                self._copy_now(transfer, batch, sub_ranges, producer=stream, on=self._write_stream)
+                self._commit(started, submitted, futures)
+                done += submitted
+                submitted.clear()
         except BaseException as exc:
-            self._undo_put(exc, started, submitted, futures)
+            self._undo_put(exc, started, done + submitted, futures)
             raise
+
+    def _waves(self, items: list[tuple[str, Any]]) -> list[list[int]]:
+        """Item indices in waves of plans whose staging fits the client at once (its optional
+        ``max_plan_values(value_len)``); one wave when the client stages no bytes of its own or
+        everything fits. Each wave is started, copied and committed before the next starts."""
+        limit = self._info("max_plan_values")
+        everything = [list(range(len(items)))]
+        if limit is None:
+            return everything
+        sizes = [_nbytes(t) for _, t in items]
+        by_size: dict[int, list[int]] = {}
+        for i, n in enumerate(sizes):
+            by_size.setdefault(n, []).append(i)
+        fits = {n: int(limit(n)) for n in by_size}
+        for n, cap in fits.items():
+            if cap < 1:
+                raise PlanError(f"the Plan client cannot stage one value of {n} bytes (raise its staging)")
+        if sum(len(idxs) / fits[n] for n, idxs in by_size.items()) <= 1.0:
+            return everything
+        waves: list[list[int]] = [[]]
+        share = 0.0
+        for n, idxs in by_size.items():
+            for i in idxs:
+                if share + 1.0 / fits[n] > 1.0 + 1e-9:
+                    waves.append([])
+                    share = 0.0
+                waves[-1].append(i)
+                share += 1.0 / fits[n]
+        return waves
 
     def _copy_now(
         self, transfer: Any, batch: CopyBatch, ranges: list[MemoryRange], *, producer: Any, on: Any
@@ -734,7 +786,11 @@ class PlanTierStore:
             self._cv.notify_all()
 
     def _drain(self) -> None:
-        """The completion thread: writes complete in submission order (one write stream)."""
+        """The completion thread: writes complete in submission order (one write stream). It runs
+        on the transfer runtime's device (`bind_thread`), never on device 0 by default."""
+        bind = getattr(self._transfer, "bind_thread", None)
+        if callable(bind):
+            bind()
         while True:
             with self._cv:
                 while not self._queue and not self._stopping:
@@ -1122,12 +1178,21 @@ class PlanTierStore:
         self._count(values_removed=1)
         self._latent_nbytes.pop(locator, None)
 
-    def flush(self) -> None:
+    def flush(self, timeout_s: Optional[float] = None) -> None:
         """Wait until every pending write has committed or failed (a failure is on its handle and
-        in `stats`; nothing is raised). Returns at once without overlap."""
+        in `stats`; nothing is raised). Returns at once without overlap. Bounded: at most
+        ``timeout_s`` seconds (default: ``commit_timeout_s`` per pending write, at least 4 of them);
+        `StoreTimeoutError` past it, naming how many writes are pending (they go on)."""
         with self._cv:
+            bound = timeout_s if timeout_s is not None else self.commit_timeout_s * max(4, len(self._queue) + 1)
+            deadline = time.monotonic() + bound
             while self._queue:
-                self._cv.wait(timeout=1.0)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise StoreTimeoutError(
+                        f"Plan tier: {len(self._queue)} writes still pending after {bound:.1f} s "
+                        "(a stuck copy or commit?)")
+                self._cv.wait(timeout=min(remaining, 1.0))
 
     def close(self) -> None:
         """Flush, stop the completion thread, destroy the streams, drop the staging slots,
@@ -1143,6 +1208,11 @@ class PlanTierStore:
                 self._cv.notify_all()
             if self._worker is not None:
                 self._worker.join(timeout=self.commit_timeout_s)
+                if self._worker.is_alive():
+                    # Never tear streams, registrations or the client down under a live worker.
+                    raise StoreTimeoutError(
+                        f"Plan tier: the completion thread did not stop within {self.commit_timeout_s} s; "
+                        "streams, registrations and the client are left as they are")
             try:
                 self._teardown_transfer()
             finally:

@@ -53,10 +53,11 @@ def auto_transfer_runtime(
     device: Any = "cpu", *, use_batch_api: Optional[bool] = None
 ) -> TransferRuntime:
     """The transfer runtime for tensors on ``device`` (a string such as "cuda:0" or a torch
-    device): `CudaTransferRuntime` for CUDA, `HostTransferRuntime` otherwise."""
+    device): `CudaTransferRuntime` for CUDA (bound to ``cuda:N`` when the device names an
+    index), `HostTransferRuntime` otherwise."""
     kind = getattr(device, "type", None) or str(device).split(":", 1)[0]
     if kind == "cuda":
-        return CudaTransferRuntime(use_batch_api=use_batch_api)
+        return CudaTransferRuntime(use_batch_api=use_batch_api, device=str(device))
     return HostTransferRuntime()
 
 

@@ -44,9 +44,14 @@ Asynchronous batch lifecycle (capability `AsyncTransfer`, offered by `TransferRu
                                              records the stats and frees the event; idempotent
     release_event(event), destroy_stream(stream)
 
-Registration lifecycle: ``register(m)`` -> registered (idempotent for the same
-``(ptr, length, generation)``; "already registered" by someone else is success) ->
-``unregister(m)`` or ``close()``. Unregister a mapping before the memory behind it is unmapped.
+Registration lifecycle: reference-counted per ``(ptr, length, generation)``. ``register(m)``
+registers on the first call and counts every call ("already registered" by someone outside this
+runtime is success, and never undone); ``unregister(m)`` drops one count and unregisters on the
+last (an unknown mapping is ignored); ``close()`` unregisters everything at once. So two users of
+one runtime (two Plan tiers over one segment) each register and unregister their own mappings,
+and the first to close cannot unregister memory the other still uses. Thread-safe: concurrent
+``register`` calls of one mapping make one registration (the others wait for it). Unregister a
+mapping before the memory behind it is unmapped.
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ from typing import Any, Optional, Protocol, Union, runtime_checkable
 
 import attrs
 
-from cacheseek.errors import TransferError
+from cacheseek.errors import TransferError, TransferTimeoutError
 
 
 class LazyModule:
@@ -324,13 +329,15 @@ class TransferRuntime(Protocol):
     device_kind: str
 
     def register(self, mappings: Sequence[HostMapping]) -> None:
-        """Register each mapping once (dedup by ``(ptr, length, generation)``); a read-only
-        mapping falls back to a read-only registration; already registered is success. Raises
-        `RegistrationError` naming the mapping that failed; mappings before it stay registered."""
+        """Register each mapping once (dedup by ``(ptr, length, generation)``) and count this call
+        as one user of it; a read-only mapping falls back to a read-only registration; already
+        registered is success. Raises `RegistrationError` naming the mapping that failed;
+        mappings before it stay registered (and counted)."""
         ...
 
     def unregister(self, mappings: Sequence[HostMapping]) -> None:
-        """Drop registrations made by `register` (unknown mappings are ignored)."""
+        """Drop one user of each mapping; the last user's call unregisters it (unknown mappings
+        are ignored)."""
         ...
 
     def device_range(self, tensor: Any) -> MemoryRange:
@@ -371,7 +378,10 @@ class Event:
 class PendingBatch:
     """A submitted batch: ``done()`` asks, ``wait()`` blocks until every copy has landed (then
     records the runtime's stats and frees the event). ``wait`` is idempotent and thread-safe; a
-    failed wait raises `TransferError` every time it is called."""
+    failed wait raises `TransferError` every time it is called. Every wait is bounded (``timeout_s``,
+    default the runtime's ``wait_timeout_s``): past it, `TransferTimeoutError`, and the batch stays
+    pending (its buffers are still in use: the caller must not free them; a later wait may
+    succeed)."""
 
     def __init__(self, runtime: "TransferRuntimeBase", batch: CopyBatch, stream: Any, event: Event, t0: float) -> None:
         self._runtime = runtime
@@ -391,22 +401,36 @@ class PendingBatch:
                 return True
             return self._runtime._event_query(self.event)
 
-    def wait(self, *, poll_s: Optional[float] = None, expected_s: float = 0.0) -> None:
-        """Block until the batch has landed. ``poll_s``: instead of one blocking synchronize,
-        sleep ``expected_s`` then ask every ``poll_s`` seconds (keeps the interpreter free for
-        other threads whatever the bindings do with the GIL)."""
+    def wait(self, *, poll_s: Optional[float] = None, expected_s: float = 0.0,
+             timeout_s: Optional[float] = None) -> None:
+        """Block until the batch has landed, at most ``timeout_s`` seconds (default the runtime's
+        ``wait_timeout_s``). ``poll_s``: the interval between queries (default: from 20 us,
+        doubling up to 1 ms); ``expected_s``: sleep that long first. Polling keeps the
+        interpreter free for other threads whatever the bindings do with the GIL, and bounds the
+        wait (a blocking synchronize could not be)."""
+        bound = self._runtime.wait_timeout_s if timeout_s is None else timeout_s
         with self._lock:
             if self._error is not None:
                 raise self._error
             if self.completed_at is not None:
                 return
             try:
-                if poll_s is not None:
-                    if expected_s > 0:
-                        time.sleep(expected_s)
-                    while not self._runtime._event_query(self.event):
-                        time.sleep(poll_s)
+                deadline = time.monotonic() + bound
+                if expected_s > 0:
+                    time.sleep(min(expected_s, bound))
+                interval = poll_s if poll_s is not None else 2e-5
+                while not self._runtime._event_query(self.event):
+                    if time.monotonic() >= deadline:
+                        raise TransferTimeoutError(
+                            f"a batch of {self.copies} copies ({self.nbytes} bytes) has not landed after "
+                            f"{bound} s; its buffers are still in use (raise the transfer runtime's "
+                            "wait_timeout_s if the device is that slow)")
+                    time.sleep(interval)
+                    if poll_s is None:
+                        interval = min(interval * 2, 1e-3)
                 self._runtime._event_synchronize(self.event)
+            except TransferTimeoutError:
+                raise
             except TransferError as exc:
                 self._error = exc
                 self._runtime.release_event(self.event)
@@ -495,10 +519,14 @@ class TransferRuntimeBase(abc.ABC):
 
     device_kind: str = "cpu"
     tensor_device_type: str = "cpu"
+    wait_timeout_s: float = 120.0  # the bound of `PendingBatch.wait`; settable per runtime
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._registrations: dict[tuple[int, int, int], Registration] = {}
+        self._users: dict[tuple[int, int, int], int] = {}  # register calls not yet unregistered
+        self._registering: set[tuple[int, int, int]] = set()
+        self._reg_cond = threading.Condition(self._lock)
         self._host_index: list[tuple[int, Registration]] = []  # sorted by ptr
         self._host_arrays = (np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, bool))
         self._dir_stats = {d: DirectionStats() for d in Direction}
@@ -553,35 +581,69 @@ class TransferRuntimeBase(abc.ABC):
     def _destroy_event(self, event: Any) -> None:
         return None
 
+    def bind_thread(self) -> None:
+        """Make this runtime's device current on the calling thread; worker threads that use the
+        runtime call it when they start. Nothing to do for a host runtime."""
+
     # -- registration ---------------------------------------------------------------------------
     def register(self, mappings: Sequence[HostMapping]) -> None:
         self._check_open()
         for mapping in mappings:
             if not isinstance(mapping, HostMapping):
                 raise TypeError(f"register takes HostMapping values, got {type(mapping).__name__}")
-            with self._lock:
-                if mapping.key in self._registrations:
+            key = mapping.key
+            with self._reg_cond:
+                while key in self._registering:  # another thread is registering it now
+                    self._reg_cond.wait()
+                if key in self._registrations:
+                    self._users[key] += 1
                     continue
+                self._registering.add(key)
             t0 = time.perf_counter()
-            owned, read_only = self._register_one(mapping)
+            try:
+                owned, read_only = self._register_one(mapping)
+            except BaseException:
+                with self._reg_cond:
+                    self._registering.discard(key)
+                    self._reg_cond.notify_all()
+                raise
             reg = Registration(mapping, owned, read_only)
-            with self._lock:
+            with self._reg_cond:
                 seconds = time.perf_counter() - t0
                 self._register_seconds += seconds
                 self._register_timings.append((mapping, seconds))
-                self._registrations[mapping.key] = reg
+                self._registrations[key] = reg
+                self._users[key] = 1
+                self._registering.discard(key)
                 self._rebuild_index()
+                self._reg_cond.notify_all()
 
     def register_timings(self) -> list[tuple[HostMapping, float]]:
         """``(mapping, seconds)`` of every registration this runtime made, in order."""
         with self._lock:
             return list(self._register_timings)
 
+    def users(self, mapping: HostMapping) -> int:
+        """How many `register` calls of ``mapping`` are not yet matched by `unregister` (0: none)."""
+        with self._lock:
+            return self._users.get(mapping.key, 0)
+
     def unregister(self, mappings: Sequence[HostMapping]) -> None:
+        self._drop_registrations(mappings, force=False)
+
+    def _drop_registrations(self, mappings: Sequence[HostMapping], *, force: bool) -> None:
+        """One count off each mapping (``force``: all of them); unregister at zero."""
         errors: list[BaseException] = []
         for mapping in mappings:
             with self._lock:
-                reg = self._registrations.pop(mapping.key, None)
+                key = mapping.key
+                if key not in self._registrations:
+                    continue
+                self._users[key] -= 1
+                if self._users[key] > 0 and not force:
+                    continue  # another user still needs it
+                self._users.pop(key, None)
+                reg = self._registrations.pop(key)
                 self._rebuild_index()
             if reg is not None and reg.owned:
                 try:
@@ -828,7 +890,7 @@ class TransferRuntimeBase(abc.ABC):
             return
         with self._lock:
             mappings = [r.mapping for r in self._registrations.values()]
-        self.unregister(mappings)
+        self._drop_registrations(mappings, force=True)
         self._closed = True
 
 

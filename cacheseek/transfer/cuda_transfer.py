@@ -67,6 +67,21 @@ def _import_cudart() -> Any:
     return cudart
 
 
+def _device_index(device: Any) -> Optional[int]:
+    """``"cuda:N"`` or ``N`` -> N; anything else (``"cuda"``, None) -> None: the thread's current
+    device."""
+    if device is None or isinstance(device, bool):
+        return None
+    if isinstance(device, int):
+        return device
+    text = str(device)
+    if text.startswith("cuda:") and text[5:].isdigit():
+        return int(text[5:])
+    if text.startswith("cuda:"):
+        raise TransferError(f"transfer device must be 'cuda', 'cuda:N' or an index, got {device!r}")
+    return None  # "cuda", or a CPU device of tests that run the fake cudart over CPU memory
+
+
 def _torch_current_stream() -> int:
     import torch
 
@@ -107,6 +122,11 @@ class CudaTransferRuntime(TransferRuntimeBase):
     ``use_batch_api``: None = where offered, False = never, True = required.
     ``tensor_device_type``: the torch device type of device tensors ("cuda"; tests that run
     the fake cudart over CPU memory pass "cpu"). ``max_batch``: copies per batched call.
+    ``device``: the runtime's device (``"cuda:N"``, ``N`` or None for the calling thread's
+    current one). With an index, every call that creates or uses CUDA state here (streams,
+    events, registrations, submissions, waits) first makes that device current on the calling
+    thread (``cudaSetDevice``, per thread and cheap), and worker threads call `bind_thread` when
+    they start, so no context is ever created on another GPU (device 0 by default).
     """
 
     device_kind = "cuda"
@@ -119,8 +139,10 @@ class CudaTransferRuntime(TransferRuntimeBase):
         use_batch_api: Optional[bool] = None,
         tensor_device_type: str = "cuda",
         max_batch: int = 4096,
+        device: Any = None,
     ) -> None:
         super().__init__()
+        self.device_index = _device_index(device)
         if not isinstance(max_batch, int) or max_batch < 1:
             raise TransferError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self.max_batch = max_batch
@@ -147,6 +169,13 @@ class CudaTransferRuntime(TransferRuntimeBase):
         self._stream_flags = getattr(self._rt, "cudaStreamNonBlocking", 1)
         self._event_flags = getattr(self._rt, "cudaEventDisableTiming", 2)
 
+    def bind_thread(self) -> None:
+        """Make the runtime's device current on the calling thread (no-op without an index)."""
+        if self.device_index is not None:
+            set_device = getattr(self._rt, "cudaSetDevice", None)
+            if set_device is not None:
+                self._check(set_device(self.device_index)[0], f"cudaSetDevice({self.device_index})")
+
     @property
     def batch_api(self) -> bool:
         """True while batches on non-legacy streams go through ``cudaMemcpyBatchAsync``."""
@@ -164,6 +193,7 @@ class CudaTransferRuntime(TransferRuntimeBase):
 
     # -- registration ---------------------------------------------------------------------------
     def _register_one(self, mapping: HostMapping) -> tuple[bool, bool]:
+        self.bind_thread()
         rt = self._rt
         (err,) = rt.cudaHostRegister(mapping.ptr, mapping.length, rt.cudaHostRegisterDefault)[:1]
         if err == self._ok:
@@ -214,6 +244,7 @@ class CudaTransferRuntime(TransferRuntimeBase):
         return int(self._current_stream()) if handle is None else handle
 
     def _submit(self, batch: CopyBatch, stream: int) -> None:
+        self.bind_thread()
         if self._batch_fn is not None and stream not in _LEGACY_STREAMS:
             dsts, srcs, sizes = batch.dsts.tolist(), batch.srcs.tolist(), batch.sizes.tolist()
             n = len(dsts)
@@ -286,6 +317,7 @@ class CudaTransferRuntime(TransferRuntimeBase):
             raise TransferError(f"{what} failed: {self._name(err)}")
 
     def _new_stream(self) -> int:
+        self.bind_thread()
         err, stream = self._rt.cudaStreamCreateWithFlags(self._stream_flags)[:2]
         self._check(err, "cudaStreamCreateWithFlags(cudaStreamNonBlocking)")
         return int(stream)
@@ -294,6 +326,7 @@ class CudaTransferRuntime(TransferRuntimeBase):
         self._check(self._rt.cudaStreamDestroy(stream)[0], "cudaStreamDestroy")
 
     def _new_event(self) -> Any:
+        self.bind_thread()
         err, event = self._rt.cudaEventCreateWithFlags(self._event_flags)[:2]
         self._check(err, "cudaEventCreateWithFlags(cudaEventDisableTiming)")
         return event

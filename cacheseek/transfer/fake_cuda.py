@@ -183,6 +183,8 @@ class FakeCudart:
         self.not_ready_queries = not_ready_queries
         self._events: set[FakeEvent] = set()
         self.mutex = threading.RLock()
+        self._thread_device: dict[int, int] = {}  # thread ident -> device set by cudaSetDevice
+        self.device_log: list[tuple[str, Optional[int]]] = []  # (call, the calling thread's device)
         if batch_api == "13":
             self.cudaMemcpyBatchAsync = self._batch13
         elif batch_api == "12":
@@ -218,6 +220,12 @@ class FakeCudart:
     def is_registered(self, ptr: int) -> bool:
         return ptr in self._registered
 
+    def cudaSetDevice(self, device: int) -> tuple[cudaError_t]:
+        """Per thread, as CUDA's: later calls of this thread are recorded on ``device``."""
+        with self.mutex:
+            self._thread_device[threading.get_ident()] = int(device)
+        return (self._call("cudaSetDevice", device),)
+
     # -- internals ------------------------------------------------------------------------------
     def _call(self, name: str, *args: Any) -> cudaError_t:
         with self.mutex:
@@ -225,6 +233,7 @@ class FakeCudart:
 
     def _call_locked(self, name: str, *args: Any) -> cudaError_t:
         self.calls.append(FakeCall(name, args))
+        self.device_log.append((name, self._thread_device.get(threading.get_ident())))
         if self.log is not None:
             self.log.append(("cudart", name, args))
         for fault in self._faults:

@@ -67,6 +67,23 @@ def test_value_codec_round_trips(value):
         assert out == value
 
 
+@pytest.mark.parametrize("where", ["body", "header", "no-checksum"])
+def test_value_codec_detects_corruption(where):
+    from cacheseek.errors import CorruptValueError
+
+    header, body = encode_header(torch.arange(16, dtype=torch.bfloat16))
+    body = bytearray(bytes(body))
+    if where == "body":
+        body[7] ^= 0x01
+    elif where == "header":
+        header = header.replace(b'"shape":[16]', b'"shape":[8,2]')
+    else:
+        header = b'{"dtype":"bfloat16","kind":"tensor","shape":[16],"v":1}'
+    with pytest.raises(CorruptValueError) as info:
+        _decode("k", header, _FakeView(bytes(body)))
+    assert info.value.key == "k"
+
+
 def test_value_codec_rejects_mismatched_header():
     header, _ = encode_header(torch.zeros(4))
     with pytest.raises(Exception, match="holds 3 bytes"):

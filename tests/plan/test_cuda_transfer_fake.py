@@ -244,3 +244,45 @@ def test_batch_signature_read_from_the_binding_docstring():
         """cudaMemcpyBatchAsync(dsts: list[Any], srcs: list[Any], sizes: list[int], size_t count, attrs: Optional[tuple[A] | list[A]], attrsIdxs: list[int], size_t numAttrs, failIdx, hStream)"""
 
     assert _parameter_names(with_fail_idx)[-2:] == ["failIdx", "hStream"]
+
+
+# -- cuda:N (issue 12): CUDA state is made on the runtime's device, on every thread ------------
+
+
+def test_streams_events_registrations_and_worker_threads_run_on_the_runtimes_device():
+    from cacheseek.plan.embedded import EmbeddedPlanClient
+    from cacheseek.reuse.exact_prefix.types import Tier
+    from cacheseek.stores.plan_tier import PlanTierStore
+
+    fake = FakeCudart(unknown_is_device=True)
+    runtime = CudaTransferRuntime(cudart=fake, current_stream=lambda: 7, tensor_device_type="cpu", device="cuda:1")
+    assert runtime.device_index == 1
+    client = EmbeddedPlanClient(segment_bytes=1 << 20, prefault_threads=1)
+    store = PlanTierStore(plan_client=client, transfer=runtime, overlap=True)
+    try:
+        k = torch.ones(1, 4, 2, 4, dtype=torch.bfloat16)
+        h = store.put_async("dv:kv", [(k, k.clone())], tier=Tier.FLUXON_DRAM)
+        store.flush()
+        assert h.ready
+        # every call that makes or uses CUDA state, on the caller's thread and on the completion
+        # thread (its event queries included), ran with device 1 current
+        made = {"cudaStreamCreateWithFlags", "cudaEventCreateWithFlags", "cudaHostRegister", "cudaEventRecord",
+                "cudaMemcpyAsync", "cudaMemcpyBatchAsync", "cudaEventQuery", "cudaEventSynchronize"}
+        seen = [(name, dev) for name, dev in fake.device_log if name in made]
+        assert {name for name, _ in seen} >= {"cudaStreamCreateWithFlags", "cudaHostRegister", "cudaEventQuery"}
+        assert all(dev == 1 for _, dev in seen), [s for s in seen if s[1] != 1]
+    finally:
+        store.close()
+        client.close()
+        runtime.close()
+
+
+def test_device_of_the_runtime_is_parsed():
+    from cacheseek.errors import TransferError
+    from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
+
+    fake = FakeCudart()
+    assert CudaTransferRuntime(cudart=fake, device="cuda").device_index is None
+    assert CudaTransferRuntime(cudart=fake, device=3).device_index == 3
+    with pytest.raises(TransferError, match="cuda:N"):
+        CudaTransferRuntime(cudart=fake, device="cuda:one")

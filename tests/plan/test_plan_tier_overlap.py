@@ -294,3 +294,49 @@ def test_a_piece_that_fails_on_the_completion_thread_rolls_back(make_store):
     assert parts["client"].live_handles() == (0, 0) and parts["client"].usage().used_bytes == 0
     s = store.stats
     assert s.put_failures == 1 and s.plans_aborted == 1 and s.inflight_bytes == 0
+
+
+# -- bounded waits (issue 12 item 7) ------------------------------------------------------------
+
+
+def test_flush_is_bounded_and_close_leaves_a_live_worker_its_resources(make_store):
+    from cacheseek.errors import StoreTimeoutError
+
+    store, parts = make_store("fake_cuda", overlap=True, commit_timeout_s=0.3)
+    gate = Gate(parts["fake"])
+    handle = store.put_async("bw:kv", ring_tail_payload()[0], tier=TIER)
+    t0 = time.monotonic()
+    with pytest.raises(StoreTimeoutError, match="1 writes still pending"):
+        store.flush(timeout_s=0.2)
+    assert time.monotonic() - t0 < 2.0
+    streams = list(parts["fake"].live_streams())
+    registered = parts["transfer"].registered()
+    with pytest.raises(StoreTimeoutError):
+        store.close()  # the write is stuck: the completion thread cannot stop
+    assert parts["fake"].live_streams() == streams and parts["transfer"].registered() == registered
+    gate.open()  # the copy lands: the worker ends on its own, on resources still in place
+    store._worker.join(10)
+    assert not store._worker.is_alive()
+
+
+def test_pending_batch_wait_is_bounded_and_stays_pending():
+    from cacheseek.errors import TransferTimeoutError
+    from cacheseek.transfer.base import CopyBatch, PendingBatch
+    from cacheseek.transfer.host_transfer import HostTransferRuntime
+
+    runtime = HostTransferRuntime()
+    landed = [False]
+    runtime._event_query = lambda event: landed[0]  # a copy that does not land until told
+    event = runtime.record_event(None)
+    pending = PendingBatch(runtime, CopyBatch.of([], [], [], Direction.H2D), None, event, time.perf_counter())
+    t0 = time.monotonic()
+    with pytest.raises(TransferTimeoutError, match="not landed after 0.05 s"):
+        pending.wait(timeout_s=0.05)
+    assert time.monotonic() - t0 < 1.0 and not pending.done()
+    runtime.wait_timeout_s = 0.02
+    with pytest.raises(TransferTimeoutError):
+        pending.wait()  # the runtime's default bound
+    landed[0] = True
+    pending.wait()  # a later wait succeeds
+    assert pending.done() and pending.seconds is not None
+    runtime.close()

@@ -3,6 +3,9 @@ fake cudart (batched and per-copy submission). Device memory is CPU tensors decl
 
 from __future__ import annotations
 
+import time
+
+import attrs
 import pytest
 import torch
 
@@ -55,6 +58,67 @@ def test_register_is_deduplicated(env):
     env.runtime.register([host.mapping()])
     assert env.runtime.stats.n_registered == 1
     assert env.runtime.registered() == [host.mapping()]
+
+
+def test_registrations_are_counted_per_user(env):
+    """Two users of one mapping: the first unregister keeps it (copies still accepted, CUDA still
+    registered); the second unregisters it."""
+    host = HostBuffer(64)
+    env.runtime.register([host.mapping()])  # user A
+    env.runtime.register([host.mapping()])  # user B
+    assert env.runtime.users(host.mapping()) == 2
+    dev, rng = env.device(64)
+    env.runtime.unregister([host.mapping()])  # A closes
+    assert env.runtime.registered() == [host.mapping()]
+    if env.fake is not None:
+        assert env.fake.is_registered(host.ptr)
+    env.runtime.copy_batch([CopyDescriptor(host.ptr, dev.data_ptr(), 64, D2H)], device_ranges=[rng])
+    env.runtime.unregister([host.mapping()])  # B closes
+    assert env.runtime.registered() == [] and env.runtime.users(host.mapping()) == 0
+    if env.fake is not None:
+        assert not env.fake.is_registered(host.ptr)
+    env.runtime.unregister([host.mapping()])  # unknown now: ignored
+    with pytest.raises(TransferError):
+        env.runtime.copy_batch([CopyDescriptor(host.ptr, dev.data_ptr(), 64, D2H)], device_ranges=[rng])
+
+
+def test_a_new_generation_is_a_new_registration(env):
+    host = HostBuffer(64)
+    old = host.mapping()
+    new = attrs.evolve(old, generation=old.generation + 1)
+    env.runtime.register([old])
+    env.runtime.register([new])
+    assert env.runtime.users(old) == env.runtime.users(new) == 1
+    env.runtime.unregister([old])
+    assert env.runtime.registered() == [new]
+
+
+def test_concurrent_registers_make_one_registration(env):
+    import threading
+
+    host = HostBuffer(4096)
+    calls = []
+    real = env.runtime._register_one
+    entered = threading.Event()
+
+    def slow_register_one(mapping):
+        calls.append(mapping)
+        entered.set()
+        time.sleep(0.05)
+        return real(mapping)
+
+    env.runtime._register_one = slow_register_one
+    threads = [threading.Thread(target=env.runtime.register, args=([host.mapping()],)) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(calls) == 1 and env.runtime.users(host.mapping()) == 8
+    for _ in range(7):
+        env.runtime.unregister([host.mapping()])
+    assert env.runtime.registered() == [host.mapping()]
+    env.runtime.unregister([host.mapping()])
+    assert env.runtime.registered() == []
 
 
 def test_d2h_then_h2d_round_trip(env):

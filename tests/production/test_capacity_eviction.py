@@ -108,42 +108,52 @@ def tensors(n_layers=2, tokens=4):
             for _ in range(n_layers)]
 
 
+def size(tier, key, value):
+    """A value's bytes in the tier's unit: file bytes on LocalDisk, payload bytes elsewhere."""
+    sized = getattr(tier.backend, "stored_nbytes", None)
+    return sized(key, value) if sized else value.nbytes
+
+
 def test_tier_counts_live_values_and_gives_them_back(tier):
     kv, latent = tensors(), torch.ones(1, 4, 3, 2, 4, dtype=torch.bfloat16)
-    kv_bytes = sum(k.nbytes + v.nbytes for k, v in kv)
+    kv_bytes = sum(size(tier, key, t) for i, (k, v) in enumerate(kv)
+                   for key, t in zip(layer_keys("aa:kv", i), (k, v)))
+    lat_bytes = size(tier, "aa:lat", latent)
     tier.put_skeleton("aa:lat", latent)
     h = tier.put_async("aa:kv", kv, tier=Tier.CPU)
     tier.flush()
     u = tier.usage()
-    assert (u.used_bytes, u.capacity_bytes, u.n_values) == (kv_bytes + latent.nbytes, 10_000, 5)
+    assert (u.used_bytes, u.capacity_bytes, u.n_values) == (kv_bytes + lat_bytes, 10_000, 5)
     assert tier.contains(["aa:lat", "aa:kv:L0:k", "nope"]) == [True, True, False]
     tier.free(h)
-    assert tier.usage().used_bytes == latent.nbytes
+    assert tier.usage().used_bytes == lat_bytes
     tier.free(h)  # idempotent: nothing counted twice
     tier.free_skeleton("aa:lat")
     tier.free_skeleton("aa:lat")
     u = tier.usage()
-    assert u.used_bytes == 0 and u.peak_bytes == kv_bytes + latent.nbytes and u.n_values == 0
+    assert u.used_bytes == 0 and u.peak_bytes == kv_bytes + lat_bytes and u.n_values == 0
     assert tier.stats.as_dict()["peak_bytes"] == u.peak_bytes
     assert tier.keys() == []
 
 
 def test_full_tier_refuses_before_writing_anything(tier):
-    tier.capacity_bytes = 300
-    kv = tensors()  # 256 B
+    kv = tensors()  # 256 B of payload (more in files on LocalDisk)
+    used = sum(size(tier, key, t) for i, (k, v) in enumerate(kv) for key, t in zip(layer_keys("aa:kv", i), (k, v)))
+    small = torch.ones(16, dtype=torch.bfloat16)
+    tier.capacity_bytes = used + size(tier, "bb:lat", small) + 12
     h = tier.put_async("aa:kv", kv, tier=Tier.CPU)
     tier.flush()
-    assert h.ready and tier.usage().used_bytes == 256
+    assert h.ready and tier.usage().used_bytes == used
     with pytest.raises(StoreFullError, match="full"):
         tier.put_async("bb:kv", tensors(), tier=Tier.CPU)
     with pytest.raises(StoreFullError):
         tier.put_skeleton("bb:lat", torch.ones(64, dtype=torch.bfloat16))
     tier.flush()
     assert tier.keys() == sorted(k for i in range(2) for k in layer_keys("aa:kv", i))
-    assert tier.usage().used_bytes == 256 and tier.stats.pending_writes == 0
+    assert tier.usage().used_bytes == used and tier.stats.pending_writes == 0
     assert tier.stats.refused_full == 2
-    tier.put_skeleton("bb:lat", torch.ones(16, dtype=torch.bfloat16))  # 32 B still fit
-    assert tier.usage().used_bytes == 288 <= tier.capacity_bytes
+    tier.put_skeleton("bb:lat", small)  # still fits
+    assert tier.usage().used_bytes == used + size(tier, "bb:lat", small) <= tier.capacity_bytes
 
 
 def test_failed_write_gives_its_bytes_back(tier):
@@ -186,10 +196,15 @@ def test_capacity_must_be_null_or_a_non_negative_int(bad):
 def test_reopened_localdisk_counts_the_files_it_finds(tmp_path):
     s = LocalDiskTierStore(str(tmp_path / "kv"))
     s.put_async("aa:kv", tensors(), tier=Tier.DISK)
+    s.put_skeleton("aa:lat", torch.ones(3, dtype=torch.bfloat16))
+    before = s.usage().used_bytes
+    s.free_skeleton("aa:lat")
     s.close()
     again = LocalDiskTierStore(str(tmp_path / "kv"), capacity_bytes=1 << 20)
     try:
         on_disk = sum(p.stat().st_size for p in (tmp_path / "kv").rglob("*") if p.is_file() and p.name != ".lock")
+        # one unit: file bytes, at write time and at reopen alike
+        assert before == on_disk + size(again, "aa:lat", torch.ones(3, dtype=torch.bfloat16))
         assert again.usage().used_bytes == on_disk > 256
         assert again.usage().n_values == 4
     finally:

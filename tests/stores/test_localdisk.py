@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cacheseek.errors import ConfigError, StoreError
+from cacheseek.errors import ConfigError, CorruptValueError, StoreError
 from cacheseek.registry import STORES
 from cacheseek.reuse.exact_prefix.keys import layer_keys
 from cacheseek.reuse.exact_prefix.types import Tier
@@ -62,7 +62,7 @@ def test_registered_with_schema():
         "root": None,
         "write_back": False,
         "queue_depth": 4,
-        "fsync": False,
+        "fsync": True,
         "capacity_bytes": None,
     }
 
@@ -299,22 +299,68 @@ def test_free_gives_disk_space_back(store):
 # -- corruption ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("damage", ["truncate", "garbage", "empty", "bad-header", "extra"])
-def test_corrupt_file_is_a_store_error_naming_it(store, damage):
-    h = put(store, kv(n_layers=1))
-    path = store.disk.path_of(layer_keys(LOC, 0)[1])
+def _flip(data: bytes, at: int) -> bytes:
+    return data[:at] + bytes([data[at] ^ 0x10]) + data[at + 1 :]
+
+
+DAMAGES = ["truncate", "garbage", "empty", "bad-header", "extra", "flip-payload", "flip-last",
+           "flip-header", "old-format"]
+
+
+def _damaged(data: bytes, damage: str) -> bytes:
+    hlen = int.from_bytes(data[8:12], "little")
+    return {
+        "truncate": lambda: data[:-3],
+        "garbage": lambda: b"not a value at all",
+        "empty": lambda: b"",
+        "bad-header": lambda: data[:12] + b"{" * (len(data) - 12),
+        "extra": lambda: data + b"\x00",
+        "flip-payload": lambda: _flip(data, 12 + hlen + 1),
+        "flip-last": lambda: _flip(data, len(data) - 1),
+        "flip-header": lambda: _flip(data, 12 + hlen // 2),
+        "old-format": lambda: b"CSKVAL01" + data[8:],
+    }[damage]()
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_corrupt_file_is_a_corrupt_value_error_naming_it(store, damage):
+    put(store, kv(n_layers=1))
+    key = layer_keys(LOC, 0)[1]
+    path = store.disk.path_of(key)
+    path.write_bytes(_damaged(path.read_bytes(), damage))
+    with pytest.raises(CorruptValueError) as info:
+        store.disk.read(key)
+    assert str(path) in str(info.value) and "corrupt" in str(info.value) and info.value.key == key
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_corrupt_value_reads_as_missing_and_is_removed(store, damage):
+    h = put(store, kv(n_layers=2))
+    key = layer_keys(LOC, 1)[0]
+    path = store.disk.path_of(key)
+    path.write_bytes(_damaged(path.read_bytes(), damage))
+    used = store.usage().used_bytes
+    assert store.get_layer(h, 0) is not None
+    assert store.get_layer(h, 1) is None
+    assert not path.exists() and store.contains([key]) == [False]
+    assert store.stats.corrupt_values == 1
+    assert store.usage().used_bytes < used
+    store.free(h)
+    assert store.usage().used_bytes == 0
+
+
+def test_checksum_covers_every_payload_byte(store):
+    """Every single-bit flip of a small value's file is caught (header or payload)."""
+    put(store, kv(n_layers=1, tokens=1))
+    key = layer_keys(LOC, 0)[0]
+    path = store.disk.path_of(key)
     data = path.read_bytes()
-    damaged = {
-        "truncate": data[:-3],
-        "garbage": b"not a value at all",
-        "empty": b"",
-        "bad-header": data[:12] + b"{" * (len(data) - 12),
-        "extra": data + b"\x00",
-    }[damage]
-    path.write_bytes(damaged)
-    with pytest.raises(StoreError) as info:
-        store.get_layer(h, 0)
-    assert str(path) in str(info.value) and "corrupt" in str(info.value)
+    for at in range(len(data)):
+        path.write_bytes(_flip(data, at))
+        with pytest.raises(CorruptValueError):
+            store.disk.read(key)
+    path.write_bytes(data)
+    assert store.disk.read(key) is not None
 
 
 # -- write-back ---------------------------------------------------------------------------------
@@ -367,3 +413,26 @@ def test_describe_reports_root_and_usage(store):
     d = store.describe()
     assert d["name"] == "localdisk" and d["root"] == str(store.root)
     assert d["disk_usage_bytes"] > 0 and d["stats"]["puts"] == 1
+
+
+def test_flush_and_close_are_bounded_and_never_close_under_a_live_writer(tmp_path):
+    from cacheseek.errors import StoreTimeoutError
+
+    s = LocalDiskTierStore(str(tmp_path / "kv"), write_back=True)
+    gated = GatedDisk(s.backend)
+    s.backend = gated
+    closed = []
+    real_close = gated.inner.close
+    gated.close = lambda: (closed.append(True), real_close())
+    h = put(s, kv(n_layers=1))
+    assert gated.entered.wait(WAIT_S)
+    with pytest.raises(StoreTimeoutError, match="1 writes still pending"):
+        s.flush(timeout_s=0.1)
+    s.flush_timeout_s = 0.1
+    with pytest.raises(StoreTimeoutError):
+        s.close()
+    assert closed == [] and s._worker.is_alive()  # the backend stays open under the writer
+    gated.gate.set()
+    s._worker.join(WAIT_S)
+    assert h.ready and not s._worker.is_alive()
+    real_close()

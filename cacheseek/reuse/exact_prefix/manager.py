@@ -13,8 +13,12 @@ skeleton included). The restore then retries the longest shorter prefix that is 
 down to break-even, instead of running cold. Which nodes are gone: the first missing value a
 generic fetch meets, plus every node the store's optional ``contains(keys)`` reports; for a
 `PathReadStore` whose ``read_path`` returned False, ``contains`` alone (without it the session
-runs cold, as before). A store error or a layout mismatch is not a missing value: the session
-runs cold and the trie is left as it was.
+runs cold, as before). A corrupt value (checksum mismatch, truncated file) is a missing value:
+the generic tiers read it as None, and a store that raises `CorruptValueError` instead has the
+node owning that key invalidated the same way. Any other store error or a layout mismatch is not
+a missing value: the session runs cold and the trie is left as it was. A node that another
+restore still references is never freed under it: its invalidation is deferred to the last
+release (`TrieNode.invalidated`), and it stops being a hit at once.
 
 Two store paths, chosen by capability:
 
@@ -33,7 +37,9 @@ Capacity (`cacheseek.eviction`): after every ingest, when the store's usage is a
 watermark, an eviction pass frees victims chosen by the policy (leaf-first LRU by default) until
 usage is at or below the low watermark. A pass first reclaims the latents of dead subtrees (no
 blob anywhere below; only where the store offers ``free_skeleton``), then evicts KV blobs. Sink
-(pinned) nodes, nodes being read and writes in flight are never victims; evicted nodes keep their
+(pinned) nodes of live namespaces (touched by one of the last ``eviction.live_sessions``
+sessions: `NamespaceForest.is_live`), nodes being read and writes in flight are never victims;
+the sinks of dead namespaces are ordinary LRU victims, so pins never fill the store; evicted nodes keep their
 skeletons. The forest lock is held only to choose and claim; every store call runs outside it.
 
 Metrics: one `CacheMetrics` (``self.metrics``; pass a shared one to aggregate several managers).
@@ -50,7 +56,14 @@ from typing import Any, Optional, Protocol
 
 import attrs
 
-from cacheseek.errors import CacheSeekError, HandleStateError, StoreError, StoreFullError, WriteNotCompleteError
+from cacheseek.errors import (
+    CacheSeekError,
+    CorruptValueError,
+    HandleStateError,
+    StoreError,
+    StoreFullError,
+    WriteNotCompleteError,
+)
 from cacheseek.eviction import Candidate, EvictionConfig, make_policy, store_usage
 from cacheseek.metrics import CacheMetrics
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
@@ -142,6 +155,7 @@ class WorldKVManager:
     ) -> FastForwardResult:
         self._count("lookups")
         self.metrics.add(lookups=1)
+        self.forest.begin_session(root_hash)
         requested = len(actions)
         limit = requested
         while True:
@@ -200,18 +214,24 @@ class WorldKVManager:
         missing: tuple[TrieNode, ...] = ()
         try:
             t0 = time.perf_counter()
-            if _is_path_store(self.store) and hasattr(window, "restore_target"):
-                target = window.restore_target(len(path), [n.depth for n in win])
-                if not self.store.read_path(path, win, target):
-                    missing = self._find_missing(path, win, None)
-                    return _Outcome(False, missing)
-                nbytes = int(getattr(window, "bytes_restored", 0) or 0)
-            else:
-                fetched = self._fetch_generic(path, win, window)
-                if isinstance(fetched, _Outcome):
-                    missing = fetched.missing
-                    return fetched
-                nbytes = int(getattr(window, "bytes_restored", 0) or 0) or fetched
+            try:
+                if _is_path_store(self.store) and hasattr(window, "restore_target"):
+                    target = window.restore_target(len(path), [n.depth for n in win])
+                    if not self.store.read_path(path, win, target):
+                        missing = self._find_missing(path, win, None)
+                        return _Outcome(False, missing)
+                    nbytes = int(getattr(window, "bytes_restored", 0) or 0)
+                else:
+                    fetched = self._fetch_generic(path, win, window)
+                    if isinstance(fetched, _Outcome):
+                        missing = fetched.missing
+                        return fetched
+                    nbytes = int(getattr(window, "bytes_restored", 0) or 0) or fetched
+            except CorruptValueError as exc:
+                # A store that raises on a corrupt value instead of reading it as missing: the same miss.
+                log.warning("restore of depth %d met %s", len(path), exc)
+                missing = self._find_missing(path, win, _owner_of(exc.key, path, win))
+                return _Outcome(False, missing)
             window.set_resume_depth(node.depth)
             now = self.clock()
             with self.forest.lock:
@@ -221,13 +241,24 @@ class WorldKVManager:
                              restore_seconds=time.perf_counter() - t0)
             return _OK
         finally:
-            with self.forest.lock:
-                for n in path:
-                    if n.ref_count <= 0:
-                        raise HandleStateError(f"ref_count of {n!r} would go below zero")
-                    n.ref_count -= 1
-            if missing:
-                self._invalidate(missing)
+            self._release(path, missing)
+
+    def _release(self, path: Sequence[TrieNode], missing: Sequence[TrieNode]) -> None:
+        """Drop a restore's references; invalidate what it found gone, then free the blobs whose
+        invalidation waited for their last reader (this one)."""
+        settle: list[TrieNode] = []
+        with self.forest.lock:
+            for n in path:
+                if n.ref_count <= 0:
+                    raise HandleStateError(f"ref_count of {n!r} would go below zero")
+            for n in path:
+                n.ref_count -= 1
+                if n.ref_count == 0 and n.invalidated:
+                    settle.append(n)
+        if missing:
+            self._invalidate(missing)
+        for n in settle:
+            self._free_invalidated(n)
 
     def _fetch_generic(
         self, path: list[TrieNode], win: list[TrieNode], window: RestoreWindow
@@ -296,34 +327,66 @@ class WorldKVManager:
         return tuple(sorted(found.values(), key=lambda n: n.depth))
 
     def _invalidate(self, nodes: Sequence[TrieNode]) -> int:
-        """Drop the blobs of nodes whose values are (partly) gone and free what is left of them,
-        so no value is orphaned and a later ingest rewrites the chunk. Returns how many."""
+        """Drop the blobs of nodes whose values are (partly) gone or corrupt and free what is left
+        of them, so no value is orphaned and a later ingest rewrites the chunk. Returns how many.
+
+        A node another restore still references (``ref_count > 0``) is not freed under its
+        reader: its blob stops being a hit at once (marked failed; ``invalidated`` and
+        ``evicting`` set, so no lookup, eviction or re-ingest touches it) and is freed by the
+        last reader's release (`_release`)."""
         count = 0
         for node in nodes:
             with self.forest.lock:
                 handle = node.blob
                 if handle is None or node.evicting or handle.in_flight:
                     continue
+                if node.ref_count > 0:
+                    node.invalidated = True
+                    node.evicting = True
+                    handle.ready = False
+                    handle.error = StoreError(f"{handle.locator}: invalidated (its values are gone)")
+                    count += 1
+                    log.info("invalidated %r; freeing it when its last reader releases it", node)
+                    continue
                 node.blob = None
                 node.evicting = True
-            try:
-                self.store.free(handle)
-            except Exception as exc:  # noqa: BLE001 - keep it as a failed blob: freed later
-                log.warning("invalidated %r but freeing its values failed: %s", node, exc)
-                handle.ready = False
-                handle.error = exc
-                with self.forest.lock:
-                    if node.blob is None:
-                        node.blob = handle
-            finally:
-                with self.forest.lock:
-                    node.evicting = False
+            self._free_detached(node, handle)
             count += 1
             log.info("invalidated %r: its values are no longer in the store", node)
         if count:
             self._count("invalidations", count)
             self.metrics.add(invalidations=count)
         return count
+
+    def _free_invalidated(self, node: TrieNode) -> None:
+        """Free the blob of a node invalidated while referenced, once nothing references it."""
+        with self.forest.lock:
+            if not node.invalidated or node.ref_count > 0:
+                return
+            node.invalidated = False
+            handle = node.blob
+            node.blob = None
+        if handle is None:
+            with self.forest.lock:
+                node.evicting = False
+            return
+        self._free_detached(node, handle)
+
+    def _free_detached(self, node: TrieNode, handle: BlobHandle) -> None:
+        """Free a blob detached from ``node`` (``node.evicting`` set by the caller; cleared here).
+        A failed free keeps the handle on the node as a failed blob, freed again later."""
+        try:
+            self.store.free(handle)
+        except Exception as exc:  # noqa: BLE001 - keep it as a failed blob: freed later
+            log.warning("invalidated %r but freeing its values failed: %s", node, exc)
+            handle.ready = False
+            handle.error = exc
+            with self.forest.lock:
+                if node.blob is None:
+                    node.blob = handle
+        finally:
+            with self.forest.lock:
+                node.evicting = False
 
     def audit(self) -> int:
         """Check every ready node's latent and KV values against the store (its ``contains``)
@@ -335,6 +398,32 @@ class WorldKVManager:
             ready = [n for ns in self.forest.namespaces() for n in ns.iter_nodes() if n.has_kv]
         stale = [n for n in ready if self._find_missing([n], [n], None)]
         return self._invalidate(stale)
+
+    def reconcile(self) -> dict[str, int]:
+        """Make the store and this forest agree, once, before sessions start (after loading a
+        snapshot, or on a fresh forest over a persistent store): remove every value no node names
+        (where the store can list and remove values: ``keys()`` and ``delete_values(keys)``), so
+        a reopened store does not count a previous process's unreachable files; then `audit`.
+        Returns ``{"orphans_removed": n, "invalidated": m}``. Not for use while sessions write:
+        a value written but not yet named by its node would be taken for an orphan."""
+        keys_of = getattr(self.store, "keys", None)
+        delete = getattr(self.store, "delete_values", None)
+        removed = 0
+        if callable(keys_of) and callable(delete):
+            with self.forest.lock:
+                named: set[str] = set()
+                for ns in self.forest.namespaces():
+                    for n in ns.iter_nodes():
+                        if n.skeleton is not None:
+                            named.add(n.skeleton.latent_locator)
+                        if n.blob is not None:
+                            named.update(blob_keys(n.blob.locator, n.blob.n_layers, pairs=n.blob.pairs))
+            orphans = [k for k in keys_of() if k not in named]
+            if orphans:
+                delete(orphans)
+                removed = len(orphans)
+                log.info("reconcile: removed %d values no node names", removed)
+        return {"orphans_removed": removed, "invalidated": self.audit()}
 
     # -- write side ---------------------------------------------------------------------------
 
@@ -352,6 +441,7 @@ class WorldKVManager:
         n_layers: Optional[int] = None,
     ) -> TrieNode:
         node = self.forest.commit(ns, parent, action, node_key, depth)
+        self.forest.touch(ns)
         with self.forest.lock:
             if node.has_kv or (node.blob is not None and node.blob.in_flight) or node.evicting:
                 self._count("reingest_kept")
@@ -468,7 +558,7 @@ class WorldKVManager:
                 while queue and (force or above()):
                     cand = queue.pop(0)
                     try:
-                        done = self.evict_blob(cand.node)
+                        done = self._evict_blob(cand.node, honour_pins=False)
                     except Exception as exc:  # noqa: BLE001 - the blob is kept; try the next
                         log.warning("eviction of %r failed (kept): %s", cand.node, exc)
                         self.metrics.add(eviction_errors=1)
@@ -496,6 +586,7 @@ class WorldKVManager:
         candidates: list[Candidate] = []
         with self.forest.lock:
             for ns in self.forest.namespaces():
+                live = self.forest.is_live(ns, self.eviction.live_sessions)
                 # iterative post-order: (node, reachable, children visited?)
                 stack: list[tuple[TrieNode, bool, bool]] = [(c, True, False) for c in ns.root.children.values()]
                 live_below: dict[int, bool] = {}
@@ -511,18 +602,19 @@ class WorldKVManager:
                     live_below[id(node)] = here or child_live
                     if not here and not child_live and node.skeleton is not None and node.ref_count == 0:
                         dead.append(node)
-                    if _evictable(node):
+                    if _evictable(node, pin_holds=live and node.pinned):
                         candidates.append(Candidate(node, node.blob.nbytes, node.last_access, node.depth,
                                                     reachable))
         return dead, candidates
 
     def _candidate(self, node: Optional[TrieNode]) -> Optional[Candidate]:
-        """``node`` as an eviction candidate, or None: a ready blob, unpinned, unreferenced, not
-        being evicted, and no child holding a ready or in-flight blob (a leaf)."""
+        """``node`` as an eviction candidate, or None: a ready blob, not pinned by a live
+        namespace, unreferenced, not being evicted, and no child holding a ready or in-flight blob
+        (a leaf)."""
         if node is None or node.depth < 0:
             return None
         with self.forest.lock:
-            if not _evictable(node):
+            if not _evictable(node, pin_holds=self._pin_holds(node)):
                 return None
             reachable = all(a.has_kv for a in node.path()[:-1])
             return Candidate(node, node.blob.nbytes, node.last_access, node.depth, reachable)
@@ -574,15 +666,31 @@ class WorldKVManager:
 
     # -- lifetime -----------------------------------------------------------------------------
 
+    def _pin_holds(self, node: TrieNode) -> bool:
+        """Under the forest lock: ``node`` is pinned and its namespace is live."""
+        if not node.pinned:
+            return False
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        ns = self.forest.resolve(top.node_key)
+        return ns is None or ns.root is not top or self.forest.is_live(ns, self.eviction.live_sessions)
+
     def evict_blob(self, node: TrieNode) -> bool:
         """Free a node's KV and drop its blob, keeping the skeleton. Refuses pinned, referenced,
         blob-less, being-evicted and in-flight nodes (False). The blob is detached under the
         forest lock and freed outside it; if freeing fails the blob is put back and the error
         propagates."""
+        return self._evict_blob(node, honour_pins=True)
+
+    def _evict_blob(self, node: TrieNode, *, honour_pins: bool) -> bool:
+        """`evict_blob`; with ``honour_pins`` False a pin holds only while its namespace is live
+        (the eviction pass)."""
         with self.forest.lock:
             if node.ref_count < 0:
                 raise HandleStateError(f"negative ref_count on {node!r}")
-            if node.pinned or node.ref_count > 0 or node.blob is None or node.evicting:
+            pinned = node.pinned if honour_pins else self._pin_holds(node)
+            if pinned or node.ref_count > 0 or node.blob is None or node.evicting:
                 return False
             handle = node.blob
             if handle.in_flight:
@@ -623,10 +731,10 @@ def _holds_blob(node: TrieNode) -> bool:
     return node.evicting or (node.blob is not None and node.blob.state is not BlobState.FAILED)
 
 
-def _evictable(node: TrieNode) -> bool:
+def _evictable(node: TrieNode, *, pin_holds: bool) -> bool:
     blob = node.blob
     return (
-        blob is not None and blob.ready and not node.pinned and node.ref_count == 0 and not node.evicting
+        blob is not None and blob.ready and not pin_holds and node.ref_count == 0 and not node.evicting
         and not any(c.evicting or (c.blob is not None and (c.blob.ready or c.blob.in_flight))
                     for c in node.children.values())
     )
@@ -640,6 +748,18 @@ def _subtree_has_blob(node: TrieNode) -> bool:
             return True
         stack.extend(n.children.values())
     return False
+
+
+def _owner_of(key: str, path: Sequence[TrieNode], win: Sequence[TrieNode]) -> Optional[TrieNode]:
+    """The node of ``path`` whose latent or (window nodes) KV value is stored under ``key``."""
+    for n in path:
+        if n.skeleton is not None and n.skeleton.latent_locator == key:
+            return n
+    for n in win:
+        blob = n.blob
+        if blob is not None and any(key in layer_keys(blob.locator, i) for i in range(blob.n_layers)):
+            return n
+    return None
 
 
 def _nbytes_of(value: Any) -> int:

@@ -9,6 +9,13 @@ Actions are ints, strings or bytes (`ActionKey`), compared exactly. The snapshot
 ready blobs (plus the skeletons on their paths), so a restarted worker finds exactly what the
 store committed; its format (`cacheseek.reuse.exact_prefix.snapshot`) is the one upstream
 CacheSeek reads and writes. Saving is an atomic replace.
+
+Liveness (what pins protect): the forest counts sessions (`begin_session`, once per lookup of a
+session) and stamps a namespace with the session count whenever a session looks it up or writes
+into it (``last_session``). A namespace is *live* while it was touched within the last ``n``
+sessions (`is_live`); the manager's eviction honours the pins of live namespaces only, so the sink
+chunks of namespaces nobody uses any more become ordinary LRU victims. The count is per process
+(a loaded snapshot's namespaces start as touched at session 0).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class Namespace:
     root_hash: bytes
     config_blob_hash: bytes
     root: TrieNode = field(init=False)
+    last_session: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.root = TrieNode(node_key=self.root_hash, action=b"", depth=-1, parent=None)
@@ -66,6 +74,26 @@ class NamespaceForest:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self._namespaces: dict[bytes, Namespace] = {}
+        self.sessions = 0
+
+    def begin_session(self, root_hash: bytes) -> int:
+        """Count one session (a lookup) and touch its namespace if it exists; the new count."""
+        with self.lock:
+            self.sessions += 1
+            ns = self._namespaces.get(root_hash)
+            if ns is not None:
+                ns.last_session = self.sessions
+            return self.sessions
+
+    def touch(self, ns: Namespace) -> None:
+        """A session wrote into ``ns``: it is live from now for the next sessions."""
+        with self.lock:
+            ns.last_session = self.sessions
+
+    def is_live(self, ns: Namespace, n: int) -> bool:
+        """Touched within the last ``n`` sessions (the current one included)."""
+        with self.lock:
+            return self.sessions - ns.last_session < n
 
     def __len__(self) -> int:
         return len(self._namespaces)

@@ -13,7 +13,9 @@ Handle lifecycle (``BlobHandle.state``)::
 Node lifetime under eviction (`WorldKVManager`): a node is *read* while ``ref_count > 0`` (a
 restore holds its whole path) and *being evicted* while ``evicting`` is set (its blob was
 detached under the forest lock and its values are being freed outside it). Neither kind is an
-eviction victim; a node being evicted is not re-written until the free settles.
+eviction victim; a node being evicted is not re-written until the free settles. A node found
+without its values while another restore reads it is *invalidated*: its blob stops being a hit at
+once (failed, ``evicting`` set) and is freed by its last reader's release, never under it.
 """
 
 from __future__ import annotations
@@ -115,6 +117,7 @@ class TrieNode:
     last_access: float = 0.0
     pinned: bool = False
     evicting: bool = False
+    invalidated: bool = False
 
     @property
     def has_kv(self) -> bool:

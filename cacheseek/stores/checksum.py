@@ -1,0 +1,89 @@
+"""Value checksums of the tiers whose media can corrupt a value (LocalDisk files, Fluxon values).
+
+A stored value is a small JSON header (kind, dtype, shape, size) and its raw bytes. `seal` adds
+the field ``xxh3``: the xxh3-64 digest (package ``xxhash``) of the canonical header (sorted keys,
+no spaces, without ``xxh3``) followed by the bytes, so a flipped bit in the header or in the
+payload is caught, and so is a header grafted onto another payload. `Sealed.verify` recomputes
+the digest over the bytes the reader actually got (after its copy out of the medium, so a value
+changing under the reader is caught too) and raises `CorruptValueError` naming the key.
+
+A corrupt value is treated exactly like a missing one (`KeyValueTier` removes it and reads None;
+the manager invalidates the node, frees what is left of it and retries the longest whole shorter
+prefix). A value without a checksum (an older format) is corrupt for the same reason: its bytes
+cannot be trusted.
+
+The digest field is always 16 hex digits, so a sealed header's length does not depend on the
+payload's contents (LocalDisk sizes a file before writing it).
+
+xxh3-64 runs at memory speed (tens of GB/s on one core); the cost on a write or read of a
+47.9 MB layer value is a few milliseconds against the tens of milliseconds of the disk or socket.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import xxhash
+
+from cacheseek.errors import CorruptValueError
+
+__all__ = ["FIELD", "seal", "unseal", "Sealed", "digest"]
+
+FIELD = "xxh3"
+
+
+def _canonical(meta: Mapping[str, Any]) -> bytes:
+    return json.dumps(dict(meta), sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def digest(canonical_header: bytes, *bodies: Any) -> str:
+    """The 16-hex-digit xxh3-64 of the header bytes then every body (any bytes-like buffer)."""
+    h = xxhash.xxh3_64()
+    h.update(canonical_header)
+    for body in bodies:
+        if memoryview(body).nbytes:
+            h.update(body)
+    return h.hexdigest()
+
+
+def seal(meta: Mapping[str, Any], body: Any) -> bytes:
+    """The header bytes of a value: ``meta`` plus its checksum over ``meta`` and ``body``."""
+    if FIELD in meta:
+        raise ValueError(f"meta already carries a {FIELD!r} field")
+    canon = _canonical(meta)
+    sealed = dict(meta)
+    sealed[FIELD] = digest(canon, body)
+    return _canonical(sealed)
+
+
+@attrs.frozen(slots=True)
+class Sealed:
+    """A parsed header: ``meta`` without the checksum, the ``claimed`` digest, and what it covers."""
+
+    key: str
+    meta: dict
+    claimed: str
+    canonical: bytes
+
+    def verify(self, *bodies: Any) -> None:
+        """Raise `CorruptValueError` unless the digest of the header and ``bodies`` matches."""
+        got = digest(self.canonical, *bodies)
+        if got != self.claimed:
+            raise CorruptValueError(self.key, f"checksum mismatch (stored {self.claimed}, computed {got})")
+
+
+def unseal(key: str, header: bytes) -> Sealed:
+    """Parse a sealed header; `CorruptValueError` when it is unreadable or carries no checksum."""
+    try:
+        meta = json.loads(bytes(header).decode("utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise CorruptValueError(key, "unreadable header") from None
+    if not isinstance(meta, dict):
+        raise CorruptValueError(key, "unreadable header")
+    claimed = meta.pop(FIELD, None)
+    if not isinstance(claimed, str):
+        raise CorruptValueError(key, "no checksum in its header (an older format, or damaged)")
+    return Sealed(key, meta, claimed, _canonical(meta))

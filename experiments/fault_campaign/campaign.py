@@ -1,0 +1,500 @@
+"""Fault campaign: nothing lost, nothing wrong, nothing stuck (issue 12).
+
+Sessions of the synthetic runtime (tiny geometry, rolling L=7 S=3, through the real binding and
+manager) run against stores while faults are injected; every session's frame hashes are checked
+against a cold run of the same request. Scenarios:
+
+- ``kill9``: a writer process (LocalDisk, durable commit, snapshot after every chunk) is killed
+  with SIGKILL at a random moment mid-run, again and again on the same root; each restart loads
+  the last snapshot, reconciles the store with it (`WorldKVManager.reconcile`), and replays
+  every request the snapshot names;
+- ``bitflip`` / ``truncate``: random single-bit flips (header or payload) or truncations of
+  LocalDisk value files, then every request again;
+- ``enospc``: a LocalDisk root on a 256 KiB tmpfs (a disk that fills; needs root to mount,
+  otherwise the row says skipped), many distinct requests;
+- ``full_store``: a memory store of 8 chunks, 12+ sessions over distinct images (the sinks of
+  dead namespaces must not fill it);
+- ``concurrent``: several threads running sessions with shared prefixes on one forest and one
+  write-back LocalDisk store.
+
+Per scenario: faults injected, sessions run, wrong outputs (frames differ from cold: must be 0),
+committed data lost (must be 0: a chunk committed and not damaged that a later session could not
+restore, or a ready node whose values are gone from the store), time to recover (from the fault to
+the end of the first correct session after it; for kill9 the restart, reconcile and that session;
+none for full_store and concurrent, which inject no single fault to recover from), and counters
+(invalidations, corrupt values, evictions, dropped writes). "Committed and not damaged" is read
+from the disk itself (`sound_prefix`: every value present and passing its checksum), so damage a
+restore has not read yet is not counted as a loss when a later restore finds it.
+
+Run from the repository root::
+
+    python experiments/fault_campaign/campaign.py                 # full campaign
+    python experiments/fault_campaign/campaign.py short=true      # the CI version (tests/)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+import benchlib  # noqa: E402  (puts the repository root on sys.path)
+
+from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager  # noqa: E402
+from cacheseek.reuse.exact_prefix.keys import layer_keys  # noqa: E402
+from cacheseek.reuse.exact_prefix.telefuser_lingbot import (  # noqa: E402
+    LingBotWorldKVBinding,
+    make_rolling_config,
+)
+from cacheseek.runtime.synthetic import SyntheticImage, SyntheticRuntimeFactory  # noqa: E402
+
+L, S, C = 7, 3, 3
+FULL_CONF = dict(requests=4, chunks=4, rounds=3, kills=6, flips=8, truncations=6, enospc_sessions=24,
+                 full_sessions=16, threads=4, sessions_per_thread=6, seed=12)
+SHORT_CONF = dict(requests=2, chunks=3, rounds=1, kills=2, flips=2, truncations=2, enospc_sessions=6,
+                  full_sessions=12, threads=2, sessions_per_thread=2, seed=12)
+
+
+# -- sessions -------------------------------------------------------------------------------------
+
+
+def factory() -> SyntheticRuntimeFactory:
+    return SyntheticRuntimeFactory(geometry="tiny", local_attn_size=L, sink_size=S)
+
+
+def image(i: int) -> SyntheticImage:
+    return SyntheticImage("RGB", (4, 4), bytes((i * 31 + j * 7) % 256 for j in range(48)))
+
+
+def request(i: int, chunks: int, *, branch: int = 0) -> list[list[float]]:
+    """Request ``i``: chunk 0 shared by all requests, the rest its own (``branch`` forks at 2)."""
+    out = []
+    for c in range(chunks):
+        v = 0 if c == 0 else i + 1 + (branch * 100 if c >= 2 else 0)
+        out.append([0.1 * c + v, -0.05 * c, 0.02 * v, 0.3 * (c % 2)])
+    return out
+
+
+_COLD: dict = {}
+
+
+def cold(actions: Sequence[Sequence[float]], img: int = 0) -> list[bytes]:
+    key = (tuple(map(tuple, actions)), img)
+    if key not in _COLD:
+        _COLD[key] = factory().make(actions, hooks=None, image=image(img)).generate()
+    return _COLD[key]
+
+
+def manager(store: Any, forest: Optional[NamespaceForest] = None, **kw: Any) -> WorldKVManager:
+    cfg = make_rolling_config(local_attn_size=L, sink_size=S, chunk_size=C)
+    return WorldKVManager(forest if forest is not None else NamespaceForest(), store, cfg, **kw)
+
+
+def session(mgr: WorldKVManager, actions, *, img: int = 0, ingest: bool = True, snapshot: Optional[str] = None):
+    """One session; returns (restored depth, frames correct)."""
+    b = LingBotWorldKVBinding(mgr, mgr.forest, ingest_enabled=ingest, snapshot_path=snapshot,
+                              snapshot_on_finalize=snapshot is not None)
+    hashes = factory().make(actions, hooks=b, image=image(img)).generate()
+    _KEYS[(tuple(map(tuple, actions)), img)] = (b.root, list(b.actions))
+    flush = getattr(mgr.store, "flush", None)
+    if flush is not None:
+        flush()
+    return b.last_fast_forward, hashes == cold(actions, img)
+
+
+def lost_values(mgr: WorldKVManager) -> int:
+    """Ready (committed) nodes whose values are not all in the store."""
+    contains = mgr.store.contains
+    lost = 0
+    with mgr.forest.lock:
+        ready = [n for ns in mgr.forest.namespaces() for n in ns.iter_nodes() if n.has_kv]
+    for n in ready:
+        keys = [k for i in range(n.blob.n_layers) for k in layer_keys(n.blob.locator, i)]
+        keys.append(n.skeleton.latent_locator)
+        lost += not all(contains(keys))
+    return lost
+
+
+def sound_prefix(store: Any, nodes: list) -> int:
+    """Leading committed chunks every value of which is in ``store`` and passes its checksum
+    (read straight from the disk backend: no side effect): what a restore must reach."""
+    from cacheseek.errors import CorruptValueError
+
+    depth = 0
+    for n in nodes:
+        if not n.has_kv or n.skeleton is None:
+            break
+        keys = [n.skeleton.latent_locator] + [k for i in range(n.blob.n_layers) for k in layer_keys(n.blob.locator, i)]
+        try:
+            if any(store.disk.read(k) is None for k in keys):
+                break
+        except CorruptValueError:
+            break
+        depth += 1
+    return depth
+
+
+_KEYS: dict = {}
+
+
+def chain_nodes(mgr: WorldKVManager, actions, img: int = 0) -> list:
+    """The nodes of a request's chain that exist in ``mgr``'s forest, by depth (the root and the
+    action keys are the binding's, taken from a session of that request)."""
+    key = (tuple(map(tuple, actions)), img)
+    if key not in _KEYS:
+        from cacheseek.stores.memory import InMemoryTierStore
+
+        session(manager(InMemoryTierStore()), actions, img=img, ingest=False)
+    root, action_keys = _KEYS[key]
+    ns = mgr.forest.resolve(root)
+    out, node = [], ns.root if ns is not None else None
+    for a in action_keys if node is not None else []:
+        node = node.children.get(a)
+        if node is None:
+            break
+        out.append(node)
+    return out
+
+
+def prime(requests: Sequence[tuple[Any, int]]) -> None:
+    """Compute the cold references and the chain keys of these ``(actions, img)`` requests up
+    front, so a time to recover measures recovery, not the reference runs."""
+    for actions, img in requests:
+        cold(actions, img)
+        chain_nodes(manager(_memory()), actions, img)
+
+
+def _memory() -> Any:
+    from cacheseek.stores.memory import InMemoryTierStore
+
+    return InMemoryTierStore()
+
+
+def row(fault: str, **kw: Any) -> dict[str, Any]:
+    base = dict(fault=fault, injected=0, sessions=0, wrong_outputs=0, committed_lost=0, recover_s=None)
+    base.update(kw)
+    return base
+
+
+# -- scenarios ------------------------------------------------------------------------------------
+
+
+def damage_scenario(cfg: dict, kind: str, work: Path, rng: random.Random) -> dict[str, Any]:
+    """Flip bits in (or truncate) value files, then replay every request."""
+    from cacheseek.stores.localdisk import LocalDiskTierStore
+
+    store = LocalDiskTierStore(str(work / f"{kind}-kv"))
+    mgr = manager(store)
+    reqs = [request(i, cfg["chunks"]) for i in range(cfg["requests"])]
+    prime([(a, 0) for a in reqs])
+    out = row(kind)
+    recover: list[float] = []
+    try:
+        for actions in reqs:
+            _, ok = session(mgr, actions)
+            out["sessions"] += 1
+            out["wrong_outputs"] += not ok
+        n_faults = cfg["flips"] if kind == "bitflip" else cfg["truncations"]
+        for r in range(cfg["rounds"]):
+            files = sorted(store.disk.path_of(k) for k in store.keys())
+            for path in rng.sample(files, min(n_faults, len(files))):
+                data = bytearray(path.read_bytes())
+                if kind == "bitflip":
+                    at = rng.randrange(len(data))
+                    data[at] ^= 1 << rng.randrange(8)
+                else:
+                    data = data[: rng.randrange(len(data))]
+                path.write_bytes(bytes(data))
+                out["injected"] += 1
+            t_fault = time.perf_counter()
+            first = True
+            for actions in reqs:
+                expect = sound_prefix(store, chain_nodes(mgr, actions))
+                depth, ok = session(mgr, actions)
+                out["sessions"] += 1
+                out["wrong_outputs"] += not ok
+                out["committed_lost"] += max(0, expect - depth)
+                if first and ok:
+                    recover.append(time.perf_counter() - t_fault)
+                    first = False
+            out["committed_lost"] += lost_values(mgr)
+            for actions in reqs:  # what is sound restores (damage not read yet is found now)
+                expect = sound_prefix(store, chain_nodes(mgr, actions))
+                depth, ok = session(mgr, actions, ingest=False)
+                out["sessions"] += 1
+                out["wrong_outputs"] += not ok
+                out["committed_lost"] += max(0, expect - depth)
+        out.update(recover_s=max(recover) if recover else None, invalidations=mgr.stats["invalidations"],
+                   corrupt_values=store.stats.corrupt_values, restore_failures=mgr.stats["restore_failures"])
+    finally:
+        store.close()
+    return out
+
+
+WRITER = r"""
+import sys, random
+sys.path.insert(0, sys.argv[1])
+import campaign
+from cacheseek.reuse.exact_prefix import load_forest_snapshot
+from cacheseek.stores.localdisk import LocalDiskTierStore
+root, snap, chunks, nreq, seed = sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6])
+store = LocalDiskTierStore(root)
+mgr = campaign.manager(store, load_forest_snapshot(snap))
+mgr.reconcile()
+print("ready", flush=True)
+rng = random.Random(seed)
+while True:
+    i = rng.randrange(nreq)
+    campaign.session(mgr, campaign.request(i, chunks, branch=rng.randrange(3)), snapshot=snap)
+"""
+
+
+def kill9_scenario(cfg: dict, work: Path, rng: random.Random) -> dict[str, Any]:
+    """SIGKILL a LocalDisk writer mid-chunk, restart, check what its last snapshot committed."""
+    from cacheseek.reuse.exact_prefix import load_forest_snapshot
+    from cacheseek.stores.localdisk import LocalDiskTierStore
+
+    root, snap = str(work / "kill9-kv"), str(work / "kill9-forest.json")
+    script = work / "writer.py"
+    script.write_text(WRITER)
+    out = row("kill9", restarts=0)
+    prime([(request(i, cfg["chunks"], branch=b), 0) for i in range(cfg["requests"]) for b in range(3)])
+    recover: list[float] = []
+    for k in range(cfg["kills"]):
+        proc = subprocess.Popen([sys.executable, str(script), str(HERE), root, snap, str(cfg["chunks"]),
+                                 str(cfg["requests"]), str(rng.randrange(1 << 30))],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                env={**os.environ, "PYTHONPATH": str(benchlib.REPO)})
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.3, 1.5))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        t_fault = time.perf_counter()
+        out["injected"] += 1
+        # restart: the last snapshot says what was committed
+        store = LocalDiskTierStore(root)
+        try:
+            mgr = manager(store, load_forest_snapshot(snap))
+            mgr.reconcile()
+            out["restarts"] += 1
+            out["committed_lost"] += lost_values(mgr)
+            first = True
+            for i in range(cfg["requests"]):
+                for branch in range(3):
+                    actions = request(i, cfg["chunks"], branch=branch)
+                    expect = sum(1 for _ in _leading_ready(chain_nodes(mgr, actions)))
+                    depth, ok = session(mgr, actions, ingest=False)
+                    out["sessions"] += 1
+                    out["wrong_outputs"] += not ok
+                    out["committed_lost"] += max(0, expect - depth)
+                    if first and ok:
+                        recover.append(time.perf_counter() - t_fault)
+                        first = False
+        finally:
+            store.close()
+    out["recover_s"] = max(recover) if recover else None
+    return out
+
+
+def _leading_ready(nodes: list):
+    for n in nodes:
+        if not n.has_kv:
+            return
+        yield n
+
+
+def enospc_scenario(cfg: dict, work: Path) -> dict[str, Any]:
+    from cacheseek.stores.localdisk import LocalDiskTierStore
+
+    where = work / f"tmpfs-{uuid.uuid4().hex[:6]}"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)], capture_output=True)
+    if done.returncode != 0:
+        return row("enospc", skipped=f"cannot mount a tmpfs: {done.stderr.strip()[:80]!r}")
+    out = row("enospc")
+    prime([(request(s, cfg["chunks"]), s) for s in range(cfg["enospc_sessions"])])
+    try:
+        store = LocalDiskTierStore(str(where / "kv"))
+        mgr = manager(store)
+        t0 = None
+        for s in range(cfg["enospc_sessions"]):
+            actions = request(s, cfg["chunks"])
+            _, ok = session(mgr, actions, img=s)
+            out["sessions"] += 1
+            out["wrong_outputs"] += not ok
+            if store.stats.capacity_bytes is not None and t0 is None:
+                t0 = time.perf_counter()
+                out["injected"] = 1  # the disk filled (first ENOSPC)
+            elif t0 is not None and out["recover_s"] is None and ok:
+                out["recover_s"] = time.perf_counter() - t0
+        depth, ok = session(mgr, request(cfg["enospc_sessions"] - 1, cfg["chunks"]),
+                            img=cfg["enospc_sessions"] - 1, ingest=False)
+        out["sessions"] += 1
+        out["wrong_outputs"] += not ok
+        out["committed_lost"] += lost_values(mgr)
+        m = mgr.metrics.as_dict()
+        out.update(evictions=m["evictions"], dropped_writes=m["dropped_writes"], failed_writes=m["failed_writes"],
+                   last_session_depth=depth, learned_capacity=store.stats.capacity_bytes)
+        store.close()
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+    return out
+
+
+def full_store_scenario(cfg: dict) -> dict[str, Any]:
+    from cacheseek.stores.memory import InMemoryTierStore
+
+    probe = InMemoryTierStore()
+    session(manager(probe), request(0, cfg["chunks"]))
+    per_chunk = probe.usage().used_bytes // cfg["chunks"]
+    store = InMemoryTierStore(capacity_bytes=8 * per_chunk)
+    mgr = manager(store)
+    out = row("full_store", injected=1)
+    for s in range(cfg["full_sessions"]):
+        _, ok = session(mgr, request(0, cfg["chunks"]), img=s)
+        out["sessions"] += 1
+        out["wrong_outputs"] += not ok
+    depth, ok = session(mgr, request(0, cfg["chunks"]), img=cfg["full_sessions"] - 1, ingest=False)
+    out["sessions"] += 1
+    out["wrong_outputs"] += not ok
+    out["committed_lost"] += lost_values(mgr)
+    pinned = sum(n.blob.nbytes for ns in mgr.forest.namespaces() for n in ns.iter_nodes() if n.pinned and n.has_kv)
+    m = mgr.metrics.as_dict()
+    out.update(dropped_writes=m["dropped_writes"], evictions=m["evictions"], last_session_depth=depth,
+               pinned_fraction=round(pinned / store.capacity_bytes, 3))
+    return out
+
+
+def concurrent_scenario(cfg: dict, work: Path, rng: random.Random) -> dict[str, Any]:
+    from cacheseek.stores.localdisk import LocalDiskTierStore
+
+    store = LocalDiskTierStore(str(work / "concurrent-kv"), write_back=True)
+    forest = NamespaceForest()
+    out = row("concurrent", injected=cfg["threads"])
+    results: list[tuple[int, bool]] = []
+    lock = threading.Lock()
+    seeds = [rng.randrange(1 << 30) for _ in range(cfg["threads"])]
+
+    def worker(seed: int) -> None:
+        r = random.Random(seed)
+        mgr = manager(store, forest)
+        for _ in range(cfg["sessions_per_thread"]):
+            actions = request(r.randrange(cfg["requests"]), cfg["chunks"], branch=r.randrange(2))
+            res = session(mgr, actions)
+            with lock:
+                results.append(res)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker, args=(s,)) for s in seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    out["stuck_threads"] = sum(t.is_alive() for t in threads)
+    store.flush()
+    mgr = manager(store, forest)
+    out.update(sessions=len(results), wrong_outputs=sum(not ok for _, ok in results),
+               committed_lost=lost_values(mgr), all_sessions_s=round(time.perf_counter() - t0, 3))
+    store.close()
+    return out
+
+
+# -- the campaign ---------------------------------------------------------------------------------
+
+
+def run(cfg: dict, out_dir: Optional[Path] = None) -> dict[str, Any]:
+    rng = random.Random(cfg["seed"])
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="fault-campaign-") as tmp:
+        work = Path(tmp)
+        progress = benchlib.Progress(6, "faults")
+        for name, fn in [("kill9", lambda: kill9_scenario(cfg, work, rng)),
+                         ("bitflip", lambda: damage_scenario(cfg, "bitflip", work, rng)),
+                         ("truncate", lambda: damage_scenario(cfg, "truncate", work, rng)),
+                         ("enospc", lambda: enospc_scenario(cfg, work)),
+                         ("full_store", lambda: full_store_scenario(cfg)),
+                         ("concurrent", lambda: concurrent_scenario(cfg, work, rng))]:
+            t0 = time.perf_counter()
+            r = fn()
+            r["wall_s"] = round(time.perf_counter() - t0, 2)
+            rows.append(r)
+            progress.step(f"{name}: {json.dumps({k: v for k, v in r.items() if k != 'fault'})}")
+    res = dict(conf=cfg, rows=rows, totals=dict(
+        faults=sum(r["injected"] for r in rows), sessions=sum(r["sessions"] for r in rows),
+        wrong_outputs=sum(r["wrong_outputs"] for r in rows), committed_lost=sum(r["committed_lost"] for r in rows)),
+        env=benchlib.env_info(), command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        benchlib.write_json(out_dir / "results.json", res)
+        (out_dir / "results.md").write_text(table(rows, res["totals"]))
+        plot(rows, out_dir / "fault_campaign.png")
+    return res
+
+
+def table(rows: list[dict], totals: dict) -> str:
+    lines = ["| fault | injected | sessions | wrong outputs | committed lost | time to recover (s) | notes |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    core = {"fault", "injected", "sessions", "wrong_outputs", "committed_lost", "recover_s", "wall_s"}
+    for r in rows:
+        notes = ", ".join(f"{k}={v}" for k, v in r.items() if k not in core)
+        rec = "-" if r["recover_s"] is None else f"{r['recover_s']:.3f}"
+        lines.append(f"| {r['fault']} | {r['injected']} | {r['sessions']} | {r['wrong_outputs']} | "
+                     f"{r['committed_lost']} | {rec} | {notes} |")
+    lines.append(f"| **total** | {totals['faults']} | {totals['sessions']} | {totals['wrong_outputs']} | "
+                 f"{totals['committed_lost']} | | |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["fault"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    a.bar(names, [r["sessions"] for r in rows], label="sessions", color="#4c72b0")
+    a.bar(names, [r["wrong_outputs"] for r in rows], label="wrong outputs", color="#c44e52")
+    a.bar(names, [r["committed_lost"] for r in rows], bottom=[r["wrong_outputs"] for r in rows],
+          label="committed lost", color="#dd8452")
+    a.set_title("sessions per fault (wrong outputs and lost data must be 0)")
+    a.legend()
+    b.bar(names, [r["recover_s"] or 0.0 for r in rows], color="#55a868")
+    b.set_title("time to recover (s): fault to first correct session")
+    for ax in (a, b):
+        ax.tick_params(axis="x", rotation=30)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str]) -> dict[str, Any]:
+    import logging
+
+    logging.getLogger("cacheseek").setLevel(logging.CRITICAL)  # the faults are counted, not logged
+    args = dict(a.split("=", 1) for a in argv)
+    short = args.pop("short", "false").lower() == "true"
+    cfg = dict(SHORT_CONF if short else FULL_CONF)
+    out_dir = Path(args.pop("out_dir", str(HERE / ("results_short" if short else "results"))))
+    for key, value in args.items():
+        if key not in cfg:
+            raise SystemExit(f"unknown option {key!r}; known: {sorted(cfg)} short out_dir")
+        cfg[key] = int(value)
+    res = run(cfg, out_dir)
+    print(table(res["rows"], res["totals"]))
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

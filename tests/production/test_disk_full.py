@@ -1,0 +1,166 @@
+"""Issue 12 item 3: LocalDisk on a full disk, after a restart, and in one unit.
+
+- ENOSPC is `StoreFullError`: the tier caps itself at the bytes it holds, the manager evicts and
+  the write is retried (simulated with a byte budget, and for real on a 256 KiB tmpfs when this
+  process may mount one);
+- a reopened root whose files no snapshot names is reconciled: the unreachable files go, the
+  named ones stay and restore;
+- usage is counted in file bytes at write time and at reopen.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import subprocess
+import uuid
+
+import pytest
+
+from cacheseek.errors import StoreFullError
+from cacheseek.reuse.exact_prefix import NamespaceForest, load_forest_snapshot, save_forest_snapshot
+from cacheseek.reuse.exact_prefix.types import Tier
+from cacheseek.stores.localdisk import LocalDiskTierStore
+
+from prodkit import FULL, ROLLING, acts, check_invariants, cold_hashes, new_manager, run_session
+
+
+class BudgetDisk:
+    """Delegates to a `DiskBackend`; a write that would take the files above ``budget`` bytes
+    fails as the disk does (the real backend's ENOSPC path: `StoreFullError`)."""
+
+    def __init__(self, inner, budget: int) -> None:
+        self.inner, self.budget = inner, budget
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def write(self, key, value):
+        size = self.inner.stored_nbytes(key, value)
+        old = self.inner.path_of(key).stat().st_size if self.inner.exists(key) else 0
+        if self.inner.disk_usage_bytes() - old + size > self.budget:
+            raise StoreFullError(f"localdisk: disk full writing {key}: [Errno {errno.ENOSPC}] (simulated)")
+        self.inner.write(key, value)
+
+
+def test_enospc_is_store_full_from_the_real_write_path(tmp_path, monkeypatch):
+    store = LocalDiskTierStore(str(tmp_path / "kv"), fsync=False)
+    try:
+        real_replace = os.replace
+
+        def replace(src, dst):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(os, "replace", replace)
+        with pytest.raises(StoreFullError, match="disk full"):
+            store.put_skeleton("aa:lat", b"x" * 10)
+        monkeypatch.setattr(os, "replace", real_replace)
+        assert store.keys() == [] and store.usage().used_bytes == 0
+        assert store.capacity_bytes == 0  # nothing fitted: the medium holds nothing more
+    finally:
+        store.close()
+
+
+def shared_sink(i: int) -> list:
+    """Sessions of one namespace that share chunk 0 (the one pinned sink) and then branch."""
+    return acts(3)[:1] + acts(3, variant=i + 1)[1:]
+
+
+@pytest.mark.parametrize("mode", [FULL, ROLLING], ids=["full", "L7S3"])
+def test_full_disk_evicts_and_sessions_go_on(tmp_path, mode):
+    probe = LocalDiskTierStore(str(tmp_path / "probe"), fsync=False)
+    run_session(new_manager(probe, mode), mode, acts(3, variant=9))
+    per_session = probe.usage().used_bytes
+    probe.close()
+    store = LocalDiskTierStore(str(tmp_path / "kv"), fsync=False)  # unbounded by config
+    try:
+        store.backend = BudgetDisk(store.backend, budget=int(2.5 * per_session))
+        mgr = new_manager(store, mode)
+        for i in range(8):
+            actions = shared_sink(i)
+            b, _, hashes = run_session(mgr, mode, actions)
+            assert hashes == cold_hashes(mode, actions)
+            assert check_invariants(mgr.forest, store.keys()) == []
+        m = mgr.metrics.as_dict()
+        assert store.capacity_bytes is not None and store.capacity_bytes <= 2.5 * per_session
+        assert m["evictions"] > 0 and m["store_full_retries"] > 0
+        assert mgr.stats["dropped_writes"] <= 2  # only writes that cannot fit beside a live path
+        b, _, hashes = run_session(mgr, mode, shared_sink(7), ingest=False)
+        assert b.last_fast_forward == 3 and hashes == cold_hashes(mode, shared_sink(7))
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path):
+    where = tmp_path / f"tmpfs-{uuid.uuid4().hex[:8]}"
+    where.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(where)],
+                          capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def test_real_enospc_on_a_small_tmpfs(tiny_tmpfs):
+    store = LocalDiskTierStore(str(tiny_tmpfs / "kv"))
+    try:
+        mgr = new_manager(store, FULL)
+        for i in range(16):
+            actions = acts(3, variant=i)
+            _, _, hashes = run_session(mgr, FULL, actions)
+            assert hashes == cold_hashes(FULL, actions)
+        assert check_invariants(mgr.forest, store.keys()) == []
+        m = mgr.metrics.as_dict()
+        assert store.stats.capacity_bytes is not None  # learned from ENOSPC
+        assert m["evictions"] > 0
+        # most chunks of later sessions were written: eviction made room
+        assert m["dropped_writes"] + m["failed_writes"] < 16
+        b, _, _ = run_session(mgr, FULL, acts(3, variant=15), ingest=False)
+        assert b.last_fast_forward == 3
+    finally:
+        store.close()
+
+
+def test_reopen_removes_what_no_snapshot_names(tmp_path):
+    root, snap = str(tmp_path / "kv"), tmp_path / "forest.json"
+    store = LocalDiskTierStore(root)
+    mgr = new_manager(store, FULL)
+    run_session(mgr, FULL, acts(3, variant=1))
+    save_forest_snapshot(mgr.forest, snap)
+    named = set(store.keys())
+    run_session(mgr, FULL, acts(3, variant=2))  # written after the snapshot: unreachable later
+    assert set(store.keys()) > named
+    store.close()
+
+    store = LocalDiskTierStore(root, capacity_bytes=1 << 20)
+    try:
+        full = store.usage().used_bytes
+        mgr = new_manager(store, FULL, forest=load_forest_snapshot(snap))
+        done = mgr.reconcile()
+        assert done["orphans_removed"] == 5 * 3 and done["invalidated"] == 0
+        assert set(store.keys()) == named and store.usage().used_bytes < full
+        assert check_invariants(mgr.forest, store.keys()) == []
+        b, _, hashes = run_session(mgr, FULL, acts(3, variant=1), ingest=False)
+        assert b.last_fast_forward == 3 and hashes == cold_hashes(FULL, acts(3, variant=1))
+    finally:
+        store.close()
+
+
+def test_stack_over_a_reused_root_starts_empty(compose_cfg, tmp_path):
+    from cacheseek.orchestrator import build_stack
+
+    root = str(tmp_path / "kv")
+    store = LocalDiskTierStore(root)
+    run_session(new_manager(store, FULL), FULL, acts(2))
+    assert store.keys()
+    store.close()
+    stack = build_stack(compose_cfg("+store=localdisk", f"store.root={root}"), run_dir=tmp_path)
+    try:
+        # a fresh forest names nothing: the previous run's files are removed, usage is zero
+        assert stack.store.keys() == [] and stack.store.usage().used_bytes == 0
+    finally:
+        stack.close()

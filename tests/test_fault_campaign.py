@@ -1,0 +1,40 @@
+"""The short fault campaign (experiments/fault_campaign, issue 12): kill -9 of a LocalDisk writer,
+bit flips, truncations, a full disk, a full store and concurrent sessions. Every session's frames
+must equal a cold run's (no wrong output) and nothing committed may be lost."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def load():
+    path = REPO / "experiments" / "fault_campaign" / "campaign.py"
+    spec = importlib.util.spec_from_file_location("fault_campaign", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(REPO / "experiments"))
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_short_fault_campaign(tmp_path):
+    res = load().main(["short=true", f"out_dir={tmp_path}"])
+    rows = {r["fault"]: r for r in res["rows"]}
+    assert set(rows) == {"kill9", "bitflip", "truncate", "enospc", "full_store", "concurrent"}
+    assert res["totals"]["wrong_outputs"] == 0
+    assert res["totals"]["committed_lost"] == 0
+    for name, r in rows.items():
+        if r.get("skipped"):
+            assert name == "enospc"  # only where this process may not mount a tmpfs
+            continue
+        assert r["injected"] > 0 and r["sessions"] > 0, name
+    assert rows["kill9"]["restarts"] == rows["kill9"]["injected"]
+    assert rows["bitflip"]["corrupt_values"] + rows["truncate"]["corrupt_values"] > 0
+    assert rows["full_store"]["dropped_writes"] == 0 and rows["concurrent"]["stuck_threads"] == 0
+    assert json.loads((tmp_path / "results.json").read_text())["totals"] == res["totals"]
+    assert (tmp_path / "fault_campaign.png").stat().st_size > 0
+    assert "| kill9 |" in (tmp_path / "results.md").read_text()
