@@ -87,12 +87,31 @@ def generic(kind, tmp_path):
     return store
 
 
+def nth_write_of_session(step: int):
+    """A write fault at the ``step``-th write in the session's own order (per chunk: the latent,
+    then K and V of each layer), whichever thread makes it: a write-back thread may lag behind
+    the next chunk's latent, so a plain call count would hit another value under load."""
+    chunks: dict[str, int] = {}
+
+    def fault(_n: int, key: str):
+        hex_, _, rest = key.partition(":")
+        chunk = chunks.setdefault(hex_, len(chunks))  # a chunk's latent is written first
+        if rest == "lat":
+            pos = 0
+        else:
+            layer, half = rest.split(":")[1:]
+            pos = 1 + 2 * int(layer[1:]) + (half == "v")
+        return OSError(5, f"injected write fault at {key}") if chunk * 5 + pos + 1 == step else None
+
+    return fault
+
+
 @pytest.mark.parametrize("step", range(1, GEN_WRITES + 1))
 @pytest.mark.parametrize("kind", ["memory", "localdisk", "localdisk-write-back"])
 def test_generic_write_fault_at_every_step(kind, step, tmp_path):
     store = generic(kind, tmp_path)
     try:
-        store.backend.write_fault = lambda n, key: OSError(5, f"injected write fault at {key}") if n == step else None
+        store.backend.write_fault = nth_write_of_session(step)
         mgr = new_manager(store, FULL)
         b, _, hashes = run_session(mgr, FULL, GEN_ACTS)
         assert hashes == cold_hashes(FULL, GEN_ACTS)
