@@ -154,8 +154,8 @@ def _load_fluxon() -> Any:
                 tried.append(f"{name} -> {e}")
         raise FluxonImportError(
             f"cannot import fluxon-py with {sys.executable} (normal package resolution: "
-            f"{'; '.join(tried)}): {type(exc).__name__}: {exc}. Install it with "
-            "pip install fluxon-py==0.2.4 (bash tools/install_fluxon_deps.sh)") from exc
+            f"{'; '.join(tried)}): {type(exc).__name__}: {exc}. Install it: pip install -e '.[fluxon]' "
+            "from the repository root, or bash tools/install_fluxon_deps.sh (fluxon-py and etcd)") from exc
     with _runtime_lock:
         if _runtime_info is None:
             # The Python extension modules of fluxon_pyo3 (normally one .so) as loaded here, plus
@@ -458,10 +458,10 @@ class FluxonClient:
         return info
 
     def _attach(self, settle_s: float, key_index: bool) -> None:
+        fx = _load_fluxon()  # first: without fluxon-py, starting a service would not help either
         shared = self._read_shared_json()
         self.segment_bytes = int(shared.get("segment_len") or 0)
         self.owner_id = str(shared.get("owner_id", "?"))
-        fx = _load_fluxon()
         try:
             config = fx.FluxonKvClientConfig({
                 "instance_key": self.instance_key,

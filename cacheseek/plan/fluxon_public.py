@@ -105,6 +105,7 @@ from cacheseek.plan.fluxon_native import FluxonNativePlanClient, missing_plan_ca
 from cacheseek.plan.allocator import FirstFitAllocator
 from cacheseek.plan.table import encode_plan_table, plan_table_nbytes
 from cacheseek.registry import PLAN_CLIENTS
+from cacheseek.sizes import Size, parse_size
 
 __all__ = [
     "FluxonPublicPlanClient",
@@ -145,10 +146,10 @@ class FluxonPublicPlanSchema:
     op_timeout_s: float = 30.0
     attach_timeout_s: float = 60.0
     settle_s: float = 2.0
-    staging_bytes: int = 256 << 20
+    staging_bytes: Any = "256MiB"  # the Plan tier's `auto` fits it to two chunks in flight
     io_threads: int = 4
     prefault: bool = True
-    table_arena_bytes: int = 1 << 20
+    table_arena_bytes: Any = "1MiB"
     key_index: bool = False
 
 
@@ -259,18 +260,18 @@ class FluxonPublicPlanClient(InProcessPlanClient):
         op_timeout_s: float = 30.0,
         attach_timeout_s: float = 60.0,
         settle_s: float = 2.0,
-        staging_bytes: int = 256 << 20,
+        staging_bytes: Size = 256 << 20,
         io_threads: int = 4,
         prefault: bool = True,
-        table_arena_bytes: int = 1 << 20,
+        table_arena_bytes: Size = 1 << 20,
         key_index: bool = False,
         *,
         client: Any = None,
     ) -> None:
-        for name, value, low in (("staging_bytes", staging_bytes, _ALIGN), ("io_threads", io_threads, 1),
-                                 ("table_arena_bytes", table_arena_bytes, 4096)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"store.client_options.{name}", f"must be an int >= {low}, got {value!r}")
+        if not isinstance(io_threads, int) or isinstance(io_threads, bool) or io_threads < 1:
+            raise ConfigError("store.client_options.io_threads", f"must be an int >= 1, got {io_threads!r}")
+        staging_bytes = parse_size(staging_bytes, "store.client_options.staging_bytes", minimum=_ALIGN)
+        table_arena_bytes = parse_size(table_arena_bytes, "store.client_options.table_arena_bytes", minimum=4096)
         self.staging_bytes = staging_bytes
         self.io_threads = io_threads
         self.prefault = bool(prefault)

@@ -41,6 +41,8 @@ from typing import Any, Optional
 
 from cacheseek.errors import ConfigError, StoreError
 from cacheseek.registry import STORES
+from cacheseek.sizes import Size, free_bytes
+from cacheseek.sizing import SizeField
 from cacheseek.stores.kv_tier import KeyValueTier
 
 log = logging.getLogger(__name__)
@@ -213,6 +215,8 @@ class DiskBackend:
     def open(self) -> None:
         """Create and probe the root, take its lock, sweep stale temp files. ConfigError on failure."""
         root = self.root
+        if root.exists() and not root.is_dir():
+            raise ConfigError("store.root", f"{root} is a file, not a folder", _ROOT_FIX)
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -345,8 +349,10 @@ class LocalDiskSchema:
     write_back: bool = False
     queue_depth: int = 4
     fsync: bool = False
-    # Bytes of values the tier may hold (files already under root count, by size); null = unbounded.
-    capacity_bytes: Optional[int] = None
+    # Bytes of values the tier may hold (files already under root count, by size): a size
+    # (512MiB, 24GiB), null = unbounded, or auto = unbounded when the workload fits on the disk
+    # under root, else capped there (cacheseek.sizing).
+    capacity_bytes: Any = "auto"
 
 
 @STORES.register("localdisk", LocalDiskSchema)
@@ -366,7 +372,7 @@ class LocalDiskTierStore(KeyValueTier):
         write_back: bool = False,
         queue_depth: int = 4,
         fsync: bool = False,
-        capacity_bytes: Optional[int] = None,
+        capacity_bytes: Optional[Size] = None,
     ) -> None:
         if root is None or (isinstance(root, str) and not root.strip()):
             raise ConfigError(
@@ -388,6 +394,13 @@ class LocalDiskTierStore(KeyValueTier):
         except BaseException:
             disk.close()
             raise
+
+    @classmethod
+    def size_fields(cls, config: dict[str, Any]) -> list[SizeField]:
+        """`SizedStore`: ``capacity_bytes`` against the free disk under ``root``."""
+        root = config.get("root")
+        room = free_bytes(Path(str(root)).expanduser()) if root else None
+        return [SizeField("capacity_bytes", "capacity", room=room, room_label=f"free disk under {root}")]
 
     @property
     def root(self) -> Path:

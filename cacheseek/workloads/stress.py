@@ -104,6 +104,18 @@ class StressWorkload:
         ]
         self.images = [_image(i) for i in range(images)]
 
+    @property
+    def cache_chunks(self) -> int:
+        """Chunks the run may keep at once: ``capacity_chunks``, else every distinct prefix of
+        the plan (`cacheseek.sizing` fits ``auto`` store sizes to it)."""
+        if self.capacity_chunks is not None:
+            return self.capacity_chunks
+        return len({(image, path[:d + 1]) for image, path in self.plan for d in range(len(path))})
+
+    @property
+    def cache_chunks_why(self) -> str:
+        return "workload.capacity_chunks" if self.capacity_chunks is not None else "every distinct prefix"
+
     def actions(self, path: tuple[int, ...]) -> list[list[float]]:
         return [self.choices[d][c] for d, c in enumerate(path)]
 
