@@ -158,7 +158,7 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
         store_cfg = cfg.get("store")
         if store_cfg is None:
             store_name = STORES.default
-            tell(f"store: {store_name} (the embedded default; pick another with +store=NAME)")
+            tell(f"store: {store_name} (store: null is the embedded default; pick another with +store=NAME)")
             target = _target_of(STORES.get(store_name))
             store_cfg = OmegaConf.structured(STORES.schema(store_name)(_target_=target)) \
                 if _has_schema(store_name) else OmegaConf.create({"_target_": target})

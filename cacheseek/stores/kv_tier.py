@@ -41,7 +41,7 @@ from cacheseek.errors import StoreClosedError, StoreError, StoreFullError, Write
 from cacheseek.eviction.base import StoreUsage
 from cacheseek.reuse.exact_prefix.keys import layer_keys
 from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier
-from cacheseek.sizes import available_memory, parse_size
+from cacheseek.sizes import AUTO, available_memory, parse_size
 from cacheseek.sizing import SizeField
 from cacheseek.stores.base import LayerPayload
 
@@ -101,7 +101,9 @@ def payload_nbytes(value: Any) -> int:
 
 
 def _check_capacity(value: Any) -> Optional[int]:
-    return parse_size(value, "store.capacity_bytes", allow_none=True)
+    """Bytes or None; ``auto`` that no workload resolved (the store built directly) is unbounded."""
+    n = parse_size(value, "store.capacity_bytes", allow_none=True, allow_auto=True)
+    return None if n == AUTO else n
 
 
 class KeyValueTier:

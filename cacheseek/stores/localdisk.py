@@ -400,6 +400,7 @@ class LocalDiskTierStore(KeyValueTier):
         """`SizedStore`: ``capacity_bytes`` against the free disk under ``root``."""
         root = config.get("root")
         room = free_bytes(Path(str(root)).expanduser()) if root else None
+        room = room or None  # 0: a pseudo file system (/proc) or a full disk: opening the root says which
         return [SizeField("capacity_bytes", "capacity", room=room, room_label=f"free disk under {root}")]
 
     @property
