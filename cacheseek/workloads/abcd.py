@@ -76,10 +76,12 @@ class AbcdGate:
     def __init__(self, total_chunks: int = 4, prefix_chunks: int = 2, ring_check: bool = True,
                  action_seed: int = 7, action_dim: int = 4) -> None:
         if total_chunks < 2:
-            raise ConfigError("workload.total_chunks", f"must be >= 2, got {total_chunks}")
+            raise ConfigError("workload.total_chunks", f"must be >= 2, got {total_chunks}",
+                              "the gate needs a shared prefix and a fork: e.g. workload.total_chunks=4")
         if not 1 <= prefix_chunks < total_chunks:
             raise ConfigError("workload.prefix_chunks",
-                              f"must be in [1, total_chunks), got {prefix_chunks} with total {total_chunks}")
+                              f"must be in [1, total_chunks), got {prefix_chunks} with total {total_chunks}",
+                              f"e.g. workload.prefix_chunks={max(1, total_chunks // 2)}")
         self.n = total_chunks
         self.p = prefix_chunks
         self.ring_check = ring_check

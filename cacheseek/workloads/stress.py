@@ -59,7 +59,8 @@ class StressSchema:
 
 def _check(field: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"workload.{field}", f"must be an integer >= {low}, got {value!r}")
+        raise ConfigError(f"workload.{field}", f"must be an integer >= {low}, got {value!r}",
+                          f"set workload.{field} to an integer >= {low}")
 
 
 @WORKLOADS.register("stress", StressSchema)
