@@ -35,6 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from cacheseek import namespace, sizing
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.registry import STORES, TRANSFERS, import_backends
+from cacheseek.sizes import format_size
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +180,9 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
                 tell(line)
         store = _starting("store", lambda: instantiate(store_cfg, transfer=transfer, **objects), store_name)
         if size_fields is None:
-            _check_reported_capacity(store, need)
+            capacity = _check_reported_capacity(store, need)
+            if capacity is not None:
+                tell(f"store capacity: {format_size(capacity)} (as the {store_name} store reports it)")
     stack = Stack(cfg=cfg, runtime_factory=runtime_factory, store=store, store_name=store_name,
                   transfer=transfer, layout=layout, fields=fields, forest=NamespaceForest(),
                   run_dir=run_dir, workload=workload, notes=notes)
@@ -205,18 +208,20 @@ def _starting(component: str, build: Callable[[], Any], name: str = "") -> Any:
         raise ConfigError(component, f"{what}: {exc}") from exc
 
 
-def _check_reported_capacity(store: Any, need: Any) -> None:
+def _check_reported_capacity(store: Any, need: Any) -> Optional[int]:
+    """The capacity ``store`` reports (None: unbounded or unknown), checked against one chunk."""
     from cacheseek.eviction import store_usage
 
     usage = store_usage(store)
+    capacity = None if usage is None else usage.capacity_bytes
     try:
-        sizing.check_capacity(None if usage is None else usage.capacity_bytes, need, "store",
-                              getattr(store, "capacity_fix", "give the store more room"))
+        sizing.check_capacity(capacity, need, "store", getattr(store, "capacity_fix", "give the store more room"))
     except BaseException:
         close = getattr(store, "close", None)
         if close is not None:
             close()
         raise
+    return capacity
 
 
 def _high_watermark(cfg: Any) -> float:

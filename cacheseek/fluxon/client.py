@@ -59,6 +59,8 @@ import itertools
 import json
 import logging
 import os
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -371,6 +373,32 @@ def _error_code(err: Any) -> Optional[int]:
     return None
 
 
+@contextlib.contextmanager
+def _native_output_to_log() -> Iterator[None]:
+    """While attaching, fluxon-py's native client prints its config and banners straight to file
+    descriptors 1 and 2: send them to this module's log (the run's log file) instead."""
+    import tempfile
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with tempfile.TemporaryFile() as sink:
+        saved = [os.dup(1), os.dup(2)]
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            sink.seek(0)
+            for line in sink.read().decode("utf-8", errors="replace").splitlines():
+                if line.strip():
+                    log.info("fluxon-py: %s", re.sub(r"\x1b\[[0-9;]*m", "", line))
+
+
 class _Miss(Exception):
     """Internal: the key does not exist."""
 
@@ -479,12 +507,15 @@ class FluxonClient:
                 f"fluxon new_store failed for cluster {self.cluster_name!r} at {self.share_mem_path} "
                 f"(instance {self.instance_key}): {_error_text(res.unwrap_error())}")
 
-        self._store = self._run("attach", None, _new, self.attach_timeout_s)
+        with _native_output_to_log():
+            self._store = self._run("attach", None, _new, self.attach_timeout_s)
         try:
-            time.sleep(settle_s)
-            # the first RPC is part of attaching: bounded by attach_timeout_s, not op_timeout_s
-            self._run("exists", PROBE_KEY, lambda: self._unwrap("exists", PROBE_KEY, self._store.is_exist(PROBE_KEY)),
-                      self.attach_timeout_s)
+            with _native_output_to_log():
+                time.sleep(settle_s)
+                # the first RPC is part of attaching: bounded by attach_timeout_s, not op_timeout_s
+                self._run("exists", PROBE_KEY,
+                          lambda: self._unwrap("exists", PROBE_KEY, self._store.is_exist(PROBE_KEY)),
+                          self.attach_timeout_s)
             if key_index:
                 from fluxon_py.tool import import_fluxon_pyo3_local
 
