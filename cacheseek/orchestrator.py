@@ -174,12 +174,11 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
         if "root" in store_cfg and store_cfg["root"] is None:
             store_cfg["root"] = str(run_dir / "kvstore")
         size_fields = getattr(_class_of(store_cfg["_target_"]), "size_fields", None)
-        if size_fields is not None:
-            for line in sizing.resolve_sizes(store_cfg, size_fields(store_cfg), need,
-                                             high_watermark=_high_watermark(cfg)):
-                tell(line)
+        sized = size_fields(store_cfg) if size_fields is not None else []
+        for line in sizing.resolve_sizes(store_cfg, sized, need, high_watermark=_high_watermark(cfg)):
+            tell(line)
         store = _starting("store", lambda: instantiate(store_cfg, transfer=transfer, **objects), store_name)
-        if size_fields is None:
+        if not sized:  # its capacity is not in its config (a Fluxon service's segment): ask the store
             capacity = _check_reported_capacity(store, need)
             if capacity is not None:
                 tell(f"store capacity: {format_size(capacity)} (as the {store_name} store reports it)")
