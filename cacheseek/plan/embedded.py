@@ -7,7 +7,7 @@ The single-machine tier that needs no service, and the Plan test bed. It offers 
   anonymous MAP_PRIVATE mapping, or ``"shm"`` a MAP_SHARED file in ``shm_dir`` (how a Fluxon
   owner's segment looks). With ``hugepages`` (default) the segment is advised MADV_HUGEPAGE: a
   private mapping then gets 2 MiB pages where THP is ``madvise`` (the cheapest to fault and to
-  register, DESIGN.md section 4); shared memory gets them only where shmem THP is enabled (it is
+  register, docs/design.md section 4); shared memory gets them only where shmem THP is enabled (it is
   ``never`` on the H200 machine). The bytes actually backed by huge pages are read back from
   ``/proc/self/smaps`` into the segment timers. The segment is created and pre-faulted by
   ``wait_local_segments_ready`` (libc ``madvise(MADV_POPULATE_WRITE)`` through ctypes, which

@@ -2,7 +2,7 @@
 tensors and a Plan store's registered host segments, in batches, with no CPU staging.
 
 It is a `TierStore` and a `PathReadStore` (``accepts_device_views``): the manager hands it
-detached views of the ring tail on write and a `RestoreTarget` on read (DESIGN.md section 2).
+detached views of the ring tail on write and a `RestoreTarget` on read (docs/design.md section 2).
 
 Warm-up (construction, never a request's first write): the Plan client's segments are made ready
 (an embedded client maps and pre-faults its segment here: 2 MiB pages where allowed, else libc

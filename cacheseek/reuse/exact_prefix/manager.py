@@ -358,7 +358,7 @@ class WorldKVManager:
         t0 = time.perf_counter()
 
         def on_ready(handle: BlobHandle) -> None:
-            # The publication bit of a write (API.md): set here, from the store's completion
+            # The publication bit of a write (docs/api.md): set here, from the store's completion
             # callback, whether or not the store already set it.
             with self.forest.lock:
                 if handle.error is None:
