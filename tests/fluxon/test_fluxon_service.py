@@ -224,7 +224,7 @@ def test_cli_tool_starts_prints_attach_info_and_stops_on_sigterm(fluxon_env, tmp
     share = f"/dev/shm/cacheseek-tool-{os.getpid()}"
     env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(
-        [sys.executable, "tools/fluxon_service.py", "start", "--dram", "32MiB", "--dir", str(tmp_path / "fx"),
+        [sys.executable, "tools/fluxon_service.py", "start", "--foreground", "--dram", "32MiB", "--dir", str(tmp_path / "fx"),
          "--cluster-name", name, "--share-mem-path", share, "--info-json", str(info_json)],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -19,13 +19,13 @@ def _env() -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=str(REPO))
 
 
-def _names(tmp_path: Path) -> tuple[str, str]:
-    return f"cstool{os.getpid()}", f"/dev/shm/cacheseek-tool-{os.getpid()}"
+def _names(tag: str) -> tuple[str, str]:
+    return f"cs{tag}{os.getpid()}", f"/dev/shm/cacheseek-{tag}-{os.getpid()}"
 
 
 @pytest.mark.fluxon
 def test_start_in_the_background_attach_then_stop(fluxon_env, tmp_path):
-    cluster, share = _names(tmp_path)
+    cluster, share = _names("bg")
     work = tmp_path / "svc"
     common = ["--dir", str(work), "--cluster-name", cluster, "--share-mem-path", share]
     out = subprocess.run([*TOOL, "start", "--dram", "48MiB", *common], env=_env(), capture_output=True,
@@ -56,7 +56,7 @@ def test_start_in_the_background_attach_then_stop(fluxon_env, tmp_path):
 
 @pytest.mark.fluxon
 def test_run_starts_runs_and_stops_with_the_command_status(fluxon_env, tmp_path):
-    cluster, share = _names(tmp_path)
+    cluster, share = _names("run")
     cmd = [*TOOL, "run", "--dram", "32MiB", "--dir", str(tmp_path / "svc"), "--cluster-name", cluster,
            "--share-mem-path", share, "--", sys.executable, "-c",
            f"import os, sys; sys.exit(3 if os.path.exists('{share}/{cluster}/shared.json') else 1)"]
