@@ -39,7 +39,8 @@ def test_start_in_the_background_attach_then_stop(fluxon_env, tmp_path):
         again = subprocess.run([*TOOL, "start", *common], env=_env(), capture_output=True, text=True, timeout=60)
         assert again.returncode == 2 and again.stderr.startswith("error: --dir: a service started from")
         run = subprocess.run([sys.executable, "-m", "cacheseek", "+store=fluxon", f"store.cluster_name={cluster}",
-                              f"store.share_mem_path={share}", f"hydra.run.dir={tmp_path / 'run'}"],
+                              f"store.share_mem_path={share}", f"hydra.run.dir={tmp_path / 'run'}",
+                              "workload.total_chunks=2", "workload.prefix_chunks=1", "workload.ring_check=false"],
                              cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
         assert "store capacity: 48 MiB" in run.stdout and "used of 48.00 MiB" in run.stdout
