@@ -1,29 +1,40 @@
 """``python -m cacheseek``: compose the config, build the stack, run the workload, report.
 
-User errors (a bad field, an unwritable root, an unknown backend) print one line naming the
-field and exit 2 without a traceback; a failed gate prints FAIL and exits 1 (in a multirun the
-job raises, the launcher finishes the batch and exits 1).
+Every bad input ends in one line on stderr, ``error: FIELD: what is wrong (fix: ...)``, and exit
+status 2, with no traceback: Hydra's compose errors (an unknown option, ``store=X`` without the
+``+``, a typo in a key, a wrong type; `cacheseek.hydra_errors`), an output folder that cannot be
+written (`OutputDirCheck`), and CacheSeek's own `ConfigError`s, a store or transfer runtime that
+cannot start included. A failed gate prints FAIL and exits 1; in a multirun a failed job raises,
+the launcher finishes the batch, and the run exits 1 (2 when a job had a bad input). A bug is
+still a traceback. ``HYDRA_FULL_ERROR=1`` shows Hydra's full report instead of the one line.
+
+Output: the choices made for the user (the default store, ``transfer: auto``, each ``auto``
+size) at start, a progress bar on a terminal, then the report (`cacheseek.report`). Log lines go
+to the run folder's ``cacheseek.log``; only warnings reach the terminal (conf/config.yaml).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import hydra
+from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 import cacheseek.schema  # noqa: F401  (registers the root schema)
-from cacheseek.errors import ConfigError, PlanUnavailableError, StoreError
+from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.registry import import_backends
 
 log = logging.getLogger("cacheseek")
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+EXIT_FAIL, EXIT_USAGE = 1, 2
 
 import_backends()
 
@@ -35,13 +46,12 @@ class GateFailed(RuntimeError):
 def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
     """The task: build the stack, run the workload, write results.json. Returns the results."""
     from cacheseek import report
-    from cacheseek.orchestrator import build_stack, instantiate
+    from cacheseek.orchestrator import build_stack
 
     t0 = time.perf_counter()
-    stack = build_stack(cfg, run_dir=run_dir, **objects)
+    stack = build_stack(cfg, run_dir=run_dir, note=lambda line: print(line, flush=True), **objects)
     try:
-        workload = instantiate(cfg.workload)
-        results = workload.run(stack)
+        results = stack.workload.run(stack)
         flush = getattr(stack.store, "flush", None)
         if flush is not None:
             flush()
@@ -50,6 +60,7 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
         results["runtime"] = describe() if describe is not None else {"runtime": type(stack.runtime_factory).__name__}
         results["store_stats"] = _stats(stack.store)
         results["metrics"] = stack.metrics.as_dict()
+        results["notes"] = stack.notes
     finally:
         stack.close()
     results["config"] = OmegaConf.to_container(cfg, resolve=True)
@@ -61,12 +72,10 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
     print(report.metrics_block(results["metrics"]))
     if results.get("summary"):
         print(results["summary"])
-    for row in results.get("ring_check", []):
-        if row["verdict"] != "ok":
-            print(f"ring check K={row['K']}: {row['verdict']} {row['diff']}")
-    if results.get("ring_check"):
-        ok = sum(r["verdict"] == "ok" for r in results["ring_check"])
-        print(f"ring check: {ok}/{len(results['ring_check'])} resume depths equal a cold run")
+    if "verdicts" in results:
+        print("\n".join(report.gate_verdicts(results)))
+    elif not results["passed"] and report.nothing_cached(results["metrics"]):
+        print(report.nothing_cached(results["metrics"]))
     verdict = "PASS" if results["passed"] else "FAIL"
     runtime = " ".join(f"{k}={v}" for k, v in results["runtime"].items())
     print(f"{verdict}: {results.get('workload')} on store={stack.store_name} {runtime} "
@@ -82,8 +91,64 @@ def _stats(store: Any) -> dict[str, Any]:
     return as_dict() if as_dict else dict(stats) if isinstance(stats, dict) else {"repr": repr(stats)}
 
 
+class OutputDirCheck(Callback):
+    """Finds out why a run or sweep folder cannot be used before Hydra tries to use it: Hydra
+    swallows a callback's exceptions, so the check records a `ConfigError` naming
+    ``hydra.run.dir`` or ``hydra.sweep.dir`` in ``problem``, and `main` reports it as the cause
+    of Hydra's own failure. A probe file is written and removed; the folder stays, as Hydra's would."""
+
+    problem: Optional[ConfigError] = None
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        OutputDirCheck.problem = _unwritable(config, "run")
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        OutputDirCheck.problem = _unwritable(config, "sweep")
+
+
+def _unwritable(config: DictConfig, which: str) -> Optional[ConfigError]:
+    field = f"hydra.{which}.dir"
+    try:
+        folder = Path(str(OmegaConf.select(config, field)))
+    except Exception:  # noqa: BLE001 - an interpolation only Hydra can resolve: Hydra checks it
+        return None
+    fix = f"choose a folder you can write: {field}=/tmp/cacheseek-{which}"
+    if folder.exists() and not folder.is_dir():
+        return ConfigError(field, f"{folder} is a file, not a folder", fix)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        return ConfigError(field, f"cannot write {folder}: {exc.strerror or exc}", fix)
+    return None
+
+
+def error_line(exc: ConfigError) -> str:
+    """``error: FIELD: problem (fix: ...)`` on one line (a multi-line problem keeps its first)."""
+    lines = str(exc.problem).strip().splitlines() or [""]
+    more = " (more in the log file)" if len(lines) > 1 else ""
+    fix = f" (fix: {exc.fix})" if exc.fix else ""
+    return f"error: {exc.field}: {lines[0]}{more}{fix}"
+
+
+def _usage_error(exc: BaseException) -> Optional[ConfigError]:
+    """The `ConfigError` a bad input raised, directly, through Hydra, or as a cause; else None."""
+    from cacheseek.hydra_errors import config_error_from_hydra
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        found = config_error_from_hydra(exc)
+        if found is not None:
+            return found
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> None:
+def _task(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -92,18 +157,47 @@ def main(cfg: DictConfig) -> None:
     try:
         results = run(cfg, Path(hc.runtime.output_dir))
     except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        log.error("config error: %s", exc)
+        print(error_line(exc), file=sys.stderr, flush=True)
+        log.info("bad input, exit %d: %s", EXIT_USAGE, exc)  # the log file only
         if multirun:
+            exc.reported = True  # type: ignore[attr-defined]
             raise
-        sys.exit(2)
-    except (StoreError, PlanUnavailableError) as exc:  # e.g. no Fluxon service to attach to
-        print(f"error: store: {type(exc).__name__}: {exc}", file=sys.stderr)
-        log.error("store error: %s", exc)
+        sys.exit(EXIT_USAGE)
+    except CacheSeekError as exc:  # a store or transfer failing in the middle of the run
+        print(f"error: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}", file=sys.stderr, flush=True)
+        log.exception("the run failed")
         if multirun:
+            exc.reported = True  # type: ignore[attr-defined]
             raise
-        sys.exit(1)
+        sys.exit(EXIT_FAIL)
     if not results["passed"]:
         if multirun:
             raise GateFailed(f"gate FAILED in {hc.runtime.output_dir}")
-        sys.exit(1)
+        sys.exit(EXIT_FAIL)
+
+
+def main() -> None:
+    """The entry point: Hydra runs `_task`; what goes wrong before or around it is one line."""
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        _task()
+        return
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its report: we print one line
+    try:
+        _task()
+    except BrokenPipeError:  # `python -m cacheseek --help | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(EXIT_FAIL)
+    except Exception as exc:  # noqa: BLE001 - sorted below; anything else is a bug and re-raised
+        if getattr(exc, "reported", False):
+            sys.exit(EXIT_USAGE if isinstance(exc, ConfigError) else EXIT_FAIL)
+        if isinstance(exc, GateFailed):
+            sys.exit(EXIT_FAIL)
+        bad = _usage_error(exc)
+        if bad is None and isinstance(exc, OSError):
+            bad = OutputDirCheck.problem
+        if bad is None:
+            raise
+        print(error_line(bad), file=sys.stderr, flush=True)
+        sys.exit(EXIT_USAGE)
+    finally:
+        os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -10,6 +10,16 @@ A store that can list and remove its values (LocalDisk) is reconciled with the s
 forest when the stack is built (`WorldKVManager.reconcile`): values a previous process left, which
 no trie of this one names, are removed instead of counting against the capacity.
 
+Sizes: the store's size fields (``size_fields``, `cacheseek.sizing`) are resolved before it is
+built: ``auto`` is fitted to the workload (``workload``, else ``cfg.workload``) and the runtime's
+geometry, units are read, and a size that cannot hold one chunk is a `ConfigError` with the
+numbers; after it is built, a capacity the store reports (a Fluxon service's segment) is checked
+the same way. Each choice made for the user (the default store, ``transfer: auto``, each ``auto``
+size) is one line in ``Stack.notes``, logged and passed to ``note`` (the CLI prints them).
+
+A store or transfer runtime that cannot start (no service to attach to, a missing package) is a
+`ConfigError` naming ``store`` or ``transfer``, with the component's own message as the problem.
+
 A `Stack` hands out managers and bindings that share one forest, one store and one
 `CacheMetrics`, which is what a serving process does with many sessions. Managers get the
 ``manager.eviction`` section (policy and watermarks).
@@ -20,14 +30,16 @@ from __future__ import annotations
 import inspect
 import logging
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Optional
 
 import attrs
 from omegaconf import DictConfig, OmegaConf
 
-from cacheseek import namespace
+from cacheseek import namespace, sizing
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.registry import STORES, TRANSFERS, import_backends
+from cacheseek.sizes import format_size
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +81,8 @@ class Stack:
     fields: list[Any]
     forest: Any
     run_dir: Path
+    workload: Any = None
+    notes: list[str] = attrs.field(factory=list)
     metrics: Any = attrs.field(factory=lambda: _new_metrics())
 
     def manager_config(self):
@@ -115,21 +129,35 @@ class Stack:
             close()
 
 
-def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, **objects: Any) -> Stack:
+def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = None,
+                note: Optional[Callable[[str], None]] = None, **objects: Any) -> Stack:
     """Instantiate the configured stack. ``objects`` (e.g. ``store=``, ``transfer=``,
-    ``plan_client=``, ``cudart=``) override or are injected into the configured components."""
+    ``plan_client=``, ``cudart=``) override or are injected into the configured components.
+    ``workload``: the built workload (else ``cfg.workload`` is built when present); ``note``
+    receives each choice made for the user, one line each (they are logged too)."""
     from cacheseek.reuse.exact_prefix import NamespaceForest
 
     import_backends()
+    notes: list[str] = []
+
+    def tell(line: str) -> None:
+        notes.append(line)
+        log.info("%s", line)
+        if note is not None:
+            note(line)
+
     run_dir = Path(run_dir) if run_dir is not None else Path.cwd()
     runtime_factory = objects.pop("runtime_factory", None) or instantiate(cfg.runtime)
+    if workload is None and cfg.get("workload") is not None:
+        workload = instantiate(cfg.workload)
+    need = sizing.need_for(runtime_factory, workload)
     layout = instantiate(cfg.layout)
     fields = namespace.resolve_fields(
         None if cfg.namespace.fields is None else list(cfg.namespace.fields))
 
     transfer = objects.pop("transfer", None)
     if transfer is None:
-        transfer = _build_transfer(cfg.transfer, runtime_factory.device, objects)
+        transfer = _starting("transfer", lambda: _build_transfer(cfg.transfer, runtime_factory.device, objects, tell))
 
     store = objects.pop("store", None)
     store_name = "injected"
@@ -137,20 +165,39 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, **objects: Any) -> 
         store_cfg = cfg.get("store")
         if store_cfg is None:
             store_name = STORES.default
-            log.info("store: null -> the embedded default store %r", store_name)
-            store_cfg = OmegaConf.create({"_target_": _target_of(STORES.get(store_name))})
+            tell(f"store: {store_name} (store: null is the embedded default; pick another with +store=NAME)")
+            target = _target_of(STORES.get(store_name))
+            store_cfg = OmegaConf.structured(STORES.schema(store_name)(_target_=target)) \
+                if _has_schema(store_name) else OmegaConf.create({"_target_": target})
+        elif "_target_" not in store_cfg:
+            given = ", ".join(f"store.{k}" for k in store_cfg)
+            raise ConfigError("store", f"{given} set, but no store was chosen",
+                              f"choose one first: +store=NAME {given.split(', ')[0]}=..., NAME one of "
+                              f"{', '.join(STORES.names())}")
         else:
             store_name = _name_of(STORES, store_cfg["_target_"])
         store_cfg = OmegaConf.to_container(store_cfg, resolve=True)
         if "root" in store_cfg and store_cfg["root"] is None:
             store_cfg["root"] = str(run_dir / "kvstore")
-        store = instantiate(store_cfg, transfer=transfer, geometry_bytes=_geometry_bytes(runtime_factory),
-                            **objects)
+        size_fields = getattr(_class_of(store_cfg["_target_"]), "size_fields", None)
+        sized = size_fields(store_cfg) if size_fields is not None else []
+        for line in sizing.resolve_sizes(store_cfg, sized, need, high_watermark=_high_watermark(cfg)):
+            tell(line)
+        store = _starting("store", lambda: instantiate(store_cfg, transfer=transfer,
+                                                        geometry_bytes=_geometry_bytes(runtime_factory), **objects), store_name)
+        if not sized:  # its capacity is not in its config (a Fluxon service's segment): ask the store
+            capacity = _check_reported_capacity(store, need)
+            if capacity is not None:
+                tell(f"store capacity: {format_size(capacity)} (as the {store_name} store reports it)")
     stack = Stack(cfg=cfg, runtime_factory=runtime_factory, store=store, store_name=store_name,
                   transfer=transfer, layout=layout, fields=fields, forest=NamespaceForest(),
-                  run_dir=run_dir)
-    stack.manager_config()  # validates the manager section against the runtime before any work
-    stack.eviction_config()
+                  run_dir=run_dir, workload=workload, notes=notes)
+    try:
+        stack.manager_config()  # validates the manager section against the runtime before any work
+        stack.eviction_config()
+    except BaseException:
+        stack.close()
+        raise
     stack.metrics.bind_store(store)
     if callable(getattr(store, "delete_values", None)):
         # A persistent store under a fresh forest: what a previous process left is unreachable.
@@ -175,18 +222,70 @@ def _geometry_bytes(runtime_factory: Any) -> Optional[tuple[int, int]]:
         return None
 
 
+def _starting(component: str, build: Callable[[], Any], name: str = "") -> Any:
+    """``build()``; a CacheSeek error other than a ConfigError (a service that is not there, a
+    package that is missing) becomes a ConfigError naming ``component``: the run cannot start."""
+    try:
+        return build()
+    except ConfigError:
+        raise
+    except CacheSeekError as exc:
+        what = f"{name} cannot start" if name else "cannot start"
+        raise ConfigError(component, f"{what}: {exc}") from exc
+
+
+def _check_reported_capacity(store: Any, need: Any) -> Optional[int]:
+    """The capacity ``store`` reports (None: unbounded or unknown), checked against one chunk."""
+    from cacheseek.eviction import store_usage
+
+    usage = store_usage(store)
+    capacity = None if usage is None else usage.capacity_bytes
+    try:
+        sizing.check_capacity(capacity, need, "store", getattr(store, "capacity_fix", "give the store more room"))
+    except BaseException:
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
+        raise
+    return capacity
+
+
+def _high_watermark(cfg: Any) -> float:
+    try:
+        return float(cfg.manager.eviction.high_watermark)
+    except (AttributeError, TypeError, ValueError):
+        return 0.9
+
+
+def _has_schema(name: str) -> bool:
+    try:
+        STORES.schema(name)
+    except KeyError:
+        return False
+    return True
+
+
+def _class_of(target: str) -> Any:
+    from hydra.utils import get_class
+
+    try:
+        return get_class(target)
+    except Exception:  # noqa: BLE001 - instantiate reports a bad target with its own message
+        return None
+
+
 def _new_metrics() -> Any:
     from cacheseek.metrics import CacheMetrics
 
     return CacheMetrics()
 
 
-def _build_transfer(node: Any, device: str, objects: dict[str, Any]) -> Any:
+def _build_transfer(node: Any, device: str, objects: dict[str, Any], tell: Callable[[str], None]) -> Any:
     name = _name_of(TRANSFERS, node["_target_"])
     if name == "auto":
         name = "cuda" if str(device).startswith("cuda") else "host"
         node = OmegaConf.create({"_target_": _target_of(TRANSFERS.get(name))})
-        log.info("transfer: auto -> %r for runtime device %r", name, device)
+        tell(f"transfer: {name} (auto, for runtime.device={device})")
     # a runtime that takes a device (CUDA) creates its streams, events and threads on this one
     return instantiate(node, device=str(device), **objects)
 

@@ -1,8 +1,18 @@
-"""Plain-text tables for the CLI report and the sweep summary."""
+"""The CLI report: the request table, the metrics block, the gate's three verdicts, and the
+tables of the sweep summary.
+
+The gate's verdicts stay apart (`gate_verdicts`): the hit depths, the frame hashes and the ring
+check each get one line, so that a cache that stored nothing (every request cold, frames equal)
+reads as that, in one line with the dropped and failed writes, and not as a frame mismatch.
+A ring-check depth that was never restored is one line; long lists of differences are capped
+at `MAX_DIFFS`.
+"""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
+
+MAX_DIFFS = 4  # differences shown per ring-check depth; the rest are counted
 
 
 def fmt_bytes(n: float) -> str:
@@ -35,12 +45,63 @@ REQUEST_COLUMNS = [
     ("chunks_computed", "computed"), ("wall_s", "wall s"), ("restored", "restored"),
     ("written", "written"), ("expect", "expected"), ("verdict", "frame hashes"),
 ]
+GATE_COLUMNS = [  # the gate's rows carry the depth and the frames verdicts apart
+    ("name", "req"), ("actions", "actions"), ("hit_depth", "hit K"), ("expect_k", "want K"),
+    ("depth", "depth"), ("chunks_computed", "computed"), ("wall_s", "wall s"), ("restored", "restored"),
+    ("written", "written"), ("frames_vs", "frames vs"), ("frames", "frames"),
+]
 
 
 def request_table(requests: Sequence[dict[str, Any]]) -> str:
     rows = [dict(r, restored=fmt_bytes(r["bytes_restored"]), written=fmt_bytes(r["bytes_written"]))
             for r in requests]
-    return table(rows, REQUEST_COLUMNS)
+    gate = all(r.get("depth") for r in requests)
+    return table(rows, GATE_COLUMNS if gate else REQUEST_COLUMNS)
+
+
+def nothing_cached(m: dict[str, Any]) -> str | None:
+    """One line when the run stored nothing while it tried to (every write dropped or failed)."""
+    tried = m.get("dropped_writes", 0) + m.get("failed_writes", 0)
+    if m.get("writes", 0) or not tried:
+        return None
+    return (f"nothing was cached: {m.get('dropped_writes', 0)} writes dropped, {m.get('failed_writes', 0)} "
+            f"failed, none stored (store: {fmt_bytes(m.get('store_used_bytes') or 0)} used of "
+            f"{_capacity(m.get('store_capacity_bytes'))}; the log file has each failure)")
+
+
+def gate_verdicts(results: dict[str, Any]) -> list[str]:
+    """The gate's three verdict lines (hit depths, frame hashes, ring check), capped diffs."""
+    reqs = results.get("requests", [])
+    m = results.get("metrics", {})
+    empty = nothing_cached(m)
+    misses = [r for r in reqs if r.get("depth") not in (None, "ok")]
+    if misses:
+        what = ", ".join(f"{r['name']} hit {r['hit_depth']} (want {r['expect_k']})" for r in misses)
+        depth = f"hit depth:    FAIL: {what}" + (f"; {empty}" if empty else "")
+    else:
+        depth = "hit depth:    ok (" + ", ".join(f"{r['name']} {r['hit_depth']}" for r in reqs) + ")"
+    wrong = [r for r in reqs if r.get("frames") not in (None, "ok")]
+    compared = ", ".join(f"{r['name']} {r['frames_vs']}" for r in reqs if r.get("frames_vs"))
+    frames = (f"frame hashes: FAIL: {', '.join(r['name'] + ' ' + r['frames_vs'] for r in wrong)} does not hold"
+              if wrong else f"frame hashes: ok ({compared})")
+    lines = [depth, frames]
+    ring = results.get("ring_check") or []
+    if ring:
+        ok = [r for r in ring if r["verdict"] == "ok"]
+        absent = [r for r in ring if r["verdict"] == "not restored"]
+        lines.append(f"ring check:   {'ok' if len(ok) == len(ring) else 'FAIL'} ({len(ok)}/{len(ring)} resume "
+                     "depths equal a cold run)")
+        if absent:
+            ks = ", ".join(f"K={r['K']}" for r in absent)
+            hits = sorted({r["hit_depth"] for r in absent})
+            lines.append(f"  {ks}: never restored (hit {', '.join(map(str, hits))}), nothing to compare"
+                         + (f"; {empty}" if empty else ""))
+        for r in ring:
+            if r["verdict"] == "MISMATCH":
+                diff = r["diff"]
+                shown = "; ".join(diff[:MAX_DIFFS]) + (f"; ... {len(diff) - MAX_DIFFS} more" if len(diff) > MAX_DIFFS else "")
+                lines.append(f"  K={r['K']}: {len(diff)} differences from a cold run: {shown}")
+    return lines
 
 
 def _capacity(n: Any) -> str:

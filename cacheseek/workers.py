@@ -14,8 +14,10 @@ attached to the same Fluxon cluster through the chosen store:
    a fresh trie without ingest (the reference: C's frames must equal D's).
 
 It prints each request's hit depth and PASS or FAIL (exit 0 / 1; 2 for a usage, config or
-attach error), and writes ``results.json``, the snapshot and each worker's log under
-``--workdir``. The actions, the geometry and the sizes come from the usual Hydra config
+attach error, as one ``error:`` line), and writes ``results.json``, the snapshot, each worker's
+log and its own (``workers.log``) under ``--workdir``: by default a new run folder
+``outputs/workers/DATE/TIME`` beside Hydra's, created only once the invocation is accepted; no
+temporary folder is left anywhere. A progress bar shows on a terminal while the workers run. The actions, the geometry and the sizes come from the usual Hydra config
 (``workload`` abcd: ``total_chunks``, ``prefix_chunks``, ``action_seed``), so any override of
 ``python -m cacheseek`` can follow the options, e.g. ``runtime.local_attn_size=7
 runtime.sink_size=3 workload.total_chunks=5 workload.prefix_chunks=3``.
@@ -25,7 +27,8 @@ reads, staged writes) or ``fluxon`` (the generic per-layer tier, `FluxonTensorTi
 
 The service's master and owner advertise a non-loopback address: on a shared machine run the
 whole command inside a private network namespace (``../shared/tools/netns-run.sh``); with
-``--start-service`` this command refuses to start a service outside one.
+``--start-service`` this command refuses to start a service outside one, before it creates
+anything.
 """
 
 from __future__ import annotations
@@ -36,7 +39,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -102,7 +104,7 @@ def run_worker(role: str, overrides: list[str], snapshot: Path, out: Path, run_d
     if not isinstance(gate, AbcdGate):
         raise ConfigError("workload", f"cacheseek.workers runs the abcd workload, not {cfg.workload._target_}")
     n = gate.n
-    stack = build_stack(cfg, run_dir=run_dir)
+    stack = build_stack(cfg, run_dir=run_dir, workload=gate)
     result: dict[str, Any] = {"role": role, "pid": os.getpid(), "store": stack.store_name,
                               "store_class": type(stack.store).__name__, "total_chunks": n,
                               "prefix_chunks": gate.p}
@@ -129,7 +131,9 @@ def run_worker(role: str, overrides: list[str], snapshot: Path, out: Path, run_d
 # -- the coordinator ----------------------------------------------------------------------------
 
 
-def _spawn(role: str, overrides: list[str], workdir: Path, timeout_s: float) -> dict[str, Any]:
+def _spawn(role: str, overrides: list[str], workdir: Path, timeout_s: float, progress: Any = None) -> dict[str, Any]:
+    from cacheseek.progress import ticking
+
     out, logf = workdir / f"worker-{role}.json", workdir / f"worker-{role}.log"
     cmd = [sys.executable, "-m", "cacheseek.workers", "--role", role, "--snapshot", str(workdir / "forest.json"),
            "--out", str(out), "--workdir", str(workdir), *overrides]
@@ -137,7 +141,7 @@ def _spawn(role: str, overrides: list[str], workdir: Path, timeout_s: float) -> 
     repo = str(Path(__file__).resolve().parents[1])
     env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     t0 = time.monotonic()
-    with open(logf, "wb") as f:
+    with open(logf, "wb") as f, ticking(progress):
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
         try:
             rc = proc.wait(timeout=timeout_s)
@@ -190,40 +194,95 @@ def _table(first: dict[str, Any], second: dict[str, Any], rows: list[tuple[str, 
     return "\n".join(lines)
 
 
+def default_workdir() -> Path:
+    """A new run folder ``outputs/workers/DATE/TIME`` (under the current folder, like Hydra's)."""
+    return Path("outputs") / "workers" / time.strftime("%Y-%m-%d") / time.strftime("%H-%M-%S")
+
+
+def _refusal(args: argparse.Namespace) -> Optional[str]:
+    """Why this invocation cannot run, found before anything is created; None when it can."""
+    if not args.start_service:
+        if not (args.cluster_name and args.share_mem_path):
+            return ("--cluster-name: give --cluster-name and --share-mem-path of a running service "
+                    "(fix: add them, or --start-service for a private one)")
+        return None
+    from cacheseek.errors import ConfigError
+    from cacheseek.fluxon.service import fluxon_py_problem, private_netns_problem
+    from cacheseek.sizes import parse_size
+
+    try:
+        parse_size(args.dram, "--dram")
+    except ConfigError as exc:
+        return str(exc)
+    problem = fluxon_py_problem()
+    if problem:
+        return f"--start-service: {problem}"
+    problem = private_netns_problem()
+    if problem:
+        return f"--start-service: the Fluxon service needs a private network namespace: {problem}"
+    return None
+
+
+def _log_to(workdir: Path) -> logging.Handler:
+    handler = logging.FileHandler(workdir / "workers.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger()
+    for console in root.handlers:
+        console.setLevel(max(console.level, logging.WARNING))
+    root.setLevel(logging.INFO)
+    root.addHandler(handler)
+    return handler
+
+
 def coordinate(args: argparse.Namespace) -> int:
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="cacheseek-workers-")).absolute()
+    from cacheseek.progress import bar
+
+    refused = _refusal(args)
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
+    workdir = Path(args.workdir or default_workdir()).absolute()
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "forest.json").unlink(missing_ok=True)
+    handler = _log_to(workdir)
     service = None
-    if args.start_service:
-        from cacheseek.fluxon.service import FluxonService
-
-        name = args.cluster_name or f"csworkers{os.getpid()}"
-        service = FluxonService(workdir / "service", dram=args.dram, cluster_name=name,
-                                share_mem_path=args.share_mem_path or f"/dev/shm/cacheseek-workers-{os.getpid()}")
-        service.start()
-        cluster, share = service.cluster_name, service.share_mem_path
-    else:
-        if not (args.cluster_name and args.share_mem_path):
-            print("error: give --cluster-name and --share-mem-path of a running service, or --start-service",
-                  file=sys.stderr)
-            return 2
-        cluster, share = args.cluster_name, args.share_mem_path
+    progress = bar(3 if args.start_service else 2, "workers", unit="step")
     try:
+        if args.start_service:
+            from cacheseek.fluxon.service import FluxonService
+            from cacheseek.progress import ticking
+
+            name = args.cluster_name or f"csworkers{os.getpid()}"
+            service = FluxonService(workdir / "service", dram=args.dram, cluster_name=name,
+                                    share_mem_path=args.share_mem_path or f"/dev/shm/cacheseek-workers-{os.getpid()}")
+            progress.set_postfix_str("starting the Fluxon service")
+            with ticking(progress):
+                service.start()
+            progress.update()
+            cluster, share = service.cluster_name, service.share_mem_path
+        else:
+            cluster, share = args.cluster_name, args.share_mem_path
         overrides = store_overrides(args.store, cluster, share, args.op_timeout) + list(args.overrides)
         print(f"one cache, two workers: store={args.store}, Fluxon cluster {cluster!r} at {share}; "
               f"work folder {workdir}", flush=True)
         try:
-            first = _spawn("first", overrides, workdir, args.worker_timeout)
-            print(f"worker 1 (pid {first['pid']}): ran A, wrote the forest snapshot "
-                  f"({first['snapshot_nodes']} nodes) in {first['process_wall_s']:.1f} s", flush=True)
-            second = _spawn("second", overrides, workdir, args.worker_timeout)
-            print(f"worker 2 (pid {second['pid']}): fresh process, empty trie, loaded "
-                  f"{second['loaded_ready_nodes']} ready nodes from the snapshot; ran B, C, D in "
-                  f"{second['process_wall_s']:.1f} s", flush=True)
+            progress.set_postfix_str("worker 1: A")
+            first = _spawn("first", overrides, workdir, args.worker_timeout, progress)
+            progress.update()
+            progress.write(f"worker 1 (pid {first['pid']}): ran A, wrote the forest snapshot "
+                           f"({first['snapshot_nodes']} nodes) in {first['process_wall_s']:.1f} s")
+            progress.set_postfix_str("worker 2: B, C, D")
+            second = _spawn("second", overrides, workdir, args.worker_timeout, progress)
+            progress.update()
+            progress.write(f"worker 2 (pid {second['pid']}): fresh process, empty trie, loaded "
+                           f"{second['loaded_ready_nodes']} ready nodes from the snapshot; ran B, C, D in "
+                           f"{second['process_wall_s']:.1f} s")
         except WorkerFailed as exc:
+            progress.close()
             print(f"FAIL: {exc}", flush=True)
             return 1
+        progress.close()
         passed, rows = check(first, second)
         print(_table(first, second, rows))
         b, c, _ = second["requests"]
@@ -236,8 +295,11 @@ def coordinate(args: argparse.Namespace) -> int:
               f"(store={args.store}) -> {workdir / 'results.json'}", flush=True)
         return 0 if passed else 1
     finally:
+        progress.close()
         if service is not None:
             service.stop()
+        logging.getLogger().removeHandler(handler)
+        handler.close()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -251,7 +313,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--start-service", action="store_true", help="start a private service for the run (needs a "
                    "private network namespace, fluxon-py and etcd)")
     p.add_argument("--dram", default="64MiB", help="segment size with --start-service (default 64MiB)")
-    p.add_argument("--workdir", help="results, snapshot and worker logs (default: a new temporary folder)")
+    p.add_argument("--workdir", help="results, snapshot and logs (default: a new outputs/workers/DATE/TIME)")
     p.add_argument("--op-timeout", type=float, default=30.0, help="bound of every Fluxon call, seconds")
     p.add_argument("--worker-timeout", type=float, default=600.0, help="bound of each worker process, seconds")
     p.add_argument("--role", choices=("first", "second"), help=argparse.SUPPRESS)
@@ -263,8 +325,12 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from cacheseek.errors import CacheSeekError
+    # A worker logs everything to its log file (its stdout); the coordinator shows warnings and
+    # keeps the rest in workers.log.
+    logging.basicConfig(level=logging.INFO if args.role else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from cacheseek.cli import error_line
+    from cacheseek.errors import CacheSeekError, ConfigError
 
     try:
         if args.role:
@@ -272,8 +338,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                        Path(args.workdir or ".") / f"run-{args.role}")
             return 0
         return coordinate(args)
+    except ConfigError as exc:
+        print(error_line(exc), file=sys.stderr)
+        return 2
     except CacheSeekError as exc:
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        first = (str(exc).strip().splitlines() or [""])[0]
+        print(f"error: {type(exc).__name__}: {first}", file=sys.stderr)
         return 2
 
 

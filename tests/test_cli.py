@@ -1,17 +1,20 @@
-"""``python -m cacheseek`` in a subprocess: plain run, ``+store=localdisk``, bad input (one clear
-message naming the field, non-zero exit, no traceback) and a multirun sweep with one summary.
+"""``python -m cacheseek`` in a subprocess: plain run, ``+store=localdisk``, a stress run, ``--help``,
+a table of bad inputs (each one ``error:`` line naming the field and the fix, exit 2, no
+traceback) and a multirun sweep with one summary.
 
 Every run passes ``hydra.run.dir`` and ``hydra.sweep.dir`` under a temp folder; nothing may be
 left under ``outputs/`` or ``multirun/`` of the repository. The subprocesses of this module are
-started together (a module fixture) and each test checks its own.
+started by a module fixture, three at a time, and each test checks its own.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,26 +32,33 @@ def _listing() -> dict[str, set[str]]:
 
 
 class Proc:
-    def __init__(self, args: list[str], tmp: Path) -> None:
+    """One CLI run in a subprocess, started by ``pool`` (a few at a time: the machine is small)."""
+
+    def __init__(self, args: list[str], tmp: Path, pool: ThreadPoolExecutor,
+                 pythonpath: Path | None = None) -> None:
         self.run_dir = tmp / "run"
         self.sweep_dir = tmp / "sweep"
-        cmd = [sys.executable, "-m", "cacheseek", *args,
-               f"hydra.run.dir={self.run_dir}", f"hydra.sweep.dir={self.sweep_dir}"]
-        env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-        self.p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
-        self._done = None
+        dirs = [f"hydra.run.dir={self.run_dir}", f"hydra.sweep.dir={self.sweep_dir}"]
+        self.cmd = [sys.executable, "-m", "cacheseek", *args,
+                    *(d for d in dirs if not any(a.startswith(d.split("=")[0] + "=") for a in args))]
+        self.env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+        if pythonpath is not None:
+            self.env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), str(REPO), self.env.get("PYTHONPATH", "")])
+        self._future = pool.submit(self._run)
+
+    def _run(self) -> tuple[int, str, str]:
+        try:
+            out = subprocess.run(self.cmd, cwd=REPO, env=self.env, capture_output=True, text=True,
+                                 timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired as exc:
+            return -1, str(exc.stdout or ""), f"CLI did not finish in {TIMEOUT_S} s: {exc.stderr or ''}"
+        return out.returncode, out.stdout, out.stderr
 
     def wait(self) -> tuple[int, str, str]:
-        if self._done is None:
-            try:
-                out, err = self.p.communicate(timeout=TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                out, err = self.p.communicate()
-                pytest.fail(f"CLI did not finish in {TIMEOUT_S} s:\n{out}\n{err}")
-            self._done = (self.p.returncode, out, err)
-        return self._done
+        rc, out, err = self._future.result()
+        if rc == -1:
+            pytest.fail(err + "\n" + out)
+        return rc, out, err
 
 
 def _not_a_dir(tmp: Path) -> Path:
@@ -58,25 +68,64 @@ def _not_a_dir(tmp: Path) -> Path:
     return f / "kv"
 
 
-# name -> (args, expected field in the message); None = a passing run
+def _a_file(tmp: Path) -> Path:
+    return _not_a_dir(tmp).parent
+
+
+def _no_fluxon_py(tmp: Path) -> Path:
+    """A folder that shadows fluxon_py with a package that cannot be imported (as if missing)."""
+    pkg = tmp / "shadow" / "fluxon_py"
+    pkg.mkdir(parents=True, exist_ok=True)
+    (pkg / "__init__.py").write_text("raise ImportError('No module named fluxon_py (hidden by the test)')\n")
+    return pkg.parent
+
+
+def _has_cuda_bindings() -> bool:
+    for name in ("cuda.bindings", "cuda.cudart"):
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            pass
+    return False
+
+
+ABSENT_FLUXON = ["store.cluster_name=cs-test-absent", "store.share_mem_path=/dev/shm/cs-test-absent",
+                 "store.attach_timeout_s=3"]
+
+# name -> (args, the field the error line names, a word the line must hold besides the field).
+# {NOT_A_DIR}, {A_FILE} are replaced per case; "no_fluxon_py" runs with a shadowed fluxon_py.
 BAD = {
-    "unknown_store": (["+store=nope"], "store"),
-    "typo_key": (["+store=localdisk", "store.rooot=/tmp/x"], "store.rooot"),
-    "wrong_type": (["runtime.local_attn_size=abc"], "runtime.local_attn_size"),
-    "typo_manager": (["manager.break_even=2"], "manager.break_even"),
-    "unwritable_root": (["+store=localdisk", "store.root=/proc/forbidden"], "store.root"),
-    "root_under_file": (["+store=localdisk", "store.root={NOT_A_DIR}"], "store.root"),
-    "wrong_geometry": (["runtime.geometry=huge"], "runtime.geometry"),
-    "window_too_small": (["runtime.local_attn_size=4", "runtime.sink_size=3"],
-                         "runtime.local_attn_size"),
-    "bad_workload": (["workload.total_chunks=1"], "workload.total_chunks"),
-    "no_fluxon_service": (["+store=fluxon", "store.cluster_name=cs-test-absent",
-                           "store.share_mem_path=/dev/shm/cs-test-absent", "store.attach_timeout_s=3"],
-                          "error: store:"),
+    "unknown_store": (["+store=nope"], "store", "localdisk"),
+    "store_without_plus": (["store=localdisk"], "store", "+store=localdisk"),
+    "store_chosen_twice": (["+store=memory", "+store=localdisk"], "store", "once"),
+    "field_without_a_store": (["+store.rooot=x"], "store", "+store=NAME"),
+    "typo_key": (["+store=localdisk", "store.rooot=/tmp/x"], "store.rooot", "store.root?"),
+    "typo_manager": (["manager.break_even=2"], "manager.break_even", "manager.break_even_k"),
+    "wrong_type": (["runtime.local_attn_size=abc"], "runtime.local_attn_size", "integer"),
+    "wrong_type_float": (["workload.total_chunks=1.5"], "workload.total_chunks", "integer"),
+    "unparsable": (["+store=localdisk", "store.root=["], "store.root", "quote"),
+    "unknown_experiment": (["+experiment=nope"], "experiment", "rolling_tiny"),
+    "unwritable_root": (["+store=localdisk", "store.root=/proc/forbidden"], "store.root", "writable"),
+    "root_under_file": (["+store=localdisk", "store.root={NOT_A_DIR}"], "store.root", "writable"),
+    "root_is_a_file": (["+store=localdisk", "store.root={A_FILE}"], "store.root", "not a folder"),
+    "unwritable_run_dir": (["hydra.run.dir=/proc/forbidden"], "hydra.run.dir", "hydra.run.dir=/tmp"),
+    "run_dir_is_a_file": (["hydra.run.dir={A_FILE}"], "hydra.run.dir", "not a folder"),
+    "wrong_geometry": (["runtime.geometry=huge"], "runtime.geometry", "lingbot_480p"),
+    "window_too_small": (["runtime.local_attn_size=4", "runtime.sink_size=3"], "runtime.local_attn_size", ">= 6"),
+    "bad_workload": (["workload.total_chunks=1"], "workload.total_chunks", ">= 2"),
+    # the natural first GPU run with a segment too small for one 480p chunk: refused at start
+    "segment_below_a_chunk": (["+store=fluxon_plan", "+experiment=lingbot_480p", "runtime.device=cpu",
+                               "store.segment_bytes=256MiB"], "store.segment_bytes", "3.57 GiB"),
+    "segment_above_memory": (["+store=fluxon_plan", "store.segment_bytes=64TiB"], "store.segment_bytes",
+                             "free memory"),
+    "capacity_zero": (["+store=memory", "store.capacity_bytes=0"], "store.capacity_bytes", "one chunk"),
+    "capacity_not_a_size": (["+store=memory", "store.capacity_bytes=lots"], "store.capacity_bytes", "512MiB"),
+    "no_fluxon_service": (["+store=fluxon", *ABSENT_FLUXON], "store", "tools/fluxon_service.py start"),
+    "no_fluxon_py": (["+store=fluxon", *ABSENT_FLUXON], "store", "pip install -e '.[fluxon]'"),
 }
-# Errors raised by CacheSeek itself (ConfigError): the CLI prints "error: <field>: ..." once, exit 2
-CONFIG_ERRORS = {"unwritable_root", "root_under_file", "wrong_geometry", "window_too_small",
-                 "bad_workload"}
+if not _has_cuda_bindings():
+    BAD["cuda_without_cuda_bindings"] = (["transfer=cuda"], "transfer", "cuda-bindings")
 
 
 @pytest.fixture(scope="module")
@@ -84,17 +133,22 @@ def procs(tmp_path_factory):
     before = _listing()
     started: dict[str, Proc] = {}
     base = tmp_path_factory.mktemp("cli")
-    started["plain"] = Proc([], base / "plain")
     kv = base / "localdisk-root"
-    started["localdisk"] = Proc(["+store=localdisk", f"store.root={kv}"], base / "localdisk")
-    started["multirun"] = Proc(["-m", "+store=memory,localdisk"], base / "multirun")
-    for name, (args, _) in BAD.items():
-        tmp = base / name
-        args = [a.replace("{NOT_A_DIR}", str(_not_a_dir(tmp))) for a in args]
-        started[name] = Proc(args, tmp)
-    yield started, kv
-    for p in started.values():
-        p.wait()
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        started["plain"] = Proc([], base / "plain", pool)
+        started["localdisk"] = Proc(["+store=localdisk", f"store.root={kv}"], base / "localdisk", pool)
+        started["multirun"] = Proc(["-m", "+store=memory,localdisk"], base / "multirun", pool)
+        started["stress"] = Proc(["+experiment=stress", "workload.sessions=8", "workload.threads=2"],
+                                 base / "stress", pool)
+        started["help"] = Proc(["--help"], base / "help", pool)
+        for name, (args, _, _) in BAD.items():
+            tmp = base / name
+            args = [a.replace("{NOT_A_DIR}", str(_not_a_dir(tmp))).replace("{A_FILE}", str(_a_file(tmp)))
+                    for a in args]
+            started[name] = Proc(args, tmp, pool, pythonpath=_no_fluxon_py(tmp) if name == "no_fluxon_py" else None)
+        yield started, kv
+        for p in started.values():
+            p.wait()
     assert _listing() == before, "the CLI left files under outputs/ or multirun/"
 
 
@@ -104,7 +158,10 @@ def test_plain_run_passes(procs):
     rc, out, err = p.wait()
     assert rc == 0, out + err
     assert "PASS" in out and "FAIL" not in out and "Traceback" not in out + err
-    assert "store=memory" in out and "ring check: 3/3" in out
+    assert "store=memory" in out and "ring check:   ok (3/3" in out
+    assert "hit depth:    ok (A 0, B 4, C 2, D 0)" in out and "frame hashes: ok" in out
+    assert out.splitlines()[2].startswith("store.capacity_bytes=auto -> unbounded")  # choices first
+    assert err == "" and "INFO" not in out  # log lines go to the run folder's log file only
     for req in "ABCD":
         assert any(line.startswith(req + " ") for line in out.splitlines()), req
     res = json.loads((p.run_dir / "results.json").read_text())
@@ -127,18 +184,49 @@ def test_localdisk_run_passes(procs):
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
-def test_bad_input_names_the_field_without_traceback(procs, name):
+def test_bad_input_is_one_error_line_naming_the_field(procs, name):
+    """Exit 2, nothing on stderr but one ``error: FIELD: ... (fix: ...)`` line, which is not
+    repeated on stdout; no traceback, no PASS, no run started."""
     started, _ = procs
     rc, out, err = started[name].wait()
-    _, field = BAD[name]
-    assert rc != 0, out + err
+    _, field, word = BAD[name]
+    assert rc == 2, out + err
     assert "Traceback" not in out + err
-    assert field in err, err
-    if name in CONFIG_ERRORS:
-        assert rc == 2
-        errors = [line for line in err.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and errors[0].startswith(f"error: {field}:"), err
-    assert "PASS" not in out
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith(f"error: {field}: "), err
+    assert word in lines[0], lines[0]
+    assert "fix:" in lines[0] or "cannot start" in lines[0], lines[0]
+    message = lines[0][len("error: "):]
+    assert message not in out and "error" not in out.lower(), out
+    assert "PASS" not in out and "hit depth" not in out
+
+
+def test_help_teaches_the_groups_the_plus_and_the_workers(procs):
+    from cacheseek.registry import STORES, TRANSFERS, WORKLOADS
+
+    started, _ = procs
+    rc, out, err = started["help"].wait()
+    assert rc == 0, out + err
+    assert "+store=NAME" in out and "leading +" in out and "python -m cacheseek.workers" in out
+    for name in STORES.names() + TRANSFERS.names() + WORKLOADS.names():
+        assert name in out, name
+    for yaml in (REPO / "conf" / "experiment").glob("*.yaml"):
+        assert yaml.stem in out, yaml.stem
+    assert "Examples:" in out and "512MiB" in out
+    assert "schema/" not in out and "Powered by Hydra" not in out
+
+
+def test_the_stress_run_prints_its_choices_and_the_table_not_the_log(procs):
+    started, _ = procs
+    p = started["stress"]
+    rc, out, err = p.wait()
+    assert rc == 0, out + err
+    first = out.splitlines()[:3]
+    assert first[0].startswith("transfer: host") and first[1].startswith("store: memory"), out
+    assert first[2].startswith("store.capacity_bytes=auto -> unbounded"), out
+    assert "INFO" not in out + err and "stress:" in out and "PASS" in out
+    log = (p.run_dir / "cacheseek.log").read_text()
+    assert "INFO" in log and "transfer: host" in log
 
 
 def test_multirun_sweep_leaves_one_summary(procs):

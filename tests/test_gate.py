@@ -1,4 +1,4 @@
-"""The A/B/C/D gate and the per-K ring check (DESIGN.md section 5) through ``cacheseek.cli.run``
+"""The A/B/C/D gate and the per-K ring check (docs/design.md section 5) through ``cacheseek.cli.run``
 on composed configs: both generic tiers, full-length and rolling rings (S>0 and S=0), resume depths
 before and after the ring rolls; plus negative controls that prove the checks can fail."""
 

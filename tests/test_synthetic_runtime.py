@@ -1,4 +1,4 @@
-"""The synthetic runtime: ring semantics (DESIGN.md section 1), determinism, sensitivity to every
+"""The synthetic runtime: ring semantics (docs/design.md section 1), determinism, sensitivity to every
 byte of the attended window, RNG accounting, and a reference restore through its attributes."""
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def _frame_tagged(first_frame: int, n_frames: int, call: int) -> tuple[torch.Ten
 
 
 def test_ring_worked_example_L7_S3():
-    """DESIGN.md: L=7, S=3, c=3; each chunk written 5 times, only the first call advances."""
+    """docs/design.md section 1: L=7, S=3, c=3; each chunk written 5 times, only the first call advances."""
     L, S = 7, 3
     cache = {"k": torch.full((1, L * FT, 1, 1), -1.0), "v": torch.full((1, L * FT, 1, 1), -1.0),
              "global_end_index": 0, "local_end_index": 0}
@@ -317,7 +317,7 @@ def window_frames(depth: int, chunk: int, local_attn: int, sink: int) -> list[in
 
 
 class RestoreFrom:
-    """Restores depth K from a Recorder the way LingBotWorldKVBinding must (API.md)."""
+    """Restores depth K from a Recorder the way LingBotWorldKVBinding must (docs/api.md)."""
 
     def __init__(self, rec: Recorder, depth: int):
         self.rec, self.depth = rec, depth

@@ -1,6 +1,6 @@
 """Capacity and eviction: what a store reports, what a policy decides, how the manager asks.
 
-The seam is split by role (STYLE.md practice 2): a store *accounts* its bytes and moves none of
+The seam is split by role (one side decides, the other moves bytes): a store *accounts* its bytes and moves none of
 the decisions; a policy *orders* candidates and touches no store; the manager (`WorldKVManager`)
 collects the candidates from the trie, asks the policy, and frees the victims' values.
 

@@ -59,6 +59,8 @@ import itertools
 import json
 import logging
 import os
+import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -154,8 +156,8 @@ def _load_fluxon() -> Any:
                 tried.append(f"{name} -> {e}")
         raise FluxonImportError(
             f"cannot import fluxon-py with {sys.executable} (normal package resolution: "
-            f"{'; '.join(tried)}): {type(exc).__name__}: {exc}. Install it with "
-            "pip install fluxon-py==0.2.4 (bash tools/install_fluxon_deps.sh)") from exc
+            f"{'; '.join(tried)}): {type(exc).__name__}: {exc}. Install it: pip install -e '.[fluxon]' "
+            "from the repository root, or bash tools/install_fluxon_deps.sh (fluxon-py and etcd)") from exc
     with _runtime_lock:
         if _runtime_info is None:
             # The Python extension modules of fluxon_pyo3 (normally one .so) as loaded here, plus
@@ -371,6 +373,32 @@ def _error_code(err: Any) -> Optional[int]:
     return None
 
 
+@contextlib.contextmanager
+def _native_output_to_log() -> Iterator[None]:
+    """While attaching, fluxon-py's native client prints its config and banners straight to file
+    descriptors 1 and 2: send them to this module's log (the run's log file) instead."""
+    import tempfile
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with tempfile.TemporaryFile() as sink:
+        saved = [os.dup(1), os.dup(2)]
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            sink.seek(0)
+            for line in sink.read().decode("utf-8", errors="replace").splitlines():
+                if line.strip():
+                    log.info("fluxon-py: %s", re.sub(r"\x1b\[[0-9;]*m", "", line))
+
+
 class _Miss(Exception):
     """Internal: the key does not exist."""
 
@@ -458,10 +486,10 @@ class FluxonClient:
         return info
 
     def _attach(self, settle_s: float, key_index: bool) -> None:
+        fx = _load_fluxon()  # first: without fluxon-py, starting a service would not help either
         shared = self._read_shared_json()
         self.segment_bytes = int(shared.get("segment_len") or 0)
         self.owner_id = str(shared.get("owner_id", "?"))
-        fx = _load_fluxon()
         try:
             config = fx.FluxonKvClientConfig({
                 "instance_key": self.instance_key,
@@ -479,12 +507,15 @@ class FluxonClient:
                 f"fluxon new_store failed for cluster {self.cluster_name!r} at {self.share_mem_path} "
                 f"(instance {self.instance_key}): {_error_text(res.unwrap_error())}")
 
-        self._store = self._run("attach", None, _new, self.attach_timeout_s)
+        with _native_output_to_log():
+            self._store = self._run("attach", None, _new, self.attach_timeout_s)
         try:
-            time.sleep(settle_s)
-            # the first RPC is part of attaching: bounded by attach_timeout_s, not op_timeout_s
-            self._run("exists", PROBE_KEY, lambda: self._unwrap("exists", PROBE_KEY, self._store.is_exist(PROBE_KEY)),
-                      self.attach_timeout_s)
+            with _native_output_to_log():
+                time.sleep(settle_s)
+                # the first RPC is part of attaching: bounded by attach_timeout_s, not op_timeout_s
+                self._run("exists", PROBE_KEY,
+                          lambda: self._unwrap("exists", PROBE_KEY, self._store.is_exist(PROBE_KEY)),
+                          self.attach_timeout_s)
             if key_index:
                 from fluxon_py.tool import import_fluxon_pyo3_local
 

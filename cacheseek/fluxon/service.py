@@ -27,7 +27,7 @@ Lifecycle::
     start() failing stops whatever it had started and raises FluxonServiceError with log tails.
     stop() is idempotent; the context manager calls start() and stop().
 
-Hazards (see ../shared/docs/FLUXON.md):
+Hazards (docs/design.md, "Fluxon"):
 - The master and owner listen on every interface and advertise the machine's non-loopback
   address. On a shared machine run the service and its clients inside a private network
   namespace (``../shared/tools/netns-run.sh``); ``require_private_netns`` (default True) refuses
@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from cacheseek.errors import CacheSeekError, ConfigError
+from cacheseek.sizes import format_size, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -81,45 +82,11 @@ DEFAULT_SHARE_MEM_PATH = "/dev/shm/cacheseek-fluxon"
 NETNS_INTERFACES = frozenset({"lo", "fx0", "fx1"})  # what ../shared/tools/netns-run.sh creates
 NETNS_HINT = "run it inside a private network namespace: ../shared/tools/netns-run.sh CMD..."
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1024, "kb": 1024, "kib": 1024,
-    "m": 1024**2, "mb": 1024**2, "mib": 1024**2,
-    "g": 1024**3, "gb": 1024**3, "gib": 1024**3,
-    "t": 1024**4, "tb": 1024**4, "tib": 1024**4,
-}  # binary units throughout, as Fluxon parses them
-
-
 class FluxonServiceError(CacheSeekError):
     """The local Fluxon service could not be started, or one of its processes failed."""
 
 
 # -- small helpers ------------------------------------------------------------------------------
-
-
-def parse_size(value: Union[str, int], field: str = "dram") -> int:
-    """``"256MiB"``, ``"1GiB"``, ``"64M"`` or an int -> bytes (binary units). ConfigError if bad."""
-    if isinstance(value, bool):
-        raise ConfigError(field, f"expected a size like '256MiB', got {value!r}")
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ConfigError(field, f"cannot parse size {value!r}", "write e.g. 256MiB, 1GiB or a byte count")
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    else:
-        raise ConfigError(field, f"expected a size like '256MiB', got {type(value).__name__}")
-    if n < 0:
-        raise ConfigError(field, f"size must be >= 0, got {value!r}")
-    return n
-
-
-def format_size(n: int) -> str:
-    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}".replace(".00 ", " ")
-    return f"{n} B"
 
 
 def _netns_interfaces(proc_net_dev: str = "/proc/self/net/dev") -> list[str]:
@@ -178,8 +145,8 @@ def fluxon_py_problem() -> Optional[str]:
     except (ImportError, ValueError) as exc:
         return f"looking up fluxon_py failed: {exc}"
     if spec is None:
-        return ("fluxon-py is not installed (pip install fluxon-py==0.2.4, or "
-                "bash tools/install_fluxon_deps.sh)")
+        return ("fluxon-py is not installed: pip install -e '.[fluxon]' from the repository root, "
+                "or bash tools/install_fluxon_deps.sh (fluxon-py and an etcd server)")
     return None
 
 

@@ -1,4 +1,4 @@
-"""Plan clients: the Plan API of DESIGN.md section 2 (direct copies into a store's host segments).
+"""Plan clients: the Plan API of docs/design.md section 2 (direct copies into a store's host segments).
 
 Registered in `cacheseek.registry.PLAN_CLIENTS`: ``embedded`` (`EmbeddedPlanClient`, an in-process
 store over one pre-faulted segment), ``fluxon_native`` (`FluxonNativePlanClient`, wrappers

@@ -1,6 +1,6 @@
 """The Plan seam: the calls a Plan store client offers, its handles and their lifecycles.
 
-The names follow Fluxon's Plan API (DESIGN.md section 2). A *plan pointer* addresses a FXPLANV1
+The names follow Fluxon's Plan API (docs/design.md section 2). A *plan pointer* addresses a FXPLANV1
 table of value pointers (`cacheseek.plan.table`); values are raw bytes with no shape or dtype.
 The caller moves the bytes itself (a transfer runtime) between the values and its tensors.
 
@@ -198,7 +198,7 @@ class GetPlan(_PlanHandle):
 
 @runtime_checkable
 class PlanClient(Protocol):
-    """The Plan calls of DESIGN.md section 2. See the module docstring for each lifecycle."""
+    """The Plan calls of docs/design.md section 2. See the module docstring for each lifecycle."""
 
     def wait_local_segments_ready(self) -> list[SegmentMapping]:
         """Block until this process's host segments are mapped; return them (register each with

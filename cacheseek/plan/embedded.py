@@ -7,7 +7,7 @@ The single-machine tier that needs no service, and the Plan test bed. It offers 
   anonymous MAP_PRIVATE mapping, or ``"shm"`` a MAP_SHARED file in ``shm_dir`` (how a Fluxon
   owner's segment looks). With ``hugepages`` (default) the segment is advised MADV_HUGEPAGE: a
   private mapping then gets 2 MiB pages where THP is ``madvise`` (the cheapest to fault and to
-  register, DESIGN.md section 4); shared memory gets them only where shmem THP is enabled (it is
+  register, docs/design.md section 4); shared memory gets them only where shmem THP is enabled (it is
   ``never`` on the H200 machine). The bytes actually backed by huge pages are read back from
   ``/proc/self/smaps`` into the segment timers. The segment is created and pre-faulted by
   ``wait_local_segments_ready`` (libc ``madvise(MADV_POPULATE_WRITE)`` through ctypes, which
@@ -58,6 +58,7 @@ from cacheseek.plan.base import (
 from cacheseek.plan.allocator import FirstFitAllocator
 from cacheseek.plan.table import PLAN_MAGIC, encode_plan_table, plan_table_nbytes
 from cacheseek.registry import PLAN_CLIENTS
+from cacheseek.sizes import Size, format_size, parse_size
 
 __all__ = ["EmbeddedPlanClient", "EmbeddedPlanSchema", "PlanFaults"]
 
@@ -75,13 +76,13 @@ _STORE_FULL_FIX = "raise store.segment_bytes or free values"
 @dataclasses.dataclass
 class EmbeddedPlanSchema:
     _target_: str = "cacheseek.plan.embedded.EmbeddedPlanClient"
-    segment_bytes: int = 1 << 30
+    segment_bytes: Any = "1GiB"
     prefault_threads: int = 0
     backing: str = "shared"
     hugepages: bool = True
     shm_dir: Optional[str] = None
     alignment: int = 256
-    table_arena_bytes: int = 1 << 20
+    table_arena_bytes: Any = "1MiB"
 
 
 class PlanFaults:
@@ -267,25 +268,25 @@ class EmbeddedPlanClient(InProcessPlanClient):
 
     def __init__(
         self,
-        segment_bytes: int = 1 << 30,
+        segment_bytes: Size = 1 << 30,
         prefault_threads: int = 0,
         backing: str = "shared",
         hugepages: bool = True,
         shm_dir: Optional[str] = None,
         alignment: int = 256,
-        table_arena_bytes: int = 1 << 20,
+        table_arena_bytes: Size = 1 << 20,
         *,
         prefault: bool = True,
         faults: Optional[PlanFaults] = None,
     ) -> None:
-        for name, value, low in (
-            ("segment_bytes", segment_bytes, alignment),
-            ("prefault_threads", prefault_threads, 0),
-            ("alignment", alignment, 8),
-            ("table_arena_bytes", table_arena_bytes, 4096),
-        ):
+        for name, value, low in (("prefault_threads", prefault_threads, 0), ("alignment", alignment, 8)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"store.{name}", f"must be an int >= {low}, got {value!r}")
+        if isinstance(segment_bytes, str) and segment_bytes.strip().lower() == "auto":
+            raise ConfigError("store.segment_bytes", "'auto' is fitted to a workload by build_stack, "
+                              "not by the client", "give a size such as 512MiB when building the client directly")
+        segment_bytes = parse_size(segment_bytes, "store.segment_bytes", minimum=alignment)
+        table_arena_bytes = parse_size(table_arena_bytes, "store.table_arena_bytes", minimum=4096)
         if alignment & (alignment - 1):
             raise ConfigError("store.alignment", f"must be a power of two, got {alignment}")
         if backing not in _BACKINGS:
@@ -323,10 +324,15 @@ class EmbeddedPlanClient(InProcessPlanClient):
         self._check_open()
         if self._segment is not None:
             return self._segment
-        seg = _Segment(
-            self.segment_bytes, self.backing, self.shm_dir, self.prefault_threads,
-            prefault=self.prefault, hugepages=self.hugepages,
-        )
+        try:
+            seg = _Segment(
+                self.segment_bytes, self.backing, self.shm_dir, self.prefault_threads,
+                prefault=self.prefault, hugepages=self.hugepages,
+            )
+        except OSError as exc:  # ENOMEM, ENOSPC in shm_dir: the size does not fit this machine
+            raise ConfigError(
+                "store.segment_bytes", f"cannot map a {format_size(self.segment_bytes)} {self.backing} "
+                f"segment: {exc.strerror or exc}", "use store.segment_bytes=auto or a smaller size") from None
         try:
             arena = _Segment(self.table_arena_bytes, "private", None, 1, prefault=True, hugepages=False)
         except BaseException:

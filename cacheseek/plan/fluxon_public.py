@@ -107,6 +107,7 @@ from cacheseek.plan.fluxon_native import FluxonNativePlanClient, missing_plan_ca
 from cacheseek.plan.allocator import FirstFitAllocator
 from cacheseek.plan.table import encode_plan_table, plan_table_nbytes
 from cacheseek.registry import PLAN_CLIENTS
+from cacheseek.sizes import AUTO, Size, parse_size
 
 __all__ = [
     "FluxonPublicPlanClient",
@@ -147,13 +148,14 @@ class FluxonPublicPlanSchema:
     op_timeout_s: float = 30.0
     attach_timeout_s: float = 60.0
     settle_s: float = 2.0
-    # null: sized from the geometry (value_bytes, chunk_bytes; the Plan tier passes them)
-    staging_bytes: Optional[int] = None
+    # auto (or null): sized from the geometry (value_bytes, chunk_bytes; the Plan tier passes them;
+    # the CLI fits auto to the workload); or a size (512MiB)
+    staging_bytes: Any = "auto"
     value_bytes: Optional[int] = None
     chunk_bytes: Optional[int] = None
     io_threads: int = 4
     prefault: bool = True
-    table_arena_bytes: int = 1 << 20
+    table_arena_bytes: Any = "1MiB"
     key_index: bool = False
 
 
@@ -267,10 +269,10 @@ class FluxonPublicPlanClient(InProcessPlanClient):
         op_timeout_s: float = 30.0,
         attach_timeout_s: float = 60.0,
         settle_s: float = 2.0,
-        staging_bytes: Optional[int] = None,
+        staging_bytes: Optional[Size] = None,
         io_threads: int = 4,
         prefault: bool = True,
-        table_arena_bytes: int = 1 << 20,
+        table_arena_bytes: Size = 1 << 20,
         key_index: bool = False,
         value_bytes: Optional[int] = None,
         chunk_bytes: Optional[int] = None,
@@ -280,18 +282,19 @@ class FluxonPublicPlanClient(InProcessPlanClient):
         for name, value, low in (("value_bytes", value_bytes, 1), ("chunk_bytes", chunk_bytes, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 raise ConfigError(f"store.client_options.{name}", f"must be null or an int >= {low}, got {value!r}")
-        if staging_bytes is None:
+        if not isinstance(io_threads, int) or isinstance(io_threads, bool) or io_threads < 1:
+            raise ConfigError("store.client_options.io_threads", f"must be an int >= 1, got {io_threads!r}")
+        staging_bytes = parse_size(staging_bytes, "store.client_options.staging_bytes", minimum=_ALIGN,
+                                   allow_auto=True, allow_none=True)
+        if staging_bytes is None or staging_bytes == AUTO:
             staging_bytes = staging_for(value_bytes, chunk_bytes)
-        for name, value, low in (("staging_bytes", staging_bytes, _ALIGN), ("io_threads", io_threads, 1),
-                                 ("table_arena_bytes", table_arena_bytes, 4096)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"store.client_options.{name}", f"must be an int >= {low}, got {value!r}")
+        table_arena_bytes = parse_size(table_arena_bytes, "store.client_options.table_arena_bytes", minimum=4096)
         if value_bytes is not None and _block(value_bytes) > staging_bytes:
             raise ConfigError(
                 "store.client_options.staging_bytes",
                 f"{staging_bytes} bytes cannot stage one value of {value_bytes} bytes (one layer's K or V of "
                 "a chunk): no write could ever start",
-                f"set it to at least {_block(value_bytes)}, or null to size it from the geometry")
+                f"set it to at least {_block(value_bytes)}, or auto to size it from the geometry")
         self.staging_bytes = staging_bytes
         self.io_threads = io_threads
         self.prefault = bool(prefault)

@@ -1,7 +1,7 @@
 """A synthetic autoregressive world-model runtime: the correctness test bed for KV restore.
 
 `SyntheticWorldRuntime` has the cache semantics of the TeleFuser LingBot-World runtime
-(DESIGN.md section 1) and the attributes `LingBotWorldKVBinding` reads and writes (API.md), with a
+(docs/design.md section 1) and the attributes `LingBotWorldKVBinding` reads and writes (docs/api.md), with a
 small seeded "model" in place of the DiT. Its outputs depend on the KV ring bit for bit, so a
 restore that is wrong by one byte, or lands in the wrong slot, changes every later frame hash.
 
@@ -140,7 +140,7 @@ def default_image() -> SyntheticImage:
 
 @attrs.frozen(slots=True)
 class SessionConfig:
-    """What the binding hashes into the namespace root (API.md `on_runtime_created`).
+    """What the binding hashes into the namespace root (docs/api.md, `on_runtime_created`).
 
     `frame_num` is the total latent frame count, `max_attention_size` the ring length in tokens.
     The last five fields also change the bits and are not in the reference session config.
@@ -250,7 +250,7 @@ def _unit_floats(data: bytes, n: int) -> list[float]:
 class SyntheticWorldRuntime:
     """One session: generates `total_chunks` chunks of video, one per action.
 
-    Attributes the binding reads or writes (names are a contract, see API.md):
+    Attributes the binding reads or writes (names are a contract, see docs/api.md):
     `self_kv_cache` (n_layers dicts: `k`, `v` `[1, kv_size, H, D]` in `dtype`, int cursors),
     `world_kv_cached_latents` (`{chunk_idx: latent}` the binding fills; each is popped when its
     chunk comes up and decoded instead of denoised), `generator`, `timesteps`, `noise_chunks`

@@ -4,12 +4,13 @@ Both attach a `FluxonClient` to a running Fluxon service (``tools/fluxon_service
 identified by ``cluster_name`` and ``share_mem_path``; every call is bounded by ``op_timeout_s``
 and attaching by ``attach_timeout_s`` (`StoreTimeoutError` naming the op and key past that).
 
-`FluxonBytesStore` (registered as store backend ``fluxon_bytes``): ``put``/``get``/``remove``/
+`FluxonBytesStore` (a Python API; ``+store=fluxon`` is the tensor tier below): ``put``/``get``/``remove``/
 ``list_keys``. A missing key reads as None; a full store raises `StoreFullError` with Fluxon's
 text; a value that cannot fit the whole segment raises `FluxonValueTooLargeError`; no running
 service raises `FluxonUnavailableError` at construction, at once.
 
-`FluxonTensorTier`: the generic per-layer tier (`KeyValueTier`) over Fluxon. Values are CPU
+`FluxonTensorTier` (store ``fluxon``): the generic per-layer tier (`KeyValueTier`) over Fluxon. Its
+capacity is the service's segment (``tools/fluxon_service.py start --dram``). Values are CPU
 tensors (any dtype, bf16 included), bytes or str; each is stored as its raw bytes plus a small
 JSON header (kind, dtype, shape and an xxh3 checksum, `cacheseek.stores.checksum`) in the
 value's metadata field, and read back as a new contiguous CPU tensor (one copy out of the
@@ -242,8 +243,11 @@ class FluxonTensorTier(KeyValueTier):
     """The generic per-layer tier over Fluxon (`KeyValueTier` over a `FluxonValueBackend`).
 
     Same connection arguments as `FluxonBytesStore`; ``write_back``/``queue_depth`` as in
-    `KeyValueTier`; ``client`` shares an attached `FluxonClient` (left open by `close`).
+    `KeyValueTier`; ``client`` shares an attached `FluxonClient` (left open by `close`). The
+    capacity is the service's segment as the client sees it.
     """
+
+    capacity_fix = "restart the Fluxon service with a larger --dram, or let the manager evict"
 
     def __init__(
         self,
@@ -262,8 +266,10 @@ class FluxonTensorTier(KeyValueTier):
         client, owns = _make_client(
             client, cluster_name=cluster_name, share_mem_path=share_mem_path, instance_key=instance_key,
             op_timeout_s=op_timeout_s, attach_timeout_s=attach_timeout_s, settle_s=settle_s)
+        segment = getattr(client, "segment_bytes", None)
         super().__init__(FluxonValueBackend(client, owns_client=owns), write_back=write_back,
-                         queue_depth=queue_depth, name="fluxon")
+                         queue_depth=queue_depth, name="fluxon",
+                         capacity_bytes=segment if isinstance(segment, int) and segment > 0 else None)
 
     def keys(self, prefix: str = "") -> list[str]:
         self._check_open()

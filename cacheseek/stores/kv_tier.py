@@ -24,7 +24,8 @@ policy; this class is the mechanism that all of them share:
 - ``free`` refuses a blob whose write is still in flight (`WriteNotCompleteError`), removes the
   values otherwise (idempotent) and lets backend errors surface.
 
-Capacity (``capacity_bytes``, None = unbounded; settable at run time): the tier counts the bytes
+Capacity (``capacity_bytes``: bytes or a size such as ``"512MiB"``, None = unbounded; settable at
+run time; ``auto`` in a config is fitted to the workload by `cacheseek.sizing`): the tier counts the bytes
 of the values it holds, KV and latents, a write in flight included from the moment ``put_async``
 or ``put_skeleton`` reserves it. A write that would go above the capacity raises `StoreFullError`
 at once, before anything is written or queued (the manager evicts and retries once); so usage
@@ -68,6 +69,9 @@ from cacheseek.errors import (
 from cacheseek.eviction.base import StoreUsage
 from cacheseek.reuse.exact_prefix.keys import blob_keys, layer_keys, object_key
 from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier, kv_pairs
+from cacheseek.sizes import AUTO, available_memory, parse_size
+from cacheseek.sizing import SizeField
+from cacheseek.stores.base import LayerPayload
 
 log = logging.getLogger(__name__)
 
@@ -133,11 +137,9 @@ def layer_nbytes(layer: Any) -> int:
 
 
 def _check_capacity(value: Any) -> Optional[int]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError("store.capacity_bytes", f"must be null or an integer >= 0, got {value!r}")
-    return value
+    """Bytes or None; ``auto`` that no workload resolved (the store built directly) is unbounded."""
+    n = parse_size(value, "store.capacity_bytes", allow_none=True, allow_auto=True)
+    return None if n == AUTO else n
 
 
 class KeyValueTier:
@@ -146,6 +148,7 @@ class KeyValueTier:
     accepts_device_views = False
     storage_format = "cacheseek.tier.objects.v1"  # a value per layer and key, as the backend encodes it
     flush_timeout_s: float = 300.0  # the bound of `flush` and `close`; settable per store
+    capacity_fix = "raise store.capacity_bytes, or let the manager evict"  # in StoreFullError
 
     def __init__(
         self,
@@ -171,6 +174,13 @@ class KeyValueTier:
             self._queue = queue.Queue(maxsize=queue_depth)
             self._worker = threading.Thread(target=self._drain, name=f"{name}-write-back", daemon=True)
             self._worker.start()
+
+    @classmethod
+    def size_fields(cls, config: dict[str, Any]) -> list[SizeField]:
+        """`SizedStore`: ``capacity_bytes`` where the config has it, against the free memory."""
+        if "capacity_bytes" not in config:
+            return []
+        return [SizeField("capacity_bytes", "capacity", room=available_memory())]
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -291,8 +301,7 @@ class KeyValueTier:
         if cap is not None and delta > 0 and used + delta > cap:
             self.stats.refused_full += 1
             raise StoreFullError(
-                f"{self.name} store full: need {delta} more bytes, {used} of {cap} used "
-                "(raise store.capacity_bytes, or let the manager evict)"
+                f"{self.name} store full: need {delta} more bytes, {used} of {cap} used ({self.capacity_fix})"
             )
         for key, n in sizes:
             self._sizes[key] = n

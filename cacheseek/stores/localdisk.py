@@ -60,6 +60,8 @@ from typing import Any, Optional
 from cacheseek.errors import ConfigError, CorruptValueError, StoreError, StoreFullError
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum
+from cacheseek.sizes import Size, free_bytes
+from cacheseek.sizing import SizeField
 from cacheseek.stores.kv_tier import KeyValueTier
 
 log = logging.getLogger(__name__)
@@ -241,6 +243,8 @@ class DiskBackend:
     def open(self) -> None:
         """Create and probe the root, take its lock, sweep stale temp files. ConfigError on failure."""
         root = self.root
+        if root.exists() and not root.is_dir():
+            raise ConfigError("store.root", f"{root} is a file, not a folder", _ROOT_FIX)
         try:
             root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -401,8 +405,10 @@ class LocalDiskSchema:
     # True: every value is on the device before its blob is published (durable commit); False is
     # the weaker, faster mode (after a crash, values a snapshot names may be gone: read as misses).
     fsync: bool = True
-    # Bytes of values the tier may hold (files already under root count, by size); null = unbounded.
-    capacity_bytes: Optional[int] = None
+    # Bytes of values the tier may hold (files already under root count, by size): a size
+    # (512MiB, 24GiB), null = unbounded, or auto = unbounded when the workload fits on the disk
+    # under root, else capped there (cacheseek.sizing).
+    capacity_bytes: Any = "auto"
 
 
 @STORES.register("localdisk", LocalDiskSchema)
@@ -423,7 +429,7 @@ before publishing; False is the explicit weaker mode.
         write_back: bool = False,
         queue_depth: int = 4,
         fsync: bool = True,
-        capacity_bytes: Optional[int] = None,
+        capacity_bytes: Optional[Size] = None,
     ) -> None:
         if root is None or (isinstance(root, str) and not root.strip()):
             raise ConfigError(
@@ -445,6 +451,14 @@ before publishing; False is the explicit weaker mode.
         except BaseException:
             disk.close()
             raise
+
+    @classmethod
+    def size_fields(cls, config: dict[str, Any]) -> list[SizeField]:
+        """`SizedStore`: ``capacity_bytes`` against the free disk under ``root``."""
+        root = config.get("root")
+        room = free_bytes(Path(str(root)).expanduser()) if root else None
+        room = room or None  # 0: a pseudo file system (/proc) or a full disk: opening the root says which
+        return [SizeField("capacity_bytes", "capacity", room=room, room_label=f"free disk under {root}")]
 
     @property
     def root(self) -> Path:

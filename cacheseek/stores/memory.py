@@ -11,6 +11,7 @@ import threading
 from typing import Any, Optional
 
 from cacheseek.registry import STORES
+from cacheseek.sizes import Size
 from cacheseek.stores.kv_tier import KeyValueTier
 
 __all__ = ["InMemoryTierStore", "DictBackend"]
@@ -50,17 +51,19 @@ class DictBackend:
 @dataclasses.dataclass
 class InMemorySchema:
     _target_: str = "cacheseek.stores.memory.InMemoryTierStore"
-    # Bytes of values (KV and latents) the tier may hold; null = unbounded. Above the manager's
-    # high watermark the manager evicts (manager.eviction); a write that does not fit is refused.
-    capacity_bytes: Optional[int] = None
+    # Bytes of values (KV and latents) the tier may hold: a size (512MiB, 24GiB), null =
+    # unbounded, or auto = unbounded when the workload fits in free memory, else capped there
+    # (cacheseek.sizing). Above the manager's high watermark the manager evicts (manager.eviction);
+    # a write that does not fit is refused.
+    capacity_bytes: Any = "auto"
 
 
 @STORES.register("memory", InMemorySchema)
 class InMemoryTierStore(KeyValueTier):
     """`KeyValueTier` over a `DictBackend`; writes complete before ``put_async`` returns.
-    ``capacity_bytes``: see `KeyValueTier` (None = unbounded)."""
+    ``capacity_bytes``: see `KeyValueTier` (bytes or a size like ``"512MiB"``; None = unbounded)."""
 
-    def __init__(self, capacity_bytes: Optional[int] = None) -> None:
+    def __init__(self, capacity_bytes: Optional[Size] = None) -> None:
         super().__init__(DictBackend(), name="memory", capacity_bytes=capacity_bytes)
 
     def keys(self) -> list[str]:

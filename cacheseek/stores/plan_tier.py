@@ -2,7 +2,7 @@
 tensors and a Plan store's registered host segments, in batches, with no CPU staging.
 
 It is a `TierStore` and a `PathReadStore` (``accepts_device_views``): the manager hands it
-detached views of the ring tail on write and a `RestoreTarget` on read (DESIGN.md section 2).
+detached views of the ring tail on write and a `RestoreTarget` on read (docs/design.md section 2).
 
 Warm-up (construction, never a request's first write): the Plan client's segments are made ready
 (an embedded client maps and pre-faults its segment here: 2 MiB pages where allowed, else libc
@@ -90,6 +90,8 @@ from cacheseek.plan.table import decode_plan_table
 from cacheseek.registry import PLAN_CLIENTS, STORES, TRANSFERS
 from cacheseek.reuse.exact_prefix.keys import layer_keys
 from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier, TrieNode
+from cacheseek.sizes import Size, available_memory, free_bytes, parse_size
+from cacheseek.sizing import SizeField
 from cacheseek.stores.base import LayerPayload, RestoreTarget
 from cacheseek.transfer.base import (
     AsyncTransfer,
@@ -120,7 +122,9 @@ _EXPECTED_GIB_S = 60.0  # first sleep of the completion thread: bytes at this ra
 class PlanTierSchema:
     _target_: str = "cacheseek.stores.plan_tier.PlanTierStore"
     client: str = "embedded"
-    segment_bytes: int = 1 << 30
+    # The embedded client's segment: a size (24GiB, 512MiB), or auto = the workload's chunks
+    # below the eviction watermark, capped by free memory (cacheseek.sizing).
+    segment_bytes: Any = "auto"
     prefault_threads: int = 0
     backing: str = "shared"
     hugepages: bool = True
@@ -130,9 +134,9 @@ class PlanTierSchema:
     commit_timeout_s: float = 30.0
     overlap: Optional[bool] = None
     staging_slots: int = 2
-    staging_slot_bytes: int = 0
-    max_inflight_bytes: int = 0
-    write_piece_bytes: int = 32 << 20
+    staging_slot_bytes: Any = 0
+    max_inflight_bytes: Any = 0
+    write_piece_bytes: Any = "32MiB"
     write_pieces_in_flight: int = 2
     client_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -269,7 +273,7 @@ class PlanTierStore:
     def __init__(
         self,
         client: str = "embedded",
-        segment_bytes: int = 1 << 30,
+        segment_bytes: Size = 1 << 30,
         prefault_threads: int = 0,
         backing: str = "shared",
         hugepages: bool = True,
@@ -279,9 +283,9 @@ class PlanTierStore:
         commit_timeout_s: float = 30.0,
         overlap: Optional[bool] = None,
         staging_slots: int = 2,
-        staging_slot_bytes: int = 0,
-        max_inflight_bytes: int = 0,
-        write_piece_bytes: int = 32 << 20,
+        staging_slot_bytes: Size = 0,
+        max_inflight_bytes: Size = 0,
+        write_piece_bytes: Size = 32 << 20,
         write_pieces_in_flight: int = 2,
         client_options: Optional[dict[str, Any]] = None,
         *,
@@ -289,14 +293,12 @@ class PlanTierStore:
         plan_client: Optional[PlanClient] = None,
         geometry_bytes: Optional[tuple[int, int]] = None,
     ) -> None:
-        for name, value in (
-            ("staging_slots", staging_slots), ("staging_slot_bytes", staging_slot_bytes),
-            ("max_inflight_bytes", max_inflight_bytes), ("write_piece_bytes", write_piece_bytes),
-            ("write_pieces_in_flight", write_pieces_in_flight),
-        ):
-            low = 1 if name in ("staging_slots", "write_pieces_in_flight") else 0
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ConfigError(f"store.{name}", f"must be an int >= {low}, got {value!r}")
+        for name, value in (("staging_slots", staging_slots), ("write_pieces_in_flight", write_pieces_in_flight)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"store.{name}", f"must be an int >= 1, got {value!r}")
+        staging_slot_bytes = parse_size(staging_slot_bytes, "store.staging_slot_bytes")
+        max_inflight_bytes = parse_size(max_inflight_bytes, "store.max_inflight_bytes")
+        write_piece_bytes = parse_size(write_piece_bytes, "store.write_piece_bytes")
         self.commit_timeout_s = commit_timeout_s
         self.transfer_kind = transfer_kind
         self._device = device
@@ -356,6 +358,31 @@ class PlanTierStore:
             if self._owns_client:
                 self._client.close()
             raise
+
+    @classmethod
+    def size_fields(cls, config: dict[str, Any]) -> list[SizeField]:
+        """`SizedStore`: the embedded client's ``segment_bytes``, or the host staging
+        (``client_options.staging_bytes``) of a client that stages writes, against free memory."""
+        client = config.get("client", "embedded")
+        options = config.get("client_options") or {}
+        try:
+            accepted = {f.name for f in dataclasses.fields(PLAN_CLIENTS.schema(client))}
+        except KeyError:
+            accepted = set()
+        room, label = available_memory(), "free memory"
+        if options.get("backing", config.get("backing")) == "shm":
+            shm = options.get("shm_dir") or config.get("shm_dir") or "/dev/shm"
+            shm_free = free_bytes(shm)
+            if shm_free is not None and (room is None or shm_free < room):
+                room, label = shm_free, f"free space in {shm}"
+        fields = []
+        if "segment_bytes" in accepted:
+            fields.append(SizeField("segment_bytes", "segment", room=room, room_label=label,
+                                    alignment=int(options.get("alignment", 256))))
+        if "staging_bytes" in accepted:
+            fields.append(SizeField("client_options.staging_bytes", "staging", room=room, room_label=label,
+                                    alignment=256))
+        return fields
 
     # -- warm-up --------------------------------------------------------------------------------
     def _warm_up(self, device: Optional[str]) -> None:

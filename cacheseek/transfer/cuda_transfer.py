@@ -62,7 +62,8 @@ def _import_cudart() -> Any:
             from cuda import cudart  # cuda-python < 12.6
         except ImportError as exc:
             raise TransferError(
-                "the CUDA transfer runtime needs cuda-bindings (pip install 'cacheseek[fluxon]')"
+                "the CUDA transfer runtime needs cuda-bindings, which is not installed: pip install "
+                "-e '.[fluxon]' on a CUDA machine; on a CPU, transfer=auto (the default) picks host"
             ) from exc
     return cudart
 

@@ -1,4 +1,4 @@
-"""The A/B/C/D correctness gate of DESIGN.md section 5, plus the per-K ring check.
+"""The A/B/C/D correctness gate (docs/design.md, "Correctness oracle"), plus the per-K ring check.
 
 On one store, with a fixed seed and actions ``P + X`` / ``P + Y``:
 
@@ -10,6 +10,12 @@ On one store, with a fixed seed and actions ``P + X`` / ``P + Y``:
 Ring check: for every resume depth K in 1..n-1, a session whose first K actions match A restores
 depth K; its ring ``[:local_end]``, both cursors, cached latents and RNG state right after
 ``on_runtime_created`` equal a cold run's state before chunk K.
+
+Three verdicts, kept apart in the results (``verdicts``) and in the report: the hit depths (did
+the cache serve what it should?), the frame hashes (is what it served, and what was computed,
+bit-identical to a cold run?) and the ring check. A request that missed but computed the right
+frames fails the first and passes the second; a depth the ring check never restored is
+``not restored`` (nothing to compare), not a list of differences.
 """
 
 from __future__ import annotations
@@ -48,8 +54,12 @@ class RequestResult:
     bytes_restored: int
     bytes_written: int
     frame_hashes: list[str]
-    verdict: str = ""
+    verdict: str = ""  # "ok" when both the depth and the frames are as expected, else "MISMATCH"
     expect: str = ""
+    expect_k: int = -1  # the hit depth the gate expects
+    depth: str = ""  # "ok" or "MISS" (hit_depth != expect_k)
+    frames: str = ""  # "ok" or "MISMATCH" (against `frames_vs`)
+    frames_vs: str = ""
 
     def row(self) -> dict[str, Any]:
         d = attrs.asdict(self)
@@ -66,10 +76,12 @@ class AbcdGate:
     def __init__(self, total_chunks: int = 4, prefix_chunks: int = 2, ring_check: bool = True,
                  action_seed: int = 7, action_dim: int = 4) -> None:
         if total_chunks < 2:
-            raise ConfigError("workload.total_chunks", f"must be >= 2, got {total_chunks}")
+            raise ConfigError("workload.total_chunks", f"must be >= 2, got {total_chunks}",
+                              "the gate needs a shared prefix and a fork: e.g. workload.total_chunks=4")
         if not 1 <= prefix_chunks < total_chunks:
             raise ConfigError("workload.prefix_chunks",
-                              f"must be in [1, total_chunks), got {prefix_chunks} with total {total_chunks}")
+                              f"must be in [1, total_chunks), got {prefix_chunks} with total {total_chunks}",
+                              f"e.g. workload.prefix_chunks={max(1, total_chunks // 2)}")
         self.n = total_chunks
         self.p = prefix_chunks
         self.ring_check = ring_check
@@ -78,6 +90,16 @@ class AbcdGate:
         self.X = _actions(rng, total_chunks - prefix_chunks, action_dim)
         self.Y = _actions(rng, total_chunks - prefix_chunks, action_dim)
         self.Z = _actions(rng, total_chunks, action_dim)
+
+    @property
+    def cache_chunks(self) -> int:
+        """Chunks the gate keeps cached at once: A writes n, C writes n - |P| (B hits, D and the
+        ring check do not write). `cacheseek.sizing` fits ``auto`` store sizes to it."""
+        return 2 * self.n - self.p
+
+    @property
+    def cache_chunks_why(self) -> str:
+        return f"the gate: A writes {self.n}, C {self.n - self.p}"
 
     def _request(self, stack, name: str, actions, label: str, *, manager=None, ingest=True) -> RequestResult:
         binding = stack.new_binding(manager, ingest_enabled=ingest)
@@ -95,54 +117,82 @@ class AbcdGate:
                              frame_hashes=[h if isinstance(h, str) else h.hex() for h in hashes])
 
     def run(self, stack) -> dict[str, Any]:
+        from cacheseek.progress import bar
+
         n, p = self.n, self.p
-        a = self._request(stack, "A", self.P + self.X, "P+X")
-        b = self._request(stack, "B", self.P + self.X, "P+X")
-        c = self._request(stack, "C", self.P + self.Y, "P+Y")
-        fresh = stack.new_manager(forest=_fresh_forest())
-        d = self._request(stack, "D", self.P + self.Y, "P+Y", manager=fresh, ingest=False)
-        checks = [
-            (a, a.hit_depth == 0, "cold (K=0)"),
-            (b, b.hit_depth == n and b.frame_hashes == a.frame_hashes, f"K={n}, hashes == A"),
-            (c, c.hit_depth == p and c.frame_hashes == d.frame_hashes, f"K={p}, hashes == D"),
-            (d, d.hit_depth == 0 and d.frame_hashes[:p] == a.frame_hashes[:p], "cold reference"),
-        ]
-        for req, ok, expect in checks:
-            req.verdict = "ok" if ok else "MISMATCH"
-            req.expect = expect
-        ring = self._ring_check(stack) if self.ring_check else []
-        passed = all(ok for _, ok, _ in checks) and all(r["verdict"] == "ok" for r in ring)
+        steps = 4 + (self.n if self.ring_check else 0)
+        with bar(steps, "gate", unit="req") as progress:
+            reqs = []
+            for name, actions, label, extra in (("A", self.P + self.X, "P+X", {}), ("B", self.P + self.X, "P+X", {}),
+                                                ("C", self.P + self.Y, "P+Y", {}), ("D", self.P + self.Y, "P+Y", None)):
+                progress.set_postfix_str(f"{name} ({label})")
+                if extra is None:  # D: a fresh trie, no ingest: the cold reference for C
+                    extra = {"manager": stack.new_manager(forest=_fresh_forest()), "ingest": False}
+                reqs.append(self._request(stack, name, actions, label, **extra))
+                progress.update()
+            a, b, c, d = reqs
+            checks = [  # (request, expected depth, frames equal?, what they are compared with)
+                (a, 0, True, ""),
+                (b, n, b.frame_hashes == a.frame_hashes, "== A"),
+                (c, p, c.frame_hashes == d.frame_hashes, "== D"),
+                (d, 0, d.frame_hashes[:p] == a.frame_hashes[:p], "[:P] == A"),
+            ]
+            for req, want_k, frames_ok, vs in checks:
+                req.expect_k = want_k
+                req.depth = "ok" if req.hit_depth == want_k else "MISS"
+                req.frames = "ok" if frames_ok else "MISMATCH"
+                req.frames_vs = vs
+                req.verdict = "ok" if req.depth == "ok" and frames_ok else "MISMATCH"
+                req.expect = f"K={want_k}" + (f", hashes {vs}" if vs else "")
+            ring = self._ring_check(stack, progress) if self.ring_check else []
+        verdicts = {
+            "hit_depth": all(r.depth == "ok" for r in reqs),
+            "frame_hashes": all(r.frames == "ok" for r in reqs),
+            "ring_check": all(r["verdict"] == "ok" for r in ring),
+        }
         return {
             "workload": "abcd",
-            "requests": [r.row() for r in (a, b, c, d)],
-            "frame_hashes": {r.name: r.frame_hashes for r in (a, b, c, d)},
+            "requests": [r.row() for r in reqs],
+            "frame_hashes": {r.name: r.frame_hashes for r in reqs},
             "ring_check": ring,
-            "passed": passed,
+            "verdicts": verdicts,
+            "passed": all(verdicts.values()),
         }
 
-    def _ring_check(self, stack) -> list[dict[str, Any]]:
-        """Restore every depth K from the cache A filled and compare with a cold run before chunk K."""
+    def _ring_check(self, stack, progress: Any = None) -> list[dict[str, Any]]:
+        """Restore every depth K from the cache A filled and compare with a cold run before chunk K.
+        A depth that was not restored (hit depth != K) is ``not restored``, with no diff."""
         from cacheseek.runtime.snapshot import same_bytes, snapshot_diff
 
         actions = self.P + self.X
+        if progress is not None:
+            progress.set_postfix_str("ring check: cold run")
         cold = stack.runtime_factory.make(actions, hooks=None)
         states = []
         for k in range(self.n):
             cold.generate(stop_after=k)
             states.append(cold.state_snapshot())
+        if progress is not None:
+            progress.update()
         out = []
         for k in range(1, self.n):
+            if progress is not None:
+                progress.set_postfix_str(f"ring check K={k}")
             binding = stack.new_binding(ingest_enabled=False)
             rt = stack.runtime_factory.make(actions[:k] + self.Z[k:], hooks=binding)
             rt.generate(stop_after=0)  # runs on_runtime_created only
-            diff = snapshot_diff(rt.state_snapshot(), states[k])
-            for i in range(k):
-                got = rt.world_kv_cached_latents.get(i)
-                if got is None or not same_bytes(got, cold.latents[i]):
-                    diff.append(f"cached latent {i} differs from the cold run's")
-            ok = binding.last_fast_forward == k and not diff
-            out.append({"K": k, "hit_depth": binding.last_fast_forward,
-                        "verdict": "ok" if ok else "MISMATCH", "diff": diff})
+            hit = binding.last_fast_forward
+            if hit != k:
+                out.append({"K": k, "hit_depth": hit, "verdict": "not restored", "diff": []})
+            else:
+                diff = snapshot_diff(rt.state_snapshot(), states[k])
+                for i in range(k):
+                    got = rt.world_kv_cached_latents.get(i)
+                    if got is None or not same_bytes(got, cold.latents[i]):
+                        diff.append(f"cached latent {i} differs from the cold run's")
+                out.append({"K": k, "hit_depth": hit, "verdict": "MISMATCH" if diff else "ok", "diff": diff})
+            if progress is not None:
+                progress.update()
         return out
 
 

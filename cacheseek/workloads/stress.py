@@ -59,7 +59,8 @@ class StressSchema:
 
 def _check(field: str, value: Any, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"workload.{field}", f"must be an integer >= {low}, got {value!r}")
+        raise ConfigError(f"workload.{field}", f"must be an integer >= {low}, got {value!r}",
+                          f"set workload.{field} to an integer >= {low}")
 
 
 @WORKLOADS.register("stress", StressSchema)
@@ -104,6 +105,18 @@ class StressWorkload:
         ]
         self.images = [_image(i) for i in range(images)]
 
+    @property
+    def cache_chunks(self) -> int:
+        """Chunks the run may keep at once: ``capacity_chunks``, else every distinct prefix of
+        the plan (`cacheseek.sizing` fits ``auto`` store sizes to it)."""
+        if self.capacity_chunks is not None:
+            return self.capacity_chunks
+        return len({(image, path[:d + 1]) for image, path in self.plan for d in range(len(path))})
+
+    @property
+    def cache_chunks_why(self) -> str:
+        return "workload.capacity_chunks" if self.capacity_chunks is not None else "every distinct prefix"
+
     def actions(self, path: tuple[int, ...]) -> list[list[float]]:
         return [self.choices[d][c] for d, c in enumerate(path)]
 
@@ -111,12 +124,20 @@ class StressWorkload:
     def run(self, stack: Any) -> dict[str, Any]:
         from cacheseek.eviction import store_usage
 
+        from cacheseek.progress import bar
+
         factory = stack.runtime_factory
         capacity = self._bound_capacity(stack)
+        distinct = sorted(set(self.plan))
+        progress = bar(len(distinct) + len(self.plan), "stress", unit="run")
+        progress.set_postfix_str("cold references")
         t0 = time.perf_counter()
-        reference = {key: factory.make(self.actions(key[1]), hooks=None, image=self.images[key[0]]).generate()
-                     for key in sorted(set(self.plan))}
+        reference = {}
+        for key in distinct:
+            reference[key] = factory.make(self.actions(key[1]), hooks=None, image=self.images[key[0]]).generate()
+            progress.update()
         reference_s = time.perf_counter() - t0
+        progress.set_postfix_str("sessions")
 
         manager = stack.new_manager()
         flush = getattr(stack.store, "flush", None)
@@ -145,6 +166,8 @@ class StressWorkload:
                 hashes = []
             ok = hashes == reference[(image, path)]
             k = binding.last_fast_forward
+            with lock:
+                progress.update()
             return {
                 "name": f"s{i:02d}", "actions": f"i{image}:" + ".".join(map(str, path)),
                 "hit_depth": k, "chunks_computed": len(path) - k, "wall_s": time.perf_counter() - t,
@@ -153,8 +176,11 @@ class StressWorkload:
             }
 
         t1 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="stress") as pool:
-            rows = list(pool.map(session, range(len(self.plan))))
+        try:
+            with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="stress") as pool:
+                rows = list(pool.map(session, range(len(self.plan))))
+        finally:
+            progress.close()
         if flush is not None:
             flush()
         sessions_s = time.perf_counter() - t1

@@ -1,4 +1,4 @@
-"""End-to-end benchmark: the A/B/C/D gate (DESIGN.md section 5) at lingbot_480p geometry with real
+"""End-to-end benchmark: the A/B/C/D gate (docs/design.md section 5) at lingbot_480p geometry with real
 GPU compute per chunk, in one process, for several stores:
 
 - ``nocache``: the runtime with no hooks at all (pure compute), requests P+X and P+Y;

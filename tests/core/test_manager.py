@@ -165,7 +165,7 @@ def test_referenced_node_is_not_evicted():
 
 
 def test_handle_is_published_by_the_completion_callback():
-    """A store written to API.md calls on_ready(handle) and leaves ``ready`` to the manager."""
+    """A store written to docs/api.md calls on_ready(handle) and leaves ``ready`` to the manager."""
 
     class CallbackOnly(InMemoryTierStore):
         def put_async(self, locator, payload, *, tier, on_ready=None):

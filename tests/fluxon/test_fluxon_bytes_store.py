@@ -315,9 +315,13 @@ def test_tensor_tier_refuses_to_free_a_write_in_flight(fluxon_client, key_prefix
 
 @pytest.mark.fluxon
 def test_tensor_tier_failed_write_is_reported_and_cleaned(fluxon_client, key_prefix):
-    """A chunk that does not fit fails on its handle (never ready) and leaves nothing behind."""
+    """A chunk that Fluxon refuses fails on its handle (never ready) and leaves nothing behind."""
     tier = FluxonTensorTier(client=fluxon_client)
     big = torch.zeros(40 * MiB // 2, dtype=torch.bfloat16)  # 40 MiB: a 64 MiB slot each
+    assert tier.capacity_bytes == fluxon_client.segment_bytes  # the service's segment
+    with pytest.raises(StoreFullError, match="larger --dram"):  # 80 MiB > 64 MiB: refused at once
+        tier.put_async(f"{key_prefix}big:kv", [(big, big)], tier=Tier.FLUXON_DRAM)
+    tier.capacity_bytes = None  # let it through to Fluxon, which refuses it itself
     h = tier.put_async(f"{key_prefix}big:kv", [(big, big)], tier=Tier.FLUXON_DRAM)
     assert not h.ready and isinstance(h.error, StoreFullError)
     assert tier.stats.failed_writes == 1

@@ -67,13 +67,30 @@ def test_cli_gate_passes_on_the_plan_tier_over_fluxon(fluxon_service, tmp_path):
                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
     assert "PASS: abcd on store=fluxon_plan geometry=tiny" in out.stdout
-    assert "ring check: 3/3 resume depths equal a cold run" in out.stdout
+    assert "ring check:   ok (3/3 resume depths equal a cold run)" in out.stdout
     log_text = (run / "cacheseek.log").read_text()
     assert "emulating it over the public client (fluxon_public" in log_text
     results = json.loads((run / "results.json").read_text())
     stats = results["store_stats"]
     assert stats["plans_committed"] > 0 and stats["read_hits"] > 0 and stats["put_failures"] == 0
     assert [m["writable"] for m in stats["mappings"]] == [False, True]  # owner's segment, staging
+    assert "store.client_options.staging_bytes=auto -> " in out.stdout  # sized for the workload
+
+
+@pytest.mark.fluxon
+def test_cli_on_the_tensor_tier_reports_the_service_capacity_and_keeps_banners_in_the_log(fluxon_service, tmp_path):
+    run = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "cacheseek", "+store=fluxon",
+                          f"store.cluster_name={fluxon_service.cluster_name}",
+                          f"store.share_mem_path={fluxon_service.share_mem_path}", "store.op_timeout_s=20",
+                          "namespace.model_fingerprint=cli-tier-test", "workload.total_chunks=2",
+                          "workload.prefix_chunks=1", "workload.ring_check=false", f"hydra.run.dir={run}"],
+                         cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
+    assert "store capacity: 64 MiB (as the fluxon store reports it)" in out.stdout
+    assert "of 64.00 MiB" in out.stdout and "unbounded" not in out.stdout
+    assert "Client config" not in out.stdout + out.stderr  # fluxon-py's attach banners ...
+    assert "fluxon-py: " in (run / "cacheseek.log").read_text()  # ... are in the log file
 
 
 @pytest.mark.fluxon

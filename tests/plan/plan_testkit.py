@@ -98,7 +98,7 @@ LATENT_SHAPE = (1, 4, 3, 2, 2)
 
 
 class ColdRing:
-    """The runtime's shift-left ring with a pinned sink (DESIGN.md section 1), filled chunk by
+    """The runtime's shift-left ring with a pinned sink (docs/design.md section 1), filled chunk by
     chunk with values that encode (layer, k/v, global token), like a cold run."""
 
     def __init__(self, geom: RingGeometry, total_chunks: int, *, n_layers: int = 2, heads: int = 2,

@@ -318,7 +318,7 @@ def test_transfer_chosen_from_first_tensors_when_not_given():
 
 def test_built_from_the_registered_schema_with_objects_passed_at_instantiate():
     fields = {f.name: f.default for f in dataclasses.fields(PlanTierSchema) if f.name != "client_options"}
-    assert fields["client"] == "embedded" and fields["segment_bytes"] == 1 << 30 and fields["prefault_threads"] == 0
+    assert fields["client"] == "embedded" and fields["segment_bytes"] == "auto" and fields["prefault_threads"] == 0
     assert fields["overlap"] is None and fields["hugepages"] is True
     cfg = OmegaConf.structured(PlanTierSchema(segment_bytes=1 << 20, device="cpu"))
     transfer = HostTransferRuntime()

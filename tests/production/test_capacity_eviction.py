@@ -469,11 +469,17 @@ def test_unknown_policy_names_the_field_and_the_known_ones(compose_cfg, tmp_path
     assert ei.value.field == "manager.eviction.policy"
 
 
-@pytest.mark.parametrize("override", ["manager.eviction.hgh_watermark=0.5", "manager.eviction.low_watermark=low",
-                                      "+store=memory store.capacity_bytes=lots"])
+@pytest.mark.parametrize("override", ["manager.eviction.hgh_watermark=0.5", "manager.eviction.low_watermark=low"])
 def test_typos_in_the_new_sections_are_rejected_at_compose(compose_cfg, override):
     with pytest.raises(ConfigCompositionException):
         compose_cfg(*override.split())
+
+
+def test_a_capacity_that_is_not_a_size_is_rejected_before_the_store_is_built(compose_cfg, tmp_path):
+    cfg = compose_cfg("+store=memory", "store.capacity_bytes=lots")  # sizes are strings with units
+    with pytest.raises(ConfigError) as ei:
+        build_stack(cfg, run_dir=tmp_path)
+    assert ei.value.field == "store.capacity_bytes" and "512MiB" in str(ei.value)
 
 
 def test_the_config_reaches_the_store_and_the_managers(compose_cfg, tmp_path):

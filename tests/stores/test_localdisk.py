@@ -63,7 +63,7 @@ def test_registered_with_schema():
         "write_back": False,
         "queue_depth": 4,
         "fsync": True,
-        "capacity_bytes": None,
+        "capacity_bytes": "auto",
     }
 
 

@@ -459,7 +459,7 @@ class WorldKVManager:
         t0 = time.perf_counter()
 
         def on_ready(handle: Optional[BlobHandle] = None) -> None:
-            # The publication bit of a write (API.md): set here, from the store's completion
+            # The publication bit of a write (docs/api.md): set here, from the store's completion
             # callback, whether or not the store already set it. A store written for upstream
             # CacheSeek returns no handle and calls ``on_ready()``: the placeholder is its handle.
             if handle is None:

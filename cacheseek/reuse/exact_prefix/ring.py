@@ -1,6 +1,6 @@
 """Ring geometry: which global frame sits in which physical slot, and the copy runs of a restore.
 
-The runtime's per-layer KV buffer is a shift-left buffer with a pinned sink (DESIGN.md section 1),
+The runtime's per-layer KV buffer is a shift-left buffer with a pinned sink (docs/design.md section 1),
 not a circular one. After ``k`` chunks of ``c`` frames:
 
 - full length (``local_attn_size == -1``): slots ``0..k*c-1`` hold frames ``0..k*c-1``;

@@ -1,0 +1,105 @@
+"""Byte sizes as people write them, in one parser for every size CacheSeek takes.
+
+``parse_size`` accepts an int (a byte count) or a string: ``"4096"``, ``"512MiB"``, ``"24GiB"``,
+``"1.5GiB"``, ``"64M"``, ``"16k"``. Units are binary throughout (``K``/``KB``/``KiB`` = 1024,
+``M``/``MB``/``MiB`` = 1024**2, ``G``..., ``T``...), case-insensitive, as Fluxon reads its own
+``dram`` setting, so one spelling means the same number everywhere. Two words besides numbers:
+
+- ``"auto"`` (where the caller allows it): the size is fitted to the workload by
+  `cacheseek.sizing` before the store is built; stores built directly never see it;
+- ``None`` / ``"null"`` / ``"none"`` (where the caller allows it): no bound.
+
+Every bad value raises `ConfigError` naming the field, with the spelling that works as the fix.
+`format_size` writes sizes back in the same units; `available_memory` and `free_bytes` say how
+much room there is (for ``auto`` and for refusing a size the machine cannot hold).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any, Optional, Union
+
+from cacheseek.errors import ConfigError
+
+__all__ = ["AUTO", "Size", "available_memory", "format_size", "free_bytes", "parse_size"]
+
+AUTO = "auto"
+Size = Union[int, str]  # what a config field holds before `parse_size`: 4096, "512MiB", "auto"
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
+    "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+    "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
+    "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+_FIX = "write a byte count or a size with a binary unit, e.g. 512MiB or 24GiB"
+
+
+def parse_size(value: Any, field: str, *, allow_auto: bool = False, allow_none: bool = False,
+               minimum: int = 0) -> Any:
+    """``value`` as an int of bytes (or `AUTO`, or None, where allowed). ConfigError naming
+    ``field`` when it is not a size, is below ``minimum``, or is a word that is not allowed."""
+    words = ("auto" if allow_auto else "") + (" null" if allow_none else "")
+    fix = _FIX + (f", or {' or '.join(words.split())}" if words.strip() else "")
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("null", "none")):
+        if allow_none:
+            return None
+        raise ConfigError(field, "needs a size, got null", fix)
+    if isinstance(value, str) and value.strip().lower() == AUTO:
+        if allow_auto:
+            return AUTO
+        raise ConfigError(field, "'auto' is not accepted here", _FIX)
+    if isinstance(value, bool):
+        raise ConfigError(field, f"expected a size, got {value!r}", fix)
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float) and value.is_integer():
+        n = int(value)
+    elif isinstance(value, str):
+        m = _SIZE_RE.fullmatch(value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ConfigError(field, f"cannot read {value!r} as a size", fix)
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise ConfigError(field, f"expected a size, got {type(value).__name__} {value!r}", fix)
+    if n < minimum:
+        raise ConfigError(field, f"must be at least {format_size(minimum)}, got {value!r}", fix)
+    return n
+
+
+def format_size(n: Optional[float]) -> str:
+    """``1.50 GiB``, ``512 MiB``, ``4 KiB``, ``96 B``; None reads as ``unbounded``."""
+    if n is None:
+        return "unbounded"
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}".replace(".00 ", " ")
+    return f"{n:.0f} B"
+
+
+def available_memory(meminfo: str = "/proc/meminfo") -> Optional[int]:
+    """``MemAvailable`` in bytes (what can be allocated without swapping), or None if unknown."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def free_bytes(path: Union[str, os.PathLike[str]]) -> Optional[int]:
+    """Bytes free to an unprivileged writer on the file system holding ``path`` (its nearest
+    existing parent), or None if unknown."""
+    p = os.path.abspath(os.fspath(path))
+    while not os.path.exists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    try:
+        st = os.statvfs(p)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize

@@ -1,0 +1,117 @@
+"""Sizes: one parser with units for every size (cacheseek.sizes), and the sizes fitted to the
+workload or refused before anything is allocated (cacheseek.sizing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cacheseek.errors import ConfigError
+from cacheseek.runtime.geometry import get_geometry
+from cacheseek.sizes import AUTO, format_size, parse_size
+from cacheseek.sizing import CacheNeed, SizeField, check_capacity, need_for, resolve_sizes
+from cacheseek.workloads.abcd import AbcdGate
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("256MiB", 256 * MiB), ("1GiB", GiB), ("24GiB", 24 * GiB), ("64M", 64 * MiB), ("1.5GiB", 3 << 29),
+    (1024, 1024), ("16 mib", 16 * MiB), ("0", 0), ("4096", 4096), ("2k", 2048), ("1TiB", 1 << 40), (8.0, 8),
+])
+def test_parse_size_reads_binary_units(text, expected):
+    assert parse_size(text, "store.x") == expected
+
+
+@pytest.mark.parametrize("bad", ["abc", "12 parsecs", -1, True, 1.5, [1], "auto", None, "1 GiB GiB"])
+def test_parse_size_names_the_field_and_the_spelling_that_works(bad):
+    with pytest.raises(ConfigError) as ei:
+        parse_size(bad, "store.segment_bytes")
+    assert ei.value.field == "store.segment_bytes" and "512MiB" in ei.value.fix
+
+
+def test_auto_and_null_only_where_allowed():
+    assert parse_size("auto", "f", allow_auto=True) == AUTO == parse_size(" AUTO ", "f", allow_auto=True)
+    assert parse_size(None, "f", allow_none=True) is None and parse_size("null", "f", allow_none=True) is None
+    with pytest.raises(ConfigError, match="at least 4 KiB"):
+        parse_size("1KiB", "f", minimum=4096)
+
+
+def test_format_size():
+    assert [format_size(n) for n in (96, 4096, 3 << 29, 256 * MiB, None)] == \
+        ["96 B", "4 KiB", "1.50 GiB", "256 MiB", "unbounded"]
+
+
+class _Factory:
+    def __init__(self, geometry: str, dtype: str = "bfloat16") -> None:
+        self.geometry, self.dtype = get_geometry(geometry), dtype
+
+
+def _need(geometry: str = "tiny", n: int = 4, p: int = 2) -> CacheNeed:
+    need = need_for(_Factory(geometry), AbcdGate(total_chunks=n, prefix_chunks=p))
+    assert need is not None
+    return need
+
+
+def test_the_gate_needs_its_chunks_at_the_geometry_size():
+    tiny = _need()
+    assert tiny.chunks == 6 and tiny.chunk_bytes == 4 * 96 + 192  # 2 layers x K,V of 96 B + a latent
+    assert tiny.footprint(256) == 5 * 256  # every value rounded up to a 256-byte block
+    big = _need("lingbot_480p", 3, 1)
+    assert big.chunks == 5 and big.chunk_bytes == 80 * 47_923_200 + 599_040  # DESIGN figures: 3.57 GiB
+    assert need_for(_Factory("tiny"), object()) is None  # a workload that does not say
+
+
+def test_auto_segment_fits_the_workload_below_the_watermark_within_free_memory():
+    need = _need("lingbot_480p", 3, 1)
+    cfg = {"segment_bytes": "auto"}
+    notes = resolve_sizes(cfg, [SizeField("segment_bytes", "segment", room=400 * GiB)], need, high_watermark=0.9)
+    assert cfg["segment_bytes"] >= need.chunks * need.chunk_bytes / 0.9 and cfg["segment_bytes"] % MiB == 0
+    assert len(notes) == 1 and notes[0].startswith("store.segment_bytes=auto -> 19.8") and "5 chunks" in notes[0]
+    capped = {"segment_bytes": "auto"}
+    resolve_sizes(capped, [SizeField("segment_bytes", "segment", room=10 * GiB)], need)
+    assert capped["segment_bytes"] == int(10 * GiB * 0.8)
+
+
+def test_a_segment_that_cannot_hold_one_chunk_is_refused_with_the_numbers():
+    need = _need("lingbot_480p", 3, 1)
+    with pytest.raises(ConfigError) as ei:
+        resolve_sizes({"segment_bytes": "256MiB"}, [SizeField("segment_bytes", "segment", room=400 * GiB)], need)
+    msg = str(ei.value)
+    assert ei.value.field == "store.segment_bytes" and "256 MiB cannot hold one chunk" in msg
+    assert "3.57 GiB" in msg and "store.segment_bytes=auto" in ei.value.fix
+    with pytest.raises(ConfigError, match="only"):  # auto with too little free memory says so too
+        resolve_sizes({"segment_bytes": "auto"}, [SizeField("segment_bytes", "segment", room=GiB)], need)
+
+
+def test_a_segment_larger_than_free_memory_is_refused():
+    with pytest.raises(ConfigError) as ei:
+        resolve_sizes({"segment_bytes": "100GiB"}, [SizeField("segment_bytes", "segment", room=20 * GiB)], _need())
+    assert ei.value.field == "store.segment_bytes" and "free memory" in str(ei.value)
+
+
+def test_auto_capacity_is_unbounded_when_it_fits_and_capped_when_not():
+    need = _need("lingbot_480p", 3, 1)
+    cfg = {"capacity_bytes": "auto"}
+    resolve_sizes(cfg, [SizeField("capacity_bytes", "capacity", room=400 * GiB)], need)
+    assert cfg["capacity_bytes"] is None
+    resolve_sizes(cfg := {"capacity_bytes": "auto"}, [SizeField("capacity_bytes", "capacity", room=10 * GiB)], need)
+    assert cfg["capacity_bytes"] == int(10 * GiB * 0.8)
+    resolve_sizes(cfg := {"capacity_bytes": None}, [SizeField("capacity_bytes", "capacity", room=GiB)], need)
+    assert cfg["capacity_bytes"] is None  # null stays unbounded, whatever the room
+    with pytest.raises(ConfigError, match="0 B cannot hold one chunk"):
+        resolve_sizes({"capacity_bytes": 0}, [SizeField("capacity_bytes", "capacity")], _need())
+
+
+def test_auto_staging_is_two_chunks_at_a_nested_path_that_may_be_missing():
+    need = _need()
+    cfg: dict = {"client": "fluxon"}
+    resolve_sizes(cfg, [SizeField("client_options.staging_bytes", "staging", room=GiB, alignment=256)], need)
+    assert cfg["client_options"]["staging_bytes"] == 4096  # 2 x 1.25 KiB, rounded up to a page
+
+
+def test_a_reported_capacity_must_hold_one_chunk():
+    check_capacity(None, _need(), "store", "more")
+    check_capacity(GiB, _need(), "store", "more")
+    with pytest.raises(ConfigError, match="16 MiB cannot hold one chunk") as ei:
+        check_capacity(16 * MiB, _need("lingbot_480p", 3, 1), "store", "restart the service with --dram 8GiB")
+    assert "--dram" in ei.value.fix
