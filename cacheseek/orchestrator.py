@@ -1,10 +1,11 @@
 """The generic orchestrator: turns a composed config into a running stack.
 
 ``build_stack(cfg)`` instantiates, from the registries, the runtime factory, the transfer runtime
-(``auto`` follows the runtime's device), the layout adapter, the namespace fingerprint fields and
-the store (``store: null`` resolves to the registry's default backend, logged). Objects that
-OmegaConf cannot hold (a transfer runtime, a fake client) are passed at the call site to the
-classes whose constructors name them: that is also how tests inject fakes.
+(``auto`` follows the runtime's device), the layout adapter (``auto`` follows the runtime), the
+namespace fingerprint fields and the store (``store: null`` resolves to the registry's default
+backend, logged). Objects that OmegaConf cannot hold (a transfer runtime, a fake client) are
+passed at the call site to the classes whose constructors name them: that is also how tests
+inject fakes.
 
 A `Stack` hands out managers and bindings that share one forest, one store and one
 `CacheMetrics`, which is what a serving process does with many sessions. Managers get the
@@ -23,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from cacheseek import namespace
 from cacheseek.errors import CacheSeekError, ConfigError
-from cacheseek.registry import STORES, TRANSFERS, import_backends
+from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, import_backends
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +35,13 @@ def instantiate(node: Any, **call_site: Any) -> Any:
     """The one place that calls ``hydra.utils.instantiate`` (Hydra 1.4 will want a whitelist).
 
     Call-site objects are passed only to constructors that name them."""
-    from hydra.utils import get_class, instantiate as hydra_instantiate
+    from hydra.utils import get_object, instantiate as hydra_instantiate
 
     target = node.get("_target_") if isinstance(node, (dict, DictConfig)) else None
     if target is None:
         raise ConfigError("_target_", f"config node {node!r} names no class")
-    cls = get_class(target)
-    params = inspect.signature(cls).parameters
+    factory = get_object(target)  # a class, or a factory function (``auto`` entries)
+    params = inspect.signature(factory).parameters
     accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     kwargs = {k: v for k, v in call_site.items() if v is not None and (accepts_any or k in params)}
     try:
@@ -119,7 +120,7 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, **objects: Any) -> 
     import_backends()
     run_dir = Path(run_dir) if run_dir is not None else Path.cwd()
     runtime_factory = objects.pop("runtime_factory", None) or instantiate(cfg.runtime)
-    layout = instantiate(cfg.layout)
+    layout = _build_layout(cfg.layout, runtime_factory)
     fields = namespace.resolve_fields(
         None if cfg.namespace.fields is None else list(cfg.namespace.fields))
 
@@ -148,6 +149,17 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, **objects: Any) -> 
     stack.eviction_config()
     stack.metrics.bind_store(store)
     return stack
+
+
+def _build_layout(node: Any, runtime_factory: Any) -> Any:
+    """The configured layout adapter; ``auto`` follows the runtime. A runtime that names its layout
+    (``layout_name``) refuses another one here, before any session."""
+    layout = instantiate(node, runtime_factory=runtime_factory)
+    expected = getattr(runtime_factory, "layout_name", None)
+    if expected and not isinstance(layout, LAYOUTS.get(expected)):
+        raise ConfigError("layout", f"the runtime's sessions have the {expected!r} layout, not "
+                          f"{type(layout).__name__}'s", f"use layout={expected} or layout=auto")
+    return layout
 
 
 def _new_metrics() -> Any:
