@@ -24,7 +24,8 @@ sequence from `plan_controls` (the integration's ``generate_video`` does it).
 The session does not name its pipeline. `creating(pipeline)` marks the pipeline that is creating
 sessions in this thread (the integration wraps ``_create_initialized_session``, which calls
 ``on_runtime_created`` before it returns); the first lookup of a session records its pipeline
-for later calls from TeleFuser's actor threads. Records are weak: they go with the session.
+for later calls from TeleFuser's actor threads, and the integration records it with `own` once
+the session is returned. Records are weak: they go with the session.
 
 Streaming order per chunk (TeleFuser's denoise actor): a chunk with a cached latent pops it,
 advances the noise generator once, casts the latent to the pipeline's dtype and calls
@@ -46,7 +47,7 @@ from cacheseek.errors import LayoutMismatchError
 from cacheseek.layout.ring_layout import LatentSpec, RingLayout
 from cacheseek.registry import LAYOUTS
 
-__all__ = ["TeleFuserMainLayout", "creating", "forget_controls", "plan_controls", "planned_controls"]
+__all__ = ["TeleFuserMainLayout", "creating", "forget_controls", "own", "plan_controls", "planned_controls"]
 
 _CREATING: contextvars.ContextVar[Any] = contextvars.ContextVar("cacheseek_telefuser_pipeline", default=None)
 
@@ -91,6 +92,11 @@ def creating(pipeline: Any) -> Iterator[None]:
         yield
     finally:
         _CREATING.reset(token)
+
+
+def own(session: Any, pipeline: Any) -> None:
+    """Record that ``session`` belongs to ``pipeline`` (the integration does, once it returns)."""
+    _OWNERS.set(session, pipeline)
 
 
 def plan_controls(session_config: Any, controls: Sequence[Any]) -> None:
