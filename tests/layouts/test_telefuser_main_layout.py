@@ -5,6 +5,7 @@ value, an extra RNG draw and TeleFuser's bf16 cast of a restored latent."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -74,6 +75,16 @@ def test_main_is_detected_and_its_adapter_is_named():
     assert TeleFuserLayout.MAIN.layout_name == "telefuser_main"
     assert isinstance(TeleFuserLayout.MAIN.adapter(), TeleFuserMainLayout)
     assert isinstance(TeleFuserLayout.HOOKED.adapter(), BshdLayout)
+
+
+def test_a_main_layout_without_a_cache_handle_is_refused_naming_it(monkeypatch):
+    fields = [f for f in tm.LingBotWorldFastGenerationSession.__dataclass_fields__ if f != "cache_handle"]
+    import dataclasses
+
+    lacking = dataclasses.make_dataclass("LingBotWorldFastGenerationSession", fields)
+    monkeypatch.setattr(sys.modules[f"{tm.PKG}.session"], "LingBotWorldFastGenerationSession", lacking)
+    with pytest.raises(UnsupportedTeleFuserError, match="cache_handle"):
+        detect_layout(tm.LingBotWorldFastPipeline())
 
 
 def test_the_adapter_finds_the_ring_cursors_rng_and_latent_behind_the_cache_handle():
