@@ -1,10 +1,10 @@
 """Namespace fingerprint fields: everything that changes the bits of a chunk's KV.
 
 The namespace root is ``H(image_fp, prompt_fp, config_blob_hash)`` and the config blob covers
-one entry per registered field below. A field reads the runtime through the layout adapter
-(``ctx.layout``), which knows where the runtime keeps each part. A change of any of them is a cold miss. A field is a small
+one entry per registered field below. A change of any of them is a cold miss. A field is a small
 class with a ``name`` and ``value(ctx)``; a new runtime knob that changes the bits is one new
-class here. `default_fields()` is the set the binding uses unless told otherwise.
+class here. `default_fields()` is the set the binding uses unless told otherwise. A field reads
+the runtime through its layout adapter (``ctx.layout``), which knows where each part lives.
 """
 
 from __future__ import annotations
