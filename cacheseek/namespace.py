@@ -3,7 +3,8 @@
 The namespace root is ``H(image_fp, prompt_fp, config_blob_hash)`` and the config blob covers
 one entry per registered field below. A change of any of them is a cold miss. A field is a small
 class with a ``name`` and ``value(ctx)``; a new runtime knob that changes the bits is one new
-class here. `default_fields()` is the set the binding uses unless told otherwise.
+class here. `default_fields()` is the set the binding uses unless told otherwise. A field reads
+the runtime through its layout adapter (``ctx.layout``), which knows where each part lives.
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ def _frame_num(ctx):
 
 @_field("chunk_size")
 def _chunk_size(ctx):
-    return int(ctx.runtime.chunk_size)
+    return ctx.layout.window(ctx.runtime).chunk_size
 
 
 @_field("sampler")
 def _sampler(ctx):
     """Sampler settings: shift and the timestep schedule."""
-    ts = getattr(ctx.runtime, "timesteps", None)
+    ts = ctx.layout.timesteps(ctx.runtime)
     steps = [float(t) for t in ts] if ts is not None else None
     return {"sample_shift": _session(ctx, "sample_shift"), "timesteps": steps}
 
@@ -82,19 +83,20 @@ def _limits(ctx):
 @_field("attention_window")
 def _window(ctx):
     """(L, S): the rolling window and sink, in frames (-1, 0 = full length)."""
-    return [int(ctx.runtime.kv_local_attn_size), int(ctx.runtime.kv_sink_size)]
+    ring = ctx.layout.window(ctx.runtime)
+    return [ring.local_attn_size, ring.sink_size]
 
 
 @_field("resolution")
 def _resolution(ctx):
     img = _session(ctx, "image")
-    lat = list(ctx.runtime.noise_chunks[0].shape[-2:])
+    lat = list(ctx.layout.latent_spec(ctx.runtime).shape[-2:])
     return {"image_size": list(img.size) if img is not None else None, "latent_hw": lat}
 
 
 @_field("dtype")
 def _dtype(ctx):
-    return str(ctx.runtime.self_kv_cache[0]["k"].dtype)
+    return str(ctx.layout.layers(ctx.runtime)[0][0].dtype)
 
 
 @_field("storage_layout")
@@ -125,8 +127,7 @@ def config_blob(fields: list[Any], ctx: FingerprintContext) -> dict[str, Any]:
 @_field("device")
 def _device(ctx):
     """Device type: kernels differ in their low bits between CPU and CUDA."""
-    k = ctx.runtime.self_kv_cache[0]["k"]
-    return k.device.type
+    return ctx.layout.layers(ctx.runtime)[0][0].device.type
 
 
 @_field("store_format")

@@ -1,10 +1,11 @@
 """The generic orchestrator: turns a composed config into a running stack.
 
 ``build_stack(cfg)`` instantiates, from the registries, the runtime factory, the transfer runtime
-(``auto`` follows the runtime's device), the layout adapter, the namespace fingerprint fields and
-the store (``store: null`` resolves to the registry's default backend, logged). Objects that
-OmegaConf cannot hold (a transfer runtime, a fake client) are passed at the call site to the
-classes whose constructors name them: that is also how tests inject fakes.
+(``auto`` follows the runtime's device), the layout adapter (``auto`` follows the runtime), the
+namespace fingerprint fields and the store (``store: null`` resolves to the registry's default
+backend, logged). Objects that OmegaConf cannot hold (a transfer runtime, a fake client) are
+passed at the call site to the classes whose constructors name them: that is also how tests
+inject fakes.
 
 A store that can list and remove its values (LocalDisk) is reconciled with the stack's fresh
 forest when the stack is built (`WorldKVManager.reconcile`): values a previous process left, which
@@ -38,7 +39,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from cacheseek import namespace, sizing
 from cacheseek.errors import CacheSeekError, ConfigError
-from cacheseek.registry import STORES, TRANSFERS, import_backends
+from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, import_backends
 from cacheseek.sizes import format_size
 
 log = logging.getLogger(__name__)
@@ -50,13 +51,13 @@ def instantiate(node: Any, **call_site: Any) -> Any:
     """The one place that calls ``hydra.utils.instantiate`` (Hydra 1.4 will want a whitelist).
 
     Call-site objects are passed only to constructors that name them."""
-    from hydra.utils import get_class, instantiate as hydra_instantiate
+    from hydra.utils import get_object, instantiate as hydra_instantiate
 
     target = node.get("_target_") if isinstance(node, (dict, DictConfig)) else None
     if target is None:
         raise ConfigError("_target_", f"config node {node!r} names no class")
-    cls = get_class(target)
-    params = inspect.signature(cls).parameters
+    factory = get_object(target)  # a class, or a factory function (``auto`` entries)
+    params = inspect.signature(factory).parameters
     accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
     kwargs = {k: v for k, v in call_site.items() if v is not None and (accepts_any or k in params)}
     try:
@@ -151,7 +152,7 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
     if workload is None and cfg.get("workload") is not None:
         workload = instantiate(cfg.workload)
     need = sizing.need_for(runtime_factory, workload)
-    layout = instantiate(cfg.layout)
+    layout = _build_layout(cfg.layout, runtime_factory)
     fields = namespace.resolve_fields(
         None if cfg.namespace.fields is None else list(cfg.namespace.fields))
 
@@ -272,6 +273,17 @@ def _class_of(target: str) -> Any:
         return get_class(target)
     except Exception:  # noqa: BLE001 - instantiate reports a bad target with its own message
         return None
+
+
+def _build_layout(node: Any, runtime_factory: Any) -> Any:
+    """The configured layout adapter; ``auto`` follows the runtime. A runtime that names its layout
+    (``layout_name``) refuses another one here, before any session."""
+    layout = instantiate(node, runtime_factory=runtime_factory)
+    expected = getattr(runtime_factory, "layout_name", None)
+    if expected and not isinstance(layout, LAYOUTS.get(expected)):
+        raise ConfigError("layout", f"the runtime's sessions have the {expected!r} layout, not "
+                          f"{type(layout).__name__}'s", f"use layout={expected} or layout=auto")
+    return layout
 
 
 def _new_metrics() -> Any:

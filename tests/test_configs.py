@@ -152,7 +152,22 @@ def test_transfer_yaml_builds_a_stack(compose_cfg, tmp_path, name):
 @pytest.mark.parametrize("name", stems("layout"))
 def test_layout_yaml_composes_and_instantiates(compose_cfg, name):
     cfg = compose_cfg(f"layout={name}")
-    assert isinstance(instantiate(cfg.layout), LAYOUTS.get(name))
+    expected = "bshd" if name == "auto" else name  # auto: a factory; follows the runtime (none here)
+    assert isinstance(instantiate(cfg.layout), LAYOUTS.get(expected))
+
+
+class _RuntimeNamingItsLayout:
+    layout_name = "telefuser_main"
+
+
+def test_auto_layout_follows_the_runtime_and_a_contrary_choice_is_refused(compose_cfg):
+    from cacheseek.orchestrator import _build_layout
+
+    runtime = _RuntimeNamingItsLayout()
+    assert isinstance(_build_layout(compose_cfg().layout, runtime), LAYOUTS.get("telefuser_main"))
+    assert isinstance(_build_layout(compose_cfg().layout, object()), LAYOUTS.get("bshd"))
+    with pytest.raises(ConfigError, match="layout=telefuser_main"):
+        _build_layout(compose_cfg("layout=bshd").layout, runtime)
 
 
 @pytest.mark.parametrize("name", stems("runtime"))

@@ -1,3 +1,4 @@
-"""Layout adapters: how a runtime's KV buffer maps to stored bytes."""
+"""Layout adapters: where a runtime keeps its ring, cursors, noise, controls and RNG, and how its
+KV buffer maps to stored bytes (`ring_layout`). Importing registers the built-in layouts."""
 
-from cacheseek.layout import bshd  # noqa: F401  (registers the built-in layout)
+from cacheseek.layout import auto, bshd, telefuser_main  # noqa: F401  (register the built-in layouts)

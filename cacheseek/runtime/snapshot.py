@@ -1,9 +1,10 @@
 """What a restore must reproduce, captured and compared byte for byte (the per-K ring check).
 
-`ring_snapshot(runtime)` works on any runtime with TeleFuser's attributes (the synthetic one and
-the real LingBot-World-fast runtime): per layer ``k``/``v`` ``[:, :local_end]`` and both cursors,
-and the generator state. `snapshot_diff` lists every difference; empty means equal. Torch is
-imported inside the functions.
+`ring_snapshot(runtime, layout)` works on any runtime a layout adapter knows (default ``bshd``:
+the synthetic runtime and TeleFuser's hooked/released runtime; ``telefuser_main``: TeleFuser
+main's session): per layer ``k``/``v`` ``[:, :local_end]`` and both cursors, and the state of
+every RNG the layout says a restore must align (`RingLayout.rng_states`). `snapshot_diff` lists
+every difference; empty means equal. Torch is imported inside the functions.
 """
 
 from __future__ import annotations
@@ -13,22 +14,20 @@ from typing import Any
 __all__ = ["ring_snapshot", "same_bytes", "snapshot_diff"]
 
 
-def ring_snapshot(runtime: Any, **extra: Any) -> dict:
-    """Clones of the ring ``[:, :local_end]``, the int cursors of every layer and the generator
-    state of ``runtime``, plus ``extra`` entries (not compared)."""
-    return {
-        "layers": [
-            {
-                "k": c["k"][:, : int(c["local_end_index"])].clone(),
-                "v": c["v"][:, : int(c["local_end_index"])].clone(),
-                "global_end_index": int(c["global_end_index"]),
-                "local_end_index": int(c["local_end_index"]),
-            }
-            for c in runtime.self_kv_cache
-        ],
-        "generator_state": runtime.generator.get_state().clone(),
-        **extra,
-    }
+def ring_snapshot(runtime: Any, layout: Any = None, **extra: Any) -> dict:
+    """Clones of the ring ``[:, :local_end]``, the int cursors of every layer and the RNG states
+    of ``runtime`` as ``layout`` (default `BshdLayout`) finds them, plus ``extra`` entries (not
+    compared)."""
+    if layout is None:
+        from cacheseek.layout.bshd import BshdLayout
+
+        layout = BshdLayout()
+    layers = []
+    for (k, v), (global_end, local_end) in zip(layout.layers(runtime), layout.cursors(runtime)):
+        layers.append({"k": k[:, :local_end].clone(), "v": v[:, :local_end].clone(),
+                       "global_end_index": global_end, "local_end_index": local_end})
+    rng = {name: state.clone() for name, state in layout.rng_states(runtime).items()}
+    return {"layers": layers, "rng_states": rng, **extra}
 
 
 def same_bytes(a: Any, b: Any) -> bool:
@@ -54,6 +53,9 @@ def snapshot_diff(a: dict, b: dict) -> list[str]:
         for key in ("k", "v"):
             if not same_bytes(la[key], lb[key]):
                 diffs.append(f"layer {i} {key}[:, :local_end] differs")
-    if not same_bytes(a["generator_state"], b["generator_state"]):
-        diffs.append("generator state differs")
+    if sorted(a["rng_states"]) != sorted(b["rng_states"]):
+        diffs.append(f"RNGs {sorted(a['rng_states'])} != {sorted(b['rng_states'])}")
+    for name in sorted(set(a["rng_states"]) & set(b["rng_states"])):
+        if not same_bytes(a["rng_states"][name], b["rng_states"][name]):
+            diffs.append(f"{name} state differs")
     return diffs

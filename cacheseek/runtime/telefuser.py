@@ -2,14 +2,22 @@
 
 `TeleFuserRuntimeFactory` builds one real ``LingBotWorldFastPipeline``
 (`cacheseek.integrations.telefuser.tiny`), attaches CacheSeek to it (native hooks on a hooked
-TeleFuser, installed ones on the 0.1.0.post3 release) and hands out `TeleFuserSession` objects,
-which the workloads drive like the synthetic runtime: ``generate(stop_after)``,
-``state_snapshot()``, ``latents``, ``frame_hashes``, ``world_kv_cached_latents``.
+TeleFuser, installed ones on the 0.1.0.post3 release, the streaming seams on TeleFuser main) and
+hands out `TeleFuserSession` objects, which the workloads drive like the synthetic runtime:
+``generate(stop_after)``, ``state_snapshot()``, ``latents``, ``frame_hashes``,
+``world_kv_cached_latents``. Its ``layout_name`` is the layout adapter the installed TeleFuser
+needs (``layout=auto`` follows it).
+
+A session runs chunk by chunk: on the release and the hooked commit with ``create_runtime`` and
+``generate_next_chunk``; on TeleFuser main as its service does, with
+``_create_initialized_session`` and the pipeline's streaming scheduler, one chunk submitted when
+the previous one's frames are out (encode, denoise with the hook, decode, in TeleFuser's actors).
 
 A workload's action per chunk is a small vector (``[a0, a1, a2, ...]`` in [-1, 1]); here it is a
 camera move, turned into the inputs a TeleFuser user passes: per video frame a camera-to-world
 pose ``[N, 4, 4]`` and intrinsics ``[N, 4]`` (`camera_path`). TeleFuser turns them into the
-control tensors ``[1, 384, 3, h, w]`` float32 that the binding keys on. The moves are rotations
+control tensors ``[1, 384, 3, h, w]`` float32 that the binding keys on (TeleFuser main builds one
+chunk's control from its poses and the pose before it). The moves are rotations
 (yaw, pitch, roll rates per latent frame): TeleFuser normalizes translations by the largest step
 of the whole trajectory, which would make the control of an early chunk depend on later actions
 and defeat prefix reuse; rotations reach the DiT unnormalized.
@@ -27,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
-from cacheseek.errors import ConfigError
+from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.registry import RUNTIMES
 from cacheseek.runtime.geometry import Geometry, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
@@ -112,6 +120,7 @@ class TeleFuserRuntimeFactory:
         self._weight_seed = weight_seed
         self._pipeline: Any = None
         self.layout: Any = None
+        self._adapter: Any = None
         self._weights: Optional[bytes] = None
 
     # the settings the orchestrator and workloads read
@@ -138,6 +147,20 @@ class TeleFuserRuntimeFactory:
             self.layout = attach(pipeline)
             self._pipeline = pipeline
         return self._pipeline
+
+    @property
+    def layout_name(self) -> str:
+        """The layout adapter for the installed TeleFuser's sessions (``bshd`` or ``telefuser_main``)."""
+        self.pipeline
+        return self.layout.layout_name
+
+    @property
+    def layout_adapter(self) -> Any:
+        """The adapter through which sessions read their ring (the ring check's snapshots)."""
+        if self._adapter is None:
+            self.pipeline
+            self._adapter = self.layout.adapter()
+        return self._adapter
 
     @property
     def weights_fingerprint(self) -> bytes:
@@ -180,10 +203,36 @@ class TeleFuserRuntimeFactory:
 
         c = self._geometry.chunk_size
         poses, intrinsics = camera_path(actions, chunk_size=c, width=self.width, height=self.height)
+        camera = {} if self.streaming else {"poses": poses, "intrinsics": intrinsics}
         return LingBotWorldFastSessionConfig(
             prompt=self.prompt, image=_pil_image(image, self.width, self.height), control_mode="cam",
-            chunk_size=c, frame_num=len(poses), seed=self.seed, poses=poses, intrinsics=intrinsics,
+            chunk_size=c, frame_num=len(poses), seed=self.seed, **camera,
         )
+
+    @property
+    def streaming(self) -> bool:
+        """TeleFuser main's layout: sessions streamed through the pipeline's scheduler."""
+        from cacheseek.integrations.telefuser import TeleFuserLayout
+
+        self.pipeline
+        return self.layout is TeleFuserLayout.MAIN
+
+    def chunk_controls(self, session_config: Any, actions: Sequence[Sequence[float]]) -> list[Any]:
+        """TeleFuser main's control tensor of each chunk, built by TeleFuser from the chunk's
+        latent-frame poses and the pose before them (as its realtime service builds them)."""
+        from telefuser.pipelines.lingbot_world_fast.control import LingBotWorldFastControlBuilder
+
+        c = self._geometry.chunk_size
+        poses, intrinsics = camera_path(actions, chunk_size=c, width=self.width, height=self.height)
+        latent_poses = poses[::VIDEO_PER_LATENT]
+        builder = LingBotWorldFastControlBuilder(self.pipeline.control_context(session_config))
+        controls = []
+        for k in range(len(actions)):
+            action = {"poses": latent_poses[k * c:(k + 1) * c], "intrinsics": intrinsics[0]}
+            if k:
+                action["previous_pose"] = latent_poses[k * c - 1]
+            controls.append(builder.build(action))
+        return controls
 
 
 class TeleFuserSession:
@@ -200,6 +249,12 @@ class TeleFuserSession:
         self.frame_hashes: list[bytes] = []
         self.latents: list[Any] = []
         self.next_chunk = 0
+        self._stream: Optional[_StreamedChunks] = None
+        if factory.streaming:
+            from cacheseek.integrations.telefuser import plan_controls
+
+            self._controls = factory.chunk_controls(self.session_config, actions)
+            plan_controls(self.session_config, self._controls)
 
     def generate(self, stop_after: Optional[int] = None) -> list[bytes]:
         """Create the runtime (the binding restores here) and run chunks until ``stop_after`` are
@@ -208,21 +263,33 @@ class TeleFuserSession:
         stop = self.total_chunks if stop_after is None else stop_after
         if not 0 <= stop <= self.total_chunks:
             raise ConfigError("stop_after", f"{stop} is outside 0..{self.total_chunks}")
-        if self.runtime is None:
-            self.runtime = self.pipeline.create_runtime(self.session_config)
+        self._start()
         vae = self.pipeline.vae
         while self.next_chunk < stop:
-            self.pipeline.generate_next_chunk(self.runtime)
+            if self._stream is None:
+                self.pipeline.generate_next_chunk(self.runtime)
+            else:
+                self._stream.run(self.next_chunk, self._controls[self.next_chunk])
             frames = vae.last_frames.detach().to("cpu").contiguous()
             self.frame_hashes.append(hashlib.sha256(_raw(frames)).digest())
             self.latents.append(vae.last_latent)
             self.next_chunk += 1
+        if self._stream is not None and self.next_chunk == self.total_chunks:
+            self._stream.close()  # releases the session's caches, as generate_video does
         return list(self.frame_hashes)
 
-    def state_snapshot(self) -> dict:
-        if self.runtime is None:
+    def _start(self) -> None:
+        if self.runtime is not None:
+            return
+        if not self.factory.streaming:
             self.runtime = self.pipeline.create_runtime(self.session_config)
-        return ring_snapshot(self.runtime, next_chunk=self.next_chunk)
+            return
+        self.runtime = self.pipeline._create_initialized_session(self.session_config)
+        self._stream = _StreamedChunks(self.pipeline, self.runtime)
+
+    def state_snapshot(self) -> dict:
+        self._start()
+        return ring_snapshot(self.runtime, self.factory.layout_adapter, next_chunk=self.next_chunk)
 
     @property
     def world_kv_cached_latents(self) -> dict:
@@ -230,7 +297,45 @@ class TeleFuserSession:
 
     @property
     def self_kv_cache(self) -> Any:
-        return self.runtime.self_kv_cache
+        return self.factory.layout_adapter.ring_layers(self.runtime)
+
+
+class _StreamedChunks:
+    """One session on TeleFuser main's streaming scheduler, one chunk at a time."""
+
+    TIMEOUT_S = 300.0
+
+    def __init__(self, pipeline: Any, runtime: Any) -> None:
+        self.runtime = runtime
+        self.streaming = pipeline._get_streaming_runtime()
+        self.session = self.streaming.create_session(runtime)
+        self.closed = False
+
+    def run(self, index: int, control: Any) -> None:
+        """Submit chunk ``index`` and wait until its frames are decoded."""
+        import time
+
+        s, session = self.streaming, self.session
+        s.submit_chunk(session, index, control)
+        deadline = time.monotonic() + self.TIMEOUT_S
+        while True:
+            error = s.error(session)
+            if error is not None:
+                raise CacheSeekError(f"TeleFuser's streaming scheduler failed at chunk {index}: {error}") from error
+            out = s.poll_frames(session)
+            if out:
+                if [i for i, _ in out] != [index]:
+                    raise CacheSeekError(f"expected the frames of chunk {index}, got chunks {[i for i, _ in out]}")
+                break
+            if time.monotonic() > deadline:
+                raise CacheSeekError(f"chunk {index} not decoded within {self.TIMEOUT_S} s")
+            s.wait_until_idle(session, timeout=0.05)
+        self.runtime.current_chunk_index = index + 1
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.streaming.close_session(self.session)
 
 
 def _raw(t: Any) -> bytes:

@@ -4,6 +4,8 @@ every store and ring mode, recorded with the TeleFuser that ran (version, layout
     python experiments/telefuser_real/run_matrix.py                      # installed TeleFuser
     python experiments/telefuser_real/run_matrix.py --telefuser-src /tmp/tf_hooked \\
         --telefuser-commit bb98a6b --tag hooked                          # a TeleFuser checkout
+    python experiments/telefuser_real/run_matrix.py --telefuser-src /tmp/tf_main \\
+        --telefuser-commit 5a12f03 --tag main                            # TeleFuser main (layout=auto)
     python experiments/telefuser_real/run_matrix.py --device cuda --tag h200
 
 Writes results_<tag>.json and results_<tag>.md here (or in --out). Not a timing benchmark: the
@@ -36,6 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rings", default=",".join(RINGS))
     ap.add_argument("--tag", default="released")
     ap.add_argument("--out", default=str(HERE))
+    ap.add_argument("--note", default="", help="a line for the record (e.g. extra packages the checkout needed)")
     args = ap.parse_args(argv)
     if args.telefuser_src:
         sys.path.insert(0, str(Path(args.telefuser_src).resolve()))
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = {"telefuser": runtime_info, "telefuser_commit": args.telefuser_commit,
            "command": " ".join(["python", "experiments/telefuser_real/run_matrix.py", *(argv or sys.argv[1:])]),
            "cacheseek_commit": _git_head(), "env": env_info(), "rows": rows,
-           "all_passed": all(r["passed"] for r in rows),
+           "all_passed": all(r["passed"] for r in rows), "note": args.note,
            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"results_{args.tag}.json").write_text(json.dumps(out, indent=2, default=str))
@@ -99,7 +102,8 @@ def _markdown(out: dict) -> str:
              f"- model: tiny random-weight DiT {tf.get('model')}, device {tf.get('device')}",
              f"- CacheSeek commit: {out['cacheseek_commit']}; {out['date']}",
              f"- python {out['env'].get('python')}, torch {out['env'].get('torch')}, {out['env'].get('cpus')} CPUs",
-             f"- command: `{out['command']}`", "",
+             f"- command: `{out['command']}`",
+             *([f"- note: {out['note']}"] if out.get("note") else []), "",
              "| store | ring (L, S) | hit K A/B/C/D | B frames == A | C frames == D | ring check | hook failures | verdict | wall s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in out["rows"]:

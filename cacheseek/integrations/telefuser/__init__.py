@@ -1,4 +1,7 @@
-"""CacheSeek on TeleFuser's LingBot-World-fast pipeline, on either TeleFuser layout.
+"""CacheSeek on TeleFuser's LingBot-World-fast pipeline, on every TeleFuser layout it knows.
+
+On the 0.1.0.post3 release and the hooked commit (layout adapter ``bshd``, the binding's
+default)::
 
     from cacheseek.integrations.telefuser import attach
     from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding
@@ -9,9 +12,18 @@
     while runtime.active:
         frames = pipeline.generate_next_chunk(runtime)    # cached chunks are decoded only
 
+On TeleFuser main (layout adapter ``telefuser_main``)::
+
+    layout = attach(pipeline)            # right after init(), before any generation
+    session_config.world_kv_binding = LingBotWorldKVBinding(manager, forest, layout=layout.adapter())
+    frames = pipeline.generate_video(session_config, controls)   # restores, then streams
+
 On the hooked layout TeleFuser calls the binding itself and `attach` only checks the layout; on
-the released 0.1.0.post3 it installs the same hooks around the pipeline (`released`). A layout it
-does not know raises `UnsupportedTeleFuserError`.
+the released 0.1.0.post3 it installs the same hooks around the pipeline (`released`); on main it
+tells the layout adapter which pipeline holds a session's ring and which controls the session
+gets, and decodes restored latents as stored (`streaming`). A caller that drives main's streaming
+scheduler itself (as TeleFuser's service does) calls `plan_controls(session_config, controls)`
+before creating the session. A layout it does not know raises `UnsupportedTeleFuserError`.
 """
 
 from __future__ import annotations
@@ -24,20 +36,30 @@ from cacheseek.integrations.telefuser.layouts import (
     detect_layout,
 )
 from cacheseek.integrations.telefuser.released import ReleasedHooks
+from cacheseek.layout.telefuser_main import forget_controls, plan_controls
 
-__all__ = ["TeleFuserLayout", "UnsupportedTeleFuserError", "attach", "detach", "detect_layout"]
+__all__ = ["TeleFuserLayout", "UnsupportedTeleFuserError", "attach", "detach", "detect_layout",
+           "forget_controls", "plan_controls"]
 
 _ATTR = "_cacheseek_hooks"
 
 
 def attach(pipeline: Any) -> TeleFuserLayout:
-    """Make ``pipeline`` call ``session_config.world_kv_binding`` as the hooked TeleFuser does.
-    Idempotent; returns the detected layout."""
+    """Make ``pipeline`` call ``session_config.world_kv_binding`` as the hooked TeleFuser does,
+    with what the layout adapter needs. Idempotent; returns the detected layout (its
+    ``adapter()`` is the binding's ``layout``)."""
     layout = detect_layout(pipeline)
-    if layout is TeleFuserLayout.RELEASED and getattr(pipeline, _ATTR, None) is None:
-        hooks = ReleasedHooks(pipeline)
-        hooks.install()
-        setattr(pipeline, _ATTR, hooks)
+    if getattr(pipeline, _ATTR, None) is None:
+        hooks: Any = None
+        if layout is TeleFuserLayout.RELEASED:
+            hooks = ReleasedHooks(pipeline)
+        elif layout is TeleFuserLayout.MAIN:
+            from cacheseek.integrations.telefuser.streaming import StreamingHooks
+
+            hooks = StreamingHooks(pipeline)
+        if hooks is not None:
+            hooks.install()
+            setattr(pipeline, _ATTR, hooks)
     return layout
 
 

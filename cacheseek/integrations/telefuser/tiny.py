@@ -14,7 +14,26 @@
 Everything the binding observes (ring layout and cursors, noise, RNG draws, control tensors,
 cached-latent decode, hook order) is TeleFuser's. The VAE stand-in is a pure function of the
 latent, so two equal latents decode to equal frames and one changed bit changes them; it keeps
-the last latent and frames it decoded, which the gate compares bit for bit.
+the last latent and frames it decoded, which the gate compares bit for bit. Like the Wan VAE's
+convolutions, it refuses a latent whose dtype is not its own.
+
+On TeleFuser main (generation sessions, a streaming scheduler; `is_streaming_telefuser`) the
+pipeline is built as its ``init()`` builds it, with these stand-ins where ``init()`` loads
+weights or starts processes:
+
+- a module manager (`TinyModules`) that hands the tiny DiT and the VAE stand-in (float32, as
+  main's default VAE configs) to TeleFuser's own denoise, VAE-encode and VAE-decode stages;
+- `InProcessWorker` in place of ``ParallelWorker``: the stage runs in this process, each call
+  outside inference mode and without grad, as in a worker process. (TeleFuser main at 5a12f03
+  cannot run a plain one-device denoise stage: ``_create_initialized_session`` allocates the
+  ring under ``torch.inference_mode`` and the denoise actor thread, not in inference mode,
+  writes it: "Inplace update to inference tensor outside InferenceMode is not allowed".)
+- on CPU, `CpuAutocast` around the DiT: main's DiT computes its timestep embedding in float32
+  and leaves the rest to CUDA autocast (``denoise_chunk`` enables autocast on CUDA only), so
+  with bf16 weights on CPU its first matmul fails. The time embedding, the time projection and
+  the affine layer norms (float32 ops under CUDA autocast) keep their bf16-rounded weights in
+  float32, what CUDA's autocast computes them with, and the DiT runs under CPU bf16 autocast. On
+  CUDA nothing is wrapped.
 """
 
 from __future__ import annotations
@@ -23,8 +42,8 @@ import hashlib
 import math
 from typing import Any
 
-__all__ = ["TinyDiTSpec", "TinyTextEncoder", "TinyTokenizer", "TinyVAE", "build_tiny_pipeline",
-           "module_fingerprint"]
+__all__ = ["CpuAutocast", "InProcessWorker", "TinyDiTSpec", "TinyModules", "TinyTextEncoder", "TinyTokenizer",
+           "TinyVAE", "build_tiny_pipeline", "is_streaming_telefuser", "module_fingerprint"]
 
 Z_DIM = 16
 SPATIAL = 8
@@ -105,10 +124,26 @@ class TinyVAE:
             out.append(torch.tanh(torch.einsum("zc,cthw->zthw", self.enc, pooled)).to(video.dtype))
         return out
 
+    def cached_encode_withflag(self, video: Any, device: Any, is_first_clip: bool, is_last_clip: bool,
+                               encode_state: Any = None) -> Any:
+        """TeleFuser main's chunked encode: ``video [3, F, H, W]`` (``F = 1 + 4(c-1)`` first, ``4c``
+        after) -> ``[16, c, H/8, W/8]``."""
+        import torch
+        import torch.nn.functional as F
+
+        if is_first_clip:
+            return self.encode([video])[0]
+        v = video.float()
+        frames = v.reshape(3, v.shape[1] // TEMPORAL, TEMPORAL, *v.shape[2:]).mean(dim=2)
+        pooled = F.avg_pool2d(frames.transpose(0, 1), SPATIAL).transpose(0, 1)
+        return torch.tanh(torch.einsum("zc,cthw->zthw", self.enc, pooled)).to(video.dtype)
+
     def cached_decode_withflag(self, hidden_state: Any, device: Any, is_first_clip: bool,
-                               is_last_clip: bool) -> Any:
+                               is_last_clip: bool, decode_state: Any = None) -> Any:
         import torch
 
+        if hidden_state.dtype != self.dtype:
+            raise TypeError(f"Input type ({hidden_state.dtype}) and weight type ({self.dtype}) should be the same")
         self.last_latent = hidden_state.detach().clone()
         z = hidden_state[0] if hidden_state.dim() == 5 else hidden_state
         x = torch.tanh(torch.einsum("cz,zthw->cthw", self.dec, z.float()))
@@ -120,15 +155,19 @@ class TinyVAE:
         return self.last_frames
 
 
+def is_streaming_telefuser() -> bool:
+    """Whether the importable TeleFuser is main's streaming layout (generation sessions)."""
+    from telefuser.pipelines.lingbot_world_fast import session
+
+    return getattr(session, "LingBotWorldFastRuntimeState", None) is None and hasattr(
+        session, "LingBotWorldFastGenerationSession")
+
+
 def build_tiny_pipeline(*, device: str = "cpu", local_attn_size: int = -1, sink_size: int = 0,
                         height: int = 64, width: int = 64, spec: TinyDiTSpec | None = None) -> Any:
-    """TeleFuser's ``LingBotWorldFastPipeline`` with tiny random weights (see the module doc)."""
+    """TeleFuser's ``LingBotWorldFastPipeline`` with tiny random weights (see the module doc), for
+    the installed TeleFuser's layout."""
     import torch
-    from telefuser.models.lingbot_world_fast_dit import LingBotWorldFastDiT
-    from telefuser.pipelines.lingbot_world_fast.denoising import (
-        LingBotWorldFastDenoisingStage,
-        LingBotWorldFastTimesteps,
-    )
     from telefuser.pipelines.lingbot_world_fast.pipeline import (
         LingBotWorldFastPipeline,
         LingBotWorldFastPipelineConfig,
@@ -145,7 +184,25 @@ def build_tiny_pipeline(*, device: str = "cpu", local_attn_size: int = -1, sink_
     pipeline.vae_device = torch.device(device)
     pipeline.tokenizer = TinyTokenizer()
     pipeline.text_encoder = TinyTextEncoder(spec.text_dim, seed=spec.weight_seed, device=device, dtype=dtype)
+    dit = _tiny_dit(spec, local_attn_size, sink_size).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    pipeline.dit = dit
+    if is_streaming_telefuser():
+        _set_streaming_stages(pipeline, torch.device(device), spec)
+        return pipeline
+    from telefuser.pipelines.lingbot_world_fast.denoising import (
+        LingBotWorldFastDenoisingStage,
+        LingBotWorldFastTimesteps,
+    )
+
     pipeline.vae = TinyVAE(seed=spec.weight_seed, device=device, dtype=dtype)
+    pipeline.denoise_stage = LingBotWorldFastDenoisingStage(pipeline.dit, torch_dtype=dtype)
+    pipeline.timesteps = LingBotWorldFastTimesteps()
+    return pipeline
+
+
+def _tiny_dit(spec: TinyDiTSpec, local_attn_size: int, sink_size: int) -> Any:
+    from telefuser.models.lingbot_world_fast_dit import LingBotWorldFastDiT
+
     dit = LingBotWorldFastDiT(
         patch_size=(1, 2, 2), text_len=TEXT_LEN, in_dim=2 * Z_DIM + 4, dim=spec.dim,
         ffn_dim=2 * spec.dim, freq_dim=256, text_dim=spec.text_dim, out_dim=Z_DIM,
@@ -153,10 +210,92 @@ def build_tiny_pipeline(*, device: str = "cpu", local_attn_size: int = -1, sink_
         sink_size=int(sink_size), control_type="cam",
     )
     _redraw(dit, spec.weight_seed)
-    pipeline.dit = dit.to(device=device, dtype=dtype).eval().requires_grad_(False)
-    pipeline.denoise_stage = LingBotWorldFastDenoisingStage(pipeline.dit, torch_dtype=dtype)
-    pipeline.timesteps = LingBotWorldFastTimesteps()
-    return pipeline
+    return dit
+
+
+def _set_streaming_stages(pipeline: Any, device: Any, spec: TinyDiTSpec) -> None:
+    """TeleFuser main's stages, as its ``init()`` sets them, on the tiny parts (module doc)."""
+    import torch
+    from telefuser.core.config import ModelRuntimeConfig
+    from telefuser.pipelines.lingbot_world_fast.denoising import LingBotWorldFastDenoisingStage
+    from telefuser.pipelines.lingbot_world_fast.vae_stage import (
+        LingBotWorldFastVAEDecodeStage,
+        LingBotWorldFastVAEEncodeStage,
+    )
+
+    cfg = pipeline.config
+    pipeline.dit.set_causal_attention_window(cfg.local_attn_size, cfg.sink_size)
+    where = {"device_type": device.type, "device_id": device.index or 0}
+    cfg.vae_encode_config = ModelRuntimeConfig(torch_dtype=torch.float32, **where)
+    cfg.vae_decode_config = ModelRuntimeConfig(torch_dtype=torch.float32, **where)
+    cfg.dit_config = ModelRuntimeConfig(torch_dtype=pipeline.torch_dtype, **where)
+    pipeline.vae_encode_device = pipeline.vae_decode_device = pipeline.vae_device = device
+    pipeline.vae_encode_torch_dtype = torch.float32
+    vae = TinyVAE(seed=spec.weight_seed, device=device, dtype=torch.float32)
+    dit = pipeline.dit
+    if device.type == "cpu":
+        for module in (dit.time_embedding, dit.time_projection,
+                       *(m for m in dit.modules() if type(m).__name__ == "LayerNorm")):
+            module.float()
+        dit = CpuAutocast(dit, pipeline.torch_dtype)
+    modules = TinyModules(wan_video_vae=vae, lingbot_world_fast_dit=dit)
+    stages = (LingBotWorldFastVAEEncodeStage("lingbot_world_fast_vae_encode", modules, cfg.vae_encode_config),
+              LingBotWorldFastVAEDecodeStage("lingbot_world_fast_vae_decode", modules, cfg.vae_decode_config),
+              LingBotWorldFastDenoisingStage("lingbot_world_fast_denoise", modules, cfg.dit_config))
+    for stage in stages:
+        stage.onload_models_flag = True  # the tiny parts are on their device already
+    pipeline.vae = vae
+    pipeline.vae_encode_worker, pipeline.vae_decode_worker, pipeline.denoise_stage = map(InProcessWorker, stages)
+
+
+class TinyModules:
+    """TeleFuser's ``ModuleManager.fetch_module`` over the tiny parts."""
+
+    def __init__(self, **modules: Any) -> None:
+        self.modules = modules
+
+    def fetch_module(self, name: str, require_model_path: bool = False) -> Any:
+        module = self.modules.get(name)
+        return (module, f"/tiny/{name}") if require_model_path else module
+
+
+class InProcessWorker:
+    """``ParallelWorker``'s calling convention (``sync=``; a value or a callable that returns it)
+    for a stage in this process; each call runs outside inference mode and without grad, as in a
+    worker process. Attributes that are not methods are the stage's own."""
+
+    def __init__(self, stage: Any) -> None:
+        self.stage = stage
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.stage, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, sync: bool = False, **kwargs: Any) -> Any:
+            import torch
+
+            with torch.inference_mode(False), torch.no_grad():
+                return attr(*args, **kwargs)
+
+        return call
+
+
+class CpuAutocast:
+    """Calls a module under CPU autocast to ``dtype``; every other attribute is the module's."""
+
+    def __init__(self, module: Any, dtype: Any) -> None:
+        self.__dict__["module"] = module
+        self.__dict__["autocast_dtype"] = dtype
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
+        with torch.autocast("cpu", dtype=self.__dict__["autocast_dtype"]):
+            return self.__dict__["module"](*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["module"], name)
 
 
 def _redraw(module: Any, seed: int) -> None:

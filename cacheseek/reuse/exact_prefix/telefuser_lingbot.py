@@ -6,7 +6,14 @@ One `LingBotWorldKVBinding` per session. The runtime calls:
   and one action key per chunk, restores the longest cached prefix K into the runtime, and sets
   ``last_fast_forward = K`` (0 = cold);
 - ``on_chunk_finalized(runtime, idx, denoised)`` after each denoised chunk: the binding ingests
-  the chunk's KV from the ring tail ``[local_end - c*ft, local_end)`` and its latent.
+  the chunk's KV from the ring tail ``[local_end - c*ft, local_end)`` and its latent (a call for
+  a restored chunk, which TeleFuser main makes for its decode-only chunks, is ignored).
+
+The binding touches the runtime only through its layout adapter (`cacheseek.layout`): the ring
+and cursors, geometry, controls, timesteps, RNG, latent spec and cached latents. The default,
+``bshd``, reads ``runtime.self_kv_cache``, ``noise_chunks``, ``control_chunks``, ``generator``
+and the other attributes of TeleFuser 0.1.0.post3 and the hooked commit; ``telefuser_main``
+finds them behind TeleFuser main's denoise-stage cache handle.
 
 Restore publication is the window's ``set_resume_depth``, called by the manager only after every
 input was fetched and copied: then, and only then, the cursors of every layer, the cached latents,
@@ -140,8 +147,8 @@ class LingBotWorldKVBinding:
         self.root = root_hash(image_fp=_image_fingerprint(_get(session_config, "image")),
                               prompt_fp=sha256(b"prompt", str(prompt).encode("utf-8")),
                               config_blob_hash=cbh)
-        controls = getattr(runtime, "control_chunks", None)
-        n_chunks = len(runtime.noise_chunks)
+        controls = self.layout.controls(runtime)
+        n_chunks = self.layout.n_chunks(runtime)
         if controls is None:
             self.actions = [b"noctrl"] * n_chunks
         else:
@@ -159,13 +166,14 @@ class LingBotWorldKVBinding:
     def _on_chunk_finalized(self, runtime: Any, idx: int, denoised: Any) -> None:
         if not self.ingest_enabled or self._ns is None or self._cursor is None:
             return
+        if idx < self.last_fast_forward:  # a restored chunk (TeleFuser main reports its decode-only chunks)
+            return
         parent = self._cursor
         if parent.depth != idx - 1:
             raise CacheSeekError(f"chunk {idx} finalized but the trie cursor is at depth {parent.depth}")
         action = self.actions[idx]
         key = node_key(parent.node_key, action)
-        chunk_tokens = runtime.chunk_size * runtime.frame_tokens
-        views = self.layout.tail_views(runtime, chunk_tokens)
+        views = self.layout.tail_views(runtime, self.ring.chunk_size * self.ring.frame_tokens)
         latent = self._stored_latent(runtime, idx, denoised)
         if getattr(self.manager.store, "accepts_device_views", False):
             payload = views
@@ -206,9 +214,7 @@ class LingBotWorldKVBinding:
     # -- geometry -----------------------------------------------------------------------------
 
     def _validate_geometry(self, runtime: Any) -> RingGeometry:
-        ring = RingGeometry(chunk_size=int(runtime.chunk_size), frame_tokens=int(runtime.frame_tokens),
-                            local_attn_size=int(runtime.kv_local_attn_size),
-                            sink_size=int(runtime.kv_sink_size))
+        ring = self.layout.window(runtime)
         cfg = self.manager.cfg
         if ring.rolling:
             if (cfg.window_chunks, cfg.sink_chunks) != (ring.window_chunks, ring.sink_chunks):
@@ -304,9 +310,10 @@ class _RuntimeWindow:
         self.latents = [torch.empty(spec.shape, dtype=spec.dtype, device=spec.device) for _ in range(depth)]
         runs = self.ring.restore_runs(depth)
         token_bytes = self.binding.layout.token_bytes(rt)
-        self.bytes_restored = sum(2 * r.n_tokens for r in runs) * token_bytes * len(rt.self_kv_cache)
+        kv = tuple(self.binding.layout.layers(rt))
+        self.bytes_restored = sum(2 * r.n_tokens for r in runs) * token_bytes * len(kv)
         return RestoreTarget(
-            kv=tuple(self.binding.layout.layers(rt)),
+            kv=kv,
             runs=runs,
             window_depths=tuple(window_depths),
             token_bytes=token_bytes,
@@ -325,8 +332,9 @@ class _RuntimeWindow:
         if len(self.latents) != depth:
             raise CacheSeekError(f"restore of depth {depth} has {len(self.latents)} latents")
         global_end, local_end = self.ring.cursors(depth)
-        draws = max(len(rt.timesteps) - 1, 0)
-        gen = rt.generator
+        layout = self.binding.layout
+        draws = max(len(layout.timesteps(rt)) - 1, 0)
+        gen = layout.generator(rt)
         state = gen.get_state()
         try:
             for lat in self.latents:  # a cold chunk re-noises its x0: x0's shape and dtype
@@ -336,9 +344,6 @@ class _RuntimeWindow:
             gen.set_state(state)
             raise
         # Nothing below can fail: cursors, latents and the depth are published together.
-        for layer in rt.self_kv_cache:
-            layer["global_end_index"] = global_end
-            layer["local_end_index"] = local_end
-        for i, lat in enumerate(self.latents):
-            rt.world_kv_cached_latents[i] = lat
+        layout.set_cursors(rt, global_end, local_end)
+        layout.publish_latents(rt, self.latents)
         self.binding.last_fast_forward = depth

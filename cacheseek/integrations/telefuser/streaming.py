@@ -1,0 +1,158 @@
+"""CacheSeek around TeleFuser main's streaming LingBot-World-fast pipeline (the ``main`` layout).
+
+TeleFuser main calls the binding's hooks itself (``on_runtime_created`` inside
+``_create_initialized_session``, ``on_chunk_finalized`` in its denoise actor), but three things
+the binding needs are not on the session it passes, so `StreamingHooks` adds them at the
+pipeline's seams, on one pipeline instance, without touching TeleFuser's code:
+
+- whose ring: ``_create_initialized_session`` (called by ``generate_video`` and by TeleFuser's
+  service) runs inside `cacheseek.layout.telefuser_main.creating`, so the layout adapter learns
+  which pipeline's denoise stage holds the session's cache handle;
+- which controls: ``generate_video(session_config, controls)`` materializes deferred controls
+  first and plans them for the session (`plan_controls`); a caller that drives the streaming
+  scheduler itself plans them before creating the session;
+- the decoded latent of a restored chunk: TeleFuser casts a cached latent to the pipeline's
+  dtype (bf16) before decoding it, while a computed chunk's x0 is decoded as the DiT returned it
+  (float32). That rounds the restored chunks' frames, and an fp32 Wan VAE (TeleFuser's default
+  decode config) refuses the bf16 input outright (``Input type (c10::BFloat16) and bias type
+  (float) should be the same``). So the VAE decode worker is wrapped: for a chunk the binding
+  restored, when TeleFuser's input is exactly the restored latent cast to its dtype, the decoder
+  gets the restored latent as stored, i.e. what a cold run decodes. Anything else is decoded as
+  TeleFuser passes it.
+
+TeleFuser's streaming runtime takes the decode worker when it is first built, so `attach` must
+come before the pipeline's first generation (``warmup`` and ``LingBotWorldFastService.start``
+generate). A denoise stage in ``ParallelWorker`` processes (multi-GPU) keeps the ring out of
+this process: refused. `StreamingHooks.remove` restores the pipeline's own attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from cacheseek.integrations.telefuser.layouts import UnsupportedTeleFuserError
+from cacheseek.integrations.telefuser.released import _Proxy
+from cacheseek.layout.telefuser_main import creating, forget_controls, own, plan_controls
+
+log = logging.getLogger(__name__)
+
+__all__ = ["StreamingHooks"]
+
+
+class StreamingHooks:
+    """The seams of one TeleFuser-main pipeline; made by `cacheseek.integrations.telefuser.attach`."""
+
+    def __init__(self, pipeline: Any) -> None:
+        if getattr(pipeline, "_streaming_runtime", None) is not None:
+            raise UnsupportedTeleFuserError(
+                "this pipeline has generated already (its streaming runtime holds the VAE decode worker): "
+                "attach CacheSeek right after init(), before warmup(), generate_video() or a service start"
+            )
+        if type(pipeline.denoise_stage).__name__ == "ParallelWorker":
+            raise UnsupportedTeleFuserError(
+                "the denoise stage runs in ParallelWorker processes (dit_config.parallel_config with more "
+                "than one device): the ring lives there, out of this process's reach; run the DiT on one "
+                "device to reuse KV"
+            )
+        self.pipeline = pipeline
+        self._create = pipeline._create_initialized_session
+        self._generate_video = pipeline.generate_video
+        self._decode_worker = pipeline.vae_decode_worker
+        self._lock = threading.Lock()
+        self._restored: dict[int, dict[int, Any]] = {}  # cache handle -> chunk -> latent as stored
+        self._next_decode: dict[int, int] = {}
+        self._warned = False
+        self.installed = False
+
+    def install(self) -> None:
+        p = self.pipeline
+        p._create_initialized_session = self.create_session
+        p.generate_video = self.generate_video
+        p.vae_decode_worker = _ExactDecode(self, self._decode_worker)
+        self.installed = True
+
+    def remove(self) -> None:
+        """Give the pipeline its own session factory, generate_video and decode worker back."""
+        if not self.installed:
+            return
+        p = self.pipeline
+        for name in ("_create_initialized_session", "generate_video"):
+            if name in vars(p):
+                delattr(p, name)
+        p.vae_decode_worker = self._decode_worker
+        self.installed = False
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    def create_session(self, session_config: Any, *args: Any, **kwargs: Any) -> Any:
+        with creating(self.pipeline):
+            session = self._create(session_config, *args, **kwargs)
+        own(session, self.pipeline)
+        restored = dict(session.world_kv_cached_latents or {})
+        with self._lock:
+            if restored:
+                self._restored[session.cache_handle] = restored
+                self._next_decode[session.cache_handle] = 0
+        return session
+
+    def generate_video(self, session_config: Any, controls: Any, *args: Any, **kwargs: Any) -> Any:
+        if getattr(session_config, "world_kv_binding", None) is None:
+            return self._generate_video(session_config, controls, *args, **kwargs)
+        resolved = [c() if callable(c) else c for c in controls]
+        plan_controls(session_config, resolved)
+        try:
+            return self._generate_video(session_config, resolved, *args, **kwargs)
+        finally:
+            forget_controls(session_config)
+
+    # -- decode ---------------------------------------------------------------------------------
+
+    def decode_input(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``kwargs`` of one ``decode_chunk`` call, with a restored chunk's latent as stored."""
+        handle = kwargs.get("cache_handle")
+        latents = kwargs.get("latents")
+        with self._lock:
+            restored = self._restored.get(handle)
+            if restored is None or latents is None:
+                return kwargs
+            idx = 0 if kwargs.get("is_first_clip") else self._next_decode[handle]
+            self._next_decode[handle] = idx + 1
+            exact = restored.pop(idx, None)
+            if not restored:
+                self._restored.pop(handle, None)
+                self._next_decode.pop(handle, None)
+        if exact is None:
+            return kwargs
+        if _cast_equals(exact, latents):
+            return {**kwargs, "latents": exact.to(latents.device)}
+        if not self._warned:
+            self._warned = True
+            log.warning("chunk %d of cache handle %s: TeleFuser decodes a latent that is not the restored "
+                        "one cast to %s; decoding it unchanged", idx, handle, latents.dtype)
+        return kwargs
+
+    def released(self, handle: Any) -> None:
+        with self._lock:
+            self._restored.pop(handle, None)
+            self._next_decode.pop(handle, None)
+
+
+def _cast_equals(exact: Any, latents: Any) -> bool:
+    import torch
+
+    if tuple(exact.shape) != tuple(latents.shape):
+        return False
+    cast = exact.to(device=latents.device, dtype=latents.dtype)
+    return bool(torch.equal(cast.contiguous().reshape(-1).view(torch.uint8),
+                            latents.contiguous().reshape(-1).view(torch.uint8)))
+
+
+class _ExactDecode(_Proxy):
+    def decode_chunk(self, *args: Any, **kwargs: Any) -> Any:
+        return self._inner.decode_chunk(*args, **self._hooks.decode_input(kwargs))
+
+    def release_cache(self, cache_handle: Any, *args: Any, **kwargs: Any) -> Any:
+        self._hooks.released(cache_handle)
+        return self._inner.release_cache(cache_handle, *args, **kwargs)
