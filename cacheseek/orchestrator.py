@@ -140,6 +140,9 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, **objects: Any) -> 
         store_cfg = OmegaConf.to_container(store_cfg, resolve=True)
         if "root" in store_cfg and store_cfg["root"] is None:
             store_cfg["root"] = str(run_dir / "kvstore")
+        for name, node in store_cfg.items():  # the levels of a tiered store
+            if isinstance(node, dict) and "root" in node and node["root"] is None:
+                node["root"] = str(run_dir / "kvstore" / name)
         store = instantiate(store_cfg, transfer=transfer, **objects)
     stack = Stack(cfg=cfg, runtime_factory=runtime_factory, store=store, store_name=store_name,
                   transfer=transfer, layout=layout, fields=fields, forest=NamespaceForest(),

@@ -264,6 +264,7 @@ class EmbeddedPlanClient(InProcessPlanClient):
     """In-process Plan store (see the module docstring). ``faults``: a `PlanFaults` for tests."""
 
     _client_name = "embedded Plan store"
+    _on_device = False  # values in host memory (a subclass may keep them on the device)
 
     def __init__(
         self,
@@ -317,16 +318,13 @@ class EmbeddedPlanClient(InProcessPlanClient):
     def wait_local_segments_ready(self) -> list[SegmentMapping]:
         with self._lock:
             seg = self._ensure_segment()
-            return [SegmentMapping(seg.ptr, seg.length, self._generation, True)]
+            return [SegmentMapping(seg.ptr, seg.length, self._generation, True, self._on_device)]
 
     def _ensure_segment(self) -> _Segment:
         self._check_open()
         if self._segment is not None:
             return self._segment
-        seg = _Segment(
-            self.segment_bytes, self.backing, self.shm_dir, self.prefault_threads,
-            prefault=self.prefault, hugepages=self.hugepages,
-        )
+        seg = self._new_segment()
         try:
             arena = _Segment(self.table_arena_bytes, "private", None, 1, prefault=True, hugepages=False)
         except BaseException:
@@ -352,6 +350,14 @@ class EmbeddedPlanClient(InProcessPlanClient):
             max(seg.huge_bytes, 0) >> 20,
         )
         return seg
+
+    def _new_segment(self) -> Any:
+        """The value segment (``ptr``, ``length``, timers, ``close()``); a subclass may back it
+        with other memory (`DevicePlanClient`: the runtime device's)."""
+        return _Segment(
+            self.segment_bytes, self.backing, self.shm_dir, self.prefault_threads,
+            prefault=self.prefault, hugepages=self.hugepages,
+        )
 
     def recreate_segment(self) -> list[SegmentMapping]:
         """Drop every value and map a fresh segment with the next generation. Refused while a
