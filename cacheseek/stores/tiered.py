@@ -163,7 +163,8 @@ class TieredStore:
         self._lock = threading.RLock()
         self._closed = False
         self._blobs: dict[str, _Copies] = {}
-        self._latents: dict[str, set] = {}
+        self._latents: dict[str, set] = {}  # latent -> levels holding it
+        self._probed: dict[str, set] = {}  # latent -> levels asked (latents this store did not write)
         self._pending: dict[int, _Copies] = {}  # records with a write in flight, by id
         self._counters: dict[str, Any] = {}
         self._levels: list[_Level] = []
@@ -416,6 +417,7 @@ class TieredStore:
             raise StoreError(f"every tier refused latent {locator}: {errors[-1] if errors else '?'}")
         with self._lock:
             self._latents.setdefault(locator, set()).update(took)
+            self._probed[locator] = set(range(len(self._levels)))  # every level was tried
 
     # -- reads ----------------------------------------------------------------------------------
     def read_path(self, path: Sequence[TrieNode], window: Sequence[TrieNode], target: RestoreTarget) -> bool:
@@ -465,17 +467,17 @@ class TieredStore:
         """Latents not recorded at ``level`` (a forest snapshot): ask the level, record them."""
         keys = [n.skeleton.latent_locator for n in path if level not in self._latents.get(n.skeleton.latent_locator, ())]
         contains = getattr(self._levels[level].store, "contains", None)
-        if not callable(contains) or any(k in self._latents for k in keys):
-            return False  # a latent this store wrote itself is recorded where it went
+        if not callable(contains) or any(level in self._probed.get(k, ()) for k in keys):
+            return False  # asked before, or written here: recorded where it is
         try:
             present = contains(keys)
         except Exception:  # noqa: BLE001
             return False
-        if not all(present):
-            return False
-        for k in keys:
-            self._latents.setdefault(k, set()).add(level)
-        return True
+        for k, ok in zip(keys, present):
+            self._probed.setdefault(k, set()).add(level)
+            if ok:
+                self._latents.setdefault(k, set()).add(level)
+        return all(present)
 
     def _forget_missing(self, level: int, path: list[TrieNode], window: list[TrieNode]) -> None:
         """A level missed a value it was recorded to hold (lost behind our back): drop the
@@ -742,6 +744,7 @@ class TieredStore:
         with self._lock:
             if not self._latents.get(locator, True):
                 del self._latents[locator]
+                self._probed.pop(locator, None)
         if errors:
             raise errors[0]
 

@@ -545,27 +545,41 @@ class WorldKVManager:
             self.metrics.add(demotions=1, demoted_bytes=blob.nbytes)
             parent = cand.node.parent
             if parent is not None and parent.depth >= 0:
-                queue = self.policy.order(queue + self._level_candidates(level, [parent]))
+                fresh = [c for c in self._level_candidates(level, [parent]) if c.node is parent]
+                queue = self.policy.order(queue + fresh)
         return done
 
-    def _level_candidates(self, level: int, nodes: Optional[list[TrieNode]] = None) -> list[Candidate]:
-        """Nodes whose ready blob has a copy at ``level``, not being read or evicted, none of
-        whose children has a copy (ready or in flight) at that level: leaf-first within it."""
+    def _level_candidates(self, level: int, roots: Optional[list[TrieNode]] = None) -> list[Candidate]:
+        """Under the forest lock, the subtrees of ``roots`` (default: every namespace): nodes with
+        a ready copy at ``level``, not being read or evicted, and nothing below them at that
+        level (ready or in flight): leaf-first within the level, so a chain keeps its prefix
+        (a copy is read from a level only together with its whole window)."""
         store = self.store
+
+        def at_level(blob: Optional[BlobHandle]) -> bool:
+            return blob is not None and (level in store.levels_of(blob) or level in store.pending_levels_of(blob))
+
+        out: list[Candidate] = []
         with self.forest.lock:
-            if nodes is None:
-                nodes = [n for ns in self.forest.namespaces() for n in ns.iter_nodes()]
-            nodes = [n for n in nodes if n.has_kv and n.ref_count == 0 and not n.evicting]
-            pairs = [(n, n.blob, [c.blob for c in n.children.values() if c.blob is not None]) for n in nodes]
-
-        def at_level(blob: BlobHandle) -> bool:
-            return level in store.levels_of(blob) or level in store.pending_levels_of(blob)
-
-        out = []
-        for node, blob, children in pairs:
-            if level in store.levels_of(blob) and not any(at_level(b) for b in children):
-                reachable = all(a.has_kv for a in node.path()[:-1])
-                out.append(Candidate(node, blob.nbytes, node.last_access, node.depth, reachable))
+            if roots is None:
+                roots = [c for ns in self.forest.namespaces() for c in ns.root.children.values()]
+            for start in roots:
+                below: dict[int, bool] = {}
+                stack: list[tuple[TrieNode, bool]] = [(start, False)]
+                while stack:
+                    node, visited = stack.pop()
+                    children = list(node.children.values())
+                    if not visited:
+                        stack.append((node, True))
+                        stack.extend((c, False) for c in children)
+                        continue
+                    child_any = any(below[id(c)] for c in children)
+                    here = at_level(node.blob)
+                    below[id(node)] = here or child_any
+                    if (here and not child_any and node.has_kv and node.ref_count == 0 and not node.evicting
+                            and level in store.levels_of(node.blob)):
+                        reachable = all(a.has_kv for a in node.path()[:-1])
+                        out.append(Candidate(node, node.blob.nbytes, node.last_access, node.depth, reachable))
         return out
 
     def _collect(self) -> tuple[list[TrieNode], list[Candidate]]:
