@@ -331,11 +331,14 @@ def section_cold_a(cfg, dev, sync, prog, out_dir: Path) -> dict:
             cold = request(stack, g.P + g.X, sync, hooks=False)
             tiered = request(stack, g.P + g.X, sync)
             ok = cold["frames"] == tiered["frames"] and tiered["hit_depth"] == 0
-            out["reps"].append({"nocache_s": cold["wall_s"], "tiered_s": tiered["wall_s"],
+            # the request path is generate(); the flush waits for the last chunk's background D2H
+            out["reps"].append({"nocache_s": cold["generate_s"], "tiered_s": tiered["generate_s"],
                                 "tiered_write_s": tiered["write_s"], "tiered_flush_s": tiered["flush_s"],
-                                "ratio": tiered["wall_s"] / cold["wall_s"], "frames_equal": ok})
-            prog.note(f"cold A rep {rep}: no cache {cold['wall_s']:.3f} s, tiered {tiered['wall_s']:.3f} s "
-                      f"(x{tiered['wall_s'] / cold['wall_s']:.4f}; hooks {tiered['write_s']:.3f} s)")
+                                "ratio": tiered["generate_s"] / cold["generate_s"],
+                                "ratio_with_flush": tiered["wall_s"] / cold["generate_s"], "frames_equal": ok})
+            prog.note(f"cold A rep {rep}: no cache {cold['generate_s']:.3f} s, tiered {tiered['generate_s']:.3f} s "
+                      f"(x{tiered['generate_s'] / cold['generate_s']:.4f}; with the final flush "
+                      f"x{tiered['wall_s'] / cold['generate_s']:.4f}; write hooks {tiered['write_s']:.3f} s)")
         gate = AbcdGate(total_chunks=n, prefix_chunks=p, ring_check=False, action_seed=7)
         a = request(stack, gate.P + gate.X, sync)
         b = request(stack, gate.P + gate.X, sync)
@@ -366,6 +369,7 @@ def section_cold_a(cfg, dev, sync, prog, out_dir: Path) -> dict:
         stack.close()
     ratios = [r["ratio"] for r in out["reps"]]
     out["A_ratio_median"] = median(ratios)
+    out["A_ratio_with_flush_median"] = median([r["ratio_with_flush"] for r in out["reps"]])
     out["A_ratio_min"] = min(ratios) if ratios else None
     out["frames_equal"] = all(r["frames_equal"] for r in out["reps"])
     return out
@@ -561,10 +565,13 @@ def render(r: dict) -> str:
         a = r["cold_a"]
         gate = a.get("gate", {})
         lines += ["## Cold A with write-through (hbm > fluxon_plan) vs no cache", "",
-                  "| rep | no cache s | tiered s | ratio | write hooks s | flush s |", "|---|---|---|---|---|---|"]
+                  "Times of generate() (the request path); the final flush waits for the last chunk's "
+                  "background copy to the Plan tier.", "",
+                  "| rep | no cache s | tiered s | ratio | ratio with the final flush | write hooks s | flush s |",
+                  "|---|---|---|---|---|---|---|"]
         for i, x in enumerate(a["reps"]):
             lines.append(f"| {i} | {x['nocache_s']:.3f} | {x['tiered_s']:.3f} | {x['ratio']:.4f} | "
-                         f"{x['tiered_write_s']:.3f} | {x['tiered_flush_s']:.3f} |")
+                         f"{x['ratio_with_flush']:.4f} | {x['tiered_write_s']:.3f} | {x['tiered_flush_s']:.3f} |")
         if gate:
             lines += ["", f"Gate {'PASS' if gate['passed'] else 'FAIL'}; B restore from hbm "
                           f"{gate['B_restore_s'] * 1e3:.1f} ms, from fluxon_plan with promotion "
