@@ -36,6 +36,8 @@ level's. ``free`` removes a blob from every level; ``free_skeleton`` a latent.
 
 Blobs known only from a forest snapshot (plain `BlobHandle`) are located on first use by asking
 each level's ``contains``. Checksums are the levels' own (a disk level checks what it reads).
+``storage_format`` (a namespace field): the levels' own when they all share one (``hbm`` over
+``fluxon_plan``: raw Plan bytes, the namespace of a plain Plan tier), else one naming every level.
 """
 
 from __future__ import annotations
@@ -181,9 +183,12 @@ class TieredStore:
         except BaseException:
             self._close_levels()
             raise
-        formats = ",".join(f"{lv.name}={getattr(lv.store, 'storage_format', type(lv.store).__name__)}"
-                           for lv in self._levels)
-        self.storage_format = f"cacheseek.tiered.v1[{formats}]"
+        # The namespace's store_format field: levels that all encode values one way share it with
+        # a plain store of that kind (an HBM tier over a shared Fluxon Plan service reads and
+        # writes what the other workers do); a mixed hierarchy gets a namespace of its own.
+        formats = [getattr(lv.store, "storage_format", None) or type(lv.store).__qualname__ for lv in self._levels]
+        self.storage_format = (formats[0] if len(set(formats)) == 1 else
+                               "cacheseek.tiered.v1[" + ",".join(f"{lv.name}={f}" for lv, f in zip(self._levels, formats)) + "]")
         log.info("tiered store: %s (write-through %s, promote %s)",
                  " > ".join(lv.name for lv in self._levels), self.write_through, self.promote)
 

@@ -261,3 +261,10 @@ def test_unknown_or_repeated_tiers_are_config_errors(compose_cfg, tmp_path):
     for tiers, field in (("[hbm,nope]", "store.tiers"), ("[hbm,hbm]", "store.tiers"), ("[]", "store.tiers")):
         with pytest.raises(ConfigError, match=field):
             build_stack(compose_cfg("+store=tiered", f"store.tiers={tiers}"), run_dir=tmp_path)
+
+
+def test_the_storage_format_is_the_levels_when_they_agree(levels):
+    same, _ = levels("host")
+    assert same.storage_format == "cacheseek.plan.raw.v1"
+    mixed, _ = levels("host", ("hbm", "memory"))
+    assert mixed.storage_format == "cacheseek.tiered.v1[hbm=cacheseek.plan.raw.v1,memory=cacheseek.tier.objects.v1]"
