@@ -387,6 +387,9 @@ class TieredStore:
             if not rec.at:
                 del self._blobs[locator]
                 outer.error = errors[-1] if errors else StoreError(f"{locator}: no tier took it")
+        if outer.error is None:
+            for level in range(min(rec.at)):  # levels that refused the KV need not keep its latent
+                self._drop_latent(level, _latent_of(locator))
         if outer.error is not None:
             if all(isinstance(e, StoreFullError) for e in errors):
                 raise StoreFullError(f"no tier has room for {locator} ({nbytes} B): "
@@ -667,7 +670,32 @@ class TieredStore:
             rec.at.pop(level, None)
             self._refresh(rec)
         self._count(level, demotions=1, demoted_bytes=handle.nbytes)
+        self._drop_latent(level, _latent_of(handle.locator))
         return True
+
+    def _drop_latent(self, level: int, loc: Optional[str]) -> None:
+        """Free ``level``'s copy of a latent whose chunk's KV it no longer holds, once a level
+        below holds the latent too (a restore from ``level`` reads the whole path's latents; a
+        promotion puts back the ones it lacks). Failures are logged: the latent stays."""
+        if loc is None or level not in self.latent_levels(loc):
+            return
+        if not any(i > level for i in self.latent_levels(loc)):
+            for dst in range(level + 1, len(self._levels)):
+                self._copy_latent(level, dst, loc)
+                if dst in self.latent_levels(loc):
+                    break
+            else:
+                return
+        fn = getattr(self._levels[level].store, "free_skeleton", None)
+        if not callable(fn):
+            return
+        try:
+            fn(loc)
+        except Exception as exc:  # noqa: BLE001 - kept; freed with the chunk later
+            log.warning("tiered store: latent %s not freed from %s: %s", loc, self._levels[level].name, exc)
+            return
+        with self._lock:
+            self._latents.get(loc, set()).discard(level)
 
     # -- capacity -------------------------------------------------------------------------------
     def tier_usages(self) -> list[TierUsage]:

@@ -76,6 +76,7 @@ def test_a_full_top_tier_is_skipped_and_the_write_lands_below(levels):
     assert store.levels_of(nodes[0].blob) == (0, 1) and store.levels_of(nodes[1].blob) == (1,)
     assert nodes[1].blob.ready and nodes[1].blob.tier is Tier.FLUXON_DRAM
     assert tier_row(store, "hbm")["full_skips"] == 1
+    assert store.latent_levels(nodes[1].skeleton.latent_locator) == (1,)  # HBM keeps no latent of it
     assert restore(store, FULL, nodes, states, latents, kv_size, 2)  # from the Plan tier
     assert tier_row(store, "fluxon_plan")["hits"] == 1
 
@@ -85,7 +86,9 @@ def test_a_hit_from_the_tier_below_is_promoted_from_the_ring(levels, transfer_ki
     nodes, states, latents, kv_size = ingest(store, FULL, 3)
     for n in reversed(nodes):
         assert store.demote(n.blob, 0) is True
-    assert [store.levels_of(n.blob) for n in nodes] == [(1,)] * 3 and parts["hbm"].usage().used_bytes == 3 * LATENT
+    assert [store.levels_of(n.blob) for n in nodes] == [(1,)] * 3
+    assert parts["hbm"].usage().used_bytes == 0  # a demoted chunk's latent leaves the tier with it
+    assert [store.latent_levels(n.skeleton.latent_locator) for n in nodes] == [(1,)] * 3
     rec = parts["transfer"]
     before = len(rec.batches)
     assert restore(store, FULL, nodes, states, latents, kv_size, 3)
