@@ -9,7 +9,9 @@ Who records what:
   eviction and one retry, or a write error), evictions and invalidations, and store usage after
   every write and eviction pass (``timeline``);
 - the store, read when the metrics are rendered (`as_dict`): its current usage (``usage()``),
-  failed and pending writes and its registration seconds (``stats``), where it offers them.
+  failed and pending writes and its registration seconds (``stats``), where it offers them; a
+  tiered store's levels under ``tiers`` (usage, capacity, blobs, hits, writes, promotions,
+  demotions per tier; the manager counts its demotion passes here).
 
 Thread-safe: every update holds one lock. Times come from the manager's clock.
 """
@@ -53,6 +55,10 @@ class CacheMetrics:
     evicted_bytes: int = 0
     eviction_passes: int = 0
     eviction_errors: int = 0
+    demotions: int = 0
+    demoted_bytes: int = 0
+    demotion_passes: int = 0
+    demotion_errors: int = 0
     skeletons_freed: int = 0
     invalidations: int = 0
     hook_failures: int = 0
@@ -132,6 +138,8 @@ class CacheMetrics:
         out["failed_writes"] = _first(stats, "failed_writes", "put_failures", default=0)
         out["pending_writes"] = _first(stats, "pending_writes", default=0)
         out["registration_seconds"] = _first(stats, "register_seconds", default=0.0)
+        if isinstance(stats.get("tiers"), list):  # a tiered store: capacity and traffic per tier
+            out["tiers"] = [{k: v for k, v in row.items() if k != "store"} for row in stats["tiers"]]
         if samples is not None:
             out["timeline"] = [list(s) for s in samples]
         return out

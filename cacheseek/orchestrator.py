@@ -180,6 +180,9 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
         store_cfg = OmegaConf.to_container(store_cfg, resolve=True)
         if "root" in store_cfg and store_cfg["root"] is None:
             store_cfg["root"] = str(run_dir / "kvstore")
+        for name, node in store_cfg.items():  # the levels of a tiered store
+            if isinstance(node, dict) and "root" in node and node["root"] is None:
+                node["root"] = str(run_dir / "kvstore" / name)
         size_fields = getattr(_class_of(store_cfg["_target_"]), "size_fields", None)
         sized = size_fields(store_cfg) if size_fields is not None else []
         for line in sizing.resolve_sizes(store_cfg, sized, need, high_watermark=_high_watermark(cfg)):

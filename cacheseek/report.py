@@ -125,6 +125,12 @@ def metrics_block(m: dict[str, Any]) -> str:
             f"  store: {fmt_bytes(m['store_used_bytes'])} used of {_capacity(m['store_capacity_bytes'])}, "
             f"peak {fmt_bytes(m['store_peak_bytes'] or 0)}"
         )
+    for t in m.get("tiers") or []:
+        lines.append(
+            f"  tier {t['level']} {t['name']}: {t['blobs']} chunks, {fmt_bytes(t['used_bytes'] or 0)} of "
+            f"{_capacity(t['capacity_bytes'])}; {t.get('hits', 0)} hits, {t.get('writes', 0)} writes, "
+            f"{t.get('promotions', 0)} promoted in, {t.get('demotions', 0)} demoted out"
+        )
     lines.append(
         f"  evictions {m['evictions']} ({fmt_bytes(m['evicted_bytes'])}), invalidations "
         f"{m['invalidations']}, latents freed {m['skeletons_freed']}; writes dropped "

@@ -58,3 +58,19 @@ def test_action_keys_benchmark_smoke(tmp_path):
                                     "tiny_runs=2", f"out_dir={tmp_path}"])
     assert res["all_same_integers"] and all(r["keys_stable_across_runs"] for r in res["cases"])
     assert (tmp_path / "action_keys.png").stat().st_size > 0
+
+
+def test_hbm_tier_benchmark_smoke(tmp_path):
+    res = load("hbm_tier").main([
+        "device=cpu", "reps=1", "peak_bytes=1048576", "full_hit.geometry=tiny", "cold_a.geometry=tiny",
+        "cold_a.gemm_dim=0", "cold_a.reps=1", "mixed.geometry=tiny", "mixed.gemm_dim=0", "mixed.sessions=4",
+        "mixed.layouts=[nocache,hbm,hbm+plan]", f"out_dir={tmp_path}",
+    ])
+    assert res["peak"]["verified"] and res["full_hit"]["verified"]
+    assert res["full_hit"]["hits"] == {"hbm": 3, "fluxon_plan": 3} and res["full_hit"]["promotions"] == 3
+    assert res["cold_a"]["frames_equal"] and res["cold_a"]["gate"]["passed"]
+    assert all(x["frames_ok"] for x in res["mixed"]["layouts"].values())
+    assert set(res["targets"]) == {"full_hit_hbm_at_least_80pct_of_d2d_peak", "full_hit_hbm_at_least_20x_plan",
+                                   "cold_a_within_3pct_of_nocache"}
+    assert "| hbm+plan |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "hbm_tier.png").stat().st_size > 0

@@ -3,7 +3,8 @@
 Registered in `cacheseek.registry.PLAN_CLIENTS`: ``embedded`` (`EmbeddedPlanClient`, an in-process
 store over one pre-faulted segment), ``fluxon_native`` (`FluxonNativePlanClient`, wrappers
 over a Fluxon client with the Plan API), ``fluxon_public`` (`FluxonPublicPlanClient`, the Plan
-calls emulated over the public fluxon-py 0.2.4 client) and ``fluxon`` (`open_fluxon_plan_client`:
+calls emulated over the public fluxon-py 0.2.4 client), ``device`` (`DevicePlanClient`, the embedded
+store with its values in a device-memory pool: the HBM tier) and ``fluxon`` (`open_fluxon_plan_client`:
 the native one when the installed fluxon-py has the Plan API, else the emulation). Handle
 lifecycles are documented in `cacheseek.plan.base`; the FXPLANV1 table format in
 `cacheseek.plan.table`. Importing this package needs no torch.
@@ -23,6 +24,7 @@ from cacheseek.plan.base import (
     SegmentMapping,
     SegmentTimers,
 )
+from cacheseek.plan.device import DevicePlanClient
 from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
 from cacheseek.plan.fluxon_native import FluxonNativePlanClient
 from cacheseek.plan.fluxon_public import FluxonPublicPlanClient, open_fluxon_plan_client
@@ -40,6 +42,7 @@ __all__ = [
     "SegmentMapping",
     "SegmentTimers",
     "EmbeddedPlanClient",
+    "DevicePlanClient",
     "PlanFaults",
     "FluxonNativePlanClient",
     "FluxonPublicPlanClient",

@@ -92,12 +92,14 @@ def _positive(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
 class SegmentMapping:
     """A host segment of the Plan store as this process maps it: ``length`` bytes at ``ptr``;
     ``generation`` changes when the segment is recreated; ``writable`` False for a read-only
-    mapping (register it read-only)."""
+    mapping (register it read-only). ``on_device``: the segment is memory of the runtime's device
+    (the HBM tier's pool): never registered, declared as a device range, copied D2D."""
 
     ptr: int = attrs.field(validator=_positive)
     length: int = attrs.field(validator=_positive)
     generation: int = attrs.field(validator=attrs.validators.instance_of(int))
     writable: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    on_device: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     @classmethod
     def coerce(cls, value: Any) -> "SegmentMapping":

@@ -265,6 +265,7 @@ class EmbeddedPlanClient(InProcessPlanClient):
     """In-process Plan store (see the module docstring). ``faults``: a `PlanFaults` for tests."""
 
     _client_name = "embedded Plan store"
+    _on_device = False  # values in host memory (a subclass may keep them on the device)
 
     def __init__(
         self,
@@ -318,17 +319,14 @@ class EmbeddedPlanClient(InProcessPlanClient):
     def wait_local_segments_ready(self) -> list[SegmentMapping]:
         with self._lock:
             seg = self._ensure_segment()
-            return [SegmentMapping(seg.ptr, seg.length, self._generation, True)]
+            return [SegmentMapping(seg.ptr, seg.length, self._generation, True, self._on_device)]
 
     def _ensure_segment(self) -> _Segment:
         self._check_open()
         if self._segment is not None:
             return self._segment
         try:
-            seg = _Segment(
-                self.segment_bytes, self.backing, self.shm_dir, self.prefault_threads,
-                prefault=self.prefault, hugepages=self.hugepages,
-            )
+            seg = self._new_segment()
         except OSError as exc:  # ENOMEM, ENOSPC in shm_dir: the size does not fit this machine
             raise ConfigError(
                 "store.segment_bytes", f"cannot map a {format_size(self.segment_bytes)} {self.backing} "
@@ -358,6 +356,14 @@ class EmbeddedPlanClient(InProcessPlanClient):
             max(seg.huge_bytes, 0) >> 20,
         )
         return seg
+
+    def _new_segment(self) -> Any:
+        """The value segment (``ptr``, ``length``, timers, ``close()``); a subclass may back it
+        with other memory (`DevicePlanClient`: the runtime device's)."""
+        return _Segment(
+            self.segment_bytes, self.backing, self.shm_dir, self.prefault_threads,
+            prefault=self.prefault, hugepages=self.hugepages,
+        )
 
     def recreate_segment(self) -> list[SegmentMapping]:
         """Drop every value and map a fresh segment with the next generation. Refused while a

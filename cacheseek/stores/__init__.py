@@ -1,3 +1,3 @@
 """Store backends. Importing this package registers every built-in backend (no heavy imports)."""
 
-from cacheseek.stores import fluxon_bytes, localdisk, memory, per_tensor, plan_tier  # noqa: F401
+from cacheseek.stores import fluxon_bytes, hbm, localdisk, memory, per_tensor, plan_tier, tiered  # noqa: F401

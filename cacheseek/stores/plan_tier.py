@@ -85,7 +85,7 @@ from cacheseek.errors import (
     StoreTimeoutError,
     WriteNotCompleteError,
 )
-from cacheseek.plan.base import GetPlan, PlanClient, PlanValueLengths, PutCommitResult, PutPlan
+from cacheseek.plan.base import GetPlan, PlanClient, PutCommitResult, PutPlan
 from cacheseek.plan.table import decode_plan_table
 from cacheseek.registry import PLAN_CLIENTS, STORES, TRANSFERS
 from cacheseek.reuse.exact_prefix.keys import layer_keys
@@ -351,6 +351,7 @@ class PlanTierStore:
         self._owns_transfer = False
         self._mappings: list[HostMapping] = []
         self._registered_here: list[HostMapping] = []
+        self._value_ranges: list[MemoryRange] = []  # segments on the device (the HBM tier's pool)
         try:
             self._warm_up(device)
         except BaseException:
@@ -390,7 +391,9 @@ class PlanTierStore:
         t0 = time.perf_counter()
         segments = self._client.wait_local_segments_ready()
         self._count(segment_ready_seconds=time.perf_counter() - t0)
-        self._mappings = [HostMapping(s.ptr, s.length, s.generation, s.writable) for s in segments]
+        self._mappings = [HostMapping(s.ptr, s.length, s.generation, s.writable)
+                          for s in segments if not getattr(s, "on_device", False)]
+        self._value_ranges = [MemoryRange(s.ptr, s.length) for s in segments if getattr(s, "on_device", False)]
         if self._transfer is None and device is not None:
             self._transfer = self._build_transfer(device)
         if self._transfer is not None:
@@ -487,6 +490,20 @@ class PlanTierStore:
     def overlap(self) -> bool:
         """Whether writes return before their copies land (resolved once a runtime is known)."""
         return self._overlap
+
+    @property
+    def values_on_device(self) -> bool:
+        """Whether the client's values live in device memory (the HBM tier): copies in and out
+        of them are D2D and the segment is a declared device range, not a registered mapping."""
+        return bool(self._value_ranges)
+
+    @property
+    def _out(self) -> Direction:  # tensors -> values
+        return Direction.D2D if self._value_ranges else Direction.D2H
+
+    @property
+    def _in(self) -> Direction:  # values -> tensors
+        return Direction.D2D if self._value_ranges else Direction.H2D
 
     def _info(self, call: str) -> Any:
         """The client's `PlanClientInfo` call ``call``, or None when it does not offer it (checked
@@ -598,15 +615,15 @@ class PlanTierStore:
         self._latent_nbytes[locator] = _nbytes(latent)
 
     @staticmethod
-    def _group(ranges: list[MemoryRange]) -> dict[int, list[int]]:
+    def _group(lengths: Sequence[int]) -> dict[int, list[int]]:
         """Item indices by value size, in first-seen order (one Plan per size)."""
         groups: dict[int, list[int]] = {}
-        for i, rng in enumerate(ranges):
-            groups.setdefault(rng.length, []).append(i)
+        for i, length in enumerate(lengths):
+            groups.setdefault(length, []).append(i)
         return groups
 
     def _start_plans(
-        self, items: list[tuple[str, Any]], ranges: list[MemoryRange], started: list[PutPlan]
+        self, keys: Sequence[str], lengths: Sequence[int], started: list[PutPlan]
     ) -> tuple[list[int], list[int], list[int]]:
         """Start one Plan per size group (appended to ``started`` as they start); returns the
         value pointers, the item indices and the sizes, all in group order."""
@@ -614,8 +631,8 @@ class PlanTierStore:
         order: list[int] = []
         sizes: list[int] = []
         arena = self._arena()
-        for nbytes, idxs in self._group(ranges).items():
-            plan, table = self._client.local_fast_put_start([items[i][0] for i in idxs], nbytes)
+        for nbytes, idxs in self._group(lengths).items():
+            plan, table = self._client.local_fast_put_start([keys[i] for i in idxs], nbytes)
             started.append(plan)
             self._count(plans_started=1)
             dsts += decode_plan_table(table, len(idxs), arena=arena)
@@ -635,9 +652,10 @@ class PlanTierStore:
             for wave in self._waves(items):
                 sub = [items[i] for i in wave]
                 sub_ranges = [ranges[i] for i in wave]
-                dsts, order, sizes = self._start_plans(sub, sub_ranges, started)
-                batch = CopyBatch.of(dsts, [sub_ranges[i].ptr for i in order], sizes, Direction.D2H)
-                self._copy_now(transfer, batch, sub_ranges, producer=stream, on=self._write_stream)
+                dsts, order, sizes = self._start_plans([k for k, _ in sub], [r.length for r in sub_ranges], started)
+                batch = CopyBatch.of(dsts, [sub_ranges[i].ptr for i in order], sizes, self._out)
+                self._copy_now(transfer, batch, sub_ranges + self._value_ranges, producer=stream,
+                               on=self._write_stream)
                 self._commit(started, submitted, futures)
                 done += submitted
                 submitted.clear()
@@ -674,6 +692,65 @@ class PlanTierStore:
                 share += 1.0 / fits[n]
         return waves
 
+    def copy_values_from(
+        self, source: "PlanTierStore", keys: Sequence[str], lengths: Optional[Sequence[int]] = None
+    ) -> Optional[int]:
+        """Copy the published values ``keys`` of another Plan-style store into this one under the
+        same keys: one get plan on ``source``, one batch straight from its values into this
+        store's reserved values (H2D from a host store into device values, D2H the other way, D2D
+        or H2H between two of a kind), one synchronize, then commit: publication last. How tiers
+        promote and demote without a staging copy. ``lengths``: each value's byte length (default:
+        what ``source`` knows of them). All or nothing: None, with nothing written, when a key is
+        missing from ``source``; a `StoreError` (nothing written) on any failure. Both stores'
+        memory must be known to this store's transfer runtime (the tiered store shares one).
+        Returns the bytes copied."""
+        self._check_open()
+        source._check_open()
+        transfer: Any = self._transfer
+        if transfer is None:
+            raise PlanError("copy between Plan stores needs a transfer runtime: build the store with "
+                            "transfer= or device=")
+        keys = list(keys)
+        started: list[PutPlan] = []
+        submitted: list[PutPlan] = []
+        futures: dict[PutPlan, Future] = {}
+        try:
+            with source._reading(keys, [len(keys)]) as read:
+                table, n = read.transfer(lengths)
+                if n < len(keys):
+                    return None
+                srcs = decode_plan_table(table, n, arena=source._arena())
+                if lengths is None:
+                    lengths = source._lengths(read)
+                dsts, order, sizes = self._start_plans(keys, list(lengths), started)
+                batch = CopyBatch.of(dsts, [srcs[i] for i in order], sizes,
+                                     _direction(source.values_on_device, self.values_on_device))
+                try:
+                    self._copy_now(transfer, batch, self._value_ranges + source._value_ranges,
+                                   producer=None, on=self._write_stream)
+                    self._commit(started, submitted, futures)
+                except BaseException as exc:
+                    self._undo_put(exc, started, submitted, futures)
+                    raise
+        except Exception as exc:
+            error = _as_store_error(exc, f"copy of {len(keys)} values between Plan stores")
+            if error is exc:
+                raise
+            raise error from exc
+        for key, length in zip(keys, lengths):
+            if key.endswith(":lat"):
+                self._latent_nbytes[key] = int(length)
+        return batch.nbytes
+
+    def _lengths(self, read: "_Read") -> list[int]:
+        """Byte lengths of a transferred read's values: the client's, else this store's records."""
+        if callable(getattr(self._client, "value_lengths", None)):  # PlanValueLengths
+            return [int(n) for n in self._client.value_lengths(read.plan)]
+        lengths = [self._latent_nbytes.get(k) for k in read.plan.keys]
+        if any(n is None for n in lengths):
+            raise LayoutMismatchError("value lengths unknown: pass lengths= to copy_values_from")
+        return lengths  # type: ignore[return-value]
+
     def _copy_now(
         self, transfer: Any, batch: CopyBatch, ranges: list[MemoryRange], *, producer: Any, on: Any
     ) -> None:
@@ -707,21 +784,22 @@ class PlanTierStore:
         batches: list[PendingBatch] = []
         slot: Optional[_Slot] = None
         try:
-            dsts, order, sizes = self._start_plans(items, ranges, started)
+            dsts, order, sizes = self._start_plans([k for k, _ in items], [r.length for r in ranges], started)
             slot = self._acquire_slot(need, handle.nbytes, items[0][1])
             snap = CopyBatch.of(slot.ptr + offsets, [r.ptr for r in ranges], lengths, Direction.D2D)
-            d2h = CopyBatch.of(dsts, slot.ptr + offsets[order], sizes, Direction.D2H)
+            d2h = CopyBatch.of(dsts, slot.ptr + offsets[order], sizes, self._out)
             # Both batches are checked whole before the first copy goes out (DESIGN section 2),
             # although the D2H is submitted later, in pieces, from the completion thread.
             transfer.validate(snap, device_ranges=ranges + [slot.range()])
-            transfer.validate(d2h, device_ranges=[slot.range()])
+            transfer.validate(d2h, device_ranges=[slot.range()] + self._value_ranges)
             snapshot = transfer.submit_batch(snap, stream=stream, device_ranges=ranges + [slot.range()])
             batches.append(snapshot)
             pieces = _split(d2h, self._piece_bytes)
             copy: Optional[PendingBatch] = None
             if len(pieces) == 1:
                 copy = transfer.submit_batch(
-                    d2h, stream=self._write_stream, device_ranges=[slot.range()], after=[snapshot]
+                    d2h, stream=self._write_stream, device_ranges=[slot.range()] + self._value_ranges,
+                    after=[snapshot]
                 )
                 batches.append(copy)
                 pieces = []
@@ -877,7 +955,8 @@ class PlanTierStore:
                     oldest = in_flight.popleft()
                     oldest.wait(poll_s=_PIECE_POLL_S, expected_s=0.8 * oldest.nbytes / (_EXPECTED_GIB_S * 2**30))
                 in_flight.append(transfer.submit_batch(
-                    piece, stream=self._write_stream, device_ranges=[item.slot.range()], after=after
+                    piece, stream=self._write_stream, device_ranges=[item.slot.range()] + self._value_ranges,
+                    after=after
                 ))
                 after = []
                 self._count(write_pieces=1)
@@ -1046,9 +1125,9 @@ class PlanTierStore:
                 return None
             srcs = decode_plan_table(table, n, arena=arena)
             lat_batch = CopyBatch.of(
-                [t.data_ptr() for t in target.latents], srcs, [_nbytes(t) for t in target.latents], Direction.H2D
+                [t.data_ptr() for t in target.latents], srcs, [_nbytes(t) for t in target.latents], self._in
             )
-            lat_ranges = [transfer.device_range(t) for t in target.latents]
+            lat_ranges = [transfer.device_range(t) for t in target.latents] + self._value_ranges
             pending = self._submit_read(transfer, lat_batch, lat_ranges, [producer] if producer else [])
             if pending is not None:
                 pendings.append(pending)
@@ -1075,9 +1154,11 @@ class PlanTierStore:
                 (ring_ptrs[None, :] + dst_off[:, None]).ravel(),
                 (values[run_slot] + src_off[:, None]).ravel(),
                 np.repeat(run_bytes, width),
-                Direction.H2D,
+                self._in,
             )
-            pending = self._submit_read(transfer, kv_batch, [transfer.device_range(t) for t in rings], [])
+            pending = self._submit_read(
+                transfer, kv_batch, [transfer.device_range(t) for t in rings] + self._value_ranges, []
+            )
             if pending is not None:
                 transfer.stream_wait(None, pending)  # the runtime reads the ring after the copies
                 pendings.append(pending)
@@ -1116,11 +1197,12 @@ class PlanTierStore:
                 return None
             (src,) = decode_plan_table(table, 1, arena=self._arena())
             if like is None:
-                return ctypes.string_at(src, size)
+                return self._raw(src, size)
             out = like.new_empty(like.shape)
             transfer = self._transfer_for(out)
-            batch = CopyBatch.of([out.data_ptr()], [src], [size], Direction.H2D)
-            self._copy_now(transfer, batch, [transfer.device_range(out)], producer=None, on=self._read_stream)
+            batch = CopyBatch.of([out.data_ptr()], [src], [size], self._in)
+            self._copy_now(transfer, batch, [transfer.device_range(out)] + self._value_ranges,
+                           producer=None, on=self._read_stream)
             return out
 
     def get_layer(
@@ -1139,13 +1221,19 @@ class PlanTierStore:
                 return None
             srcs = decode_plan_table(table, 2, arena=self._arena())
             if like is None:
-                return ctypes.string_at(srcs[0], size), ctypes.string_at(srcs[1], size)
+                return self._raw(srcs[0], size), self._raw(srcs[1], size)
             k, v = (t.new_empty(t.shape) for t in like)
             transfer = self._transfer_for(k)
-            batch = CopyBatch.of([k.data_ptr(), v.data_ptr()], srcs, [_nbytes(k), _nbytes(v)], Direction.H2D)
-            self._copy_now(transfer, batch, [transfer.device_range(k), transfer.device_range(v)],
+            batch = CopyBatch.of([k.data_ptr(), v.data_ptr()], srcs, [_nbytes(k), _nbytes(v)], self._in)
+            self._copy_now(transfer, batch, [transfer.device_range(k), transfer.device_range(v)] + self._value_ranges,
                            producer=None, on=self._read_stream)
             return k, v
+
+    def _raw(self, src: int, size: int) -> bytes:
+        """The bytes of a value this store holds a view of (through the pool for device values)."""
+        if self._value_ranges:  # published values were synchronized before their commit
+            return bytes(self._client.value_tensor(src, size).cpu().numpy())  # type: ignore[attr-defined]
+        return ctypes.string_at(src, size)
 
     # -- reclamation / lifetime -----------------------------------------------------------------
     def free(self, handle: BlobHandle) -> None:
@@ -1292,7 +1380,7 @@ class _Read:
 
     def _check_lengths(self, expected: list[int]) -> None:
         client, keys = self._store._client, self.plan.keys
-        if isinstance(client, PlanValueLengths):
+        if callable(getattr(client, "value_lengths", None)):  # PlanValueLengths (a Protocol isinstance costs ~0.3 ms)
             lengths = list(client.value_lengths(self.plan))
         else:  # the store's own records of what it wrote (latents; KV sizes are on the blob)
             lengths = [self._store._latent_nbytes.get(k, want) for k, want in zip(keys, expected)]
@@ -1312,6 +1400,11 @@ class _Read:
         else:
             self._store._client.cancel_get_transfer(self.plan)
             self._store._count(gets_cancelled=1)
+
+
+def _direction(src_on_device: bool, dst_on_device: bool) -> Direction:
+    return {(False, True): Direction.H2D, (True, False): Direction.D2H,
+            (True, True): Direction.D2D, (False, False): Direction.H2H}[(src_on_device, dst_on_device)]
 
 
 _ASYNC_CALLS = tuple(n for n in AsyncTransfer.__dict__ if not n.startswith("_"))

@@ -28,7 +28,8 @@ KEYS = {
     "partial_hits_by_depth", "hit_rate", "restores", "restore_bytes", "restore_seconds", "restore_retries",
     "restore_failures", "writes", "write_bytes", "write_seconds", "reingest_kept", "dropped_writes",
     "store_full_retries", "failed_writes", "pending_writes", "evictions", "evicted_bytes",
-    "eviction_passes", "eviction_errors", "skeletons_freed", "invalidations", "hook_failures", "hook_failures_by_hook", "registration_seconds",
+    "eviction_passes", "eviction_errors", "demotions", "demoted_bytes", "demotion_passes", "demotion_errors",
+    "skeletons_freed", "invalidations", "hook_failures", "hook_failures_by_hook", "registration_seconds",
     "store_used_bytes", "store_capacity_bytes", "store_peak_bytes", "peak_used_bytes",
 }
 

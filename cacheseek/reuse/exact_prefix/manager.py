@@ -42,6 +42,12 @@ sessions: `NamespaceForest.is_live`), nodes being read and writes in flight are 
 the sinks of dead namespaces are ordinary LRU victims, so pins never fill the store; evicted nodes keep their
 skeletons. The forest lock is held only to choose and claim; every store call runs outside it.
 
+Tiers (a store offering ``tier_usages``, ``levels_of`` and ``demote``: `TieredStore`): after every
+ingest and every hit, each level but the last whose usage is above the high watermark *demotes*
+victims down to the low watermark, chosen by the same policy among the nodes held at that level,
+leaf-first within the level (no child held there): the store keeps (or first writes) a copy
+below, then frees that level's. The last level is bounded by the ordinary eviction above.
+
 Metrics: one `CacheMetrics` (``self.metrics``; pass a shared one to aggregate several managers).
 The legacy ``stats`` dict is kept for callers that read it.
 """
@@ -179,6 +185,7 @@ class WorldKVManager:
             if outcome is not None and outcome.ok:
                 self._count("hits")
                 self.metrics.record_hit(match.matched_len, requested)
+                self._demote_tiers()  # a promotion may have filled the top tier
                 return FastForwardResult(match.matched_len, match.node, match.namespace)
             if outcome is None or not (outcome.missing or outcome.not_whole):
                 self._count("restore_failures")
@@ -521,6 +528,7 @@ class WorldKVManager:
     def maybe_evict(self) -> int:
         """After a write: when the store's usage is above the high watermark, evict down to the
         low watermark. Returns the number of blobs evicted (0 when the store is unbounded)."""
+        self._demote_tiers()
         u = store_usage(self.store)
         if u is None:
             return 0
@@ -578,6 +586,91 @@ class WorldKVManager:
         if u is not None:
             self.metrics.observe_usage(self.clock(), u.used_bytes, u.capacity_bytes, "evict")
         return evicted
+
+    def _demote_tiers(self) -> int:
+        """One demotion pass per upper level of a tiered store above the high watermark (see the
+        module docstring). Errors of single victims are logged and counted; never raises.
+        Returns the blobs demoted."""
+        store = self.store
+        usages_fn = getattr(store, "tier_usages", None)
+        if not self.eviction.enabled or not callable(usages_fn) or not callable(getattr(store, "demote", None)):
+            return 0
+        demoted = 0
+        try:
+            with self._evict_lock:
+                for tu in usages_fn()[:-1]:
+                    u = tu.usage
+                    if u is None or u.capacity_bytes is None or u.used_bytes <= self.eviction.high_watermark * u.capacity_bytes:
+                        continue
+                    demoted += self._demote_level(tu.level, int(self.eviction.low_watermark * u.capacity_bytes))
+        except Exception:  # noqa: BLE001 - a cache must never take a session down
+            log.exception("tier demotion pass failed")
+            self.metrics.add(demotion_errors=1)
+        return demoted
+
+    def _demote_level(self, level: int, target_bytes: int) -> int:
+        store = self.store
+
+        def used() -> int:
+            u = store.tier_usages()[level].usage
+            return u.used_bytes if u is not None else 0
+
+        self.metrics.add(demotion_passes=1)
+        queue = self.policy.order(self._level_candidates(level))
+        done = 0
+        while queue and used() > target_bytes:
+            cand = queue.pop(0)
+            blob = cand.node.blob
+            if blob is None:
+                continue
+            try:
+                ok = store.demote(blob, level)
+            except Exception as exc:  # noqa: BLE001 - the copy is kept; try the next
+                log.warning("demotion of %r from tier %d failed (kept): %s", cand.node, level, exc)
+                self.metrics.add(demotion_errors=1)
+                continue
+            if not ok:
+                continue
+            done += 1
+            self.metrics.add(demotions=1, demoted_bytes=blob.nbytes)
+            parent = cand.node.parent
+            if parent is not None and parent.depth >= 0:
+                fresh = [c for c in self._level_candidates(level, [parent]) if c.node is parent]
+                queue = self.policy.order(queue + fresh)
+        return done
+
+    def _level_candidates(self, level: int, roots: Optional[list[TrieNode]] = None) -> list[Candidate]:
+        """Under the forest lock, the subtrees of ``roots`` (default: every namespace): nodes with
+        a ready copy at ``level``, not being read or evicted, and nothing below them at that
+        level (ready or in flight): leaf-first within the level, so a chain keeps its prefix
+        (a copy is read from a level only together with its whole window)."""
+        store = self.store
+
+        def at_level(blob: Optional[BlobHandle]) -> bool:
+            return blob is not None and (level in store.levels_of(blob) or level in store.pending_levels_of(blob))
+
+        out: list[Candidate] = []
+        with self.forest.lock:
+            if roots is None:
+                roots = [c for ns in self.forest.namespaces() for c in ns.root.children.values()]
+            for start in roots:
+                below: dict[int, bool] = {}
+                stack: list[tuple[TrieNode, bool]] = [(start, False)]
+                while stack:
+                    node, visited = stack.pop()
+                    children = list(node.children.values())
+                    if not visited:
+                        stack.append((node, True))
+                        stack.extend((c, False) for c in children)
+                        continue
+                    child_any = any(below[id(c)] for c in children)
+                    here = at_level(node.blob)
+                    below[id(node)] = here or child_any
+                    if (here and not child_any and node.has_kv and node.ref_count == 0 and not node.evicting
+                            and level in store.levels_of(node.blob)):
+                        reachable = all(a.has_kv for a in node.path()[:-1])
+                        out.append(Candidate(node, node.blob.nbytes, node.last_access, node.depth, reachable))
+        return out
 
     def _collect(self) -> tuple[list[TrieNode], list[Candidate]]:
         """Under the forest lock: dead skeletons, children before parents (no live blob in the

@@ -1,0 +1,91 @@
+"""`HbmTierStore` (store ``hbm``): hot prefixes in spare device memory, restored device to device.
+
+The Plan tier's mechanism over a `DevicePlanClient`: the same keys (``{locator}:L{i}:k/v``,
+``{hex}:lat``), the same write path (Plans started per value size, one batch of copies, one
+synchronize, commit, then ``handle.ready``: publication last), the same read path (one chunk-major
+get with all-or-nothing groups, the copy runs of every layer in one batch, one synchronize, the
+views released) and the same accounting; only the direction differs: every copy is D2D, between
+the ring's tensors and a pool of the runtime device's memory (HBM on a GPU, where a 480p chunk of
+3.57 GiB moves at device-memory speed; host memory with ``device=cpu``, so CI runs the whole path).
+
+Writes are synchronous by default (``overlap=False``): a D2D copy of a chunk takes milliseconds,
+no staging slot is worth its memory. Capacity: ``capacity_bytes``, or ``capacity_fraction`` of the
+device's free memory when the store is built (allocated at once, at warm-up). HBM does not corrupt
+silently (ECC), so values carry no checksum here. The pool does not survive the process: a
+restarted worker finds this tier empty (a tiered store then serves from the tiers below).
+
+Used alone (``+store=hbm``) it is a bounded cache whose eviction is the manager's; as the top of a
+`TieredStore` (``+store=tiered store.tiers=[hbm,fluxon_plan]``) eviction demotes to the next tier.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from cacheseek.plan.device import DevicePlanClient
+from cacheseek.plan.embedded import PlanFaults
+from cacheseek.registry import STORES
+from cacheseek.stores.plan_tier import PlanTierStore
+from cacheseek.transfer.base import TransferRuntime
+
+__all__ = ["HbmTierStore", "HbmTierSchema"]
+
+
+@dataclasses.dataclass
+class HbmTierSchema:
+    _target_: str = "cacheseek.stores.hbm.HbmTierStore"
+    capacity_bytes: int = 0
+    capacity_fraction: float = 0.0
+    device: Optional[str] = None
+    alignment: int = 256
+    commit_timeout_s: float = 30.0
+    overlap: bool = False
+
+
+@STORES.register("hbm", HbmTierSchema)
+class HbmTierStore(PlanTierStore):
+    """The HBM tier (see the module docstring). ``device``: where the pool lives; None = the
+    transfer runtime's kind (CUDA: the current device; host: cpu). ``transfer``: the runtime
+    shared with the other tiers (the caller keeps owning it)."""
+
+    storage_format = PlanTierStore.storage_format  # the same bare bytes as the Plan tier
+
+    @classmethod
+    def size_fields(cls, config: dict) -> list:
+        """None in the config: the pool is ``capacity_bytes`` or ``capacity_fraction`` of the
+        device's free memory, resolved at start; the orchestrator checks the capacity the store
+        then reports against one chunk."""
+        return []
+
+    def __init__(
+        self,
+        capacity_bytes: int = 0,
+        capacity_fraction: float = 0.0,
+        device: Optional[str] = None,
+        alignment: int = 256,
+        commit_timeout_s: float = 30.0,
+        overlap: bool = False,
+        *,
+        transfer: Optional[TransferRuntime] = None,
+        faults: Optional[PlanFaults] = None,
+    ) -> None:
+        if device is None:
+            device = "cuda" if getattr(transfer, "device_kind", "cpu") == "cuda" else "cpu"
+        client = DevicePlanClient(capacity_bytes, capacity_fraction, device, alignment, faults=faults)
+        try:
+            super().__init__(device=str(client.device), commit_timeout_s=commit_timeout_s, overlap=overlap,
+                             transfer=transfer, plan_client=client)
+        except BaseException:
+            client.close()
+            raise
+        self._owns_client = True
+
+    @property
+    def device(self) -> Any:
+        return self.plan_client.device  # type: ignore[attr-defined]
+
+    def __repr__(self) -> str:
+        u = self.usage()
+        size = f"{u.used_bytes}/{u.capacity_bytes} B" if u is not None else "closed"
+        return f"HbmTierStore({self.device}, {size}, transfer={self.transfer!r})"
