@@ -66,7 +66,7 @@ def test_cli_gate_passes_on_the_plan_tier_over_fluxon(fluxon_service, tmp_path):
                                   "namespace.model_fingerprint=cli-test", "+store.client_options.op_timeout_s=20"),
                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (out.stdout[-3000:], out.stderr[-3000:])
-    assert "PASS: abcd on store=fluxon_plan geometry=tiny" in out.stdout
+    assert "PASS: abcd on store=fluxon_plan runtime=synthetic geometry=tiny" in out.stdout
     assert "ring check:   ok (3/3 resume depths equal a cold run)" in out.stdout
     log_text = (run / "cacheseek.log").read_text()
     assert "emulating it over the public client (fluxon_public" in log_text
