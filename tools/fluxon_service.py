@@ -93,6 +93,18 @@ def _import_service() -> Any:
     return service
 
 
+def _started(args: argparse.Namespace) -> tuple[Any, Optional[int]]:
+    """A started service, or None and the exit code of the one error line saying why not."""
+    try:
+        svc = _new_service(args)
+        svc.start()
+    except ConfigError as exc:
+        return None, _error(f"--{exc.field}: {exc.problem}" + (f" (fix: {exc.fix})" if exc.fix else ""))
+    except CacheSeekError as exc:
+        return None, _error(str(exc))
+    return svc, None
+
+
 def _new_service(args: argparse.Namespace) -> Any:
     service = _import_service()
     return service.FluxonService(
@@ -162,13 +174,9 @@ def foreground(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: stop.set())
-    try:
-        svc = _new_service(args)
-        svc.start()
-    except ConfigError as exc:
-        return _error(f"--{exc.field}: {exc.problem}" + (f" (fix: {exc.fix})" if exc.fix else ""))
-    except CacheSeekError as exc:
-        return _error(str(exc))
+    svc, failed = _started(args)
+    if failed is not None:
+        return failed
     try:
         info = svc.attach_info()
         info["service_pid"] = os.getpid()
@@ -298,13 +306,9 @@ def run(args: argparse.Namespace) -> int:
     problem = _problem(args)
     if problem:
         return _error(problem)
-    try:
-        svc = _new_service(args)
-        svc.start()
-    except ConfigError as exc:
-        return _error(f"--{exc.field}: {exc.problem}" + (f" (fix: {exc.fix})" if exc.fix else ""))
-    except CacheSeekError as exc:
-        return _error(str(exc))
+    svc, failed = _started(args)
+    if failed is not None:
+        return failed
     try:
         info = svc.attach_info()
         print(f"Fluxon service ready in {svc.ready_seconds:.1f} s: cluster {info['cluster_name']} at "
