@@ -23,6 +23,8 @@ from typing import Any, Optional
 
 import attrs
 
+from cacheseek.eviction.base import store_usage
+
 __all__ = ["CacheMetrics"]
 
 TIMELINE_MAX = 20_000  # samples kept (the oldest half is thinned when full)
@@ -115,8 +117,6 @@ class CacheMetrics:
         """Every counter, the store's usage (``store_used_bytes``, ``store_capacity_bytes``,
         ``store_peak_bytes``), its failed and pending writes and registration seconds. With
         ``timeline``, the usage samples as ``[t_s, used, capacity, event]`` too."""
-        from cacheseek.eviction.base import store_usage
-
         with self._lock:
             out = {
                 f.name: getattr(self, f.name)

@@ -28,47 +28,26 @@ A `Stack` hands out managers and bindings that share one forest, one store and o
 
 from __future__ import annotations
 
-import inspect
 import logging
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any, Optional
 
 import attrs
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from cacheseek import namespace, sizing
 from cacheseek.errors import CacheSeekError, ConfigError
-from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, import_backends
+from cacheseek.eviction import EvictionConfig, make_policy, store_usage
+from cacheseek.metrics import CacheMetrics
+from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, import_backends, instantiate
+from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
+from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config, make_rolling_config
 from cacheseek.sizes import format_size
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Stack", "build_stack", "instantiate"]
-
-
-def instantiate(node: Any, **call_site: Any) -> Any:
-    """The one place that calls ``hydra.utils.instantiate`` (Hydra 1.4 will want a whitelist).
-
-    Call-site objects are passed only to constructors that name them."""
-    from hydra.utils import get_object, instantiate as hydra_instantiate
-
-    target = node.get("_target_") if isinstance(node, (dict, DictConfig)) else None
-    if target is None:
-        raise ConfigError("_target_", f"config node {node!r} names no class")
-    factory = get_object(target)  # a class, or a factory function (``auto`` entries)
-    params = inspect.signature(factory).parameters
-    accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    kwargs = {k: v for k, v in call_site.items() if v is not None and (accepts_any or k in params)}
-    try:
-        return hydra_instantiate(node, _convert_="all", **kwargs)
-    except Exception as exc:  # hydra wraps constructor errors; surface ours unchanged
-        cause = exc
-        while cause is not None and not isinstance(cause, CacheSeekError):
-            cause = cause.__cause__ or cause.__context__
-        if isinstance(cause, CacheSeekError):
-            raise cause from None
-        raise
 
 
 @attrs.define
@@ -87,8 +66,6 @@ class Stack:
     metrics: Any = attrs.field(factory=lambda: _new_metrics())
 
     def manager_config(self):
-        from cacheseek.reuse.exact_prefix.telefuser_lingbot import make_full_kv_config, make_rolling_config
-
         rt = self.runtime_factory
         be = int(self.cfg.manager.break_even_k)
         if be < 1:
@@ -99,22 +76,16 @@ class Stack:
                                    chunk_size=rt.geometry.chunk_size, break_even_k=be)
 
     def eviction_config(self):
-        from cacheseek.eviction import EvictionConfig, make_policy
-
         cfg = EvictionConfig.from_conf(self.cfg.manager.get("eviction"))
         make_policy(cfg.policy)  # an unknown name is a ConfigError now, not at the first session
         return cfg
 
     def new_manager(self, forest: Any = None):
-        from cacheseek.reuse.exact_prefix import WorldKVManager
-
         return WorldKVManager(forest if forest is not None else self.forest, self.store,
                               self.manager_config(), eviction=self.eviction_config(),
                               metrics=self.metrics)
 
     def new_binding(self, manager: Any = None, *, ingest_enabled: bool = True):
-        from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding
-
         manager = manager if manager is not None else self.new_manager()
         model = str(self.cfg.namespace.model_fingerprint).encode()
         weights = getattr(self.runtime_factory, "weights_fingerprint", None)  # a runtime that knows its weights
@@ -136,8 +107,6 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
     ``plan_client=``, ``cudart=``) override or are injected into the configured components.
     ``workload``: the built workload (else ``cfg.workload`` is built when present); ``note``
     receives each choice made for the user, one line each (they are logged too)."""
-    from cacheseek.reuse.exact_prefix import NamespaceForest
-
     import_backends()
     notes: list[str] = []
 
@@ -240,8 +209,6 @@ def _starting(component: str, build: Callable[[], Any], name: str = "") -> Any:
 
 def _check_reported_capacity(store: Any, need: Any) -> Optional[int]:
     """The capacity ``store`` reports (None: unbounded or unknown), checked against one chunk."""
-    from cacheseek.eviction import store_usage
-
     usage = store_usage(store)
     capacity = None if usage is None else usage.capacity_bytes
     try:
@@ -290,8 +257,6 @@ def _build_layout(node: Any, runtime_factory: Any) -> Any:
 
 
 def _new_metrics() -> Any:
-    from cacheseek.metrics import CacheMetrics
-
     return CacheMetrics()
 
 

@@ -12,17 +12,21 @@ pulls that schema in (``- /schema/<group>/<name>@_here_``), so a typo or a wrong
 or on the command line is rejected when Hydra composes the config, before anything runs.
 
 Registering costs nothing: backend modules import torch, CUDA or Fluxon only inside methods.
-`import_backends()` imports every built-in backend module so that the registries are full.
+`import_backends()` imports every built-in backend module so that the registries are full, and
+`instantiate()` builds a backend from its config node (the one call of Hydra's instantiate).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from cacheseek.errors import ConfigError
+from omegaconf import DictConfig
+
+from cacheseek.errors import CacheSeekError, ConfigError
 
 T = TypeVar("T")
 
@@ -100,3 +104,27 @@ def import_backends() -> None:
     """Import every built-in backend module so that all registries are populated."""
     for mod in BACKEND_MODULES:
         importlib.import_module(mod)
+
+
+def instantiate(node: Any, **call_site: Any) -> Any:
+    """The one place that calls ``hydra.utils.instantiate`` (Hydra 1.4 will want a whitelist).
+
+    Call-site objects are passed only to constructors that name them."""
+    from hydra.utils import get_object, instantiate as hydra_instantiate
+
+    target = node.get("_target_") if isinstance(node, (dict, DictConfig)) else None
+    if target is None:
+        raise ConfigError("_target_", f"config node {node!r} names no class")
+    factory = get_object(target)  # a class, or a factory function (``auto`` entries)
+    params = inspect.signature(factory).parameters
+    accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in call_site.items() if v is not None and (accepts_any or k in params)}
+    try:
+        return hydra_instantiate(node, _convert_="all", **kwargs)
+    except Exception as exc:  # hydra wraps constructor errors; surface ours unchanged
+        cause = exc
+        while cause is not None and not isinstance(cause, CacheSeekError):
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, CacheSeekError):
+            raise cause from None
+        raise

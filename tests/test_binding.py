@@ -22,11 +22,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from cacheseek.kv.ring import RingGeometry
 from cacheseek.errors import CorruptValueError, GeometryError, StoreError, WriteNotCompleteError
 from cacheseek.layout.bshd import BshdLayout
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
 from cacheseek.reuse.exact_prefix.keys import layer_keys
-from cacheseek.reuse.exact_prefix.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import (
     LingBotWorldKVBinding,
     make_full_kv_config,
@@ -282,6 +282,29 @@ def test_corrupt_value_file_is_a_miss_and_its_node_is_invalidated(tmp_path):
         assert nodes[2].blob is None and not path.exists() and store.stats.corrupt_values == 1
     finally:
         store.close()
+
+
+def test_store_raising_corrupt_kv_value_invalidates_the_node_that_named_it():
+    """A store may raise `CorruptValueError` on read instead of returning a miss: the manager
+    finds the window node whose KV the key names, invalidates it and restores the prefix before."""
+
+    class RaisingTier(InMemoryTierStore):
+        bad_key = ""
+
+        def get_layer(self, handle, layer):
+            if self.bad_key in (layer_keys(handle.locator, layer)):
+                raise CorruptValueError(self.bad_key, "checksum mismatch")
+            return super().get_layer(handle, layer)
+
+    store = RaisingTier()
+    forest = NamespaceForest()
+    run_session(store, forest)
+    nodes = nodes_by_depth(forest)
+    store.bad_key = layer_keys(nodes[2].blob.locator, 1)[1]
+    b, rt, hashes = run_session(store, forest, ingest=False)
+    assert b.last_fast_forward == 2 and rt.restored_chunks == [0, 1]
+    assert hashes == cold_hashes()
+    assert nodes[2].blob is None and nodes[1].has_kv
 
 
 def test_partial_window_only_layer_missing_is_a_miss_on_every_depth(store):

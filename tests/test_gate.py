@@ -11,7 +11,7 @@ import torch
 
 from cacheseek.cli import run
 from cacheseek.reuse.exact_prefix.keys import layer_keys
-from cacheseek.reuse.exact_prefix.ring import RingGeometry
+from cacheseek.kv.ring import RingGeometry
 from cacheseek.runtime.geometry import get_geometry
 from cacheseek.stores.localdisk import LocalDiskTierStore
 from cacheseek.stores.memory import InMemoryTierStore

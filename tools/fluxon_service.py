@@ -95,6 +95,8 @@ def _import_service() -> Any:
 
 def _started(args: argparse.Namespace) -> tuple[Any, Optional[int]]:
     """A started service, or None and the exit code of the one error line saying why not."""
+    from cacheseek.errors import CacheSeekError, ConfigError
+
     try:
         svc = _new_service(args)
         svc.start()

@@ -1,5 +1,6 @@
 """Capacity accounting and eviction policies (torch-free). Importing registers ``lru``."""
 
+from cacheseek.errors import ConfigError
 from cacheseek.eviction import lru  # noqa: F401  (registers the built-in policies)
 from cacheseek.eviction.base import (
     Candidate,
@@ -31,8 +32,6 @@ __all__ = [
 
 def make_policy(name: str) -> EvictionPolicy:
     """A new policy instance by registry name; `ConfigError` listing the known names otherwise."""
-    from cacheseek.errors import ConfigError
-
     try:
         cls = EVICTION_POLICIES.get(name)
     except ConfigError as exc:

@@ -78,7 +78,7 @@ from cacheseek.errors import (
     StoreFullError,
     StoreTimeoutError,
 )
-from cacheseek.fluxon.service import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
+from cacheseek.fluxon.service import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH, _endpoint_answers
 
 log = logging.getLogger(__name__)
 
@@ -477,8 +477,6 @@ class FluxonClient:
             raise FluxonUnavailableError(
                 f"{path} belongs to cluster {info.get('cluster_name')!r}, not {self.cluster_name!r}")
         endpoints = [e for e in info.get("etcd_addresses") or [] if isinstance(e, str)]
-        from cacheseek.fluxon.service import _endpoint_answers
-
         if endpoints and not any(_endpoint_answers(e, 1.0) for e in endpoints):
             raise FluxonUnavailableError(
                 f"{path} is stale: the service that wrote it is gone (its etcd {', '.join(endpoints)} "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from cacheseek.kv.ring import RingGeometry
 from cacheseek.layout.ring_layout import LatentSpec, RingLayout
 from cacheseek.registry import LAYOUTS
 
@@ -39,8 +40,6 @@ class BshdLayout(RingLayout):
         return runtime.self_kv_cache
 
     def window(self, runtime: Any) -> Any:
-        from cacheseek.reuse.exact_prefix.ring import RingGeometry
-
         return RingGeometry(chunk_size=int(runtime.chunk_size), frame_tokens=int(runtime.frame_tokens),
                             local_attn_size=int(runtime.kv_local_attn_size), sink_size=int(runtime.kv_sink_size))
 

@@ -44,6 +44,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from cacheseek.errors import LayoutMismatchError
+from cacheseek.kv.ring import RingGeometry
 from cacheseek.layout.ring_layout import LatentSpec, RingLayout
 from cacheseek.registry import LAYOUTS
 
@@ -159,8 +160,6 @@ class TeleFuserMainLayout(RingLayout):
         return self.cache_state(runtime).self_kv_cache
 
     def window(self, runtime: Any) -> Any:
-        from cacheseek.reuse.exact_prefix.ring import RingGeometry
-
         cfg = self.pipeline(runtime).config
         L = int(cfg.local_attn_size)
         ring = RingGeometry(chunk_size=int(runtime.chunk_size), frame_tokens=int(runtime.frame_tokens),

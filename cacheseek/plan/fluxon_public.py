@@ -91,6 +91,7 @@ from cacheseek.errors import (
     StoreFullError,
     StoreTimeoutError,
 )
+from cacheseek.fluxon.client import FluxonClient, FluxonImportError, FluxonValueTooLargeError, _load_fluxon
 from cacheseek.fluxon.service import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
 from cacheseek.plan.base import (
     InProcessPlanClient,
@@ -300,8 +301,6 @@ class FluxonPublicPlanClient(InProcessPlanClient):
         self.prefault = bool(prefault)
         self.table_arena_bytes = table_arena_bytes
         if client is None:
-            from cacheseek.fluxon.client import FluxonClient
-
             client = FluxonClient(cluster_name, share_mem_path, instance_key, op_timeout_s=op_timeout_s,
                                   attach_timeout_s=attach_timeout_s, settle_s=settle_s, key_index=key_index)
             self._owns_client = True
@@ -713,8 +712,6 @@ def _release_all(views: Sequence[Any]) -> None:
 
 
 def _put_code(exc: BaseException) -> PutKeyCode:
-    from cacheseek.fluxon.client import FluxonValueTooLargeError
-
     if isinstance(exc, FluxonValueTooLargeError):
         return PutKeyCode.TOO_LARGE
     if isinstance(exc, StoreFullError):
@@ -732,8 +729,6 @@ def _put_code(exc: BaseException) -> PutKeyCode:
 def native_plan_api_problem() -> Optional[str]:
     """None when the installed fluxon-py's client offers every Plan call; otherwise why not
     (fluxon-py missing, or the calls its client classes lack)."""
-    from cacheseek.fluxon.client import FluxonImportError, _load_fluxon
-
     try:
         fluxon_py = _load_fluxon()
     except FluxonImportError as exc:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from cacheseek.layout.bshd import BshdLayout
+
 __all__ = ["ring_snapshot", "same_bytes", "snapshot_diff"]
 
 
@@ -19,8 +21,6 @@ def ring_snapshot(runtime: Any, layout: Any = None, **extra: Any) -> dict:
     of ``runtime`` as ``layout`` (default `BshdLayout`) finds them, plus ``extra`` entries (not
     compared)."""
     if layout is None:
-        from cacheseek.layout.bshd import BshdLayout
-
         layout = BshdLayout()
     layers = []
     for (k, v), (global_end, local_end) in zip(layout.layers(runtime), layout.cursors(runtime)):

@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cacheseek.errors import CacheSeekError, ConfigError
+from cacheseek.integrations.telefuser import TeleFuserLayout, attach, plan_controls
+from cacheseek.integrations.telefuser.tiny import TinyDiTSpec, build_tiny_pipeline, module_fingerprint
 from cacheseek.registry import RUNTIMES
 from cacheseek.runtime.geometry import Geometry, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
@@ -134,9 +136,6 @@ class TeleFuserRuntimeFactory:
     def pipeline(self) -> Any:
         """The attached pipeline, built on first use."""
         if self._pipeline is None:
-            from cacheseek.integrations.telefuser import attach
-            from cacheseek.integrations.telefuser.tiny import TinyDiTSpec, build_tiny_pipeline
-
             _require_telefuser()
             g = self._geometry
             spec = TinyDiTSpec(n_layers=g.n_layers, n_heads=g.n_heads, head_dim=g.head_dim,
@@ -166,8 +165,6 @@ class TeleFuserRuntimeFactory:
     def weights_fingerprint(self) -> bytes:
         """sha256 of the DiT's weights: two checkpoints never share a namespace."""
         if self._weights is None:
-            from cacheseek.integrations.telefuser.tiny import module_fingerprint
-
             self._weights = module_fingerprint(self.pipeline.dit)
         return self._weights
 
@@ -212,8 +209,6 @@ class TeleFuserRuntimeFactory:
     @property
     def streaming(self) -> bool:
         """TeleFuser main's layout: sessions streamed through the pipeline's scheduler."""
-        from cacheseek.integrations.telefuser import TeleFuserLayout
-
         self.pipeline
         return self.layout is TeleFuserLayout.MAIN
 
@@ -251,8 +246,6 @@ class TeleFuserSession:
         self.next_chunk = 0
         self._stream: Optional[_StreamedChunks] = None
         if factory.streaming:
-            from cacheseek.integrations.telefuser import plan_controls
-
             self._controls = factory.chunk_controls(self.session_config, actions)
             plan_controls(self.session_config, self._controls)
 

@@ -25,14 +25,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Protocol, runtime_checkable
 
-import attrs
-
-from cacheseek.reuse.exact_prefix.ring import CopyRun
-from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier, TrieNode
+from cacheseek.kv.handles import BlobHandle, ChunkNode, Tier
+from cacheseek.kv.payload import LayerPayload, RestoreTarget
 
 __all__ = ["TierStore", "PathReadStore", "RestoreTarget", "LayerPayload"]
-
-LayerPayload = tuple[Any, Any]  # (k, v) of one layer for one chunk: [1, chunk_tokens, H, D]
 
 
 @runtime_checkable
@@ -57,33 +53,6 @@ class TierStore(Protocol):
     def flush(self) -> None: ...
 
 
-@attrs.frozen(slots=True)
-class RestoreTarget:
-    """Where a whole-path restore of depth K lands, built by the runtime binding.
-
-    ``kv``: per layer ``(k, v)`` ring tensors ``[1, kv_size, H, D]``, contiguous, on the runtime
-    device. ``runs``: the copy runs in tokens (`RingGeometry.restore_runs`). ``window_depths``:
-    the chunk depths the runs read, oldest first. ``token_bytes``: bytes of one token row
-    (``H * D * itemsize``). ``chunk_tokens``: tokens in one chunk's value. ``latents``: private
-    targets, one per chunk 0..K-1, in the runtime's latent shape, dtype and device; filled first.
-    """
-
-    kv: tuple[tuple[Any, Any], ...]
-    runs: tuple[CopyRun, ...]
-    window_depths: tuple[int, ...]
-    token_bytes: int
-    chunk_tokens: int
-    latents: tuple[Any, ...]
-
-    @property
-    def n_layers(self) -> int:
-        return len(self.kv)
-
-    @property
-    def chunk_value_nbytes(self) -> int:
-        return self.chunk_tokens * self.token_bytes
-
-
 @runtime_checkable
 class PathReadStore(Protocol):
     """Capability: a store that restores a whole window path in one call."""
@@ -91,7 +60,7 @@ class PathReadStore(Protocol):
     accepts_device_views: bool
 
     def read_path(
-        self, path: Sequence[TrieNode], window: Sequence[TrieNode], target: RestoreTarget
+        self, path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget
     ) -> bool:
         """Fill ``target.latents`` from every node of ``path`` (depth 0..K-1), then the KV of the
         ``window`` nodes into ``target.kv`` following ``target.runs``; synchronize; release

@@ -22,13 +22,13 @@ Importing this module needs neither fluxon-py nor torch.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import sys
 from typing import Any, Optional
 
 from cacheseek.errors import CorruptValueError, StoreClosedError, StoreError
+from cacheseek.fluxon.client import FluxonClient
 from cacheseek.fluxon.service import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum
@@ -51,8 +51,6 @@ def _make_client(client: Any, *, cluster_name: str, share_mem_path: str, instanc
                  op_timeout_s: float, attach_timeout_s: float, settle_s: float) -> tuple[Any, bool]:
     if client is not None:
         return client, False
-    from cacheseek.fluxon.client import FluxonClient
-
     return FluxonClient(cluster_name, share_mem_path, instance_key, op_timeout_s=op_timeout_s,
                         attach_timeout_s=attach_timeout_s, settle_s=settle_s), True
 

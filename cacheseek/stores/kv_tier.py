@@ -58,7 +58,6 @@ from typing import Any, Optional, Protocol
 import attrs
 
 from cacheseek.errors import (
-    ConfigError,
     CorruptValueError,
     StoreClosedError,
     StoreError,
@@ -67,15 +66,15 @@ from cacheseek.errors import (
     WriteNotCompleteError,
 )
 from cacheseek.eviction.base import StoreUsage
-from cacheseek.reuse.exact_prefix.keys import blob_keys, layer_keys, object_key
-from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier, kv_pairs
+from cacheseek.kv.handles import BlobHandle, Tier, kv_pairs
+from cacheseek.kv.locators import blob_keys, layer_keys, object_key
+from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.sizes import AUTO, available_memory, parse_size
 from cacheseek.sizing import SizeField
-from cacheseek.stores.base import LayerPayload
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ValueBackend", "KeyValueTier", "TierStats", "payload_nbytes", "layer_nbytes"]
+__all__ = ["ValueBackend", "KeyValueTier", "TierStats"]
 
 
 class ValueBackend(Protocol):
@@ -114,26 +113,6 @@ class TierStats:
 
     def as_dict(self) -> dict[str, Any]:
         return attrs.asdict(self)
-
-
-def payload_nbytes(value: Any) -> int:
-    nbytes = getattr(value, "nbytes", None)
-    if nbytes is not None:
-        return int(nbytes)
-    if hasattr(value, "numel") and hasattr(value, "element_size"):
-        return int(value.numel() * value.element_size())
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return len(value)
-    if isinstance(value, str):
-        return len(value.encode("utf-8"))
-    return 0
-
-
-def layer_nbytes(layer: Any) -> int:
-    """Bytes of one layer's payload: both halves of a ``(k, v)`` pair, else the value itself."""
-    if isinstance(layer, tuple):
-        return sum(payload_nbytes(part) for part in layer)
-    return payload_nbytes(layer)
 
 
 def _check_capacity(value: Any) -> Optional[int]:

@@ -88,8 +88,8 @@ from cacheseek.errors import (
 from cacheseek.plan.base import GetPlan, PlanClient, PutCommitResult, PutPlan
 from cacheseek.plan.table import decode_plan_table
 from cacheseek.registry import PLAN_CLIENTS, STORES, TRANSFERS
-from cacheseek.reuse.exact_prefix.keys import layer_keys
-from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier, TrieNode
+from cacheseek.kv.locators import layer_keys
+from cacheseek.kv.handles import BlobHandle, ChunkNode, Tier
 from cacheseek.sizes import Size, available_memory, free_bytes, parse_size
 from cacheseek.sizing import SizeField
 from cacheseek.stores.base import LayerPayload, RestoreTarget
@@ -1043,7 +1043,7 @@ class PlanTierStore:
         read.end()
 
     def read_path(
-        self, path: Sequence[TrieNode], window: Sequence[TrieNode], target: RestoreTarget
+        self, path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget
     ) -> bool:
         """See `PathReadStore.read_path`. Raises `LayoutMismatchError` when the blob handles or
         the runs disagree with ``target``; `TransferError`, `PlanTableError`, `PlanError` on
@@ -1066,7 +1066,7 @@ class PlanTierStore:
         return True
 
     def _check_path(
-        self, path: list[TrieNode], window: list[TrieNode], target: RestoreTarget
+        self, path: list[ChunkNode], window: list[ChunkNode], target: RestoreTarget
     ) -> Optional[tuple[list[str], list[BlobHandle]]]:
         """The path's latent keys and the window's blob handles; None on a miss (a node without
         skeleton or ready blob). Raises `LayoutMismatchError` when sizes, depths or runs disagree

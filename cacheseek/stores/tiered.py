@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import attrs
+from omegaconf import DictConfig, OmegaConf
 
 from cacheseek.errors import (
     CacheSeekError,
@@ -62,9 +63,10 @@ from cacheseek.errors import (
     WriteNotCompleteError,
 )
 from cacheseek.eviction.base import StoreUsage, store_usage
-from cacheseek.registry import STORES
-from cacheseek.reuse.exact_prefix.keys import blob_keys
-from cacheseek.reuse.exact_prefix.types import BlobHandle, BlobState, Tier, TrieNode, kv_pairs
+from cacheseek.kv.handles import BlobHandle, BlobState, ChunkNode, Tier, kv_pairs
+from cacheseek.kv.locators import blob_keys
+from cacheseek.kv.payload import layer_nbytes
+from cacheseek.registry import STORES, instantiate
 from cacheseek.stores.base import RestoreTarget
 
 __all__ = ["TieredStore", "TieredSchema", "TieredHandle", "TierUsage", "TIER_OF"]
@@ -206,10 +208,6 @@ class TieredStore:
 
     @staticmethod
     def _build(names: list[str], nodes: dict[str, Any], transfer: Any) -> list[tuple[str, Any]]:
-        from omegaconf import DictConfig, OmegaConf
-
-        from cacheseek.orchestrator import instantiate
-
         if len(set(names)) != len(names):
             raise ConfigError("store.tiers", f"lists a store twice: {names}", "name each store once")
         built: list[tuple[str, Any]] = []
@@ -364,7 +362,7 @@ class TieredStore:
         self._check_open()
         self._reap()
         layers = list(payload)
-        nbytes = sum(_layer_nbytes(layer) for layer in layers)
+        nbytes = sum(layer_nbytes(layer) for layer in layers)
         outer = TieredHandle(self._levels[0].tier, locator, nbytes, len(layers), pairs=kv_pairs(layers))
         rec = _Copies(outer, on_ready=on_ready)
         with self._lock:
@@ -440,7 +438,7 @@ class TieredStore:
             self._probed[locator] = set(range(len(self._levels)))  # every level was tried
 
     # -- reads ----------------------------------------------------------------------------------
-    def read_path(self, path: Sequence[TrieNode], window: Sequence[TrieNode], target: RestoreTarget) -> bool:
+    def read_path(self, path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget) -> bool:
         """See `PathReadStore.read_path`: the nearest level holding the whole path restores it,
         then (``promote``) the path is copied into level 0. False when no level can."""
         self._check_open()
@@ -476,14 +474,14 @@ class TieredStore:
             raise error
         return False
 
-    def _holds_path(self, level: int, path: list[TrieNode], recs: list[_Copies]) -> bool:
+    def _holds_path(self, level: int, path: list[ChunkNode], recs: list[_Copies]) -> bool:
         with self._lock:
             if not all(level in self._latents.get(n.skeleton.latent_locator, ()) for n in path):
                 if not self._probe_latents(level, path):
                     return False
             return all(rec.at.get(level) is not None and rec.at[level].ready for rec in recs)
 
-    def _probe_latents(self, level: int, path: list[TrieNode]) -> bool:
+    def _probe_latents(self, level: int, path: list[ChunkNode]) -> bool:
         """Latents not recorded at ``level`` (a forest snapshot): ask the level, record them."""
         keys = [n.skeleton.latent_locator for n in path if level not in self._latents.get(n.skeleton.latent_locator, ())]
         contains = getattr(self._levels[level].store, "contains", None)
@@ -499,7 +497,7 @@ class TieredStore:
                 self._latents.setdefault(k, set()).add(level)
         return all(present)
 
-    def _forget_missing(self, level: int, path: list[TrieNode], window: list[TrieNode]) -> None:
+    def _forget_missing(self, level: int, path: list[ChunkNode], window: list[ChunkNode]) -> None:
         """A level missed a value it was recorded to hold (lost behind our back): drop the
         records of that level that its ``contains`` no longer confirms."""
         contains = getattr(self._levels[level].store, "contains", None)
@@ -539,7 +537,7 @@ class TieredStore:
         return None
 
     # -- promotion and demotion -----------------------------------------------------------------
-    def _promote(self, src: int, path: list[TrieNode], window: list[TrieNode], recs: list[_Copies],
+    def _promote(self, src: int, path: list[ChunkNode], window: list[ChunkNode], recs: list[_Copies],
                  target: RestoreTarget) -> None:
         """Copy the restored path into level 0 (see the module docstring); never raises."""
         top = self._levels[0]
@@ -876,12 +874,6 @@ def _latent_of(kv_locator: str) -> Optional[str]:
     return kv_locator[: -len(":kv")] + ":lat" if kv_locator.endswith(":kv") else None
 
 
-def _layer_nbytes(layer: Any) -> int:
-    from cacheseek.stores.kv_tier import layer_nbytes
-
-    return layer_nbytes(layer)
-
-
 def _cpu_snapshot(layers: list, cache: list) -> list:
     """Owned CPU copies of ``layers`` (tensors; other objects as they are), made once: a
     generic level keeps what it is given, and the runtime overwrites its ring right after."""
@@ -921,7 +913,7 @@ def _bytes_view(t: Any) -> Any:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _read_generic(store: Any, path: list[TrieNode], window: list[TrieNode], target: RestoreTarget) -> bool:
+def _read_generic(store: Any, path: list[ChunkNode], window: list[ChunkNode], target: RestoreTarget) -> bool:
     """Restore from a generic level: every latent and window layer fetched first (any missing:
     False, nothing written), then copied into the targets byte for byte, run by run."""
     latents = []

@@ -29,7 +29,10 @@ from typing import Any
 import attrs
 
 from cacheseek.errors import ConfigError
+from cacheseek.progress import bar
 from cacheseek.registry import WORKLOADS
+from cacheseek.reuse.exact_prefix import NamespaceForest
+from cacheseek.runtime.snapshot import same_bytes, snapshot_diff
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +120,6 @@ class AbcdGate:
                              frame_hashes=[h if isinstance(h, str) else h.hex() for h in hashes])
 
     def run(self, stack) -> dict[str, Any]:
-        from cacheseek.progress import bar
-
         n, p = self.n, self.p
         steps = 4 + (self.n if self.ring_check else 0)
         with bar(steps, "gate", unit="req") as progress:
@@ -162,8 +163,6 @@ class AbcdGate:
     def _ring_check(self, stack, progress: Any = None) -> list[dict[str, Any]]:
         """Restore every depth K from the cache A filled and compare with a cold run before chunk K.
         A depth that was not restored (hit depth != K) is ``not restored``, with no diff."""
-        from cacheseek.runtime.snapshot import same_bytes, snapshot_diff
-
         actions = self.P + self.X
         if progress is not None:
             progress.set_postfix_str("ring check: cold run")
@@ -197,6 +196,4 @@ class AbcdGate:
 
 
 def _fresh_forest():
-    from cacheseek.reuse.exact_prefix import NamespaceForest
-
     return NamespaceForest()

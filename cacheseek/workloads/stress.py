@@ -33,7 +33,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from cacheseek.errors import ConfigError
+from cacheseek.eviction import store_usage
+from cacheseek.progress import bar
 from cacheseek.registry import WORKLOADS
+from cacheseek.runtime.synthetic import SyntheticImage
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +125,6 @@ class StressWorkload:
 
     # -- run ------------------------------------------------------------------------------------
     def run(self, stack: Any) -> dict[str, Any]:
-        from cacheseek.eviction import store_usage
-
-        from cacheseek.progress import bar
-
         factory = stack.runtime_factory
         capacity = self._bound_capacity(stack)
         distinct = sorted(set(self.plan))
@@ -236,8 +235,6 @@ class StressWorkload:
 
     def _bound_capacity(self, stack: Any) -> Optional[int]:
         """The store's capacity; a settable, unbounded one is bounded to ``capacity_chunks``."""
-        from cacheseek.eviction import store_usage
-
         store = stack.store
         usage = store_usage(store)
         if usage is not None and usage.capacity_bytes is not None:
@@ -255,6 +252,4 @@ class StressWorkload:
 
 
 def _image(i: int) -> Any:
-    from cacheseek.runtime.synthetic import SyntheticImage
-
     return SyntheticImage("RGB", (8, 8), bytes((j * 37 + 11 + 53 * i) % 256 for j in range(8 * 8 * 3)))

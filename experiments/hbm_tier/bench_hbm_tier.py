@@ -131,7 +131,7 @@ def section_full_hit(cfg, dev, transfer, sync, prog) -> dict:
     import torch
 
     from cacheseek.reuse.exact_prefix.keys import kv_locator, latent_locator
-    from cacheseek.reuse.exact_prefix.ring import RingGeometry
+    from cacheseek.kv.ring import RingGeometry
     from cacheseek.reuse.exact_prefix.types import Skeleton, Tier, TrieNode
     from cacheseek.runtime.geometry import get_geometry
     from cacheseek.stores.base import RestoreTarget

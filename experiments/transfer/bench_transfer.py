@@ -30,7 +30,7 @@ def main(argv: list[str]) -> dict:
     import numpy as np
     import torch
 
-    from cacheseek.reuse.exact_prefix.ring import RingGeometry
+    from cacheseek.kv.ring import RingGeometry
     from cacheseek.reuse.exact_prefix.types import Skeleton, Tier, TrieNode
     from cacheseek.stores.base import RestoreTarget
     from cacheseek.stores.plan_tier import PlanTierStore

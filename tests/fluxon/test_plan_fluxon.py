@@ -23,7 +23,7 @@ from cacheseek.plan.fluxon_native import FluxonNativePlanClient
 from cacheseek.plan.fluxon_public import FluxonPublicPlanClient, PutKeyCode, open_fluxon_plan_client
 from cacheseek.plan.table import decode_plan_table
 from cacheseek.reuse.exact_prefix.keys import layer_keys
-from cacheseek.reuse.exact_prefix.ring import RingGeometry
+from cacheseek.kv.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.types import Tier
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.host_transfer import HostTransferRuntime

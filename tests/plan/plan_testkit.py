@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from cacheseek.plan.base import REQUIRED_PLAN_CALLS
-from cacheseek.reuse.exact_prefix.ring import RingGeometry
+from cacheseek.kv.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.types import Skeleton, Tier, TrieNode
 from cacheseek.stores.base import RestoreTarget
 from cacheseek.transfer.base import CopyBatch, HostMapping

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cacheseek.plan.embedded import EmbeddedPlanClient
-from cacheseek.reuse.exact_prefix.ring import RingGeometry
+from cacheseek.kv.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.types import Tier
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.base import CopyDescriptor, Direction, HostMapping

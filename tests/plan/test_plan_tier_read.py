@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cacheseek.errors import LayoutMismatchError, PlanError, PlanTableError, TransferError
-from cacheseek.reuse.exact_prefix.ring import RingGeometry
+from cacheseek.kv.ring import RingGeometry
 from cacheseek.stores.base import RestoreTarget
 from cacheseek.transfer.base import Direction
 from plan_testkit import ingest, restore_target

@@ -11,7 +11,7 @@ import torch
 from cacheseek.errors import ConfigError, PlanError, StoreFullError
 from cacheseek.plan.device import DevicePlanClient, device_pool_bytes
 from cacheseek.reuse.exact_prefix.keys import blob_keys
-from cacheseek.reuse.exact_prefix.ring import RingGeometry
+from cacheseek.kv.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.types import Tier
 from cacheseek.stores.hbm import HbmTierStore
 from cacheseek.transfer.base import Direction

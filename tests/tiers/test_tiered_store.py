@@ -13,7 +13,7 @@ import torch
 
 from cacheseek.errors import StoreError, WriteNotCompleteError
 from cacheseek.reuse.exact_prefix.keys import blob_keys
-from cacheseek.reuse.exact_prefix.ring import RingGeometry
+from cacheseek.kv.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.types import BlobHandle, Skeleton, Tier, TrieNode
 from cacheseek.stores.tiered import TieredHandle, TieredStore
 from cacheseek.transfer.base import Direction

@@ -12,7 +12,7 @@ import torch
 
 from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.reuse.exact_prefix.keys import blob_keys
-from cacheseek.reuse.exact_prefix.ring import RingGeometry
+from cacheseek.kv.ring import RingGeometry
 from cacheseek.stores.hbm import HbmTierStore
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.stores.tiered import TieredStore

@@ -36,6 +36,7 @@ from cacheseek.integrations.telefuser.layouts import (
     detect_layout,
 )
 from cacheseek.integrations.telefuser.released import ReleasedHooks
+from cacheseek.integrations.telefuser.streaming import StreamingHooks
 from cacheseek.layout.telefuser_main import forget_controls, plan_controls
 
 __all__ = ["TeleFuserLayout", "UnsupportedTeleFuserError", "attach", "detach", "detect_layout",
@@ -54,8 +55,6 @@ def attach(pipeline: Any) -> TeleFuserLayout:
         if layout is TeleFuserLayout.RELEASED:
             hooks = ReleasedHooks(pipeline)
         elif layout is TeleFuserLayout.MAIN:
-            from cacheseek.integrations.telefuser.streaming import StreamingHooks
-
             hooks = StreamingHooks(pipeline)
         if hooks is not None:
             hooks.install()

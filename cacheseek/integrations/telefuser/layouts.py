@@ -30,6 +30,7 @@ import sys
 from typing import Any
 
 from cacheseek.errors import CacheSeekError
+from cacheseek.registry import LAYOUTS, import_backends
 
 __all__ = ["TeleFuserLayout", "UnsupportedTeleFuserError", "detect_layout", "RING_FIELDS", "HOOK_FIELDS",
            "SESSION_FIELDS"]
@@ -61,8 +62,6 @@ class TeleFuserLayout(str, enum.Enum):
 
     def adapter(self) -> Any:
         """A new layout adapter for this TeleFuser's sessions (``layout=`` of the binding)."""
-        from cacheseek.registry import LAYOUTS, import_backends
-
         import_backends()
         return LAYOUTS.get(self.layout_name)()
 

@@ -26,6 +26,7 @@ from cacheseek.reuse.exact_prefix.types import (
     Tier,
     TrieNode,
 )
+from cacheseek.stores.memory import InMemoryTierStore
 
 __all__ = [
     "NamespaceForest",
@@ -51,11 +52,3 @@ __all__ = [
     "load_forest_snapshot",
 ]
 
-
-def __getattr__(name: str):
-    # InMemoryTierStore lives with the other stores; imported on first use to avoid an import cycle.
-    if name == "InMemoryTierStore":
-        from cacheseek.stores.memory import InMemoryTierStore
-
-        return InMemoryTierStore
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,6 +21,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from cacheseek.kv.locators import blob_keys, kv_locator, latent_locator, layer_keys, object_key
+
 __all__ = [
     "sha256",
     "sha256_of_parts",
@@ -101,28 +103,3 @@ def build_action_chain(root: bytes, action_bytes_seq: Sequence[bytes]) -> list[b
 
 def derive_seed(node_key: bytes) -> int:
     return int.from_bytes(sha256(b"seed", node_key)[:8], "little")
-
-
-def kv_locator(key: bytes) -> str:
-    return f"{key.hex()}:kv"
-
-
-def latent_locator(key: bytes) -> str:
-    return f"{key.hex()}:lat"
-
-
-def layer_keys(locator: str, layer: int) -> tuple[str, str]:
-    """Store keys of one layer's K and V under a KV locator ``{hex}:kv``."""
-    return f"{locator}:L{layer}:k", f"{locator}:L{layer}:v"
-
-
-def object_key(locator: str, layer: int) -> str:
-    """Store key of one layer stored as a single value (a layer that is not a ``(k, v)`` pair)."""
-    return f"{locator}:L{layer}"
-
-
-def blob_keys(locator: str, n_layers: int, *, pairs: bool = True) -> list[str]:
-    """Every store key of a blob's KV: K and V per layer, or one key per layer (``pairs=False``)."""
-    if pairs:
-        return [key for layer in range(n_layers) for key in layer_keys(locator, layer)]
-    return [object_key(locator, layer) for layer in range(n_layers)]

@@ -71,9 +71,10 @@ from cacheseek.errors import (
     WriteNotCompleteError,
 )
 from cacheseek.eviction import Candidate, EvictionConfig, make_policy, store_usage
+from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.metrics import CacheMetrics
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
-from cacheseek.reuse.exact_prefix.keys import blob_keys, kv_locator, latent_locator
+from cacheseek.reuse.exact_prefix.keys import blob_keys, kv_locator, latent_locator, layer_keys
 from cacheseek.reuse.exact_prefix.trie import Namespace, NamespaceForest
 from cacheseek.reuse.exact_prefix.types import (
     ActionKey,
@@ -271,8 +272,6 @@ class WorldKVManager:
         self, path: list[TrieNode], win: list[TrieNode], window: RestoreWindow
     ) -> "int | _Outcome":
         """Fetch every latent and window layer, then seed; bytes fetched, or a miss `_Outcome`."""
-        from cacheseek.stores.kv_tier import layer_nbytes, payload_nbytes
-
         latents = []
         nbytes = 0
         for n in path:
@@ -462,7 +461,7 @@ class WorldKVManager:
             placeholder = BlobHandle(self.cfg.commit_tier, locator, nbytes, len(kv_payload),
                                      pairs=kv_pairs(kv_payload))
             node.blob = placeholder  # PENDING: kept by concurrent ingests, skipped by eviction
-        need = (nbytes or sum(_layer_nbytes(layer) for layer in kv_payload)) + _nbytes_of(latent)
+        need = (nbytes or sum(layer_nbytes(layer) for layer in kv_payload)) + payload_nbytes(latent)
         t0 = time.perf_counter()
 
         def on_ready(handle: Optional[BlobHandle] = None) -> None:
@@ -855,13 +854,3 @@ def _owner_of(key: str, path: Sequence[TrieNode], win: Sequence[TrieNode]) -> Op
     return None
 
 
-def _nbytes_of(value: Any) -> int:
-    from cacheseek.stores.kv_tier import payload_nbytes
-
-    return payload_nbytes(value)
-
-
-def _layer_nbytes(layer: Any) -> int:
-    from cacheseek.stores.kv_tier import layer_nbytes
-
-    return layer_nbytes(layer)

@@ -31,12 +31,15 @@ import contextlib
 import logging
 from typing import Any, Optional, Sequence
 
+from cacheseek import namespace
 from cacheseek.errors import CacheSeekError, GeometryError, LayoutMismatchError
+from cacheseek.kv.payload import RestoreTarget
+from cacheseek.layout.bshd import BshdLayout
 from cacheseek.reuse.exact_prefix.actions import action_bytes
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
 from cacheseek.reuse.exact_prefix.keys import canonical_json_bytes, config_blob_hash, node_key, root_hash, sha256
 from cacheseek.reuse.exact_prefix.manager import WorldKVManager
-from cacheseek.reuse.exact_prefix.ring import RingGeometry
+from cacheseek.kv.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.trie import NamespaceForest, load_forest_snapshot, save_forest_snapshot
 from cacheseek.reuse.exact_prefix.types import TrieNode
 
@@ -92,11 +95,7 @@ class LingBotWorldKVBinding:
         layout: Any = None,
         fingerprint_fields: Optional[Sequence[Any]] = None,
     ) -> None:
-        from cacheseek import namespace
-
         if layout is None:
-            from cacheseek.layout.bshd import BshdLayout
-
             layout = BshdLayout()
         self.manager = manager
         self.forest = forest
@@ -133,8 +132,6 @@ class LingBotWorldKVBinding:
             self._on_chunk_finalized(runtime, idx, denoised)
 
     def _on_runtime_created(self, runtime: Any, session_config: Any) -> None:
-        from cacheseek import namespace
-
         self.ring = self._validate_geometry(runtime)
         ctx = namespace.FingerprintContext(session_config, runtime, self.layout, self.manager.store)
         cfg = namespace.config_blob(self.fields, ctx)
@@ -300,7 +297,6 @@ class _RuntimeWindow:
     def restore_target(self, depth: int, window_depths: Sequence[int]):
         import torch
 
-        from cacheseek.stores.base import RestoreTarget
 
         if list(window_depths) != self.ring.window_depths(depth):
             raise GeometryError("manager.window_chunks",

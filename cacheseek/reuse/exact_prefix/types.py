@@ -20,10 +20,11 @@ once (failed, ``evicting`` set) and is freed by its last reader's release, never
 
 from __future__ import annotations
 
-import enum
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Union
+
+from cacheseek.kv.handles import BlobHandle, BlobState, Skeleton, Tier, kv_pairs
 
 __all__ = ["ActionKey", "Tier", "BlobState", "BlobHandle", "Skeleton", "TrieNode", "FastForwardResult",
            "kv_pairs", "check_action"]
@@ -31,57 +32,6 @@ __all__ = ["ActionKey", "Tier", "BlobState", "BlobHandle", "Skeleton", "TrieNode
 ActionKey = Union[int, str, bytes]
 """One chunk's action: a discrete code (int), a name (str) or a digest (bytes, from the binding).
 Actions are compared exactly; 1 and "1" and b"1" are three different actions."""
-
-
-class Tier(str, enum.Enum):
-    """Where a blob lives. String values are persisted in snapshots."""
-
-    HBM_STAGING = "hbm_staging"
-    CPU = "cpu"
-    FLUXON_DRAM = "fluxon_dram"
-    DISK = "disk"
-
-
-class BlobState(str, enum.Enum):
-    PENDING = "pending"
-    READY = "ready"
-    FAILED = "failed"
-
-
-@dataclass(eq=False)
-class BlobHandle:
-    """A chunk's KV in a store: ``n_layers`` layers of (K, V), ``nbytes`` in total.
-
-    Mutable by design (the store's completion callback flips it ready). ``error`` holds the
-    exception of a failed write; such a handle never becomes ready. ``pairs``: every layer is a
-    ``(k, v)`` pair, stored as two values; False when the layers are other objects (upstream's
-    tests store a string per layer), stored as one value each.
-    """
-
-    tier: Tier
-    locator: str
-    nbytes: int
-    n_layers: int
-    ready: bool = False
-    error: Optional[BaseException] = None
-    pairs: bool = True
-
-    @property
-    def state(self) -> BlobState:
-        if self.ready:
-            return BlobState.READY
-        if self.error is not None:
-            return BlobState.FAILED
-        return BlobState.PENDING
-
-    @property
-    def in_flight(self) -> bool:
-        return self.state is BlobState.PENDING
-
-
-def kv_pairs(payload: Sequence[Any]) -> bool:
-    """Whether a blob's layers are ``(k, v)`` pairs (each a 2-tuple), the binding's payload."""
-    return all(isinstance(layer, tuple) and len(layer) == 2 for layer in payload)
 
 
 def check_action(action: Any) -> ActionKey:
@@ -95,11 +45,6 @@ def check_action(action: Any) -> ActionKey:
         f"action must be an int, str or bytes, got {type(action).__name__} {action!r} "
         "(fix: pass a discrete code, a name, or a digest such as action_bytes(control))"
     )
-
-
-@dataclass(frozen=True)
-class Skeleton:
-    latent_locator: str
 
 
 @dataclass(eq=False)

@@ -1,0 +1,39 @@
+"""Store keys of a chunk's values, derived from its 32-byte node key.
+
+    KV locator      {hex}:kv            one blob: every layer of one chunk
+    K and V values  {hex}:kv:L{i}:k, {hex}:kv:L{i}:v
+    object value    {hex}:kv:L{i}       a layer that is not a (k, v) pair (generic tiers only)
+    latent          {hex}:lat           the chunk's skeleton
+
+Both the trie (which names values) and every store (which writes and frees them) use these, so
+they live below both.
+"""
+
+from __future__ import annotations
+
+__all__ = ["kv_locator", "latent_locator", "layer_keys", "object_key", "blob_keys"]
+
+
+def kv_locator(key: bytes) -> str:
+    return f"{key.hex()}:kv"
+
+
+def latent_locator(key: bytes) -> str:
+    return f"{key.hex()}:lat"
+
+
+def layer_keys(locator: str, layer: int) -> tuple[str, str]:
+    """Store keys of one layer's K and V under a KV locator ``{hex}:kv``."""
+    return f"{locator}:L{layer}:k", f"{locator}:L{layer}:v"
+
+
+def object_key(locator: str, layer: int) -> str:
+    """Store key of one layer stored as a single value (a layer that is not a ``(k, v)`` pair)."""
+    return f"{locator}:L{layer}"
+
+
+def blob_keys(locator: str, n_layers: int, *, pairs: bool = True) -> list[str]:
+    """Every store key of a blob's KV: K and V per layer, or one key per layer (``pairs=False``)."""
+    if pairs:
+        return [key for layer in range(n_layers) for key in layer_keys(locator, layer)]
+    return [object_key(locator, layer) for layer in range(n_layers)]
