@@ -138,3 +138,56 @@ def _store_format(ctx):
     if store is None:
         return None
     return getattr(store, "storage_format", None) or f"{type(store).__module__}.{type(store).__qualname__}"
+
+
+# -- compute identity ---------------------------------------------------------------------------
+# Workers that share one cache (a Fluxon service) may run different GPUs or builds. The same
+# weights and inputs give KV whose low bits differ when the kernels differ: another GPU
+# architecture or SM count (cuBLAS picks other tilings), another torch, CUDA or cuDNN, another CPU
+# instruction set. Each is its own field so that a deployment that has proved two of them
+# bit-identical can drop that field from ``namespace.fields``.
+
+
+def _ring_device(ctx) -> Any:
+    return ctx.layout.layers(ctx.runtime)[0][0].device
+
+
+@_field("gpu_arch")
+def _gpu_arch(ctx):
+    """The GPU that computes the KV: name, compute capability and SM count (None on CPU)."""
+    device = _ring_device(ctx)
+    if device.type != "cuda":
+        return None
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return {"name": props.name, "capability": f"sm_{props.major}{props.minor}",
+            "sm_count": props.multi_processor_count}
+
+
+@_field("cpu_isa")
+def _cpu_isa(ctx):
+    """The instruction set torch's CPU kernels dispatch to (AVX2, AVX512, ...) on a CPU runtime."""
+    if _ring_device(ctx).type != "cpu":
+        return None
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability()
+
+
+@_field("torch_version")
+def _torch_version(ctx):
+    import torch
+
+    return torch.__version__
+
+
+@_field("cuda_version")
+def _cuda_version(ctx):
+    """torch's CUDA and cuDNN versions (None on a CPU build): the kernels' libraries."""
+    import torch
+
+    if torch.version.cuda is None:
+        return None
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {"cuda": torch.version.cuda, "cudnn": cudnn}

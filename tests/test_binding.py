@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from cacheseek.kv.ring import RingGeometry
+from cacheseek import namespace
 from cacheseek.errors import CorruptValueError, GeometryError, StoreError, WriteNotCompleteError
 from cacheseek.layout.bshd import BshdLayout
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
@@ -772,3 +773,55 @@ def test_the_store_format_is_part_of_the_namespace():
         b, _, _ = run_session(store, NamespaceForest(), ROLLING, ingest=False)
         roots.append(b.root)
     assert roots[0] != roots[1]
+
+
+COMPUTE_IDENTITY = {
+    # field -> (object, attribute, another value): what another worker's build would report
+    "torch_version": (torch, "__version__", "2.99.0+other"),
+    "cuda_version": (torch.version, "cuda", "99.9"),
+    "cpu_isa": (torch.backends.cpu, "get_cpu_capability", lambda: "AVX1024"),
+}
+
+
+@pytest.mark.parametrize("field", sorted(COMPUTE_IDENTITY))
+def test_compute_identity_is_in_the_namespace_and_switchable(store, monkeypatch, field):
+    """Another torch, CUDA or CPU instruction set gives other KV bits: a cold miss by default; a
+    deployment that drops the field from ``namespace.fields`` shares the namespace again."""
+    forest = NamespaceForest()
+    base, _, _ = run_session(store, forest, ROLLING)
+    without = [f for f in namespace.default_fields() if f != field]
+    base_without = binding_for(store, NamespaceForest(), ROLLING, ingest=False,
+                               fingerprint_fields=namespace.resolve_fields(without))
+    factory(ROLLING).make(ACTS, hooks=base_without).generate(stop_after=0)
+
+    obj, attr, other = COMPUTE_IDENTITY[field]
+    monkeypatch.setattr(obj, attr, other)
+    changed = binding_for(store, forest, ROLLING, ingest=False)
+    factory(ROLLING).make(ACTS, hooks=changed).generate(stop_after=0)
+    assert changed.root != base.root and changed.last_fast_forward == 0
+
+    switched_off = binding_for(store, NamespaceForest(), ROLLING, ingest=False,
+                               fingerprint_fields=namespace.resolve_fields(without))
+    factory(ROLLING).make(ACTS, hooks=switched_off).generate(stop_after=0)
+    assert switched_off.root == base_without.root
+
+
+def test_compute_identity_fields_on_this_machine():
+    rt = factory(ROLLING).make(ACTS)
+    ctx = namespace.FingerprintContext({}, rt, BshdLayout())
+    blob = namespace.config_blob(namespace.resolve_fields(["gpu_arch", "cpu_isa", "torch_version"]), ctx)
+    assert blob == {"gpu_arch": None, "cpu_isa": torch.backends.cpu.get_cpu_capability(),
+                    "torch_version": torch.__version__}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_arch_names_the_gpu_that_computes_the_kv():
+    rt = factory(ROLLING, device="cuda").make(ACTS)
+    ctx = namespace.FingerprintContext({}, rt, BshdLayout())
+    blob = namespace.config_blob(namespace.resolve_fields(["gpu_arch", "cpu_isa", "cuda_version"]), ctx)
+    props = torch.cuda.get_device_properties(0)
+    assert blob["gpu_arch"] == {"name": props.name, "capability": f"sm_{props.major}{props.minor}",
+                                "sm_count": props.multi_processor_count}
+    assert blob["cpu_isa"] is None and blob["cuda_version"]["cuda"] == torch.version.cuda
+    print("gpu_arch", blob["gpu_arch"], "cuda_version", blob["cuda_version"])

@@ -35,9 +35,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
+from cacheseek import weights
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.integrations.telefuser import TeleFuserLayout, attach, plan_controls
-from cacheseek.integrations.telefuser.tiny import TinyDiTSpec, build_tiny_pipeline, module_fingerprint
+from cacheseek.integrations.telefuser.tiny import TinyDiTSpec, build_tiny_pipeline
 from cacheseek.registry import RUNTIMES
 from cacheseek.runtime.geometry import Geometry, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
@@ -143,6 +144,7 @@ class TeleFuserRuntimeFactory:
             pipeline = build_tiny_pipeline(device=self._device, local_attn_size=self._local_attn_size,
                                            sink_size=self._sink_size, height=self.height,
                                            width=self.width, spec=spec)
+            self._weights = weights.module_fingerprint(pipeline.dit)  # the module itself, before attach wraps it
             self.layout = attach(pipeline)
             self._pipeline = pipeline
         return self._pipeline
@@ -163,9 +165,8 @@ class TeleFuserRuntimeFactory:
 
     @property
     def weights_fingerprint(self) -> bytes:
-        """sha256 of the DiT's weights: two checkpoints never share a namespace."""
-        if self._weights is None:
-            self._weights = module_fingerprint(self.pipeline.dit)
+        """The DiT's weights fingerprint (`cacheseek.weights`): two checkpoints never share a namespace."""
+        self.pipeline
         return self._weights
 
     def describe(self) -> dict[str, Any]:

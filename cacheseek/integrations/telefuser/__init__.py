@@ -18,18 +18,24 @@ On TeleFuser main (layout adapter ``telefuser_main``)::
     session_config.world_kv_binding = LingBotWorldKVBinding(manager, forest, layout=layout.adapter())
     frames = pipeline.generate_video(session_config, controls)   # restores, then streams
 
-On the hooked layout TeleFuser calls the binding itself and `attach` only checks the layout; on
-the released 0.1.0.post3 it installs the same hooks around the pipeline (`released`); on main it
+On the hooked layout TeleFuser calls the binding itself and `attach` only marks the model around
+``create_runtime`` (`hooked`); on the released 0.1.0.post3 it installs the same hooks around the
+pipeline (`released`); on main it
 tells the layout adapter which pipeline holds a session's ring and which controls the session
 gets, and decodes restored latents as stored (`streaming`). A caller that drives main's streaming
 scheduler itself (as TeleFuser's service does) calls `plan_controls(session_config, controls)`
 before creating the session. A layout it does not know raises `UnsupportedTeleFuserError`.
+
+On every layout the binding fingerprints the DiT that created the runtime (`cacheseek.weights`,
+once per model): two checkpoints never share a namespace. Without `attach` and without a
+``model_fingerprint``, the binding refuses a TeleFuser runtime (a `ConfigError` naming the fix).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from cacheseek.integrations.telefuser.hooked import HookedHooks
 from cacheseek.integrations.telefuser.layouts import (
     TeleFuserLayout,
     UnsupportedTeleFuserError,
@@ -56,6 +62,8 @@ def attach(pipeline: Any) -> TeleFuserLayout:
             hooks = ReleasedHooks(pipeline)
         elif layout is TeleFuserLayout.MAIN:
             hooks = StreamingHooks(pipeline)
+        elif layout is TeleFuserLayout.HOOKED:
+            hooks = HookedHooks(pipeline)
         if hooks is not None:
             hooks.install()
             setattr(pipeline, _ATTR, hooks)

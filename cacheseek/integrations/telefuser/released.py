@@ -28,6 +28,8 @@ import threading
 import weakref
 from typing import Any, Optional
 
+from cacheseek import weights
+
 log = logging.getLogger(__name__)
 
 __all__ = ["ReleasedHooks"]
@@ -82,7 +84,7 @@ class ReleasedHooks:
         with self._lock:
             self._runtimes[id(runtime.self_kv_cache)] = runtime
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), weights.of_model(self._dit):
                 binding.on_runtime_created(runtime, session_config)
         except Exception as exc:  # TeleFuser's rule: a failing hook leaves a cold run
             log.warning("world_kv on_runtime_created failed; falling back to a cold run: %s", exc)

@@ -32,6 +32,7 @@ import logging
 import threading
 from typing import Any
 
+from cacheseek import weights
 from cacheseek.integrations.telefuser.layouts import UnsupportedTeleFuserError
 from cacheseek.integrations.telefuser.released import _Proxy
 from cacheseek.layout.telefuser_main import creating, forget_controls, own, plan_controls
@@ -87,7 +88,7 @@ class StreamingHooks:
     # -- sessions -------------------------------------------------------------------------------
 
     def create_session(self, session_config: Any, *args: Any, **kwargs: Any) -> Any:
-        with creating(self.pipeline):
+        with creating(self.pipeline), weights.of_model(self.pipeline.dit):
             session = self._create(session_config, *args, **kwargs)
         own(session, self.pipeline)
         restored = dict(session.world_kv_cached_latents or {})

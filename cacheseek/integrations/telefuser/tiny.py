@@ -38,12 +38,11 @@ weights or starts processes:
 
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Any
 
 __all__ = ["CpuAutocast", "InProcessWorker", "TinyDiTSpec", "TinyModules", "TinyTextEncoder", "TinyTokenizer",
-           "TinyVAE", "build_tiny_pipeline", "is_streaming_telefuser", "module_fingerprint"]
+           "TinyVAE", "build_tiny_pipeline", "is_streaming_telefuser"]
 
 Z_DIM = 16
 SPATIAL = 8
@@ -315,14 +314,3 @@ def _redraw(module: Any, seed: int) -> None:
                 draw *= 0.05
             p.copy_(draw)
 
-
-def module_fingerprint(module: Any) -> bytes:
-    """sha256 over a module's state dict (names, shapes, dtypes, bytes), in name order."""
-    import torch
-
-    h = hashlib.sha256(b"cacheseek.weights.v1")
-    for name, t in sorted(module.state_dict().items()):
-        t = t.detach().to("cpu").contiguous()
-        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.digest()

@@ -31,8 +31,8 @@ import contextlib
 import logging
 from typing import Any, Optional, Sequence
 
-from cacheseek import namespace
-from cacheseek.errors import CacheSeekError, GeometryError, LayoutMismatchError
+from cacheseek import namespace, weights
+from cacheseek.errors import CacheSeekError, ConfigError, GeometryError, LayoutMismatchError
 from cacheseek.kv.payload import RestoreTarget
 from cacheseek.layout.bshd import BshdLayout
 from cacheseek.reuse.exact_prefix.actions import action_bytes
@@ -59,6 +59,11 @@ def _warn_no_weights_fingerprint() -> None:
             "the runtime has no weights_fingerprint and model_fingerprint is the default: two "
             "checkpoints would share a namespace; pass model_fingerprint=<hash of the weights>"
         )
+
+
+def _real_model(runtime: Any) -> bool:
+    """A runtime of a real model (TeleFuser's), whose weights a default name cannot identify."""
+    return type(runtime).__module__.split(".")[0] == "telefuser"
 
 
 def make_full_kv_config(*, break_even_k: int = 1) -> WorldKVConfig:
@@ -94,12 +99,14 @@ class LingBotWorldKVBinding:
         snapshot_on_finalize: bool = False,
         layout: Any = None,
         fingerprint_fields: Optional[Sequence[Any]] = None,
+        require_weights_fingerprint: Optional[bool] = None,
     ) -> None:
         if layout is None:
             layout = BshdLayout()
         self.manager = manager
         self.forest = forest
         self.model_fingerprint = model_fingerprint
+        self.require_weights_fingerprint = require_weights_fingerprint
         self.ingest_enabled = ingest_enabled
         self.snapshot_path = snapshot_path
         self.snapshot_on_finalize = snapshot_on_finalize
@@ -135,9 +142,7 @@ class LingBotWorldKVBinding:
         self.ring = self._validate_geometry(runtime)
         ctx = namespace.FingerprintContext(session_config, runtime, self.layout, self.manager.store)
         cfg = namespace.config_blob(self.fields, ctx)
-        runtime_weights = bytes(getattr(runtime, "weights_fingerprint", b"") or b"")
-        if not runtime_weights and self.model_fingerprint == _DEFAULT_MODEL_FINGERPRINT:
-            _warn_no_weights_fingerprint()
+        runtime_weights = self._runtime_weights(runtime)
         weights = sha256(b"weights", self.model_fingerprint, runtime_weights)
         cbh = config_blob_hash(cfg, weights_fingerprint=weights)
         prompt = _get(session_config, "prompt") or ""
@@ -209,6 +214,24 @@ class LingBotWorldKVBinding:
             save_forest_snapshot(self.forest, self.snapshot_path)
 
     # -- geometry -----------------------------------------------------------------------------
+
+    def _runtime_weights(self, runtime: Any) -> bytes:
+        """The weights' identity as the runtime knows it (`cacheseek.weights`); refuses a real
+        model that nothing identifies, since its KV would be shared with any other checkpoint."""
+        found = getattr(runtime, "weights_fingerprint", None) or weights.current()
+        if found:
+            return bytes(found)
+        if self.model_fingerprint != _DEFAULT_MODEL_FINGERPRINT:
+            return b""
+        if self.require_weights_fingerprint or (self.require_weights_fingerprint is None and _real_model(runtime)):
+            raise ConfigError(
+                "namespace.model_fingerprint",
+                f"nothing identifies the weights of this {type(runtime).__name__}: two checkpoints "
+                "would restore each other's KV",
+                "call cacheseek.integrations.telefuser.attach(pipeline) before creating sessions (it "
+                "fingerprints the DiT), or pass model_fingerprint=<a name that changes with the weights>")
+        _warn_no_weights_fingerprint()
+        return b""
 
     def _validate_geometry(self, runtime: Any) -> RingGeometry:
         ring = self.layout.window(runtime)
