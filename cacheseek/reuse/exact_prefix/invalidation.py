@@ -1,0 +1,177 @@
+"""`Invalidator`: keeps the trie honest about what the store still holds.
+
+A node whose values are gone (the store evicted them, a worker restarted with an old snapshot) or
+corrupt is *invalidated*: its blob is dropped and whatever is left of its values is freed, so no
+value is orphaned and a later cold run re-ingests the chunk (skeleton included). A node that a
+restore still references is never freed under its reader: it stops being a hit at once (its
+handle marked failed, ``invalidated`` and ``evicting`` set, so no lookup, eviction or re-ingest
+touches it) and its blob is freed by the last reader's release (`free_invalidated`).
+
+Which nodes are gone: the one a fetch met, plus every node the store's optional
+``contains(keys)`` reports (`find_missing`). `audit` checks every ready node that way;
+`reconcile` first removes the values no node names (a previous process's leftovers).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Optional
+
+from cacheseek.errors import StoreError
+from cacheseek.reuse.exact_prefix.context import ManagerContext
+from cacheseek.reuse.exact_prefix.keys import blob_keys, layer_keys
+from cacheseek.reuse.exact_prefix.types import BlobHandle, TrieNode
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Invalidator", "owner_of"]
+
+
+class Invalidator:
+    """Finds the nodes whose values the store lost and drops their blobs (see the module
+    docstring). Store calls run outside the forest lock."""
+
+    def __init__(self, ctx: ManagerContext) -> None:
+        self.ctx = ctx
+
+    def find_missing(
+        self, path: Sequence[TrieNode], win: Sequence[TrieNode], first: Optional[TrieNode]
+    ) -> tuple[TrieNode, ...]:
+        """The nodes of ``path`` whose latent or (``win`` nodes) KV values are gone: ``first``
+        (the one a fetch met) plus every node the store's ``contains`` reports missing; by depth."""
+        found: dict[int, TrieNode] = {} if first is None else {id(first): first}
+        contains = getattr(self.ctx.store, "contains", None)
+        if callable(contains):
+            owners: list[TrieNode] = []
+            keys: list[str] = []
+            for n in path:
+                if n.skeleton is not None:
+                    owners.append(n)
+                    keys.append(n.skeleton.latent_locator)
+            for n in win:
+                blob = n.blob
+                if blob is None:
+                    continue
+                for key in blob_keys(blob.locator, blob.n_layers, pairs=blob.pairs):
+                    owners.append(n)
+                    keys.append(key)
+            try:
+                present = contains(keys)
+            except Exception as exc:  # noqa: BLE001 - cannot tell: only what the fetch saw
+                log.warning("could not check which values are missing: %s", exc)
+                present = [True] * len(keys)
+            for n, ok in zip(owners, present):
+                if not ok:
+                    found[id(n)] = n
+        return tuple(sorted(found.values(), key=lambda n: n.depth))
+
+    def invalidate(self, nodes: Sequence[TrieNode]) -> int:
+        """Drop the blobs of nodes whose values are (partly) gone or corrupt and free what is left
+        of them; a referenced node is only marked (freed by its last reader). Nodes without a
+        blob, being evicted or with a write in flight are skipped. Returns how many."""
+        ctx = self.ctx
+        count = 0
+        for node in nodes:
+            with ctx.forest.lock:
+                handle = node.blob
+                if handle is None or node.evicting or handle.in_flight:
+                    continue
+                if node.ref_count > 0:
+                    node.invalidated = True
+                    node.evicting = True
+                    handle.ready = False
+                    handle.error = StoreError(f"{handle.locator}: invalidated (its values are gone)")
+                    count += 1
+                    log.info("invalidated %r; freeing it when its last reader releases it", node)
+                    continue
+                node.blob = None
+                node.evicting = True
+            self.free_detached(node, handle)
+            count += 1
+            log.info("invalidated %r: its values are no longer in the store", node)
+        if count:
+            ctx.count("invalidations", count)
+            ctx.metrics.add(invalidations=count)
+        return count
+
+    def free_invalidated(self, node: TrieNode) -> None:
+        """Free the blob of a node invalidated while referenced, once nothing references it."""
+        lock = self.ctx.forest.lock
+        with lock:
+            if not node.invalidated or node.ref_count > 0:
+                return
+            node.invalidated = False
+            handle = node.blob
+            node.blob = None
+        if handle is None:
+            with lock:
+                node.evicting = False
+            return
+        self.free_detached(node, handle)
+
+    def free_detached(self, node: TrieNode, handle: BlobHandle) -> None:
+        """Free a blob detached from ``node`` (``node.evicting`` set by the caller; cleared here).
+        A failed free keeps the handle on the node as a failed blob, freed again later."""
+        lock = self.ctx.forest.lock
+        try:
+            self.ctx.store.free(handle)
+        except Exception as exc:  # noqa: BLE001 - keep it as a failed blob: freed later
+            log.warning("invalidated %r but freeing its values failed: %s", node, exc)
+            handle.ready = False
+            handle.error = exc
+            with lock:
+                if node.blob is None:
+                    node.blob = handle
+        finally:
+            with lock:
+                node.evicting = False
+
+    def audit(self) -> int:
+        """Check every ready node's latent and KV values against the store (its ``contains``)
+        and invalidate the nodes whose values are gone. Returns the number invalidated; 0 when
+        the store cannot say (no ``contains``)."""
+        ctx = self.ctx
+        if not callable(getattr(ctx.store, "contains", None)):
+            return 0
+        with ctx.forest.lock:
+            ready = [n for ns in ctx.forest.namespaces() for n in ns.iter_nodes() if n.has_kv]
+        stale = [n for n in ready if self.find_missing([n], [n], None)]
+        return self.invalidate(stale)
+
+    def reconcile(self) -> dict[str, int]:
+        """Remove every value no node names (where the store offers ``keys()`` and
+        ``delete_values(keys)``), then `audit`. Returns ``{"orphans_removed": n,
+        "invalidated": m}``. Not while sessions write: a value written but not yet named by its
+        node would be taken for an orphan."""
+        ctx = self.ctx
+        keys_of = getattr(ctx.store, "keys", None)
+        delete = getattr(ctx.store, "delete_values", None)
+        removed = 0
+        if callable(keys_of) and callable(delete):
+            with ctx.forest.lock:
+                named: set[str] = set()
+                for ns in ctx.forest.namespaces():
+                    for n in ns.iter_nodes():
+                        if n.skeleton is not None:
+                            named.add(n.skeleton.latent_locator)
+                        if n.blob is not None:
+                            named.update(blob_keys(n.blob.locator, n.blob.n_layers, pairs=n.blob.pairs))
+            orphans = [k for k in keys_of() if k not in named]
+            if orphans:
+                delete(orphans)
+                removed = len(orphans)
+                log.info("reconcile: removed %d values no node names", removed)
+        return {"orphans_removed": removed, "invalidated": self.audit()}
+
+
+def owner_of(key: str, path: Sequence[TrieNode], win: Sequence[TrieNode]) -> Optional[TrieNode]:
+    """The node of ``path`` whose latent or (``win`` nodes) KV value is stored under ``key``."""
+    for n in path:
+        if n.skeleton is not None and n.skeleton.latent_locator == key:
+            return n
+    for n in win:
+        blob = n.blob
+        if blob is not None and any(key in layer_keys(blob.locator, i) for i in range(blob.n_layers)):
+            return n
+    return None

@@ -1,0 +1,87 @@
+"""`FastForward`: decides how many chunks of a new session are restored instead of computed.
+
+It looks up the longest ready prefix of the session's actions, refuses hits below break-even,
+and restores the window path ending there (`Restorer`). When the restore finds values gone (the
+stale nodes are invalidated by then) or the path changed under it, it retries the longest shorter
+prefix that ends before the first broken node, down to break-even, instead of running cold. Any
+other failure (a store error, a layout mismatch, a bug) runs the session cold and leaves the trie
+as it was: a cache must never take a session down.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Optional
+
+from cacheseek.errors import CacheSeekError
+from cacheseek.reuse.exact_prefix.context import ManagerContext
+from cacheseek.reuse.exact_prefix.demotion import Demoter
+from cacheseek.reuse.exact_prefix.restore import Outcome, Restorer, RestoreWindow
+from cacheseek.reuse.exact_prefix.trie import Namespace
+from cacheseek.reuse.exact_prefix.types import ActionKey, FastForwardResult, TrieNode
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FastForward", "cold"]
+
+
+class FastForward:
+    """The read side's decision loop (see the module docstring). After a hit it runs a demotion
+    pass: a promotion by a tiered store may have filled its top tier."""
+
+    def __init__(self, ctx: ManagerContext, restorer: Restorer, demoter: Demoter) -> None:
+        self.ctx = ctx
+        self.restorer = restorer
+        self.demoter = demoter
+
+    def try_fast_forward(
+        self, root_hash: bytes, actions: Sequence[ActionKey], window: RestoreWindow
+    ) -> FastForwardResult:
+        ctx = self.ctx
+        ctx.count("lookups")
+        ctx.metrics.add(lookups=1)
+        ctx.forest.begin_session(root_hash)
+        requested = len(actions)
+        limit = requested
+        while True:
+            match = ctx.forest.lookup(root_hash, actions[:limit])
+            if match.namespace is None or match.matched_len == 0 or match.node is None:
+                ctx.count("misses")
+                ctx.metrics.add(misses=1)
+                return cold(match.namespace)
+            if match.matched_len < ctx.cfg.break_even_k:
+                ctx.count("below_break_even")
+                ctx.metrics.add(below_break_even=1)
+                return cold(match.namespace)
+            outcome = self._restore(match.node, window, match.matched_len)
+            if outcome is not None and outcome.ok:
+                ctx.count("hits")
+                ctx.metrics.record_hit(match.matched_len, requested)
+                self.demoter.demote_tiers()
+                return FastForwardResult(match.matched_len, match.node, match.namespace)
+            if outcome is None or not outcome.retryable:
+                ctx.count("restore_failures")
+                ctx.metrics.add(restore_failures=1)
+                return cold(match.namespace)
+            limit = outcome.retry_limit(match.matched_len)
+            ctx.count("restore_retries")
+            ctx.metrics.add(restore_retries=1)
+            log.info("restore of depth %d found %s; retrying depth <= %d", match.matched_len,
+                     f"{len(outcome.missing)} stale nodes" if outcome.missing else "the path changed", limit)
+
+    def _restore(self, node: TrieNode, window: RestoreWindow, matched_len: int) -> Optional[Outcome]:
+        """The restore's outcome, or None when it raised (logged)."""
+        try:
+            return self.restorer.restore(node, window)
+        except CacheSeekError as exc:
+            log.warning("restore of depth %d failed, running cold: %s", matched_len, exc)
+        except Exception:  # noqa: BLE001 - a cache must never take a session down
+            log.exception("restore of depth %d failed unexpectedly, running cold", matched_len)
+        return None
+
+
+def cold(namespace: Optional[Namespace]) -> FastForwardResult:
+    """Run from chunk 0; ``node`` is the namespace's virtual root (the parent of chunk 0's
+    ingest, as upstream returns it), None on a namespace miss."""
+    return FastForwardResult(0, namespace.root if namespace is not None else None, namespace)

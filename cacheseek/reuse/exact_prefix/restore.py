@@ -1,0 +1,191 @@
+"""`Restorer`: restores the window path ending at one trie node into a `RestoreWindow`.
+
+Lifetime of one restore: under one hold of the forest lock it checks the path is whole (every
+window node has KV, every path node a skeleton) and references every path node (``ref_count``),
+so eviction cannot take them; it fetches and copies outside the lock; only then does it publish
+(``window.set_resume_depth``, the single publication point) and stamp ``last_access``; finally
+(`release`, in a ``finally``) it drops the references, invalidates what it found gone and frees
+the blobs whose invalidation waited for this, their last reader. A failure publishes nothing.
+
+Two store paths, chosen by capability:
+
+- generic `TierStore`: latents via ``get_skeleton``, then every window layer via ``get_layer``;
+  all of it is fetched before the first ``seed_layer`` call;
+- `PathReadStore` (and a window that offers ``restore_target``): the store restores the whole
+  window path into the runtime's buffers itself (``read_path``); when it returns False, the
+  store's ``contains`` names what is gone.
+
+A corrupt value is a missing value: the generic tiers read it as None, and a store that raises
+`CorruptValueError` has the node owning that key invalidated the same way. Any other error
+propagates (the lookup runs cold and leaves the trie as it was).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from cacheseek.errors import CorruptValueError, HandleStateError
+from cacheseek.kv.payload import layer_nbytes, payload_nbytes
+from cacheseek.reuse.exact_prefix.context import ManagerContext
+from cacheseek.reuse.exact_prefix.invalidation import Invalidator, owner_of
+from cacheseek.reuse.exact_prefix.types import TrieNode
+
+log = logging.getLogger(__name__)
+
+__all__ = ["NOT_WHOLE", "OK", "Outcome", "RestoreWindow", "Restorer", "is_path_store"]
+
+
+class RestoreWindow(Protocol):
+    """What a restore seeds. ``blobs`` is ``[(chunk_depth, layer_payload), ...]`` oldest first
+    (``(k, v)`` from the binding, any object a generic tier stored). ``depth`` in both calls is the
+    trie depth of the deepest restored node, ``node.depth`` = K-1 for K restored chunks (as
+    upstream CacheSeek passes it); the runtime resumes at chunk ``depth + 1``."""
+
+    def seed_layer(self, layer: int, blobs: list[tuple[int, Any]], depth: int) -> None: ...
+
+    def set_resume_depth(self, depth: int) -> None: ...
+
+
+@attrs.frozen(slots=True)
+class Outcome:
+    """One restore attempt: ``ok``; else ``missing`` (nodes whose values are gone, by depth;
+    empty when the store cannot say) or ``not_whole`` (the trie changed under us: a path node
+    lost its blob)."""
+
+    ok: bool
+    missing: tuple[TrieNode, ...] = ()
+    not_whole: bool = False
+
+    @property
+    def retryable(self) -> bool:
+        """A shorter prefix may still be whole: values were found gone, or the path changed."""
+        return bool(self.missing) or self.not_whole
+
+    def retry_limit(self, matched_len: int) -> int:
+        """How many chunks to look up next after a failed restore of ``matched_len`` chunks: the
+        longest prefix that ends before the first broken node (a node at depth d breaks every
+        prefix longer than d chunks), and always shorter than this one."""
+        broken = [n.depth for n in self.missing] or [matched_len - 1]
+        return min(min(broken), matched_len - 1)
+
+
+OK = Outcome(True)
+NOT_WHOLE = Outcome(False, not_whole=True)
+
+
+class Restorer:
+    """Restores paths (see the module docstring); the invalidator drops what a restore finds gone."""
+
+    def __init__(self, ctx: ManagerContext, invalidator: Invalidator) -> None:
+        self.ctx = ctx
+        self.invalidator = invalidator
+
+    def window_path(self, node: TrieNode) -> list[TrieNode]:
+        """The nodes of ``node``'s path whose KV a restore reads: the config's window depths."""
+        path = node.path()
+        depths = set(self.ctx.cfg.window_depths(len(path)))
+        return [n for n in path if n.depth in depths]
+
+    def restore(self, node: TrieNode, window: RestoreWindow) -> Outcome:
+        """Restore the window path ending at ``node`` into ``window``. Raises on store errors
+        other than missing or corrupt values."""
+        ctx = self.ctx
+        path = node.path()
+        win = self.window_path(node)
+        with ctx.forest.lock:
+            if not all(n.has_kv for n in win) or not all(n.skeleton is not None for n in path):
+                return NOT_WHOLE
+            for n in path:
+                n.ref_count += 1
+        missing: tuple[TrieNode, ...] = ()
+        try:
+            t0 = time.perf_counter()
+            try:
+                if is_path_store(ctx.store) and hasattr(window, "restore_target"):
+                    target = window.restore_target(len(path), [n.depth for n in win])
+                    if not ctx.store.read_path(path, win, target):
+                        missing = self.invalidator.find_missing(path, win, None)
+                        return Outcome(False, missing)
+                    nbytes = int(getattr(window, "bytes_restored", 0) or 0)
+                else:
+                    fetched = self._fetch_generic(path, win, window)
+                    if isinstance(fetched, Outcome):
+                        missing = fetched.missing
+                        return fetched
+                    nbytes = int(getattr(window, "bytes_restored", 0) or 0) or fetched
+            except CorruptValueError as exc:
+                # A store that raises on a corrupt value instead of reading it as missing: the same miss.
+                log.warning("restore of depth %d met %s", len(path), exc)
+                missing = self.invalidator.find_missing(path, win, owner_of(exc.key, path, win))
+                return Outcome(False, missing)
+            window.set_resume_depth(node.depth)
+            now = ctx.clock()
+            with ctx.forest.lock:
+                for n in path:
+                    n.last_access = now
+            ctx.metrics.add(restores=1, restore_bytes=nbytes, restore_seconds=time.perf_counter() - t0)
+            return OK
+        finally:
+            self.release(path, missing)
+
+    def release(self, path: Sequence[TrieNode], missing: Sequence[TrieNode]) -> None:
+        """Drop a restore's references; invalidate what it found gone, then free the blobs whose
+        invalidation waited for their last reader (this one). A reference that was never taken
+        raises `HandleStateError` and changes nothing."""
+        settle: list[TrieNode] = []
+        with self.ctx.forest.lock:
+            for n in path:
+                if n.ref_count <= 0:
+                    raise HandleStateError(f"ref_count of {n!r} would go below zero")
+            for n in path:
+                n.ref_count -= 1
+                if n.ref_count == 0 and n.invalidated:
+                    settle.append(n)
+        if missing:
+            self.invalidator.invalidate(missing)
+        for n in settle:
+            self.invalidator.free_invalidated(n)
+
+    def _fetch_generic(
+        self, path: list[TrieNode], win: list[TrieNode], window: RestoreWindow
+    ) -> "int | Outcome":
+        """Fetch every latent and window layer, then seed; bytes fetched, or a miss `Outcome`."""
+        store = self.ctx.store
+        latents = []
+        nbytes = 0
+        for n in path:
+            latent = store.get_skeleton(n.skeleton.latent_locator)
+            if latent is None:
+                log.info("latent of depth %d missing", n.depth)
+                return Outcome(False, self.invalidator.find_missing(path, win, n))
+            latents.append(latent)
+            nbytes += payload_nbytes(latent)
+        n_layers = {n.blob.n_layers for n in win}
+        if len(n_layers) != 1:
+            return Outcome(False)
+        per_layer: list[list[tuple[int, Any]]] = []
+        for layer in range(n_layers.pop()):
+            blobs = []
+            for n in win:
+                kv = store.get_layer(n.blob, layer)
+                if kv is None or (n.blob.pairs and (kv[0] is None or kv[1] is None)):
+                    log.info("layer %d of depth %d missing", layer, n.depth)
+                    return Outcome(False, self.invalidator.find_missing(path, win, n))
+                blobs.append((n.depth, kv))
+                nbytes += layer_nbytes(kv)
+            per_layer.append(blobs)
+        if hasattr(window, "seed_latents"):
+            window.seed_latents(latents)
+        for layer, blobs in enumerate(per_layer):
+            window.seed_layer(layer, blobs, path[-1].depth)
+        return nbytes
+
+
+def is_path_store(store: Any) -> bool:
+    """The store restores whole paths into device views itself (``read_path``)."""
+    return callable(getattr(store, "read_path", None)) and getattr(store, "accepts_device_views", False)

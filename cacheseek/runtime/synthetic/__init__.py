@@ -1,0 +1,178 @@
+"""A synthetic autoregressive world-model runtime: the correctness test bed for KV restore.
+
+`SyntheticWorldRuntime` has the cache semantics of the TeleFuser LingBot-World runtime
+(docs/design.md section 1) and the attributes `LingBotWorldKVBinding` reads and writes
+(docs/api.md), with a small seeded "model" in place of the DiT. Its outputs depend on the KV ring
+bit for bit, so a restore that is wrong by one byte, or lands in the wrong slot, changes every
+later frame hash. One module per role:
+
+- `session`: the image and session-config types the binding hashes;
+- `ring`: `ring_write`, the shift-left ring with a pinned sink, and `RingCursorError`;
+- `control`: `control_tensor`, one chunk's camera-control tensor;
+- `weights`, `hashing`: the seeded weights, their fingerprint, exact byte helpers;
+- `model`: `SyntheticModel`, one forward pass over a chunk (the model math is described there);
+- `runtime`: `SyntheticWorldRuntime`, the session's sampling and chunk loop;
+- `checks`: the argument checks shared by the runtime and the factory;
+- here: `SyntheticRuntimeFactory`, registered as runtime ``synthetic``, and its Hydra schema
+  (defined in the package itself, so the recorded ``_target_`` stays
+  ``cacheseek.runtime.synthetic.SyntheticRuntimeFactory``).
+
+The package imports torch only inside functions: `import cacheseek.runtime` works without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from cacheseek.registry import RUNTIMES
+from cacheseek.runtime.geometry import Geometry, get_geometry, validate_window
+from cacheseek.runtime.snapshot import snapshot_diff
+from cacheseek.runtime.synthetic.checks import (
+    DTYPES,
+    check_device,
+    check_dtype,
+    check_int,
+    check_prompt,
+)
+from cacheseek.runtime.synthetic.control import CONTROL_CHANNELS, MAX_ACTION_DIM, control_tensor
+from cacheseek.runtime.synthetic.ring import RingCursorError, ring_write
+from cacheseek.runtime.synthetic.runtime import SyntheticWorldRuntime
+from cacheseek.runtime.synthetic.session import (
+    CONTROL_MODE,
+    MAX_SEQUENCE_LENGTH,
+    SAMPLE_SHIFT,
+    VAE_STRIDE,
+    SessionConfig,
+    SyntheticImage,
+    default_image,
+)
+
+__all__ = [
+    "CONTROL_CHANNELS",
+    "CONTROL_MODE",
+    "DTYPES",
+    "MAX_ACTION_DIM",
+    "MAX_SEQUENCE_LENGTH",
+    "SAMPLE_SHIFT",
+    "VAE_STRIDE",
+    "RingCursorError",
+    "SessionConfig",
+    "SyntheticImage",
+    "SyntheticRuntimeFactory",
+    "SyntheticRuntimeSchema",
+    "SyntheticWorldRuntime",
+    "control_tensor",
+    "default_image",
+    "ring_write",
+    "snapshot_diff",
+]
+
+
+@dataclasses.dataclass
+class SyntheticRuntimeSchema:
+    """Hydra schema of `runtime: synthetic`; `compute_gemm_dim` 0 means no extra compute,
+    `compute_gemms` is the number of chained GEMMs per layer and forward pass (see `compute`)."""
+
+    _target_: str = "cacheseek.runtime.synthetic.SyntheticRuntimeFactory"
+    geometry: str = "tiny"
+    local_attn_size: int = -1
+    sink_size: int = 0
+    num_steps: int = 4
+    device: str = "cpu"
+    dtype: str = "bfloat16"
+    seed: int = 1234
+    prompt: str = "a red car driving along a coast road"
+    compute_gemm_dim: int = 0
+    compute_gemms: int = 1
+
+
+@RUNTIMES.register("synthetic", SyntheticRuntimeSchema)
+class SyntheticRuntimeFactory:
+    """Validated settings of a synthetic runtime; `make()` builds one session's runtime."""
+
+    def __init__(
+        self,
+        *,
+        geometry: str = "tiny",
+        local_attn_size: int = -1,
+        sink_size: int = 0,
+        num_steps: int = 4,
+        device: str = "cpu",
+        dtype: str = "bfloat16",
+        seed: int = 1234,
+        prompt: str = "a red car driving along a coast road",
+        compute_gemm_dim: int = 0,
+        compute_gemms: int = 1,
+    ) -> None:
+        self._geometry = get_geometry(geometry)
+        validate_window(self._geometry, local_attn_size, sink_size)
+        check_int("runtime.num_steps", num_steps, 1)
+        check_int("runtime.seed", seed, 0)
+        check_int("runtime.compute_gemm_dim", compute_gemm_dim, 0)
+        check_int("runtime.compute_gemms", compute_gemms, 1)
+        check_dtype(dtype)
+        check_prompt(prompt)
+        self._device = str(check_device(device))
+        self._local_attn_size = local_attn_size
+        self._sink_size = sink_size
+        self._dtype = dtype
+        self.num_steps = num_steps
+        self.seed = seed
+        self.prompt = prompt
+        self.compute_gemm_dim = compute_gemm_dim
+        self.compute_gemms = compute_gemms
+
+    @property
+    def geometry(self) -> Geometry:
+        return self._geometry
+
+    def describe(self) -> dict[str, Any]:
+        """What a report names: the runtime, its geometry and device."""
+        return {"runtime": "synthetic", "geometry": self._geometry.name, "device": self._device}
+
+    @property
+    def local_attn_size(self) -> int:
+        return self._local_attn_size
+
+    @property
+    def sink_size(self) -> int:
+        return self._sink_size
+
+    @property
+    def device(self) -> str:
+        return self._device
+
+    @property
+    def dtype(self) -> str:
+        return self._dtype
+
+    def make(
+        self,
+        actions: Sequence[Sequence[float]],
+        hooks: Any = None,
+        total_chunks: int | None = None,
+        *,
+        image: Any = None,
+    ) -> SyntheticWorldRuntime:
+        """A fresh runtime for one session with these settings."""
+        return SyntheticWorldRuntime(
+            self._geometry,
+            actions=actions,
+            prompt=self.prompt,
+            image=image,
+            seed=self.seed,
+            num_steps=self.num_steps,
+            local_attn_size=self._local_attn_size,
+            sink_size=self._sink_size,
+            total_chunks=total_chunks,
+            device=self._device,
+            dtype=self._dtype,
+            hooks=hooks,
+            compute=(
+                {"gemm_dim": self.compute_gemm_dim, "gemms_per_layer_step": self.compute_gemms}
+                if self.compute_gemm_dim
+                else None
+            ),
+        )

@@ -1,0 +1,68 @@
+"""The synthetic runtime's KV ring write: a shift-left buffer with a pinned sink.
+
+One layer's ring is a dict: ``k``, ``v`` of shape ``[1, kv_size, H, D]`` plus integer cursors
+``global_end_index`` and ``local_end_index`` (tokens), as the TeleFuser LingBot-World runtime keeps
+it (docs/design.md section 1). Each chunk is written once per denoising step and once more from
+the clean latent; only the first write of a chunk advances the cursors (and shifts), so the final
+contents are the clean rewrite.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from cacheseek.errors import CacheSeekError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["RingCursorError", "ring_write"]
+
+
+class RingCursorError(CacheSeekError):
+    """A KV write at a token position the ring's cursors do not allow (neither the next chunk nor
+    a rewrite of the last one), or one that cannot fit after the sink: the cursors are corrupt."""
+
+
+def ring_write(
+    cache: dict, k: torch.Tensor, v: torch.Tensor, *, start_token: int, sink_tokens: int
+) -> bool:
+    """Write n tokens of K/V (`[1, n, H, D]`) for the chunk that starts at absolute token
+    `start_token`, into one layer's ring `cache` (`k`, `v`: `[1, kv_size, H, D]`; int cursors).
+
+    First call of a chunk (`start_token == global_end_index`): the cursors advance by n; if the
+    ring would overflow, the tokens after the pinned sink (`sink_tokens`) shift left by the overflow
+    and `local_end_index = kv_size`. Later calls for the same chunk
+    (`start_token + n == global_end_index`) neither shift nor advance. Either way the tokens land at
+    `[local_end - n, local_end)`. Returns True on a first call.
+    """
+    n = k.shape[1]
+    g, le = cache["global_end_index"], cache["local_end_index"]
+    size = cache["k"].shape[1]
+    if start_token + n == g and n <= le:
+        first = False
+    elif start_token == g:
+        first = True
+        overflow = le + n - size
+        if overflow > 0:
+            rolled = le - overflow - sink_tokens
+            if rolled < 0:
+                raise RingCursorError(
+                    f"{n} tokens do not fit after a sink of {sink_tokens} in a ring of {size}"
+                )
+            for name in ("k", "v"):
+                buf = cache[name]
+                src = sink_tokens + overflow
+                buf[:, sink_tokens : sink_tokens + rolled] = buf[:, src : src + rolled].clone()
+            le = size
+        else:
+            le += n
+        cache["global_end_index"] = start_token + n
+        cache["local_end_index"] = le
+    else:
+        raise RingCursorError(
+            f"write of {n} tokens at {start_token}: global_end_index is {g}, local_end_index {le}"
+        )
+    cache["k"][:, le - n : le] = k
+    cache["v"][:, le - n : le] = v
+    return first

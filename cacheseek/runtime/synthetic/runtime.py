@@ -1,0 +1,276 @@
+"""`SyntheticWorldRuntime`: one session of the synthetic world model, chunk after chunk.
+
+It has the cache semantics of the TeleFuser LingBot-World runtime (docs/design.md section 1) and
+the attributes `LingBotWorldKVBinding` reads and writes (docs/api.md); the model is
+`SyntheticModel`, the ring write `ring_write`. The latent of every step feeds the next and every
+chunk's KV depends on the attended window, so a wrong byte anywhere in the window propagates to
+every later chunk.
+
+Sampling, as TeleFuser's LingBot-World-fast loop does it: at construction one float32 draw
+``[1, C, frame_num, h, w]`` from `generator` for the whole video, split along dim 2 into
+`noise_chunks` (float32 views, one per chunk). Per denoised chunk: ``x = noise_chunks[i]`` cast to
+the model dtype; for each of `num_steps` steps predict x0 (in the model dtype, bf16 by default),
+then, except after the last step, re-noise to the next sigma with a fresh draw
+``torch.randn(x0.shape, generator=generator, device=x0.device, dtype=x0.dtype)``. So a denoised
+chunk draws `len(timesteps) - 1` tensors of x0's shape and dtype; a restored chunk draws none (the
+binding advances the generator with the same calls instead). The stored and decoded latent is x0
+in the model dtype, never the noise's float32. A last pass over the clean x0 rewrites the chunk's
+KV (the ring keeps the clean rewrite).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from cacheseek.errors import ConfigError, LayoutMismatchError
+from cacheseek.runtime.geometry import Geometry, validate_window
+from cacheseek.runtime.snapshot import ring_snapshot
+from cacheseek.runtime.synthetic.checks import (
+    check_actions,
+    check_compute,
+    check_device,
+    check_dtype,
+    check_int,
+    check_prompt,
+    torch_dtype,
+)
+from cacheseek.runtime.synthetic.control import control_tensor
+from cacheseek.runtime.synthetic.hashing import tensor_bytes
+from cacheseek.runtime.synthetic.model import SyntheticModel
+from cacheseek.runtime.synthetic.session import (
+    CONTROL_MODE,
+    MAX_SEQUENCE_LENGTH,
+    SAMPLE_SHIFT,
+    VAE_STRIDE,
+    SessionConfig,
+    default_image,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["SyntheticWorldRuntime", "sigma_schedule"]
+
+
+def sigma_schedule(num_steps: int) -> list[float]:
+    """The shifted flow-matching sigmas of `num_steps` steps, then 0.0 (`num_steps + 1` values)."""
+    base = [1.0 - s / num_steps for s in range(num_steps)]
+    return [SAMPLE_SHIFT * s / (1.0 + (SAMPLE_SHIFT - 1.0) * s) for s in base] + [0.0]
+
+
+class SyntheticWorldRuntime:
+    """One session: generates `total_chunks` chunks of video, one per action.
+
+    Attributes the binding reads or writes (names are a contract, see docs/api.md):
+    `self_kv_cache` (n_layers dicts: `k`, `v` `[1, kv_size, H, D]` in `dtype`, int cursors),
+    `world_kv_cached_latents` (`{chunk_idx: latent}` the binding fills; each is popped when its
+    chunk comes up and decoded instead of denoised), `generator`, `timesteps`, `noise_chunks`
+    (float32 views `latent_shape` of one whole-video draw, see the module docstring),
+    `control_chunks` (float32 `[1, 384, c, h, w]` camera-control tensors on the runtime device,
+    one per chunk, see `control_tensor`; `actions` keeps the action vectors), `chunk_size`, `frame_tokens`,
+    `kv_local_attn_size` (L frames or -1), `kv_sink_size` (S frames), `device`, `dtype`
+    (torch dtype), `weights_fingerprint` (sha256 of the model weights) and `session_config`.
+
+    `kv_size` is `frame_tokens * frame_num` in full-length mode, `frame_tokens * L` when rolling.
+    `compute` (optional): ``{"gemm_dim", "gemms_per_layer_step"}``, real GEMMs folded into the
+    model (see `cacheseek.runtime.synthetic.model`); part of `weights_fingerprint`.
+    """
+
+    def __init__(
+        self,
+        geometry: Geometry,
+        *,
+        actions: Sequence[Sequence[float]],
+        prompt: str = "a red car",
+        image: Any = None,
+        seed: int = 1234,
+        num_steps: int = 4,
+        local_attn_size: int = -1,
+        sink_size: int = 0,
+        total_chunks: int | None = None,
+        device: str = "cpu",
+        dtype: str = "bfloat16",
+        hooks: Any = None,
+        compute: dict | None = None,
+    ) -> None:
+        import torch
+
+        if not isinstance(geometry, Geometry):
+            raise ConfigError(
+                "runtime.geometry", f"expected a Geometry, got {type(geometry).__name__}"
+            )
+        validate_window(geometry, local_attn_size, sink_size)
+        check_int("runtime.num_steps", num_steps, 1)
+        check_int("runtime.seed", seed, 0)
+        if seed >= 1 << 63:
+            raise ConfigError("runtime.seed", f"{seed} does not fit in 63 bits")
+        check_dtype(dtype)
+        check_prompt(prompt)
+        device = check_device(device)
+        controls = check_actions(actions)
+        if total_chunks is None:
+            total_chunks = len(controls)
+        check_int("runtime.total_chunks", total_chunks, 1)
+        if total_chunks > len(controls):
+            raise ConfigError(
+                "runtime.total_chunks",
+                f"{total_chunks} chunks but only {len(controls)} actions",
+                "give one action per chunk",
+            )
+        for name in ("on_runtime_created", "on_chunk_finalized"):
+            if hooks is not None and not callable(getattr(hooks, name, None)):
+                raise ConfigError("runtime.hooks", f"hooks object lacks {name}()")
+        gemm = check_compute(compute)
+
+        g = geometry
+        self.geometry = g
+        self.hooks = hooks
+        self.total_chunks = total_chunks
+        self.num_steps = num_steps
+        self.device = device
+        self.dtype = torch_dtype(dtype)
+        self.dtype_name = dtype
+        self.chunk_size = g.chunk_size
+        self.frame_tokens = g.frame_tokens
+        self.kv_local_attn_size = local_attn_size
+        self.kv_sink_size = sink_size
+        self.frame_num = total_chunks * g.chunk_size
+        window_frames = self.frame_num if local_attn_size == -1 else local_attn_size
+        self.kv_size = g.frame_tokens * window_frames
+        self.image = default_image() if image is None else image
+        for attr in ("mode", "size", "tobytes"):
+            if not hasattr(self.image, attr):
+                raise ConfigError("runtime.image", f"image lacks {attr!r} (needs a PIL-like image)")
+
+        self.actions = [list(a) for a in controls[:total_chunks]]
+        self.control_chunks = [control_tensor(g, a, device=self.device) for a in self.actions]
+        self.session_config = SessionConfig(
+            prompt=prompt,
+            image=self.image,
+            seed=seed,
+            frame_num=self.frame_num,
+            chunk_size=g.chunk_size,
+            sample_shift=SAMPLE_SHIFT,
+            control_mode=CONTROL_MODE,
+            max_attention_size=self.kv_size,
+            max_sequence_length=MAX_SEQUENCE_LENGTH,
+            sampling_steps=num_steps,
+            local_attn_size=local_attn_size,
+            sink_size=sink_size,
+            dtype=dtype,
+            size=(g.latent_w * VAE_STRIDE, g.latent_h * VAE_STRIDE),
+        )
+
+        self._sigmas = sigma_schedule(num_steps)
+        self.timesteps = [1000.0 * s for s in self._sigmas[:-1]]
+
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        whole = (1, g.latent_channels, self.frame_num, g.latent_h, g.latent_w)
+        noise = torch.randn(whole, generator=self.generator, device=self.device, dtype=torch.float32)
+        self.noise_chunks = list(noise.split(g.chunk_size, dim=2))
+
+        ring_shape = (1, self.kv_size, g.n_heads, g.head_dim)
+        self.self_kv_cache = [
+            {
+                "k": torch.zeros(ring_shape, dtype=self.dtype, device=self.device),
+                "v": torch.zeros(ring_shape, dtype=self.dtype, device=self.device),
+                "global_end_index": 0,
+                "local_end_index": 0,
+            }
+            for _ in range(g.n_layers)
+        ]
+        self.world_kv_cached_latents: dict[int, torch.Tensor] = {}
+        self.frame_hashes: list[bytes] = []
+        self.latents: list[torch.Tensor] = []
+        self.restored_chunks: list[int] = []
+        self.next_chunk = 0
+        self._started = False
+
+        self._model = SyntheticModel(
+            g, actions=self.actions, prompt=prompt, image=self.image, kv_size=self.kv_size,
+            device=self.device, dtype=self.dtype, gemm=gemm,
+        )
+        self.weights_fingerprint = self._model.fingerprint
+
+    # -- public -------------------------------------------------------------------------------
+
+    def generate(self, stop_after: int | None = None) -> list[bytes]:
+        """Run (or continue) the session until `stop_after` chunks are done in total (default all);
+        returns the per-chunk frame hashes (sha256 of the decoded frames) so far."""
+        stop = self.total_chunks if stop_after is None else stop_after
+        check_int("stop_after", stop, 0)
+        if stop > self.total_chunks:
+            raise ConfigError("stop_after", f"{stop} > total_chunks {self.total_chunks}")
+        return self.run_chunks(max(0, stop - self.next_chunk))
+
+    def run_chunks(self, n: int) -> list[bytes]:
+        """Run the next `n` chunks (calling `hooks.on_runtime_created` first, once per runtime)."""
+        if not self._started:
+            self._started = True
+            if self.hooks is not None:
+                self.hooks.on_runtime_created(self, self.session_config)
+        for i in range(self.next_chunk, min(self.total_chunks, self.next_chunk + n)):
+            self._run_chunk(i)
+        return list(self.frame_hashes)
+
+    def state_snapshot(self) -> dict:
+        """Clones of everything a restore must reproduce (`ring_snapshot`) and `next_chunk`.
+        Compare with `snapshot_diff`."""
+        return ring_snapshot(self, next_chunk=self.next_chunk)
+
+    def decode(self, latent: torch.Tensor) -> torch.Tensor:
+        """Frames of one chunk: `[chunk_size, 3, latent_h, latent_w]` float32, a fixed channel
+        projection of the latent (cheap, deterministic, changes with any latent element)."""
+        return self._model.decode(latent)
+
+    # -- chunk loop ---------------------------------------------------------------------------
+
+    def _run_chunk(self, i: int) -> None:
+        cached = self.world_kv_cached_latents.pop(i, None)
+        if cached is not None:
+            self._check_latent(i, cached)
+            x0 = cached
+            self.restored_chunks.append(i)
+        else:
+            x0 = self._denoise_chunk(i)
+            if self.hooks is not None:
+                self.hooks.on_chunk_finalized(self, i, x0)
+        self.latents.append(x0)
+        self.frame_hashes.append(hashlib.sha256(tensor_bytes(self.decode(x0))).digest())
+        self.next_chunk = i + 1
+
+    def _check_latent(self, i: int, latent: Any) -> None:
+        shape = tuple(getattr(latent, "shape", ()))
+        if shape != self.geometry.latent_shape or getattr(latent, "dtype", None) != self.dtype:
+            raise LayoutMismatchError(
+                f"cached latent of chunk {i}: {shape} {getattr(latent, 'dtype', None)}, "
+                f"runtime needs {self.geometry.latent_shape} {self.dtype}"
+            )
+        if latent.device.type != self.device.type:
+            raise LayoutMismatchError(
+                f"cached latent of chunk {i} is on {latent.device}, runtime on {self.device}"
+            )
+
+    def _denoise_chunk(self, i: int) -> torch.Tensor:
+        import torch
+
+        noise = self.noise_chunks[i]
+        x = noise.to(self.dtype)
+        window: dict[int, torch.Tensor] = {}
+        x0 = x
+        for s in range(self.num_steps):
+            x0 = self._forward(x, i, self._sigmas[s], window).to(self.dtype)
+            if s + 1 < self.num_steps:
+                eps = torch.randn(x0.shape, generator=self.generator, device=x0.device, dtype=x0.dtype)
+                sigma = self._sigmas[s + 1]
+                x = ((1.0 - sigma) * x0.float() + sigma * eps.float()).to(self.dtype)
+        self._forward(x0, i, 0.0, window)
+        return x0
+
+    def _forward(self, x: torch.Tensor, chunk: int, sigma: float, window: dict) -> torch.Tensor:
+        """One model pass over chunk `chunk` that writes this session's ring (`SyntheticModel.forward`)."""
+        sink_tokens = self.kv_sink_size * self.geometry.frame_tokens
+        return self._model.forward(x, chunk, sigma, window, self.self_kv_cache, sink_tokens=sink_tokens)
