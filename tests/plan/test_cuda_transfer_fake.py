@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cacheseek.errors import RegistrationError, TransferError
-from cacheseek.transfer.base import CopyDescriptor, Direction
+from cacheseek.transfer.batch import CopyDescriptor, Direction
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime, _parameter_names
 from cacheseek.transfer.fake_cuda import FakeCudart, cudaError_t, cudaMemcpyKind
 from plan_testkit import HostBuffer

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from cacheseek.errors import TransferError
-from cacheseek.transfer.base import AsyncTransfer, CopyBatch, CopyDescriptor, Direction, PendingBatch
+from cacheseek.transfer.batch import CopyBatch, CopyDescriptor, Direction
+from cacheseek.transfer.pending import PendingBatch
+from cacheseek.transfer.protocol import AsyncTransfer
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
 from cacheseek.transfer.fake_cuda import FakeCudart, cudaError_t
 from cacheseek.transfer.host_transfer import HostTransferRuntime

@@ -11,7 +11,9 @@ import torch
 
 from cacheseek.errors import TransferError
 from cacheseek.transfer import TRANSFERS, auto_transfer_runtime
-from cacheseek.transfer.base import CopyDescriptor, Direction, MemoryRange, TransferRuntime
+from cacheseek.transfer.batch import CopyDescriptor, Direction
+from cacheseek.transfer.memory import MemoryRange
+from cacheseek.transfer.protocol import TransferRuntime
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
 from cacheseek.transfer.fake_cuda import FakeCudart
 from cacheseek.transfer.host_transfer import HostTransferRuntime
