@@ -15,7 +15,7 @@ from cacheseek.errors import ConfigError, StoreError, WriteNotCompleteError
 from cacheseek.reuse.exact_prefix.types import BlobState, Tier
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.batch import Direction
-from cacheseek.transfer.fake_cuda import cudaError_t
+from cacheseek.transfer.fake_cudart_types import cudaError_t
 from test_plan_tier_write import as_bytes, ring_tail_payload
 
 TIER = Tier.FLUXON_DRAM

@@ -13,7 +13,8 @@ from cacheseek.transfer.batch import CopyBatch, CopyDescriptor, Direction
 from cacheseek.transfer.pending import PendingBatch
 from cacheseek.transfer.protocol import AsyncTransfer
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
-from cacheseek.transfer.fake_cuda import FakeCudart, cudaError_t
+from cacheseek.transfer.fake_cuda import FakeCudart
+from cacheseek.transfer.fake_cudart_types import cudaError_t
 from cacheseek.transfer.host_transfer import HostTransferRuntime
 from plan_testkit import HostBuffer
 
