@@ -243,8 +243,8 @@ def main() -> int:
     from cacheseek.fluxon.service import FluxonService
     from cacheseek.plan.embedded import EmbeddedPlanClient
     from cacheseek.plan.fluxon_public import FluxonPublicPlanClient
-    from cacheseek.transfer.memory import HostMapping
     from cacheseek.transfer.host_transfer import HostTransferRuntime
+    from cacheseek.transfer.memory import HostMapping
 
     sizes = [int(s) for s in args.sizes.split(",")]
     clients = args.clients.split(",")

@@ -322,8 +322,8 @@ def test_flush_is_bounded_and_close_leaves_a_live_worker_its_resources(make_stor
 def test_pending_batch_wait_is_bounded_and_stays_pending():
     from cacheseek.errors import TransferTimeoutError
     from cacheseek.transfer.batch import CopyBatch
-    from cacheseek.transfer.pending import PendingBatch
     from cacheseek.transfer.host_transfer import HostTransferRuntime
+    from cacheseek.transfer.pending import PendingBatch
 
     runtime = HostTransferRuntime()
     landed = [False]
