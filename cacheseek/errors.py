@@ -91,3 +91,10 @@ class RegistrationError(TransferError):
 
 class HandleStateError(CacheSeekError):
     """A handle was used in a state that does not allow the call (double release, commit after abort)."""
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """Attach ``note`` to ``exc`` (``exc.add_note``, where Python offers it: 3.11+), so a cleanup
+    that failed while handling ``exc`` is reported with it instead of replacing it."""
+    if hasattr(exc, "add_note"):
+        exc.add_note(note)

@@ -27,7 +27,7 @@ from cacheseek.plan.device import DevicePlanClient
 from cacheseek.plan.embedded import PlanFaults
 from cacheseek.registry import STORES
 from cacheseek.stores.plan_tier import PlanTierStore
-from cacheseek.transfer.base import TransferRuntime
+from cacheseek.transfer.protocol import TransferRuntime
 
 __all__ = ["HbmTierStore", "HbmTierSchema"]
 

@@ -84,6 +84,7 @@ from cacheseek.errors import (
     StoreError,
     StoreTimeoutError,
     WriteNotCompleteError,
+    add_note,
 )
 from cacheseek.plan.base import GetPlan, PlanClient, PutCommitResult, PutPlan
 from cacheseek.plan.table import decode_plan_table
@@ -93,17 +94,11 @@ from cacheseek.kv.handles import BlobHandle, ChunkNode, Tier
 from cacheseek.sizes import Size, available_memory, free_bytes, parse_size
 from cacheseek.sizing import SizeField
 from cacheseek.stores.base import LayerPayload, RestoreTarget
-from cacheseek.transfer.base import (
-    AsyncTransfer,
-    CopyBatch,
-    Direction,
-    HostMapping,
-    LazyModule,
-    MemoryRange,
-    PendingBatch,
-    TransferRuntime,
-    add_note,
-)
+from cacheseek.transfer.batch import CopyBatch, Direction
+from cacheseek.transfer.lazy import LazyModule
+from cacheseek.transfer.memory import HostMapping, MemoryRange
+from cacheseek.transfer.pending import PendingBatch
+from cacheseek.transfer.protocol import AsyncTransfer, TransferRuntime
 
 __all__ = ["PlanTierStore", "PlanTierSchema", "PlanTierStats"]
 

@@ -15,15 +15,10 @@ import dataclasses
 from typing import Any, Optional
 
 from cacheseek.registry import TRANSFERS
-from cacheseek.transfer.base import (
-    CopyDescriptor,
-    Direction,
-    DirectionStats,
-    HostMapping,
-    MemoryRange,
-    TransferRuntime,
-    TransferStats,
-)
+from cacheseek.transfer.batch import CopyDescriptor, Direction
+from cacheseek.transfer.memory import HostMapping, MemoryRange
+from cacheseek.transfer.protocol import TransferRuntime
+from cacheseek.transfer.stats import DirectionStats, TransferStats
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
 from cacheseek.transfer.host_transfer import HostTransferRuntime
 

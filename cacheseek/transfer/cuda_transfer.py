@@ -29,16 +29,11 @@ from typing import Any, Optional
 
 from cacheseek.errors import RegistrationError, TransferError
 from cacheseek.registry import TRANSFERS
-from cacheseek.transfer.base import (
-    CopyBatch,
-    Direction,
-    Event,
-    HostMapping,
-    Registration,
-    SubmitFailed,
-    TransferRuntimeBase,
-    coerce_stream,
-)
+from cacheseek.transfer.base import SubmitFailed, TransferRuntimeBase
+from cacheseek.transfer.batch import DIRECTIONS, CopyBatch, Direction
+from cacheseek.transfer.memory import HostMapping
+from cacheseek.transfer.pending import Event
+from cacheseek.transfer.registrations import Registration
 
 __all__ = ["CudaTransferRuntime", "CudaTransferSchema"]
 
@@ -81,6 +76,20 @@ def _device_index(device: Any) -> Optional[int]:
     if text.startswith("cuda:"):
         raise TransferError(f"transfer device must be 'cuda', 'cuda:N' or an index, got {device!r}")
     return None  # "cuda", or a CPU device of tests that run the fake cudart over CPU memory
+
+
+def coerce_stream(stream: Optional[Any]) -> Optional[int]:
+    """A raw stream handle from None, an int, or an object with ``cuda_stream`` (a torch stream)."""
+    if stream is None:
+        return None
+    if isinstance(stream, int):
+        return stream
+    handle = getattr(stream, "cuda_stream", None)
+    if isinstance(handle, int):
+        return handle
+    raise TypeError(
+        f"stream must be None, an int handle or a torch stream, got {type(stream).__name__}"
+    )
 
 
 def _torch_current_stream() -> int:
@@ -166,7 +175,7 @@ class CudaTransferRuntime(TransferRuntimeBase):
             Direction.H2H: self._rt.cudaMemcpyKind.cudaMemcpyHostToHost,
             Direction.D2D: self._rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
         }
-        self._kind_by_code = [self._kinds[d] for d in (Direction.H2D, Direction.D2H, Direction.H2H, Direction.D2D)]
+        self._kind_by_code = [self._kinds[d] for d in DIRECTIONS]  # indexed by Direction.code
         self._stream_flags = getattr(self._rt, "cudaStreamNonBlocking", 1)
         self._event_flags = getattr(self._rt, "cudaEventDisableTiming", 2)
 

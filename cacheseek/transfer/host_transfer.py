@@ -13,13 +13,10 @@ import dataclasses
 from typing import Any
 
 from cacheseek.registry import TRANSFERS
-from cacheseek.transfer.base import (
-    CopyBatch,
-    HostMapping,
-    Registration,
-    SubmitFailed,
-    TransferRuntimeBase,
-)
+from cacheseek.transfer.base import SubmitFailed, TransferRuntimeBase
+from cacheseek.transfer.batch import CopyBatch
+from cacheseek.transfer.memory import HostMapping
+from cacheseek.transfer.registrations import Registration
 
 __all__ = ["HostTransferRuntime", "HostTransferSchema"]
 

@@ -81,7 +81,8 @@ def _buffers(n_values: int, size: int, fill: int) -> list[Any]:
 def _put_plan(case: Case, keys: list[str], size: int, srcs: list[int]) -> dict[str, float]:
     from cacheseek.errors import StoreFullError
     from cacheseek.plan.table import decode_plan_table
-    from cacheseek.transfer.base import CopyBatch, Direction, MemoryRange
+    from cacheseek.transfer.batch import CopyBatch, Direction
+    from cacheseek.transfer.memory import MemoryRange
 
     c, rt = case.client, case.runtime
     for attempt in range(20):
@@ -106,7 +107,8 @@ def _put_plan(case: Case, keys: list[str], size: int, srcs: list[int]) -> dict[s
 
 def _get_plan(case: Case, keys: list[str], size: int, dsts: list[int]) -> Optional[dict[str, float]]:
     from cacheseek.plan.table import decode_plan_table
-    from cacheseek.transfer.base import CopyBatch, Direction, MemoryRange
+    from cacheseek.transfer.batch import CopyBatch, Direction
+    from cacheseek.transfer.memory import MemoryRange
 
     c, rt = case.client, case.runtime
     t0 = time.perf_counter()
@@ -241,8 +243,8 @@ def main() -> int:
     from cacheseek.fluxon.service import FluxonService
     from cacheseek.plan.embedded import EmbeddedPlanClient
     from cacheseek.plan.fluxon_public import FluxonPublicPlanClient
-    from cacheseek.transfer.base import HostMapping
     from cacheseek.transfer.host_transfer import HostTransferRuntime
+    from cacheseek.transfer.memory import HostMapping
 
     sizes = [int(s) for s in args.sizes.split(",")]
     clients = args.clients.split(",")

@@ -60,7 +60,7 @@ def section_peak(cfg, dev, transfer, sync) -> dict:
     import numpy as np
     import torch
 
-    from cacheseek.transfer.base import CopyBatch, Direction
+    from cacheseek.transfer.batch import CopyBatch, Direction
 
     n = int(cfg.peak_bytes)
     src = torch.empty(n, dtype=torch.uint8, device=dev).random_(0, 256)
@@ -215,7 +215,7 @@ def section_full_hit(cfg, dev, transfer, sync, prog) -> dict:
         # the same bytes as one bare batch between the two rings (no store): the copies alone
         import numpy as np
 
-        from cacheseek.transfer.base import CopyBatch, Direction
+        from cacheseek.transfer.batch import CopyBatch, Direction
 
         tb = target.token_bytes
         ring_src = np.array([t.data_ptr() for pair in src for t in pair], dtype=np.int64)

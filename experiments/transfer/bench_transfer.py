@@ -34,7 +34,7 @@ def main(argv: list[str]) -> dict:
     from cacheseek.reuse.exact_prefix.types import Skeleton, Tier, TrieNode
     from cacheseek.stores.base import RestoreTarget
     from cacheseek.stores.plan_tier import PlanTierStore
-    from cacheseek.transfer.base import CopyBatch, Direction
+    from cacheseek.transfer.batch import CopyBatch, Direction
     from cacheseek.transfer.host_transfer import HostTransferRuntime
 
     cfg = compose(HERE / "conf", "transfer", argv)
@@ -241,7 +241,7 @@ def main(argv: list[str]) -> dict:
     dbuf = torch.empty(total, dtype=torch.uint8, device=dev)
     drange = transfer.device_range(dbuf)
     loop_rt = new_runtime(batch=False)
-    from cacheseek.transfer.base import HostMapping
+    from cacheseek.transfer.memory import HostMapping
 
     loop_rt.register([HostMapping(seg.ptr, seg.length, seg.generation, seg.writable)])
     side, side2 = transfer.new_stream(), transfer.new_stream()

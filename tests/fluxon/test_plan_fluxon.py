@@ -105,8 +105,8 @@ def test_plan_tier_restores_a_rolled_ring_from_fluxon(fluxon_client, kind):
     nodes = []
     try:
         if fake is not None:
-            assert fake._registered[owner.ptr][1] & fake.cudaHostRegisterReadOnly
-            assert not fake._registered[staging.ptr][1] & fake.cudaHostRegisterReadOnly
+            assert fake.memory.registered[owner.ptr][1] & fake.cudaHostRegisterReadOnly
+            assert not fake.memory.registered[staging.ptr][1] & fake.cudaHostRegisterReadOnly
         nodes, states, latents, kv_size = ingest(store, ROLLED, 4)
         assert all(n.blob.ready for n in nodes)
         for k in (1, 2, 4):
@@ -126,7 +126,7 @@ def test_plan_tier_restores_a_rolled_ring_from_fluxon(fluxon_client, kind):
         store.close()
         client.close()
     if fake is not None:
-        assert not fake._registered  # both mappings unregistered at close
+        assert not fake.memory.registered  # both mappings unregistered at close
     assert not fluxon_client.closed
 
 

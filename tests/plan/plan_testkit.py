@@ -11,9 +11,10 @@ from cacheseek.plan.base import REQUIRED_PLAN_CALLS
 from cacheseek.kv.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.types import Skeleton, Tier, TrieNode
 from cacheseek.stores.base import RestoreTarget
-from cacheseek.transfer.base import CopyBatch, HostMapping
+from cacheseek.transfer.batch import CopyBatch
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
 from cacheseek.transfer.fake_cuda import FakeCudart
+from cacheseek.transfer.memory import HostMapping
 
 STREAM = 7  # a non-legacy stream handle for the fake
 

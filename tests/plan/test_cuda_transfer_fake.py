@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from cacheseek.errors import RegistrationError, TransferError
-from cacheseek.transfer.base import CopyDescriptor, Direction
+from cacheseek.transfer.batch import CopyDescriptor, Direction
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime, _parameter_names
-from cacheseek.transfer.fake_cuda import FakeCudart, cudaError_t, cudaMemcpyKind
+from cacheseek.transfer.fake_cuda import FakeCudart
+from cacheseek.transfer.fake_cudart_types import cudaError_t, cudaMemcpyKind
 from plan_testkit import HostBuffer
 
 H2D, D2H = Direction.H2D, Direction.D2H

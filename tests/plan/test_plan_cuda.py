@@ -15,8 +15,9 @@ from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.kv.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.types import Tier
 from cacheseek.stores.plan_tier import PlanTierStore
-from cacheseek.transfer.base import CopyDescriptor, Direction, HostMapping
+from cacheseek.transfer.batch import CopyDescriptor, Direction
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
+from cacheseek.transfer.memory import HostMapping
 from plan_testkit import ingest, restore_target
 
 pytestmark = [

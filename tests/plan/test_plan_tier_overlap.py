@@ -14,8 +14,8 @@ import torch
 from cacheseek.errors import ConfigError, StoreError, WriteNotCompleteError
 from cacheseek.reuse.exact_prefix.types import BlobState, Tier
 from cacheseek.stores.plan_tier import PlanTierStore
-from cacheseek.transfer.base import Direction
-from cacheseek.transfer.fake_cuda import cudaError_t
+from cacheseek.transfer.batch import Direction
+from cacheseek.transfer.fake_cudart_types import cudaError_t
 from test_plan_tier_write import as_bytes, ring_tail_payload
 
 TIER = Tier.FLUXON_DRAM
@@ -252,7 +252,7 @@ def test_split_cuts_copies_into_pieces_that_cover_every_byte():
     import numpy as np
 
     from cacheseek.stores.plan_tier import _split
-    from cacheseek.transfer.base import CopyBatch
+    from cacheseek.transfer.batch import CopyBatch
 
     batch = CopyBatch.of([1000, 5000, 9000], [100000, 200000, 300000], [300, 50, 700], Direction.D2H)
     pieces = _split(batch, 256)
@@ -321,8 +321,9 @@ def test_flush_is_bounded_and_close_leaves_a_live_worker_its_resources(make_stor
 
 def test_pending_batch_wait_is_bounded_and_stays_pending():
     from cacheseek.errors import TransferTimeoutError
-    from cacheseek.transfer.base import CopyBatch, PendingBatch
+    from cacheseek.transfer.batch import CopyBatch
     from cacheseek.transfer.host_transfer import HostTransferRuntime
+    from cacheseek.transfer.pending import PendingBatch
 
     runtime = HostTransferRuntime()
     landed = [False]

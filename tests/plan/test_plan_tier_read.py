@@ -9,7 +9,7 @@ import torch
 from cacheseek.errors import LayoutMismatchError, PlanError, PlanTableError, TransferError
 from cacheseek.kv.ring import RingGeometry
 from cacheseek.stores.base import RestoreTarget
-from cacheseek.transfer.base import Direction
+from cacheseek.transfer.batch import Direction
 from plan_testkit import ingest, restore_target
 
 N_LAYERS = 2

@@ -27,7 +27,7 @@ from cacheseek.plan.embedded import PlanFaults
 from cacheseek.stores.kv_tier import KeyValueTier
 from cacheseek.stores.localdisk import LocalDiskTierStore
 from cacheseek.stores.memory import InMemoryTierStore
-from cacheseek.transfer.fake_cuda import cudaError_t
+from cacheseek.transfer.fake_cudart_types import cudaError_t
 
 from prodkit import (
     FULL,

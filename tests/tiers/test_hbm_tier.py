@@ -14,7 +14,7 @@ from cacheseek.reuse.exact_prefix.keys import blob_keys
 from cacheseek.kv.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.types import Tier
 from cacheseek.stores.hbm import HbmTierStore
-from cacheseek.transfer.base import Direction
+from cacheseek.transfer.batch import Direction
 from plan_testkit import ingest, restore_target
 
 FULL = RingGeometry(chunk_size=3, frame_tokens=2)

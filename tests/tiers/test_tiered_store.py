@@ -16,7 +16,7 @@ from cacheseek.reuse.exact_prefix.keys import blob_keys
 from cacheseek.kv.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.types import BlobHandle, Skeleton, Tier, TrieNode
 from cacheseek.stores.tiered import TieredHandle, TieredStore
-from cacheseek.transfer.base import Direction
+from cacheseek.transfer.batch import Direction
 from plan_testkit import ingest, restore_target
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "production"))

@@ -16,7 +16,7 @@ from cacheseek.kv.ring import RingGeometry
 from cacheseek.stores.hbm import HbmTierStore
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.stores.tiered import TieredStore
-from cacheseek.transfer.base import Direction
+from cacheseek.transfer.batch import Direction
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
 from plan_testkit import RecordingTransfer, ingest, restore_target
 

@@ -1,0 +1,68 @@
+"""The memory a copy reads and writes: `MemoryRange` (device ranges declared per batch) and
+`HostMapping` (host memory registered with a runtime).
+
+- a *host mapping* is a range of host memory (a Plan store's segment) registered once with
+  `TransferRuntime.register`, deduplicated by ``(ptr, length, generation)``; a read-only mapping
+  can only be a copy source;
+- a *device range* is the memory of one of the runtime's tensors (CUDA tensors for the CUDA
+  runtime, CPU tensors for the host runtime), declared per batch with ``device_ranges`` (build
+  them with `TransferRuntime.device_range`).
+
+Addresses are raw ints in this process; lengths are bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+__all__ = ["MemoryRange", "HostMapping", "positive_int", "non_negative_int"]
+
+
+def positive_int(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """attrs validator: an int > 0 (not a bool)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a positive int, got {value!r}")
+
+
+def non_negative_int(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """attrs validator: an int >= 0 (not a bool)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{attribute.name} must be an int >= 0, got {value!r}")
+
+
+@attrs.frozen(slots=True)
+class MemoryRange:
+    """``length`` bytes at address ``ptr``."""
+
+    ptr: int = attrs.field(validator=positive_int)
+    length: int = attrs.field(validator=positive_int)
+
+    @property
+    def end(self) -> int:
+        return self.ptr + self.length
+
+    def contains(self, ptr: int, nbytes: int) -> bool:
+        return self.ptr <= ptr and ptr + nbytes <= self.end
+
+
+@attrs.frozen(slots=True)
+class HostMapping:
+    """A host memory range a Plan store owns: ``length`` bytes at ``ptr``. ``generation`` changes
+    when the store recreates the segment (a new registration even at the same address);
+    ``writable`` is False for a read-only mapping (a copy source only)."""
+
+    ptr: int = attrs.field(validator=positive_int)
+    length: int = attrs.field(validator=positive_int)
+    generation: int = attrs.field(validator=non_negative_int)
+    writable: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """The deduplication key of a registration."""
+        return (self.ptr, self.length, self.generation)
+
+    @property
+    def range(self) -> MemoryRange:
+        return MemoryRange(self.ptr, self.length)

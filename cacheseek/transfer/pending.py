@@ -1,0 +1,123 @@
+"""Work in flight: `Event` (a marker on a stream) and `PendingBatch` (a submitted batch).
+
+Asynchronous batch lifecycle (capability `AsyncTransfer`, offered by `TransferRuntimeBase`)::
+
+    new_stream()                          -> a stream of the runtime's own (CUDA: non-blocking, so
+                                             it neither waits for nor blocks the legacy stream)
+    record_event(stream)                  -> an `Event` marking everything submitted on it so far
+    submit_batch(batch, stream=s, after=[events or pending batches])
+        validates like copy_batch (TransferError, nothing submitted), makes ``s`` wait for every
+        ``after`` event, submits, records a completion event -> `PendingBatch` (nothing waited)
+        a submission failure synchronizes ``s`` before raising, so nothing of it is in flight
+    stream_wait(stream, pending_or_event) -> later work on ``stream`` starts after it (no host wait)
+    PendingBatch.done() / .wait()         -> query / block until every copy has landed; wait()
+                                             records the stats and frees the event; idempotent
+    release_event(event), destroy_stream(stream)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional, Protocol
+
+import attrs
+
+from cacheseek.errors import TransferError, TransferTimeoutError
+from cacheseek.transfer.batch import CopyBatch, Direction
+
+__all__ = ["Event", "PendingBatch", "EventSource"]
+
+
+@attrs.define(eq=False)
+class Event:
+    """A runtime's marker on a stream (see the module docstring); made by `record_event` or by
+    `submit_batch`. ``handle`` is the runtime's own (a CUDA event, or None when the host runtime
+    has nothing to wait for)."""
+
+    handle: Any
+    stream: Any
+    released: bool = False
+
+
+class EventSource(Protocol):
+    """What a `PendingBatch` asks of the runtime that submitted it (`TransferRuntimeBase`)."""
+
+    wait_timeout_s: float
+
+    def _event_query(self, event: Event) -> bool: ...
+
+    def _event_synchronize(self, event: Event) -> None: ...
+
+    def release_event(self, event: Event) -> None: ...
+
+    def _record_dirs(self, per_dir: dict[Direction, tuple[int, int]], seconds: float) -> None: ...
+
+
+class PendingBatch:
+    """A submitted batch: ``done()`` asks, ``wait()`` blocks until every copy has landed (then
+    records the runtime's stats and frees the event). ``wait`` is idempotent and thread-safe; a
+    failed wait raises `TransferError` every time it is called. Every wait is bounded (``timeout_s``,
+    default the runtime's ``wait_timeout_s``): past it, `TransferTimeoutError`, and the batch stays
+    pending (its buffers are still in use: the caller must not free them; a later wait may
+    succeed)."""
+
+    def __init__(self, runtime: EventSource, batch: CopyBatch, stream: Any, event: Event, t0: float) -> None:
+        self._runtime = runtime
+        self._per_dir = batch.by_direction()
+        self.nbytes = batch.nbytes
+        self.copies = len(batch)
+        self.stream = stream
+        self.event = event
+        self.submitted_at = t0
+        self.completed_at: Optional[float] = None
+        self._error: Optional[TransferError] = None
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        with self._lock:
+            if self.completed_at is not None or self._error is not None:
+                return True
+            return self._runtime._event_query(self.event)
+
+    def wait(self, *, poll_s: Optional[float] = None, expected_s: float = 0.0,
+             timeout_s: Optional[float] = None) -> None:
+        """Block until the batch has landed, at most ``timeout_s`` seconds (default the runtime's
+        ``wait_timeout_s``). ``poll_s``: the interval between queries (default: from 20 us,
+        doubling up to 1 ms); ``expected_s``: sleep that long first. Polling keeps the
+        interpreter free for other threads whatever the bindings do with the GIL, and bounds the
+        wait (a blocking synchronize could not be)."""
+        bound = self._runtime.wait_timeout_s if timeout_s is None else timeout_s
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            if self.completed_at is not None:
+                return
+            try:
+                deadline = time.monotonic() + bound
+                if expected_s > 0:
+                    time.sleep(min(expected_s, bound))
+                interval = poll_s if poll_s is not None else 2e-5
+                while not self._runtime._event_query(self.event):
+                    if time.monotonic() >= deadline:
+                        raise TransferTimeoutError(
+                            f"a batch of {self.copies} copies ({self.nbytes} bytes) has not landed after "
+                            f"{bound} s; its buffers are still in use (raise the transfer runtime's "
+                            "wait_timeout_s if the device is that slow)")
+                    time.sleep(interval)
+                    if poll_s is None:
+                        interval = min(interval * 2, 1e-3)
+                self._runtime._event_synchronize(self.event)
+            except TransferTimeoutError:
+                raise
+            except TransferError as exc:
+                self._error = exc
+                self._runtime.release_event(self.event)
+                raise
+            self.completed_at = time.perf_counter()
+            self._runtime.release_event(self.event)
+            self._runtime._record_dirs(self._per_dir, self.completed_at - self.submitted_at)
+
+    @property
+    def seconds(self) -> Optional[float]:
+        return None if self.completed_at is None else self.completed_at - self.submitted_at
