@@ -28,6 +28,14 @@ from cacheseek.transfer.batch import CopyBatch, Direction
 
 __all__ = ["Event", "PendingBatch", "EventSource"]
 
+# Poll schedule of `PendingBatch.wait`: from 20 us doubling to 100 us while the wait is younger than
+# 50 ms (a restore lands in 1-10 ms: a coarser poll would add up to a millisecond to it), then
+# doubling to 1 ms (long waits: writes, flushes).
+_FIRST_POLL_S = 2e-5
+_FINE_POLL_S = 1e-4
+_FINE_PHASE_S = 0.05
+_COARSE_POLL_S = 1e-3
+
 
 @attrs.define(eq=False)
 class Event:
@@ -84,7 +92,8 @@ class PendingBatch:
              timeout_s: Optional[float] = None) -> None:
         """Block until the batch has landed, at most ``timeout_s`` seconds (default the runtime's
         ``wait_timeout_s``). ``poll_s``: the interval between queries (default: from 20 us,
-        doubling up to 1 ms); ``expected_s``: sleep that long first. Polling keeps the
+        doubling up to 100 us for the first 50 ms, then up to 1 ms); ``expected_s``: sleep that
+        long first. Polling keeps the
         interpreter free for other threads whatever the bindings do with the GIL, and bounds the
         wait (a blocking synchronize could not be)."""
         bound = self._runtime.wait_timeout_s if timeout_s is None else timeout_s
@@ -94,19 +103,22 @@ class PendingBatch:
             if self.completed_at is not None:
                 return
             try:
-                deadline = time.monotonic() + bound
+                start = time.monotonic()
+                deadline = start + bound
                 if expected_s > 0:
                     time.sleep(min(expected_s, bound))
-                interval = poll_s if poll_s is not None else 2e-5
+                interval = poll_s if poll_s is not None else _FIRST_POLL_S
                 while not self._runtime._event_query(self.event):
-                    if time.monotonic() >= deadline:
+                    now = time.monotonic()
+                    if now >= deadline:
                         raise TransferTimeoutError(
                             f"a batch of {self.copies} copies ({self.nbytes} bytes) has not landed after "
                             f"{bound} s; its buffers are still in use (raise the transfer runtime's "
                             "wait_timeout_s if the device is that slow)")
                     time.sleep(interval)
                     if poll_s is None:
-                        interval = min(interval * 2, 1e-3)
+                        cap = _FINE_POLL_S if now - start < _FINE_PHASE_S else _COARSE_POLL_S
+                        interval = min(interval * 2, cap)
                 self._runtime._event_synchronize(self.event)
             except TransferTimeoutError:
                 raise

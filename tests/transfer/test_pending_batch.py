@@ -74,3 +74,32 @@ def test_a_failed_wait_raises_every_time_and_records_nothing():
             p.wait()
     assert p.done() and rt.released == [p.event] and rt.recorded == []
     assert rt.queries == 1  # the second wait did not ask the device again
+
+
+def test_a_young_wait_polls_finely_and_an_old_one_backs_off(monkeypatch):
+    """A restore lands in a few milliseconds: while a wait is younger than 50 ms no poll interval
+    exceeds 100 us (a 1 ms poll would add up to a millisecond to every restore); later the
+    interval grows to 1 ms so that long waits do not spin."""
+    import cacheseek.transfer.pending as pending_mod
+
+    clock = [0.0]
+    sleeps: list[tuple[float, float]] = []  # (age when the sleep started, interval)
+
+    def fake_sleep(seconds: float) -> None:
+        sleeps.append((clock[0], seconds))
+        clock[0] += seconds
+
+    monkeypatch.setattr(pending_mod.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(pending_mod.time, "sleep", fake_sleep)
+
+    class LandsAt(StubRuntime):
+        def _event_query(self, event: Event) -> bool:
+            return clock[0] >= 0.2
+
+    rt = LandsAt()
+    pending(rt).wait()
+    young = [interval for age, interval in sleeps if age < 0.05]
+    old = [interval for age, interval in sleeps if age >= 0.06]
+    assert young and max(young) <= 1e-4
+    assert old and max(old) == pytest.approx(1e-3)
+    assert clock[0] - 0.2 <= 1e-3  # it noticed within one poll of landing
