@@ -13,11 +13,16 @@ Addresses are raw ints in this process; lengths are bytes.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import attrs
 
-__all__ = ["MemoryRange", "HostMapping", "positive_int", "non_negative_int"]
+from cacheseek.transfer.lazy import LazyModule
+
+np = LazyModule("numpy")
+
+__all__ = ["MemoryRange", "HostMapping", "DeviceRanges", "positive_int", "non_negative_int"]
 
 
 def positive_int(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -45,6 +50,33 @@ class MemoryRange:
 
     def contains(self, ptr: int, nbytes: int) -> bool:
         return self.ptr <= ptr and ptr + nbytes <= self.end
+
+
+@attrs.frozen(eq=False)
+class DeviceRanges:
+    """Declared device ranges, sorted by address once, with their bounds as int64 arrays.
+
+    A caller that declares the same ranges for many batches (a restore declares the 80 tensors of
+    a 480p ring every time) builds this once; `validate_batch` then does no Python work per range.
+    Iterates as its `MemoryRange` s, so it goes wherever a sequence of ranges does."""
+
+    ranges: tuple[MemoryRange, ...]
+    starts: Any
+    ends: Any
+
+    @classmethod
+    def of(cls, ranges: Iterable[MemoryRange]) -> "DeviceRanges":
+        if isinstance(ranges, DeviceRanges):
+            return ranges
+        ordered = tuple(sorted(ranges, key=lambda r: r.ptr))
+        return cls(ordered, np.array([r.ptr for r in ordered], dtype=np.int64),
+                   np.array([r.end for r in ordered], dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.ranges)
+
+    def __iter__(self) -> Iterator[MemoryRange]:
+        return iter(self.ranges)
 
 
 @attrs.frozen(slots=True)

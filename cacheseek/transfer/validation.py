@@ -21,7 +21,7 @@ from typing import Any, Optional
 from cacheseek.errors import TransferError
 from cacheseek.transfer.batch import CopyBatch, Direction
 from cacheseek.transfer.lazy import LazyModule
-from cacheseek.transfer.memory import MemoryRange
+from cacheseek.transfer.memory import DeviceRanges, MemoryRange
 from cacheseek.transfer.registrations import HostIndex
 
 np = LazyModule("numpy")
@@ -32,11 +32,11 @@ __all__ = ["validate_batch"]
 def validate_batch(
     batch: CopyBatch,
     hosts: HostIndex,
-    device_ranges: Sequence[MemoryRange],
+    device_ranges: "Sequence[MemoryRange] | DeviceRanges",
     is_device_memory: Callable[[int, int], bool],
 ) -> None:
     """Raise `TransferError` for the first copy of ``batch`` that is not allowed (module
-    docstring). ``hosts``: the registered mappings; ``device_ranges``: those the caller declared;
+    docstring). ``hosts``: the registered mappings; ``device_ranges``: those the caller declared (a `DeviceRanges` is used as it is);
     ``is_device_memory(ptr, nbytes)``: asked only for a device side outside every declared range."""
     n = len(batch)
     if n == 0:
@@ -50,9 +50,8 @@ def validate_batch(
             "addresses and size must be positive; nothing of the batch was submitted"
         )
     host_index = hosts.entries
-    devs = sorted(((r.ptr, r) for r in device_ranges), key=lambda e: e[0])
-    d_starts = np.array([p for p, _ in devs], dtype=np.int64)
-    d_ends = np.array([r.end for _, r in devs], dtype=np.int64)
+    declared = DeviceRanges.of(device_ranges)
+    d_starts, d_ends = declared.starts, declared.ends
     src_dev = (codes == Direction.D2H.code) | (codes == Direction.D2D.code)
     dst_dev = (codes == Direction.H2D.code) | (codes == Direction.D2D.code)
     for side, ptrs, on_dev, write in (("src", srcs, src_dev, False), ("dst", dsts, dst_dev, True)):
@@ -67,6 +66,7 @@ def validate_batch(
             i = int(i)
             ptr, nbytes = int(ptrs[i]), int(sizes[i])
             if on_dev[i]:
+                devs = [(r.ptr, r) for r in declared.ranges]
                 good = _find(devs, [p for p, _ in devs], ptr, nbytes) is not None or is_device_memory(ptr, nbytes)
                 where = "a declared device range"
             else:

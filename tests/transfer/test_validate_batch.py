@@ -105,3 +105,19 @@ def test_a_copy_inside_an_earlier_of_two_overlapping_mappings_passes():
     check([CopyDescriptor(DEV.ptr, 0x12000, 64, H2D)], index=hosts(big, small))
     with pytest.raises(TransferError):
         check([CopyDescriptor(DEV.ptr, 0x12000, 64, H2D)], index=hosts(small))
+
+
+def test_device_ranges_built_once_validate_like_the_list_they_hold():
+    """A `DeviceRanges` (sorted once, reused across batches) admits and refuses exactly what its
+    list of ranges does, and names the same descriptor."""
+    from cacheseek.transfer.memory import DeviceRanges
+
+    other = MemoryRange(0x80000, 0x100)
+    declared = DeviceRanges.of([DEV, other])
+    assert [r.ptr for r in declared] == [other.ptr, DEV.ptr] and DeviceRanges.of(declared) is declared
+    good = [CopyDescriptor(DEV.ptr, HOST.ptr, 64, H2D), CopyDescriptor(other.ptr, HOST.ptr + 64, 0x100, H2D)]
+    check(good, devices=declared)
+    bad = good + [CopyDescriptor(other.ptr + 0x80, HOST.ptr + 512, 0x100, H2D)]  # runs past `other`
+    for devices in (declared, [DEV, other]):
+        with pytest.raises(TransferError, match="descriptor 2 .*not inside a declared device range"):
+            check(bad, devices=devices)
