@@ -22,7 +22,7 @@ REPO = CONF.parent
 REGISTRIES = {"store": STORES, "transfer": TRANSFERS, "layout": LAYOUTS, "runtime": RUNTIMES,
               "workload": WORKLOADS}
 PRESET_GROUPS = {"experiment"}  # groups of presets (@package _global_), not backends
-HAS_PLAN_TIER = (REPO / "cacheseek" / "stores" / "plan_tier.py").exists()
+HAS_PLAN_TIER = (REPO / "cacheseek" / "stores" / "plan_tier" / "__init__.py").exists()
 NEEDS_SERVICE = {"fluxon"}  # compose only: instantiating needs a running Fluxon service
 SMALL_SEGMENT = 1 << 20
 
@@ -97,7 +97,7 @@ def test_store_yaml_composes_and_instantiates(compose_cfg, tmp_path, name):
     if name in NEEDS_SERVICE:
         return
     if name == "fluxon_plan" and not HAS_PLAN_TIER:
-        pytest.skip("cacheseek/stores/plan_tier.py is not in this checkout")
+        pytest.skip("cacheseek/stores/plan_tier/ is not in this checkout")
     stack = build_stack(cfg, run_dir=tmp_path / "run")
     try:
         assert stack.store_name == name

@@ -151,7 +151,7 @@ class Captured:
 @pytest.fixture
 def capture_handle(monkeypatch):
     """The handle of a failed put is never returned: catch it as the store makes it."""
-    from cacheseek.stores import plan_tier
+    from cacheseek.stores.plan_tier import write as plan_tier
 
     cap = Captured()
     real = plan_tier.BlobHandle

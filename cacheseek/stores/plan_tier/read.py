@@ -1,0 +1,331 @@
+"""The Plan tier's read path: `Reader` restores a window path into the runtime's ring, reads one
+latent or one layer, probes which keys are published; `GetRead` is one get plan.
+
+Lifecycle of a get plan (`GetRead`)::
+
+    get_start(keys, atomic_group_lens)  started (counted ``gets_started``)
+    transfer(expected)   ``get_transfer``: the readable prefix, whole groups only; with
+                         ``expected``, each value's length checked against its target before
+                         anything is copied (`LayoutMismatchError`)
+    end()                exactly once, on every path, after any copy out of its values landed:
+                         ``release_views`` when transferred, else ``cancel_get_transfer``
+
+Read of depth K (`read_path`): the path checked against the target (`check_path`); latents
+first (one GET of every ``{hex}:lat`` of the path, all or nothing, one H2D batch into
+``target.latents``), then the window's KV as one chunk-major request with
+``atomic_group_lens = [2 * n_layers] * len(window)`` (a partial transferable prefix is a miss:
+nothing is copied into the ring), then every copy run of every layer, K and V, in one H2D batch.
+Both batches go on the read stream after an event on the producer stream (so the ring's zeroing
+and earlier work land first); the producer stream then waits for the read's completion event
+(the runtime cannot read the ring before the copies land) and the host synchronizes once before
+the views are released.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
+
+from cacheseek.errors import LayoutMismatchError, add_note
+from cacheseek.kv.handles import BlobHandle, ChunkNode
+from cacheseek.kv.locators import layer_keys
+from cacheseek.kv.payload import LayerPayload, RestoreTarget
+from cacheseek.plan.base import GetPlan, PlanClient
+from cacheseek.plan.table import decode_plan_table
+from cacheseek.stores.plan_tier.batches import copy_now, nbytes
+from cacheseek.stores.plan_tier.client import table_arena
+from cacheseek.stores.plan_tier.failures import settle
+from cacheseek.stores.plan_tier.link import TransferLink
+from cacheseek.stores.plan_tier.stats import Counters
+from cacheseek.transfer.batch import CopyBatch
+from cacheseek.transfer.lazy import LazyModule
+from cacheseek.transfer.memory import MemoryRange
+from cacheseek.transfer.pending import PendingBatch
+
+__all__ = ["GetRead", "Reader", "check_path"]
+
+np = LazyModule("numpy")
+
+
+class GetRead:
+    """One get plan of a read: ``transfer()`` once, then ``end()`` releases or cancels it."""
+
+    def __init__(self, client: PlanClient, counters: Counters, latent_sizes: dict[str, int], plan: GetPlan) -> None:
+        self._client = client
+        self._counters = counters
+        self._latent_sizes = latent_sizes
+        self.plan = plan
+        self.transferred = False
+        self.ended = False
+
+    def transfer(self, expected: Optional[Sequence[int]] = None) -> tuple[int, int]:
+        """``(table, n_transferable)``. With ``expected`` (the byte length of each key's target),
+        every transferable value is checked against its target before anything is copied:
+        `LayoutMismatchError` names the first that differs (the plan is still ended by `end`)."""
+        table, n = self._client.get_transfer(self.plan)
+        self.transferred = True
+        self._counters.count(gets_transferred=1)
+        if expected is not None and n:
+            self._check_lengths(list(expected)[:n])
+        return table, n
+
+    def _check_lengths(self, expected: list[int]) -> None:
+        client, keys = self._client, self.plan.keys
+        if callable(getattr(client, "value_lengths", None)):  # PlanValueLengths (a Protocol isinstance costs ~0.3 ms)
+            lengths = list(client.value_lengths(self.plan))
+        else:  # the store's own records of what it wrote (latents; KV sizes are on the blob)
+            lengths = [self._latent_sizes.get(k, want) for k, want in zip(keys, expected)]
+        for key, have, want in zip(keys, lengths, expected):
+            if have != want:
+                raise LayoutMismatchError(
+                    f"value {key} holds {have} B but its restore target takes {want} B: the stored "
+                    f"layout differs from the runtime's (nothing was copied)"
+                )
+
+    def end(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        if self.transferred:
+            self._client.release_views(self.plan)
+        else:
+            self._client.cancel_get_transfer(self.plan)
+            self._counters.count(gets_cancelled=1)
+
+
+def check_path(
+    path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget
+) -> Optional[tuple[list[str], list[BlobHandle]]]:
+    """The path's latent keys and the window's blob handles; None on a miss (a node without
+    skeleton or ready blob). Raises `LayoutMismatchError` when sizes, depths or runs disagree
+    with the target."""
+    n_layers, value_nbytes = target.n_layers, target.chunk_value_nbytes
+    if n_layers == 0 or len(target.latents) != len(path):
+        raise LayoutMismatchError(
+            f"{len(target.latents)} latent targets and {n_layers} layers for a path of {len(path)}"
+        )
+    depths = [n.depth for n in window]
+    if depths != list(target.window_depths):
+        raise LayoutMismatchError(
+            f"window depths {depths} differ from the target's {list(target.window_depths)}"
+        )
+    latent_keys = [n.skeleton.latent_locator for n in path if n.skeleton is not None]
+    blobs = [n.blob for n in window if n.blob is not None and n.blob.ready]
+    if len(latent_keys) != len(path) or len(blobs) != len(window):
+        return None
+    for blob in blobs:
+        if blob.n_layers != n_layers or blob.nbytes != 2 * n_layers * value_nbytes:
+            raise LayoutMismatchError(
+                f"blob {blob.locator} holds {blob.n_layers} layers in {blob.nbytes} B; the "
+                f"runtime expects {n_layers} layers of K and V of {value_nbytes} B each"
+            )
+    for run in target.runs:
+        if run.chunk_depth not in depths or run.src_token + run.n_tokens > target.chunk_tokens:
+            raise LayoutMismatchError(
+                f"copy run {run} is outside the window or a {target.chunk_tokens}-token chunk"
+            )
+    return latent_keys, blobs
+
+
+class Reader:
+    """Reads through ``link``; ``latent_sizes`` is the store's record of the latents it wrote
+    (the size of a latent read without ``like``, the length check of a client that reports
+    none)."""
+
+    def __init__(self, link: TransferLink, counters: Counters, latent_sizes: dict[str, int]) -> None:
+        self.link = link
+        self.client = link.client
+        self._counters = counters
+        self._latent_sizes = latent_sizes
+
+    def _start(self, keys: list[str], group_lens: list[int]) -> GetRead:
+        read = GetRead(self.client, self._counters, self._latent_sizes, self.client.get_start(keys, group_lens))
+        self._counters.count(gets_started=1)
+        return read
+
+    @contextlib.contextmanager
+    def reading(self, keys: list[str], group_lens: list[int]) -> Iterator[GetRead]:
+        """One get plan, ended when the block leaves (a failure to end it is a note on the
+        block's own error)."""
+        read = self._start(keys, group_lens)
+        try:
+            yield read
+        except BaseException as exc:
+            try:
+                read.end()
+            except Exception as end_error:
+                add_note(exc, f"ending the get plan failed too: {end_error!r}")
+            raise
+        read.end()
+
+    def lengths(self, read: GetRead) -> list[int]:
+        """Byte lengths of a transferred read's values: the client's, else the latent records."""
+        if callable(getattr(self.client, "value_lengths", None)):  # PlanValueLengths
+            return [int(n) for n in self.client.value_lengths(read.plan)]
+        lengths = [self._latent_sizes.get(k) for k in read.plan.keys]
+        if any(n is None for n in lengths):
+            raise LayoutMismatchError("value lengths unknown: pass lengths= to copy_values_from")
+        return lengths  # type: ignore[return-value]
+
+    # -- a whole window path --------------------------------------------------------------------
+    def read_path(self, path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget) -> bool:
+        """See `PathReadStore.read_path`; counts reads, hits, misses, bytes and seconds."""
+        path, window = list(path), list(window)
+        t0 = time.perf_counter()
+        self._counters.count(reads=1)
+        found = check_path(path, window, target)
+        if found is None:
+            self._counters.count(read_misses=1)
+            return False
+        latent_keys, blobs = found
+        transfer = self.link.transfer_for(target.kv[0][0])
+        moved = self._read_window(latent_keys, blobs, target, transfer)
+        if moved is None:
+            self._counters.count(read_misses=1)
+            return False
+        self._counters.count(read_hits=1, get_bytes=moved, get_seconds=time.perf_counter() - t0)
+        return True
+
+    def _submit(self, transfer: Any, batch: CopyBatch, ranges: list[MemoryRange], after: list) -> Optional[PendingBatch]:
+        if self.link.read_stream is None:  # a runtime without streams: synchronous, on the caller's stream
+            transfer.copy_batch(batch.descriptors(), device_ranges=ranges)
+            return None
+        return transfer.submit_batch(batch, stream=self.link.read_stream, device_ranges=ranges, after=after)
+
+    def _read_window(
+        self, latent_keys: list[str], blobs: list[BlobHandle], target: RestoreTarget, transfer: Any
+    ) -> Optional[int]:
+        """Latents, then the window's KV runs into the ring, on the read stream; one synchronize;
+        the producer stream waits for the copies; then every view is released. Bytes moved, or
+        None on a miss (a missing latent or a partial transferable prefix: nothing is copied into
+        the ring)."""
+        link = self.link
+        reads: list[GetRead] = []
+        pendings: list[PendingBatch] = []
+        producer = transfer.record_event(None) if link.read_stream is not None else None
+        error: Optional[BaseException] = None
+        try:
+            arena = table_arena(self.client)
+            lat = self._start(latent_keys, [len(latent_keys)])
+            reads.append(lat)
+            table, n = lat.transfer([nbytes(t) for t in target.latents])
+            if n < len(latent_keys):
+                return None
+            srcs = decode_plan_table(table, n, arena=arena)
+            lat_batch = CopyBatch.of(
+                [t.data_ptr() for t in target.latents], srcs, [nbytes(t) for t in target.latents], link.from_values
+            )
+            lat_ranges = [transfer.device_range(t) for t in target.latents] + link.value_ranges
+            pending = self._submit(transfer, lat_batch, lat_ranges, [producer] if producer else [])
+            if pending is not None:
+                pendings.append(pending)
+
+            n_layers, tb = target.n_layers, target.token_bytes
+            width = 2 * n_layers
+            keys = [k for blob in blobs for i in range(n_layers) for k in layer_keys(blob.locator, i)]
+            kv = self._start(keys, [width] * len(blobs))
+            reads.append(kv)
+            table, n = kv.transfer([target.chunk_value_nbytes] * len(keys))
+            if n < len(keys):
+                return None
+            values = np.array(decode_plan_table(table, n, arena=arena), dtype=np.int64).reshape(len(blobs), width)
+            rings = [t for pair in target.kv for t in pair]  # layer-major, K before V
+            ring_ptrs = np.array([t.data_ptr() for t in rings], dtype=np.int64)
+            slot = {depth: j for j, depth in enumerate(target.window_depths)}
+            runs = target.runs
+            run_slot = np.array([slot[r.chunk_depth] for r in runs], dtype=np.int64)
+            src_off = np.array([r.src_token for r in runs], dtype=np.int64) * tb
+            dst_off = np.array([r.dst_token for r in runs], dtype=np.int64) * tb
+            run_bytes = np.array([r.n_tokens for r in runs], dtype=np.int64) * tb
+            kv_batch = CopyBatch.of(  # chunk-major runs, then layer, then K before V
+                (ring_ptrs[None, :] + dst_off[:, None]).ravel(),
+                (values[run_slot] + src_off[:, None]).ravel(),
+                np.repeat(run_bytes, width),
+                link.from_values,
+            )
+            pending = self._submit(transfer, kv_batch, [transfer.device_range(t) for t in rings] + link.value_ranges, [])
+            if pending is not None:
+                transfer.stream_wait(None, pending)  # the runtime reads the ring after the copies
+                pendings.append(pending)
+            for p in pendings:
+                p.wait()  # the one synchronize before the views are released
+            return lat_batch.nbytes + kv_batch.nbytes
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            for p in pendings:
+                settle(p, error)
+            if producer is not None:
+                transfer.release_event(producer)
+            for read in reads:
+                try:
+                    read.end()
+                except Exception as end_error:
+                    if error is None:
+                        raise
+                    add_note(error, f"ending the get plan failed too: {end_error!r}")
+
+    # -- one latent, one layer, a probe ---------------------------------------------------------
+    def get_latent(self, locator: str, like: Any, size: Optional[int]) -> Any:
+        """The latent ``locator`` (see ``PlanTierStore.get_skeleton``), or None when absent."""
+        size = nbytes(like) if like is not None else size
+        size = self._latent_sizes.get(locator) if size is None else size
+        if size is None:
+            raise LayoutMismatchError(f"size of latent {locator} unknown: pass like= or nbytes=")
+        with self.reading([locator], [1]) as read:
+            table, n = read.transfer([size])
+            if n == 0:
+                return None
+            (src,) = decode_plan_table(table, 1, arena=table_arena(self.client))
+            if like is None:
+                return self._raw(src, size)
+            out = like.new_empty(like.shape)
+            transfer = self.link.transfer_for(out)
+            batch = CopyBatch.of([out.data_ptr()], [src], [size], self.link.from_values)
+            copy_now(transfer, batch, [transfer.device_range(out)] + self.link.value_ranges,
+                     producer=None, on=self.link.read_stream)
+            return out
+
+    def get_layer(self, handle: BlobHandle, layer: int, like: Optional[LayerPayload]) -> Optional[LayerPayload]:
+        """One layer's ``(k, v)`` (see ``PlanTierStore.get_layer``), or None when either is
+        missing."""
+        size = handle.nbytes // (2 * handle.n_layers)
+        sizes = [size, size] if like is None else [nbytes(t) for t in like]
+        with self.reading(list(layer_keys(handle.locator, layer)), [2]) as read:
+            table, n = read.transfer(sizes)
+            if n < 2:
+                return None
+            srcs = decode_plan_table(table, 2, arena=table_arena(self.client))
+            if like is None:
+                return self._raw(srcs[0], size), self._raw(srcs[1], size)
+            k, v = (t.new_empty(t.shape) for t in like)
+            transfer = self.link.transfer_for(k)
+            batch = CopyBatch.of([k.data_ptr(), v.data_ptr()], srcs, [nbytes(k), nbytes(v)], self.link.from_values)
+            copy_now(transfer, batch, [transfer.device_range(k), transfer.device_range(v)] + self.link.value_ranges,
+                     producer=None, on=self.link.read_stream)
+            return k, v
+
+    def _raw(self, src: int, size: int) -> bytes:
+        """The bytes of a value this store holds a view of (through the pool for device values)."""
+        if self.link.value_ranges:  # published values were synchronized before their commit
+            return bytes(self.client.value_tensor(src, size).cpu().numpy())  # type: ignore[attr-defined]
+        return ctypes.string_at(src, size)
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Which of ``keys`` are published, in order, copying no value: a get plan of one-key
+        groups, transferred and released at once; its transferable prefix ends at the first
+        missing key, and the probe resumes after it."""
+        keys = list(keys)
+        out = [False] * len(keys)
+        i = 0
+        while i < len(keys):
+            rest = keys[i:]
+            with self.reading(rest, [1] * len(rest)) as read:
+                _, n = read.transfer()
+            out[i : i + n] = [True] * n
+            i += n + 1
+        return out

@@ -1,0 +1,133 @@
+"""The Plan tier's counters: `Counters`, which every role of the store adds to, and the frozen
+snapshot `PlanTierStats` that ``PlanTierStore.stats`` returns (the field names are what reports
+and benchmarks read: keep them)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Dict, Optional
+
+import attrs
+
+__all__ = ["Counters", "PlanTierStats", "collect"]
+
+
+@attrs.frozen(slots=True)
+class PlanTierStats:
+    """A snapshot of the Plan tier's counters (bytes and seconds are whole calls, wall clock).
+
+    Warm-up: ``warmup_seconds`` (all of it), ``segment_ready_seconds`` (the client's
+    ``wait_local_segments_ready``: ``map_seconds`` + ``fault_seconds`` for an embedded client,
+    ``fault_method`` with ``fault_threads``, ``huge_page_bytes`` backed by 2 MiB pages),
+    ``register_seconds`` and ``mappings`` (per mapping: ptr, length, generation, writable,
+    register_seconds). Writes: ``put_seconds`` from put_async to ready, ``put_submit_seconds``
+    spent inside put_async (the request path), ``backpressure_*`` waits for a staging slot,
+    ``pending_writes`` and ``inflight_bytes`` now, ``peak_inflight_bytes``."""
+
+    put_bytes: int = 0
+    put_seconds: float = 0.0
+    put_submit_seconds: float = 0.0
+    puts: int = 0
+    put_failures: int = 0
+    get_bytes: int = 0
+    get_seconds: float = 0.0
+    reads: int = 0
+    read_hits: int = 0
+    read_misses: int = 0
+    plans_started: int = 0
+    plans_committed: int = 0
+    plans_aborted: int = 0
+    gets_started: int = 0
+    gets_transferred: int = 0
+    gets_cancelled: int = 0
+    values_removed: int = 0
+    used_bytes: Optional[int] = None
+    capacity_bytes: Optional[int] = None
+    n_values: Optional[int] = None
+    overlap: bool = False
+    pending_writes: int = 0
+    inflight_bytes: int = 0
+    peak_inflight_bytes: int = 0
+    backpressure_waits: int = 0
+    backpressure_seconds: float = 0.0
+    snapshot_bytes: int = 0
+    write_pieces: int = 0
+    staging_bytes: int = 0
+    warmup_seconds: float = 0.0
+    segment_ready_seconds: float = 0.0
+    map_seconds: float = 0.0
+    fault_seconds: float = 0.0
+    fault_method: str = "none"
+    fault_threads: int = 0
+    huge_page_bytes: int = -1
+    register_seconds: float = 0.0
+    mappings: tuple = ()
+    transfer: Dict[str, Any] = attrs.field(factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = attrs.asdict(self)
+        out["mappings"] = [dict(m) for m in self.mappings]
+        out.update({f"transfer_{k}": v for k, v in out.pop("transfer").items()})
+        return out
+
+
+class Counters:
+    """Sums (``count``: added to, e.g. ``puts``, ``put_seconds``) and facts (``note``: set, e.g.
+    ``overlap``, ``mappings``), each a `PlanTierStats` field; thread-safe (the completion
+    thread counts too)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sums: dict[str, Any] = {}
+        self._facts: dict[str, Any] = {}
+
+    def count(self, **deltas: Any) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._sums[k] = self._sums.get(k, 0) + v
+
+    def note(self, **facts: Any) -> None:
+        with self._lock:
+            self._facts.update(facts)
+
+    def get(self, name: str, default: Any = 0) -> Any:
+        with self._lock:
+            return self._sums.get(name, default)
+
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(sums, facts)``, copies taken together."""
+        with self._lock:
+            return dict(self._sums), dict(self._facts)
+
+
+def collect(
+    counters: Counters,
+    *,
+    usage: Any,
+    timers: Any,
+    pending_writes: int,
+    inflight_bytes: int,
+    peak_inflight_bytes: int,
+    staging_bytes: int,
+    transfer: dict[str, Any],
+) -> PlanTierStats:
+    """The snapshot: the counters, with the client's `PlanUsage` and segment timers (either may
+    be None), the write-back state now and the transfer runtime's own stats."""
+    sums, facts = counters.snapshot()
+    return PlanTierStats(
+        **sums,
+        **facts,
+        used_bytes=usage.used_bytes if usage else None,
+        capacity_bytes=usage.capacity_bytes if usage else None,
+        n_values=usage.n_values if usage else None,
+        pending_writes=pending_writes,
+        inflight_bytes=inflight_bytes,
+        peak_inflight_bytes=peak_inflight_bytes,
+        staging_bytes=staging_bytes,
+        map_seconds=getattr(timers, "map_seconds", 0.0) if timers else 0.0,
+        fault_seconds=timers.fault_seconds if timers else 0.0,
+        fault_method=timers.fault_method if timers else "none",
+        fault_threads=getattr(timers, "fault_threads", 0) if timers else 0,
+        huge_page_bytes=getattr(timers, "huge_page_bytes", -1) if timers else -1,
+        transfer=transfer,
+    )

@@ -1,0 +1,362 @@
+"""`PlanTierStore` (store ``fluxon_plan``): the facade that implements the store interfaces over
+the Plan tier's roles; every method checks the store is open and hands the call to one role.
+
+It is a `TierStore` and a `PathReadStore` (``accepts_device_views``): the manager hands it
+detached views of the ring tail on write and a `RestoreTarget` on read (docs/design.md section 2).
+
+Lifecycle::
+
+    PlanTierStore(...)   the client built (or given), then warmed up: its segments ready and
+                         registered, streams made, staging allocated (`TransferLink`)
+    put_async / put_skeleton / copy_values_from          -> `Writer` (overlapped writes end on
+                                                            the `Completion` thread)
+    read_path / get_skeleton / get_layer / contains      -> `Reader`
+    usage / free / free_skeleton                         -> `SegmentCapacity`
+    stats                                                -> `PlanTierStats` (`Counters`)
+    flush()   every pending write ended (bounded)
+    close()   flush; the completion thread stopped; staging dropped; streams destroyed;
+              segments unregistered; what the store built closed. Idempotent; any other call
+              after it raises `StoreClosedError`.
+
+No checksum on this tier, by decision: its values live in host DRAM (ECC on server machines) that
+only the GPU's copy engines write and read, in batches at PCIe speed (about 50 GiB/s a
+direction). A checksum would need the CPU to read every byte of a 3.57 GiB chunk on the hot
+path (xxh3 at about 10-30 GB/s on one core: 0.15-0.4 s, against the 70 ms copy), or a checksum
+kernel on the device in the middle of the batch, to guard a medium with no silent-corruption path
+of its own (no disk, no socket). Values that vanish (evicted, a restarted owner) are caught as
+misses (``contains``) and invalidated by the manager; the tiers whose media can corrupt (LocalDisk
+files, the generic Fluxon tier) carry checksums (`cacheseek.stores.checksum`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Dict, Optional
+
+from cacheseek.errors import ConfigError, StoreClosedError
+from cacheseek.kv.handles import BlobHandle, ChunkNode, Tier
+from cacheseek.kv.payload import LayerPayload, RestoreTarget
+from cacheseek.plan.base import PlanClient
+from cacheseek.registry import STORES
+from cacheseek.sizes import Size, available_memory, free_bytes, parse_size
+from cacheseek.sizing import SizeField
+from cacheseek.stores.plan_tier.capacity import SegmentCapacity, StagingSlots
+from cacheseek.stores.plan_tier.client import build_client, client_fields, offered
+from cacheseek.stores.plan_tier.completion import Completion
+from cacheseek.stores.plan_tier.link import TransferLink
+from cacheseek.stores.plan_tier.read import Reader
+from cacheseek.stores.plan_tier.stats import Counters, PlanTierStats, collect
+from cacheseek.stores.plan_tier.write import Writer
+from cacheseek.transfer.protocol import TransferRuntime
+
+__all__ = ["PlanTierSchema", "PlanTierStore"]
+
+
+@dataclasses.dataclass
+class PlanTierSchema:
+    _target_: str = "cacheseek.stores.plan_tier.PlanTierStore"
+    client: str = "embedded"
+    # The embedded client's segment: a size (24GiB, 512MiB), or auto = the workload's chunks
+    # below the eviction watermark, capped by free memory (cacheseek.sizing).
+    segment_bytes: Any = "auto"
+    prefault_threads: int = 0
+    backing: str = "shared"
+    hugepages: bool = True
+    shm_dir: Optional[str] = None
+    transfer_kind: str = "auto"
+    device: Optional[str] = None
+    commit_timeout_s: float = 30.0
+    overlap: Optional[bool] = None
+    staging_slots: int = 2
+    staging_slot_bytes: Any = 0
+    max_inflight_bytes: Any = 0
+    write_piece_bytes: Any = "32MiB"
+    write_pieces_in_flight: int = 2
+    client_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@STORES.register("fluxon_plan", PlanTierSchema)
+class PlanTierStore:
+    """KV tier over a Plan client and a transfer runtime (see the module docstring).
+
+    ``client``: a `PLAN_CLIENTS` name, built with ``segment_bytes``, ``prefault_threads``,
+    ``backing``, ``hugepages``, ``shm_dir`` (where its schema has them) and ``client_options``;
+    or pass a built client as ``plan_client`` (the caller then keeps owning it). ``transfer``: a
+    built `TransferRuntime` (the caller keeps owning it); else ``transfer_kind`` from `TRANSFERS`
+    is built for ``device`` now, or for the device of the first tensors seen.
+    ``overlap``: None = on for a CUDA runtime, off for the host runtime; on needs a runtime with
+    the `AsyncTransfer` capability. ``staging_slots`` x ``staging_slot_bytes`` (0: sized by the
+    first chunk) of device memory hold the snapshots of in-flight writes; ``max_inflight_bytes``
+    (0: no bound beyond the slots) bounds the bytes of pending writes. ``write_piece_bytes``: the
+    overlapped D2H goes out in pieces of about this size, ``write_pieces_in_flight`` at a time,
+    from the completion thread (0: one batch from put_async). A copy the runtime makes in the same
+    direction meanwhile (a frame read back, a ``.tolist()``) shares the copy engine: behind one
+    3.6 GiB batch it would wait ~70 ms, behind two pieces of 32 MiB ~1.3 ms.
+    """
+
+    __module__ = "cacheseek.stores.plan_tier"  # its public path: configs and results name it there
+
+    accepts_device_views = True
+    storage_format = "cacheseek.plan.raw.v1"  # bare bytes; shapes and dtypes come from the runtime
+
+    def __init__(
+        self,
+        client: str = "embedded",
+        segment_bytes: Size = 1 << 30,
+        prefault_threads: int = 0,
+        backing: str = "shared",
+        hugepages: bool = True,
+        shm_dir: Optional[str] = None,
+        transfer_kind: str = "auto",
+        device: Optional[str] = None,
+        commit_timeout_s: float = 30.0,
+        overlap: Optional[bool] = None,
+        staging_slots: int = 2,
+        staging_slot_bytes: Size = 0,
+        max_inflight_bytes: Size = 0,
+        write_piece_bytes: Size = 32 << 20,
+        write_pieces_in_flight: int = 2,
+        client_options: Optional[dict[str, Any]] = None,
+        *,
+        transfer: Optional[TransferRuntime] = None,
+        plan_client: Optional[PlanClient] = None,
+        geometry_bytes: Optional[tuple[int, int]] = None,
+    ) -> None:
+        for name, value in (("staging_slots", staging_slots), ("write_pieces_in_flight", write_pieces_in_flight)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"store.{name}", f"must be an int >= 1, got {value!r}")
+        staging_slot_bytes = parse_size(staging_slot_bytes, "store.staging_slot_bytes")
+        max_inflight_bytes = parse_size(max_inflight_bytes, "store.max_inflight_bytes")
+        write_piece_bytes = parse_size(write_piece_bytes, "store.write_piece_bytes")
+        self.commit_timeout_s = commit_timeout_s
+        self.transfer_kind = transfer_kind
+        self._closed = False
+        if plan_client is None:
+            given = dict(segment_bytes=segment_bytes, prefault_threads=prefault_threads, backing=backing,
+                         hugepages=hugepages, shm_dir=shm_dir)
+            if geometry_bytes is not None:  # (largest value, one chunk's KV): clients size staging
+                given.update(value_bytes=geometry_bytes[0], chunk_bytes=geometry_bytes[1])
+            plan_client = build_client(client, given, client_options)
+            self._owns_client = True
+        else:
+            self._owns_client = False
+        self._client: PlanClient = plan_client
+        self._counters = Counters()
+        self._latent_sizes: dict[str, int] = {}
+        self._link = TransferLink(plan_client, transfer, transfer_kind=transfer_kind, device=device,
+                                  overlap=overlap, counters=self._counters, on_attach=self._attached)
+        self._slots = StagingSlots(staging_slots, staging_slot_bytes, max_inflight_bytes,
+                                   timeout_s=commit_timeout_s, allocate=self._link.staging_tensor,
+                                   counters=self._counters, pending_writes=lambda: self._completion.pending)
+        self._completion = Completion(self._link, self._slots, self._counters,
+                                      pieces_in_flight=write_pieces_in_flight, timeout_s=commit_timeout_s)
+        self._reader = Reader(self._link, self._counters, self._latent_sizes)
+        self._writer = Writer(self._link, self._slots, self._completion, self._counters, self._latent_sizes,
+                              piece_bytes=write_piece_bytes, timeout_s=commit_timeout_s)
+        self._capacity = SegmentCapacity(plan_client, self._counters, self._latent_sizes)
+        try:
+            self._link.warm_up(device)
+        except BaseException:
+            self._teardown()
+            if self._owns_client:
+                self._client.close()
+            raise
+
+    def _attached(self, like: Any) -> None:
+        """The link is attached to its runtime: with overlap, the staging slots are made now."""
+        if self._link.overlap:
+            self._slots.fill(like)
+
+    @classmethod
+    def size_fields(cls, config: dict[str, Any]) -> list[SizeField]:
+        """`SizedStore`: the embedded client's ``segment_bytes``, or the host staging
+        (``client_options.staging_bytes``) of a client that stages writes, against free memory."""
+        options = config.get("client_options") or {}
+        accepted = client_fields(config.get("client", "embedded"))
+        room, label = available_memory(), "free memory"
+        if options.get("backing", config.get("backing")) == "shm":
+            shm = options.get("shm_dir") or config.get("shm_dir") or "/dev/shm"
+            shm_free = free_bytes(shm)
+            if shm_free is not None and (room is None or shm_free < room):
+                room, label = shm_free, f"free space in {shm}"
+        fields = []
+        if "segment_bytes" in accepted:
+            fields.append(SizeField("segment_bytes", "segment", room=room, room_label=label,
+                                    alignment=int(options.get("alignment", 256))))
+        if "staging_bytes" in accepted:
+            fields.append(SizeField("client_options.staging_bytes", "staging", room=room, room_label=label,
+                                    alignment=256))
+        return fields
+
+    # -- what it is attached to -----------------------------------------------------------------
+    @property
+    def transfer(self) -> Optional[TransferRuntime]:
+        return self._link.transfer
+
+    @property
+    def plan_client(self) -> PlanClient:
+        return self._client
+
+    @property
+    def overlap(self) -> bool:
+        """Whether writes return before their copies land (resolved once a runtime is known)."""
+        return self._link.overlap
+
+    @property
+    def values_on_device(self) -> bool:
+        """Whether the client's values live in device memory (the HBM tier): copies in and out
+        of them are D2D and the segment is a declared device range, not a registered mapping."""
+        return self._link.values_on_device
+
+    @property
+    def stats(self) -> PlanTierStats:
+        inflight, peak, staging = self._slots.snapshot()
+        timers_fn = offered(self._client, "segment_timers")
+        transfer = self._link.transfer
+        return collect(
+            self._counters,
+            usage=self.usage(),
+            timers=timers_fn() if timers_fn is not None else None,
+            pending_writes=self._completion.pending,
+            inflight_bytes=inflight,
+            peak_inflight_bytes=peak,
+            staging_bytes=staging,
+            transfer=transfer.stats.as_dict() if transfer is not None else {},
+        )
+
+    @property
+    def _worker(self) -> Optional[threading.Thread]:
+        """The completion thread, once started."""
+        return self._completion.thread
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("Plan tier store used after close()")
+
+    # -- write ----------------------------------------------------------------------------------
+    def put_async(
+        self,
+        locator: str,
+        payload: Sequence[LayerPayload],
+        *,
+        tier: Tier,
+        on_ready: Optional[Callable[[BlobHandle], None]] = None,
+        stream: Any = None,
+    ) -> BlobHandle:
+        """Write one chunk's KV (per layer ``(k, v)`` views ``[1, chunk_tokens, H, D]``,
+        contiguous, on the runtime device) under ``{locator}:L{i}:k/v``; ``stream``: where the
+        views were produced (None: the current stream). Without overlap the handle comes back
+        ready (on_ready already called); with overlap it comes back PENDING and turns ready (or
+        gets ``error``) on the completion thread. Raises a `StoreError` (handle.error set) for a
+        failure found before it returns."""
+        self._check_open()
+        return self._writer.put_async(locator, payload, tier=tier, on_ready=on_ready, stream=stream)
+
+    def put_skeleton(self, locator: str, latent: Any, *, stream: Any = None) -> None:
+        """Write one latent (a contiguous tensor on the runtime device) as the value ``locator``
+        (``{hex}:lat``), synchronously. Raises a `StoreError`."""
+        self._check_open()
+        self._writer.put_latent(locator, latent, stream=stream)
+
+    def copy_values_from(
+        self, source: "PlanTierStore", keys: Sequence[str], lengths: Optional[Sequence[int]] = None
+    ) -> Optional[int]:
+        """Copy the published values ``keys`` of another Plan-style store into this one under the
+        same keys: one get plan on ``source``, one batch straight from its values into this
+        store's reserved values (H2D from a host store into device values, D2H the other way, D2D
+        or H2H between two of a kind), one synchronize, then commit: publication last. How tiers
+        promote and demote without a staging copy. ``lengths``: each value's byte length (default:
+        what ``source`` knows of them). All or nothing: None, with nothing written, when a key is
+        missing from ``source``; a `StoreError` (nothing written) on any failure. Both stores'
+        memory must be known to this store's transfer runtime (the tiered store shares one).
+        Returns the bytes copied."""
+        self._check_open()
+        source._check_open()
+        return self._writer.copy_from(source._reader, keys, lengths)
+
+    # -- read -----------------------------------------------------------------------------------
+    def read_path(
+        self, path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget
+    ) -> bool:
+        """See `PathReadStore.read_path`. Raises `LayoutMismatchError` when the blob handles or
+        the runs disagree with ``target``; `TransferError`, `PlanTableError`, `PlanError` on
+        failures. Fills ``target.latents`` and ``target.kv``; publishes nothing."""
+        self._check_open()
+        return self._reader.read_path(path, window, target)
+
+    def get_skeleton(self, locator: str, like: Any = None, *, nbytes: Optional[int] = None) -> Any:
+        """The latent stored under ``locator``, or None when absent. With ``like`` (a tensor on the
+        runtime device), a new tensor of its shape and dtype filled with the value; without, the
+        raw bytes (size from ``nbytes`` or from this store's own `put_skeleton`). Restores read
+        latents through `read_path`."""
+        self._check_open()
+        return self._reader.get_latent(locator, like, nbytes)
+
+    def get_layer(
+        self, handle: BlobHandle, layer: int, *, like: Optional[LayerPayload] = None
+    ) -> Optional[LayerPayload]:
+        """One layer's ``(k, v)``, or None when either is missing. With ``like`` (a ``(k, v)``
+        pair of tensors on the runtime device) new tensors of their shapes and dtypes; without,
+        raw bytes of ``handle.nbytes / (2 * n_layers)`` each (K and V of one size). The manager
+        restores through `read_path`; this is the generic per-layer read."""
+        self._check_open()
+        return self._reader.get_layer(handle, layer, like)
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Which of ``keys`` are published, in order, copying no value (see `Reader.contains`)."""
+        self._check_open()
+        return self._reader.contains(keys)
+
+    # -- capacity and reclamation (the manager's eviction and consistency checks) ----------------
+    def usage(self) -> Any:
+        """The client's `PlanUsage` (segment bytes in use, its capacity, values), or None when the
+        client does not report it or the store is closed."""
+        return None if self._closed else self._capacity.usage()
+
+    def free(self, handle: BlobHandle) -> None:
+        """Remove every K/V value of the blob (idempotent); the skeleton stays. Refuses a blob
+        whose write is still in flight (`WriteNotCompleteError`). Raises `PlanError` if any
+        removal fails (the caller keeps the blob)."""
+        self._check_open()
+        self._capacity.free(handle)
+
+    def free_skeleton(self, locator: str) -> None:
+        """Remove a latent (idempotent); raises a `StoreError` if the removal fails."""
+        self._check_open()
+        self._capacity.free_latent(locator)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def flush(self, timeout_s: Optional[float] = None) -> None:
+        """Wait until every pending write has committed or failed (a failure is on its handle and
+        in `stats`; nothing is raised). Returns at once without overlap. Bounded: at most
+        ``timeout_s`` seconds (default: ``commit_timeout_s`` per pending write, at least 4 of them);
+        `StoreTimeoutError` past it, naming how many writes are pending (they go on)."""
+        self._completion.flush(timeout_s)
+
+    def close(self) -> None:
+        """Flush, stop the completion thread, destroy the streams, drop the staging slots,
+        unregister the segments, close what this store built. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self._slots.close()
+            # Never tear streams, registrations or the client down under a live completion thread.
+            self._completion.stop()
+            try:
+                self._teardown()
+            finally:
+                if self._owns_client:
+                    self._client.close()
+
+    def _teardown(self) -> None:
+        self._slots.drop()
+        self._link.close()
+
+    def __repr__(self) -> str:
+        return (f"PlanTierStore(client={type(self._client).__name__}, transfer={self._link.transfer!r}, "
+                f"overlap={self._link.overlap})")
