@@ -257,3 +257,37 @@ def test_a_value_shorter_than_its_target_is_refused_before_any_copy(make_store, 
     assert len(parts["transfer"].batches) == (0 if wider == "latent" else 1)
     assert not any(t.any() for pair in target.kv for t in pair)
     assert parts["client"].live_handles() == (0, 0)
+
+
+def test_a_ring_is_declared_once_and_another_ring_is_checked_again(make_store, monkeypatch):
+    """The ring's device ranges are checked with ``device_range`` on the first restore into it
+    only; a restore into another ring (new tensors, or one tensor at the same address with
+    another size) checks every tensor again, and every restore lands byte for byte."""
+    geom, n_chunks = GEOMETRIES["sink_plus_recent"]
+    store, parts = make_store("fake_cuda")
+    nodes, states, _, kv_size = ingest(store, geom, n_chunks)
+    checked = []
+    inner = type(parts["transfer"]._inner).device_range
+    monkeypatch.setattr(type(parts["transfer"]._inner), "device_range",
+                        lambda self, t: checked.append(t.data_ptr()) or inner(self, t))
+    target = target_for(geom, n_chunks, kv_size)
+    ring_tensors = 2 * N_LAYERS
+    for again in range(3):
+        for t in target.kv[0]:
+            t.zero_()
+        assert store.read_path(nodes, window_of(nodes, geom, n_chunks), target)
+        assert len(checked) == ring_tensors + n_chunks * (again + 1)  # latents every time, the ring once
+    cold, local_end, _ = states[-1]
+    assert torch.equal(target.kv[0][0][:, :local_end], cold[0][0][:, :local_end])
+
+    other = target_for(geom, n_chunks, kv_size)
+    before = len(checked)
+    assert store.read_path(nodes, window_of(nodes, geom, n_chunks), other)
+    assert len(checked) - before == ring_tensors + n_chunks
+    longer = torch.zeros(1, kv_size + 1, *other.kv[0][0].shape[2:], dtype=other.kv[0][0].dtype)
+    resized = RestoreTarget(kv=((longer, other.kv[0][1]),) + other.kv[1:], runs=other.runs,
+                            window_depths=other.window_depths, token_bytes=other.token_bytes,
+                            chunk_tokens=other.chunk_tokens, latents=other.latents)
+    before = len(checked)
+    assert store.read_path(nodes, window_of(nodes, geom, n_chunks), resized)
+    assert len(checked) - before == ring_tensors + n_chunks

@@ -42,7 +42,7 @@ from cacheseek.stores.plan_tier.link import TransferLink
 from cacheseek.stores.plan_tier.stats import Counters
 from cacheseek.transfer.batch import CopyBatch
 from cacheseek.transfer.lazy import LazyModule
-from cacheseek.transfer.memory import MemoryRange
+from cacheseek.transfer.memory import DeviceRanges, MemoryRange
 from cacheseek.transfer.pending import PendingBatch
 
 __all__ = ["GetRead", "Reader", "check_path"]
@@ -140,6 +140,7 @@ class Reader:
         self.client = link.client
         self._counters = counters
         self._latent_sizes = latent_sizes
+        self._ring: Optional[tuple[Any, tuple[tuple[int, int], ...], DeviceRanges]] = None  # (runtime, spans, ranges)
 
     def _start(self, keys: list[str], group_lens: list[int]) -> GetRead:
         read = GetRead(self.client, self._counters, self._latent_sizes, self.client.get_start(keys, group_lens))
@@ -233,7 +234,8 @@ class Reader:
                 return None
             values = np.array(decode_plan_table(table, n, arena=arena), dtype=np.int64).reshape(len(blobs), width)
             rings = [t for pair in target.kv for t in pair]  # layer-major, K before V
-            ring_ptrs = np.array([t.data_ptr() for t in rings], dtype=np.int64)
+            spans, ring_ranges = self._ring_ranges(transfer, rings)
+            ring_ptrs = np.array([ptr for ptr, _ in spans], dtype=np.int64)
             slot = {depth: j for j, depth in enumerate(target.window_depths)}
             runs = target.runs
             run_slot = np.array([slot[r.chunk_depth] for r in runs], dtype=np.int64)
@@ -246,7 +248,7 @@ class Reader:
                 np.repeat(run_bytes, width),
                 link.from_values,
             )
-            pending = self._submit(transfer, kv_batch, [transfer.device_range(t) for t in rings] + link.value_ranges, [])
+            pending = self._submit(transfer, kv_batch, ring_ranges, [])
             if pending is not None:
                 transfer.stream_wait(None, pending)  # the runtime reads the ring after the copies
                 pendings.append(pending)
@@ -268,6 +270,20 @@ class Reader:
                     if error is None:
                         raise
                     add_note(error, f"ending the get plan failed too: {end_error!r}")
+
+    def _ring_ranges(self, transfer: Any, rings: list[Any]) -> tuple[tuple[tuple[int, int], ...], DeviceRanges]:
+        """Each ring tensor's (address, bytes) in ``rings`` order, and the device ranges a restore
+        declares (the ring's and the value pool's), checked by ``transfer.device_range`` once per
+        ring: a runtime restores into the same ring every session, and declaring its 80 tensors
+        anew would cost more than submitting the copies. Another ring (or another tensor at the
+        same address with another size) is checked again."""
+        spans = tuple((t.data_ptr(), t.numel() * t.element_size()) for t in rings)
+        memo = self._ring
+        if memo is not None and memo[0] is transfer and memo[1] == spans:
+            return spans, memo[2]
+        declared = DeviceRanges.of([transfer.device_range(t) for t in rings] + list(self.link.value_ranges))
+        self._ring = (transfer, spans, declared)
+        return spans, declared
 
     # -- one latent, one layer, a probe ---------------------------------------------------------
     def get_latent(self, locator: str, like: Any, size: Optional[int]) -> Any:
