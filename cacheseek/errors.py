@@ -98,3 +98,9 @@ def add_note(exc: BaseException, note: str) -> None:
     that failed while handling ``exc`` is reported with it instead of replacing it."""
     if hasattr(exc, "add_note"):
         exc.add_note(note)
+
+
+class StoreWarmingError(StoreError):
+    """A write reached a store still warming up in the background (``store.warmup=background``):
+    it serves reads as misses and refuses writes until its segment is mapped and registered. The
+    run goes on uncached meanwhile."""

@@ -121,6 +121,9 @@ class AbcdGate:
 
     def run(self, stack) -> dict[str, Any]:
         n, p = self.n, self.p
+        wait_ready = getattr(stack.store, "wait_ready", None)
+        if wait_ready is not None and not wait_ready(None):  # a background warm-up: the gate needs hits
+            log.warning("the store's warm-up failed; the gate runs against a store that refuses writes")
         steps = 4 + (self.n if self.ring_check else 0)
         with bar(steps, "gate", unit="req") as progress:
             reqs = []

@@ -32,7 +32,7 @@ import logging
 from typing import Any, Optional, Sequence
 
 from cacheseek import namespace, weights
-from cacheseek.errors import CacheSeekError, ConfigError, GeometryError, LayoutMismatchError
+from cacheseek.errors import CacheSeekError, ConfigError, GeometryError, LayoutMismatchError, StoreWarmingError
 from cacheseek.kv.payload import RestoreTarget
 from cacheseek.layout.bshd import BshdLayout
 from cacheseek.reuse.exact_prefix.actions import action_bytes
@@ -192,7 +192,8 @@ class LingBotWorldKVBinding:
                 self.bytes_written += nbytes
         except CacheSeekError as exc:
             self.ingest_errors += 1
-            log.warning("ingest of chunk %d failed (the run goes on uncached): %s", idx, exc)
+            level = logging.INFO if isinstance(exc, StoreWarmingError) else logging.WARNING  # expected while warming
+            log.log(level, "ingest of chunk %d failed (the run goes on uncached): %s", idx, exc)
             node = self.forest.commit(self._ns, parent, action, key, idx)
         self._cursor = node
         if self.snapshot_on_finalize:

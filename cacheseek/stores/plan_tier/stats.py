@@ -22,7 +22,9 @@ class PlanTierStats:
     ``register_seconds`` and ``mappings`` (per mapping: ptr, length, generation, writable,
     register_seconds). Writes: ``put_seconds`` from put_async to ready, ``put_submit_seconds``
     spent inside put_async (the request path), ``backpressure_*`` waits for a staging slot,
-    ``pending_writes`` and ``inflight_bytes`` now, ``peak_inflight_bytes``."""
+    ``pending_writes`` and ``inflight_bytes`` now, ``peak_inflight_bytes``. Background warm-up
+    (``warmup``): ``ready``, the reads served as misses and the writes refused meanwhile, and
+    ``warmup_error`` when it failed."""
 
     put_bytes: int = 0
     put_seconds: float = 0.0
@@ -61,6 +63,11 @@ class PlanTierStats:
     fault_threads: int = 0
     huge_page_bytes: int = -1
     register_seconds: float = 0.0
+    warmup: str = "foreground"
+    ready: bool = True
+    reads_while_warming: int = 0
+    writes_while_warming: int = 0
+    warmup_error: Optional[str] = None
     mappings: tuple = ()
     transfer: Dict[str, Any] = attrs.field(factory=dict)
 

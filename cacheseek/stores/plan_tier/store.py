@@ -48,6 +48,7 @@ from cacheseek.stores.plan_tier.completion import Completion
 from cacheseek.stores.plan_tier.link import TransferLink
 from cacheseek.stores.plan_tier.read import Reader
 from cacheseek.stores.plan_tier.stats import Counters, PlanTierStats, collect
+from cacheseek.stores.plan_tier.warmup import Warmup
 from cacheseek.stores.plan_tier.write import Writer
 from cacheseek.transfer.protocol import TransferRuntime
 
@@ -74,6 +75,9 @@ class PlanTierSchema:
     max_inflight_bytes: Any = 0
     write_piece_bytes: Any = "32MiB"
     write_pieces_in_flight: int = 2
+    # foreground: ready when built; background: the segment warms on a thread while the store
+    # serves every read as a miss and drops every write (the first request waits for nothing)
+    warmup: str = "foreground"
     client_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -93,7 +97,8 @@ class PlanTierStore:
     overlapped D2H goes out in pieces of about this size, ``write_pieces_in_flight`` at a time,
     from the completion thread (0: one batch from put_async). A copy the runtime makes in the same
     direction meanwhile (a frame read back, a ``.tolist()``) shares the copy engine: behind one
-    3.6 GiB batch it would wait ~70 ms, behind two pieces of 32 MiB ~1.3 ms.
+    3.6 GiB batch it would wait ~70 ms, behind two pieces of 32 MiB ~1.3 ms. ``warmup``:
+    ``foreground`` or ``background`` (`Warmup`; `wait_ready`).
     """
 
     __module__ = "cacheseek.stores.plan_tier"  # its public path: configs and results name it there
@@ -119,6 +124,7 @@ class PlanTierStore:
         write_piece_bytes: Size = 32 << 20,
         write_pieces_in_flight: int = 2,
         client_options: Optional[dict[str, Any]] = None,
+        warmup: str = "foreground",
         *,
         transfer: Optional[TransferRuntime] = None,
         plan_client: Optional[PlanClient] = None,
@@ -157,7 +163,7 @@ class PlanTierStore:
                               piece_bytes=write_piece_bytes, timeout_s=commit_timeout_s)
         self._capacity = SegmentCapacity(plan_client, self._counters, self._latent_sizes)
         try:
-            self._link.warm_up(device)
+            self._warmup = Warmup(lambda: self._link.warm_up(device), mode=warmup)
         except BaseException:
             self._teardown()
             if self._owns_client:
@@ -211,7 +217,26 @@ class PlanTierStore:
         return self._link.values_on_device
 
     @property
+    def ready(self) -> bool:
+        """Warmed up: reads and writes reach the segment (always, after a foreground warm-up)."""
+        return self._warmup.ready
+
+    def wait_ready(self, timeout_s: Optional[float] = None) -> bool:
+        """Block until a background warm-up ended, at most ``timeout_s``; whether it is ready."""
+        return self._warmup.wait(timeout_s)
+
+    def _warming(self, reads: int = 0, writes: int = 0) -> bool:
+        """True (counting the call) while the segment is not ready to serve."""
+        if self._warmup.ready:
+            return False
+        self._counters.count(reads_while_warming=reads, writes_while_warming=writes, reads=reads,
+                             read_misses=reads)
+        return True
+
+    @property
     def stats(self) -> PlanTierStats:
+        self._counters.note(warmup=self._warmup.mode, ready=self._warmup.ready,
+                            warmup_error=None if self._warmup.error is None else repr(self._warmup.error))
         inflight, peak, staging = self._slots.snapshot()
         timers_fn = offered(self._client, "segment_timers")
         transfer = self._link.transfer
@@ -252,12 +277,16 @@ class PlanTierStore:
         gets ``error``) on the completion thread. Raises a `StoreError` (handle.error set) for a
         failure found before it returns."""
         self._check_open()
+        if self._warming(writes=1):
+            raise self._warmup.refuse_write()
         return self._writer.put_async(locator, payload, tier=tier, on_ready=on_ready, stream=stream)
 
     def put_skeleton(self, locator: str, latent: Any, *, stream: Any = None) -> None:
         """Write one latent (a contiguous tensor on the runtime device) as the value ``locator``
         (``{hex}:lat``), synchronously. Raises a `StoreError`."""
         self._check_open()
+        if self._warming(writes=1):
+            raise self._warmup.refuse_write()
         self._writer.put_latent(locator, latent, stream=stream)
 
     def copy_values_from(
@@ -274,6 +303,10 @@ class PlanTierStore:
         Returns the bytes copied."""
         self._check_open()
         source._check_open()
+        if not source.ready:
+            return None
+        if self._warming(writes=1):
+            raise self._warmup.refuse_write()
         return self._writer.copy_from(source._reader, keys, lengths)
 
     # -- read -----------------------------------------------------------------------------------
@@ -284,6 +317,8 @@ class PlanTierStore:
         the runs disagree with ``target``; `TransferError`, `PlanTableError`, `PlanError` on
         failures. Fills ``target.latents`` and ``target.kv``; publishes nothing."""
         self._check_open()
+        if self._warming(reads=1):
+            return False
         return self._reader.read_path(path, window, target)
 
     def get_skeleton(self, locator: str, like: Any = None, *, nbytes: Optional[int] = None) -> Any:
@@ -292,6 +327,8 @@ class PlanTierStore:
         raw bytes (size from ``nbytes`` or from this store's own `put_skeleton`). Restores read
         latents through `read_path`."""
         self._check_open()
+        if not self._warmup.ready:
+            return None
         return self._reader.get_latent(locator, like, nbytes)
 
     def get_layer(
@@ -302,30 +339,36 @@ class PlanTierStore:
         raw bytes of ``handle.nbytes / (2 * n_layers)`` each (K and V of one size). The manager
         restores through `read_path`; this is the generic per-layer read."""
         self._check_open()
+        if not self._warmup.ready:
+            return None
         return self._reader.get_layer(handle, layer, like)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Which of ``keys`` are published, in order, copying no value (see `Reader.contains`)."""
         self._check_open()
+        if not self._warmup.ready:
+            return [False] * len(keys)
         return self._reader.contains(keys)
 
     # -- capacity and reclamation (the manager's eviction and consistency checks) ----------------
     def usage(self) -> Any:
         """The client's `PlanUsage` (segment bytes in use, its capacity, values), or None when the
         client does not report it or the store is closed."""
-        return None if self._closed else self._capacity.usage()
+        return None if self._closed or not self._warmup.ready else self._capacity.usage()
 
     def free(self, handle: BlobHandle) -> None:
         """Remove every K/V value of the blob (idempotent); the skeleton stays. Refuses a blob
         whose write is still in flight (`WriteNotCompleteError`). Raises `PlanError` if any
         removal fails (the caller keeps the blob)."""
         self._check_open()
-        self._capacity.free(handle)
+        if self._warmup.ready:  # nothing was written before
+            self._capacity.free(handle)
 
     def free_skeleton(self, locator: str) -> None:
         """Remove a latent (idempotent); raises a `StoreError` if the removal fails."""
         self._check_open()
-        self._capacity.free_latent(locator)
+        if self._warmup.ready:
+            self._capacity.free_latent(locator)
 
     # -- lifetime -------------------------------------------------------------------------------
     def flush(self, timeout_s: Optional[float] = None) -> None:
@@ -340,6 +383,7 @@ class PlanTierStore:
         unregister the segments, close what this store built. Idempotent."""
         if self._closed:
             return
+        self._warmup.join(max(60.0, self.commit_timeout_s))  # never tear down under the warm-up
         try:
             self.flush()
         finally:
