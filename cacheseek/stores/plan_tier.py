@@ -78,8 +78,10 @@ import attrs
 
 from cacheseek.errors import (
     ConfigError,
+    CorruptValueError,
     LayoutMismatchError,
     PlanError,
+    PlanTableError,
     StoreClosedError,
     StoreError,
     StoreTimeoutError,
@@ -1192,10 +1194,10 @@ class PlanTierStore:
         if size is None:
             raise LayoutMismatchError(f"size of latent {locator} unknown: pass like= or nbytes=")
         with self._reading([locator], [1]) as read:
-            table, n = read.transfer([size])
+            table, n = read.transfer([size] if like is not None else None)
             if n == 0:
                 return None
-            (src,) = decode_plan_table(table, 1, arena=self._arena())
+            (src,) = self._value_pointers(read, table, [size], raw=like is None)
             if like is None:
                 return self._raw(src, size)
             out = like.new_empty(like.shape)
@@ -1216,10 +1218,10 @@ class PlanTierStore:
         size = handle.nbytes // (2 * handle.n_layers)
         sizes = [size, size] if like is None else [_nbytes(t) for t in like]
         with self._reading(list(layer_keys(handle.locator, layer)), [2]) as read:
-            table, n = read.transfer(sizes)
+            table, n = read.transfer(sizes if like is not None else None)
             if n < 2:
                 return None
-            srcs = decode_plan_table(table, 2, arena=self._arena())
+            srcs = self._value_pointers(read, table, sizes, raw=like is None)
             if like is None:
                 return self._raw(srcs[0], size), self._raw(srcs[1], size)
             k, v = (t.new_empty(t.shape) for t in like)
@@ -1228,6 +1230,30 @@ class PlanTierStore:
             self._copy_now(transfer, batch, [transfer.device_range(k), transfer.device_range(v)] + self._value_ranges,
                            producer=None, on=self._read_stream)
             return k, v
+
+    def _value_pointers(self, read: "_Read", table: int, sizes: Sequence[int], *, raw: bool) -> list[int]:
+        """The value pointers of a transferred read of ``len(sizes)`` values, checked before any
+        byte is read: a bad table is a `PlanError` naming the key. With ``raw`` (the caller reads
+        ``sizes`` bytes itself, with no transfer runtime to check the addresses), each value must
+        also hold exactly its size (when the client reports lengths) and lie whole inside a
+        segment mapping of the client: else `CorruptValueError` naming the key."""
+        keys = read.plan.keys[: len(sizes)]
+        try:
+            srcs = decode_plan_table(table, len(sizes), arena=self._arena())
+        except PlanTableError as exc:
+            raise PlanError(f"read of {keys[0]!r}: {exc}") from exc
+        if not raw:
+            return srcs  # the transfer runtime checks every copy against the registered mappings
+        lengths_fn = getattr(self._client, "value_lengths", None)
+        lengths = list(lengths_fn(read.plan)) if callable(lengths_fn) else None
+        for i, (key, src, size) in enumerate(zip(keys, srcs, sizes)):
+            if lengths is not None and lengths[i] != size:
+                raise CorruptValueError(key, f"holds {lengths[i]} B where {size} B were written")
+            spans = self._value_ranges or [m.range for m in self._mappings]
+            if not any(r.contains(src, size) for r in spans):
+                raise CorruptValueError(
+                    key, f"[{src:#x}, +{size}) does not lie inside a segment mapping of the Plan client")
+        return srcs
 
     def _raw(self, src: int, size: int) -> bytes:
         """The bytes of a value this store holds a view of (through the pool for device values)."""
