@@ -748,6 +748,7 @@ def native_plan_api_problem() -> Optional[str]:
 
 
 _APIS = ("auto", "native", "public")
+_NATIVE_OPTIONS = ("op_timeout_s", "attach_timeout_s", "table_arena_bytes", "value_bytes", "chunk_bytes")
 
 
 @PLAN_CLIENTS.register("fluxon", FluxonPlanSchema)
@@ -755,7 +756,7 @@ def open_fluxon_plan_client(api: str = "auto", **options: Any) -> Any:
     """The ``fluxon`` Plan client: the native Plan API when the installed fluxon-py has it
     (`FluxonNativePlanClient`), else `FluxonPublicPlanClient`; ``api`` = ``native`` or ``public``
     forces one. ``options`` are `FluxonPublicPlanSchema`'s; the native client uses the
-    connection options and ``op_timeout_s`` (as its commit wait)."""
+    connection options, the time bounds, ``table_arena_bytes`` and the geometry."""
     if api not in _APIS:
         raise ConfigError("store.client_options.api", f"unknown api {api!r}", f"use one of: {', '.join(_APIS)}")
     problem = native_plan_api_problem() if api != "public" else "forced by api=public"
@@ -768,7 +769,7 @@ def open_fluxon_plan_client(api: str = "auto", **options: Any) -> Any:
                 "share_mem_path": options.get("share_mem_path", DEFAULT_SHARE_MEM_PATH)}
         return FluxonNativePlanClient(
             config={"instance_key": options.get("instance_key", "cacheseek-plan"), "fluxonkv_spec": spec},
-            call_timeout_s=float(options.get("op_timeout_s", 30.0)))
+            **{k: options[k] for k in _NATIVE_OPTIONS if k in options})
     log.info("Plan client 'fluxon': %s; emulating it over the public client (fluxon_public: zero-copy "
              "reads, staged writes copied once by Fluxon)", problem)
     return FluxonPublicPlanClient(**options)

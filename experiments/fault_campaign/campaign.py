@@ -15,13 +15,26 @@ against a cold run of the same request. Scenarios:
 - ``full_store``: a memory store of 8 chunks, 12+ sessions over distinct images (the sinks of
   dead namespaces must not fill it);
 - ``concurrent``: several threads running sessions with shared prefixes on one forest and one
-  write-back LocalDisk store.
+  write-back LocalDisk store;
+- ``fluxon_kill9`` / ``fluxon_plan_kill9``: a real local Fluxon service (``+store=fluxon``, or
+  ``+store=fluxon_plan store.client=fluxon``); its owner (the process that owns the segment) is
+  killed with SIGKILL a few ms into a chunk's write; sessions go on with the owner dead; the
+  service is restarted, the store reopened and reconciled, and sessions write and restore again.
+  The data in the killed owner's segment is gone with it, by design: what must hold is that no
+  session gets wrong frames (a restore after the kill fails within the op bound or misses, and
+  the session runs cold), that the manager invalidates what died (``gone_with_owner``) and that
+  nothing ready after recovery lacks its values. Needs fluxon-py, etcd and a private network
+  namespace (run the campaign under ``../shared/tools/netns-run.sh``); the rows say skipped
+  otherwise.
 
 Per scenario: faults injected, sessions run, wrong outputs (frames differ from cold: must be 0),
 committed data lost (must be 0: a chunk committed and not damaged that a later session could not
 restore, or a ready node whose values are gone from the store), time to recover (from the fault to
 the end of the first correct session after it; for kill9 the restart, reconcile and that session;
-none for full_store and concurrent, which inject no single fault to recover from), and counters
+none for full_store and concurrent, which inject no single fault to recover from; for the Fluxon
+owner kills, from the kill to the end of the first correct session started after it, with
+``write_again_s`` from the start of the service restart to the end of the first session whose
+write committed), and counters
 (invalidations, corrupt values, evictions, dropped writes). "Committed and not damaged" is read
 from the disk itself (`sound_prefix`: every value present and passing its checksum), so damage a
 restore has not read yet is not counted as a loss when a later restore finds it.
@@ -30,6 +43,8 @@ Run from the repository root::
 
     python experiments/fault_campaign/campaign.py                 # full campaign
     python experiments/fault_campaign/campaign.py short=true      # the CI version (tests/)
+    ../shared/tools/netns-run.sh python experiments/fault_campaign/campaign.py   # with the Fluxon rows
+    python experiments/fault_campaign/campaign.py faults=kill9,bitflip          # some scenarios only
 """
 
 from __future__ import annotations
@@ -61,9 +76,11 @@ from cacheseek.runtime.synthetic import SyntheticImage, SyntheticRuntimeFactory 
 
 L, S, C = 7, 3, 3
 FULL_CONF = dict(requests=4, chunks=4, rounds=3, kills=6, flips=8, truncations=6, enospc_sessions=24,
-                 full_sessions=16, threads=4, sessions_per_thread=6, seed=12)
+                 full_sessions=16, threads=4, sessions_per_thread=6, owner_kills=3, fluxon_requests=2, seed=12)
 SHORT_CONF = dict(requests=2, chunks=3, rounds=1, kills=2, flips=2, truncations=2, enospc_sessions=6,
-                  full_sessions=12, threads=2, sessions_per_thread=2, seed=12)
+                  full_sessions=12, threads=2, sessions_per_thread=2, owner_kills=1, fluxon_requests=2, seed=12)
+FAULTS = ("kill9", "bitflip", "truncate", "enospc", "full_store", "concurrent", "fluxon_kill9", "fluxon_plan_kill9")
+FLUXON_OP_TIMEOUT_S = 5.0  # every Fluxon call of the stores under test; generous for a loaded 2-core VM
 
 
 # -- sessions -------------------------------------------------------------------------------------
@@ -101,10 +118,20 @@ def manager(store: Any, forest: Optional[NamespaceForest] = None, **kw: Any) -> 
     return WorldKVManager(forest if forest is not None else NamespaceForest(), store, cfg, **kw)
 
 
-def session(mgr: WorldKVManager, actions, *, img: int = 0, ingest: bool = True, snapshot: Optional[str] = None):
-    """One session; returns (restored depth, frames correct)."""
+def session(mgr: WorldKVManager, actions, *, img: int = 0, ingest: bool = True, snapshot: Optional[str] = None,
+            on_chunk: Optional[Any] = None):
+    """One session; returns (restored depth, frames correct). ``on_chunk(idx)`` runs as chunk
+    ``idx`` is finalized, just before its write."""
     b = LingBotWorldKVBinding(mgr, mgr.forest, ingest_enabled=ingest, snapshot_path=snapshot,
                               snapshot_on_finalize=snapshot is not None)
+    if on_chunk is not None:
+        inner = b.on_chunk_finalized
+
+        def hooked(runtime, idx, denoised):
+            on_chunk(idx)
+            inner(runtime, idx, denoised)
+
+        b.on_chunk_finalized = hooked
     hashes = factory().make(actions, hooks=b, image=image(img)).generate()
     _KEYS[(tuple(map(tuple, actions)), img)] = (b.root, list(b.actions))
     flush = getattr(mgr.store, "flush", None)
@@ -410,21 +437,173 @@ def concurrent_scenario(cfg: dict, work: Path, rng: random.Random) -> dict[str, 
     return out
 
 
+def fluxon_problem() -> Optional[str]:
+    """Why a real local Fluxon service cannot start here (no fluxon-py, no etcd, not inside a
+    private network namespace), or None."""
+    from cacheseek.fluxon.service import FluxonServiceError, fluxon_py_problem, private_netns_problem, resolve_etcd_binary
+
+    problem = fluxon_py_problem()
+    if problem:
+        return problem
+    try:
+        resolve_etcd_binary()
+    except FluxonServiceError as exc:
+        return str(exc)
+    return private_netns_problem()
+
+
+def open_fluxon_store(kind: str, svc: Any) -> Any:
+    """``+store=fluxon`` (the per-layer tier, ``kind="fluxon"``) or ``+store=fluxon_plan
+    store.client=fluxon`` (the Plan tier; fluxon-py 0.2.4 has no Plan API, so the public client's
+    emulation), attached to ``svc``, every Fluxon call bounded by FLUXON_OP_TIMEOUT_S."""
+    opts = dict(cluster_name=svc.cluster_name, share_mem_path=svc.share_mem_path, op_timeout_s=FLUXON_OP_TIMEOUT_S)
+    if kind == "fluxon":
+        from cacheseek.stores.fluxon_bytes import FluxonTensorTier
+
+        return FluxonTensorTier(attach_timeout_s=60.0, **opts)
+    from cacheseek.stores.plan_tier import PlanTierStore
+    from cacheseek.transfer.host_transfer import HostTransferRuntime
+
+    return PlanTierStore(client="fluxon", transfer=HostTransferRuntime(), overlap=False,
+                         client_options=dict(staging_bytes="16MiB", **opts))
+
+
+def _tally(out: dict, result: tuple[int, bool]) -> bool:
+    out["sessions"] += 1
+    out["wrong_outputs"] += not result[1]
+    return result[1]
+
+
+def fluxon_owner_kill9_round(cfg: dict, work: Path, rng: random.Random, kind: str) -> dict[str, Any]:
+    """One owner kill: a real local Fluxon service, a store on it and a forest in this process;
+    sessions commit chunks; the owner (the process that owns the segment) gets SIGKILL a few ms
+    into a chunk's write; sessions go on with the owner dead; the service is restarted, the store
+    reopened and reconciled, and sessions write and restore again. Run it in a process of its own
+    (`fluxon_owner_kill9_scenario`): fluxon-py's side effects of the fault end that process."""
+    name = f"{kind}_kill9"
+    from cacheseek.fluxon.service import FluxonService
+
+    tag = f"{os.getpid()}{kind.replace('_', '')}"
+    svc = FluxonService(work / f"{name}-{os.getpid()}", dram="64MiB", cluster_name=f"csfault{tag}",
+                        share_mem_path=f"/dev/shm/cacheseek-fault-{tag}", ready_timeout_s=120.0)
+    reqs = [request(i, cfg["chunks"]) for i in range(cfg["fluxon_requests"])]
+    victim = request(100 + rng.randrange(1000), cfg["chunks"])  # written as the owner dies
+    prime([(a, 0) for a in reqs + [victim]])
+    forest = NamespaceForest()
+    out = row(name, restarts=0, gone_with_owner=0, dead_owner_sessions=0, restore_errors=0,
+              write_again_s=None, restart_s=None)
+    svc.start()
+    store = open_fluxon_store(kind, svc)
+    try:
+        mgr = manager(store, forest)
+        for actions in reqs:  # committed before the kill
+            _tally(out, session(mgr, actions))
+        owner, kill_at, delay = svc.pids["owner"], rng.randrange(1, cfg["chunks"]), rng.uniform(0.0, 0.03)
+        killed: list[float] = []
+
+        def kill() -> None:
+            os.kill(owner, signal.SIGKILL)
+            killed.append(time.perf_counter())
+
+        timers: list[threading.Timer] = []
+
+        def kill_during_write(idx: int) -> None:
+            if idx == kill_at and not timers:  # a few ms into the write of chunk kill_at
+                timers.append(threading.Timer(delay, kill))
+                timers[0].start()
+
+        _tally(out, session(mgr, victim, on_chunk=kill_during_write))
+        if timers:
+            timers[0].join()
+        else:
+            kill()
+        out["injected"] += 1
+        failures = mgr.stats["restore_failures"]
+        for actions in reqs:  # the owner is dead: restores fail within the bound, sessions run cold
+            ok = _tally(out, session(mgr, actions))
+            out["dead_owner_sessions"] += 1
+            if ok and out["recover_s"] is None:
+                out["recover_s"] = time.perf_counter() - killed[0]
+        out["restore_errors"] += mgr.stats["restore_failures"] - failures
+        # restart the service, reopen the store: reconcile invalidates what died with the owner
+        t_restart = time.perf_counter()
+        store.close()  # its fluxon-py client stays open while calls are stuck in the dead owner
+        svc.stop()
+        svc.start()
+        out["restart_s"] = round(time.perf_counter() - t_restart, 3)
+        store = open_fluxon_store(kind, svc)
+        mgr = manager(store, forest)
+        out["gone_with_owner"] += mgr.reconcile()["invalidated"]
+        out["restarts"] += 1
+        for actions in reqs:
+            _tally(out, session(mgr, actions))
+            if out["write_again_s"] is None and any(n.has_kv for n in chain_nodes(mgr, actions)):
+                out["write_again_s"] = round(time.perf_counter() - t_restart, 3)
+        for actions in reqs:  # what was written since the restart restores
+            expect = sum(1 for _ in _leading_ready(chain_nodes(mgr, actions)))
+            depth, ok = session(mgr, actions, ingest=False)
+            _tally(out, (depth, ok))
+            out["committed_lost"] += max(0, expect - depth)
+        out["committed_lost"] += lost_values(mgr)
+    finally:
+        store.close()
+        svc.stop()
+    return out
+
+
+FLUXON_CHILD = "fluxon-child"
+_SUMMED = ("injected", "sessions", "wrong_outputs", "committed_lost", "restarts", "gone_with_owner",
+           "dead_owner_sessions", "restore_errors")
+
+
+def fluxon_owner_kill9_scenario(cfg: dict, work: Path, rng: random.Random, kind: str) -> dict[str, Any]:
+    """``owner_kills`` rounds of `fluxon_owner_kill9_round`, each in a child process; one row
+    (counts summed, times the worst). A child keeps fluxon-py's side effects of the fault to
+    itself: a 0.2.4 client with calls stuck in the dead owner cannot be closed, and a client left
+    open ends its whole process with status 1 (std::process::exit from its etcd lease keepalive)
+    about a minute after its etcd stops, which a service restart does."""
+    name = f"{kind}_kill9"
+    problem = fluxon_problem()
+    if problem:
+        return row(name, skipped=problem[:100])
+    out = row(name, restarts=0, gone_with_owner=0, dead_owner_sessions=0, restore_errors=0,
+              write_again_s=None, restart_s=None)
+    for _ in range(cfg["owner_kills"]):
+        args = [sys.executable, str(Path(__file__).resolve()), FLUXON_CHILD, kind, json.dumps(cfg),
+                str(rng.randrange(1 << 30)), str(work)]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=1800,
+                              env={**os.environ, "PYTHONPATH": str(benchlib.REPO)})
+        rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
+        if not rows:
+            tail = "\n".join(done.stderr.splitlines()[-15:])
+            raise RuntimeError(f"the {name} round exited with {done.returncode} and no row:\n{tail}")
+        got = json.loads(rows[-1])
+        for key in _SUMMED:
+            out[key] += got[key]
+        for key in ("recover_s", "write_again_s", "restart_s"):
+            if got[key] is not None:
+                out[key] = max(out[key] or 0.0, got[key])
+    return out
+
+
 # -- the campaign ---------------------------------------------------------------------------------
 
 
-def run(cfg: dict, out_dir: Optional[Path] = None) -> dict[str, Any]:
+def run(cfg: dict, out_dir: Optional[Path] = None, faults: Sequence[str] = FAULTS) -> dict[str, Any]:
     rng = random.Random(cfg["seed"])
     rows = []
     with tempfile.TemporaryDirectory(prefix="fault-campaign-") as tmp:
         work = Path(tmp)
-        progress = benchlib.Progress(6, "faults")
-        for name, fn in [("kill9", lambda: kill9_scenario(cfg, work, rng)),
-                         ("bitflip", lambda: damage_scenario(cfg, "bitflip", work, rng)),
-                         ("truncate", lambda: damage_scenario(cfg, "truncate", work, rng)),
-                         ("enospc", lambda: enospc_scenario(cfg, work)),
-                         ("full_store", lambda: full_store_scenario(cfg)),
-                         ("concurrent", lambda: concurrent_scenario(cfg, work, rng))]:
+        scenarios = {"kill9": lambda: kill9_scenario(cfg, work, rng),
+                     "bitflip": lambda: damage_scenario(cfg, "bitflip", work, rng),
+                     "truncate": lambda: damage_scenario(cfg, "truncate", work, rng),
+                     "enospc": lambda: enospc_scenario(cfg, work),
+                     "full_store": lambda: full_store_scenario(cfg),
+                     "concurrent": lambda: concurrent_scenario(cfg, work, rng),
+                     "fluxon_kill9": lambda: fluxon_owner_kill9_scenario(cfg, work, rng, "fluxon"),
+                     "fluxon_plan_kill9": lambda: fluxon_owner_kill9_scenario(cfg, work, rng, "fluxon_plan")}
+        progress = benchlib.Progress(len(faults), "faults")
+        for name, fn in [(f, scenarios[f]) for f in faults]:
             t0 = time.perf_counter()
             r = fn()
             r["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -483,15 +662,23 @@ def main(argv: Sequence[str]) -> dict[str, Any]:
     import logging
 
     logging.getLogger("cacheseek").setLevel(logging.CRITICAL)  # the faults are counted, not logged
+    if argv and argv[0] == FLUXON_CHILD:  # a round of fluxon_owner_kill9_scenario: its row, then exit at once
+        kind, cfg, seed, work = argv[1], json.loads(argv[2]), int(argv[3]), Path(argv[4])
+        print("ROW " + json.dumps(fluxon_owner_kill9_round(cfg, work, random.Random(seed), kind)), flush=True)
+        os._exit(0)  # not through fluxon-py's exit handlers, which wait on clients stuck in the dead owner
     args = dict(a.split("=", 1) for a in argv)
     short = args.pop("short", "false").lower() == "true"
     cfg = dict(SHORT_CONF if short else FULL_CONF)
     out_dir = Path(args.pop("out_dir", str(HERE / ("results_short" if short else "results"))))
+    faults = [f for f in args.pop("faults", ",".join(FAULTS)).split(",") if f]
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        raise SystemExit(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
     for key, value in args.items():
         if key not in cfg:
-            raise SystemExit(f"unknown option {key!r}; known: {sorted(cfg)} short out_dir")
+            raise SystemExit(f"unknown option {key!r}; known: {sorted(cfg)} short out_dir faults")
         cfg[key] = int(value)
-    res = run(cfg, out_dir)
+    res = run(cfg, out_dir, faults)
     print(table(res["rows"], res["totals"]))
     return res
 

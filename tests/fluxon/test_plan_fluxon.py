@@ -39,10 +39,12 @@ HAS_FLUXON_PY = importlib.util.find_spec("fluxon_py") is not None
 def test_fluxon_choice_uses_the_native_api_when_the_installed_client_has_it(monkeypatch, caplog):
     monkeypatch.setattr(fluxon_public, "native_plan_api_problem", lambda: None)
     with caplog.at_level(logging.INFO, logger="cacheseek.plan.fluxon_public"):
-        client = open_fluxon_plan_client(cluster_name="c1", share_mem_path="/dev/shm/nowhere", op_timeout_s=7.0)
+        client = open_fluxon_plan_client(cluster_name="c1", share_mem_path="/dev/shm/nowhere", op_timeout_s=7.0,
+                                         attach_timeout_s=9.0, value_bytes=MiB, chunk_bytes=80 * MiB)
     assert isinstance(client, FluxonNativePlanClient)  # connects on first use only
     assert client._config["fluxonkv_spec"] == {"cluster_name": "c1", "share_mem_path": "/dev/shm/nowhere"}
-    assert client.call_timeout_s == 7.0
+    assert (client.op_timeout_s, client.attach_timeout_s) == (7.0, 9.0)
+    assert client.table_arena()[1] >= 32 * (2 + 32 * 80) * 8  # sized from the geometry
     assert "offers the Plan API: using it natively (fluxon_native)" in caplog.text
     client.close()
 

@@ -12,7 +12,7 @@ from cacheseek.stores.plan_tier.batches import ALIGN, direction, staging_layout
 from cacheseek.stores.plan_tier.client import table_arena
 from cacheseek.stores.plan_tier.plans import PutPlans, group_by_size, plan_waves
 from cacheseek.stores.plan_tier.stats import Counters
-from cacheseek.transfer.base import Direction
+from cacheseek.transfer.batch import Direction
 
 
 def test_group_by_size_keeps_first_seen_order():

@@ -99,6 +99,11 @@ class TransferLink:
         return self._overlap
 
     @property
+    def value_spans(self) -> list[MemoryRange]:
+        """Where the client's values live: its device pool, else its host mappings."""
+        return self.value_ranges or [m.range for m in self._mappings]
+
+    @property
     def values_on_device(self) -> bool:
         """Whether the client's values live in device memory (the HBM tier): copies in and out
         of them are D2D and the segment is a declared device range, not a registered mapping."""

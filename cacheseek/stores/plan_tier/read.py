@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
-from cacheseek.errors import LayoutMismatchError, add_note
+from cacheseek.errors import CorruptValueError, LayoutMismatchError, PlanError, PlanTableError, add_note
 from cacheseek.kv.handles import BlobHandle, ChunkNode
 from cacheseek.kv.locators import layer_keys
 from cacheseek.kv.payload import LayerPayload, RestoreTarget
@@ -293,10 +293,10 @@ class Reader:
         if size is None:
             raise LayoutMismatchError(f"size of latent {locator} unknown: pass like= or nbytes=")
         with self.reading([locator], [1]) as read:
-            table, n = read.transfer([size])
+            table, n = read.transfer([size] if like is not None else None)
             if n == 0:
                 return None
-            (src,) = decode_plan_table(table, 1, arena=table_arena(self.client))
+            (src,) = self._value_pointers(read, table, [size], raw=like is None)
             if like is None:
                 return self._raw(src, size)
             out = like.new_empty(like.shape)
@@ -312,10 +312,10 @@ class Reader:
         size = handle.nbytes // (2 * handle.n_layers)
         sizes = [size, size] if like is None else [nbytes(t) for t in like]
         with self.reading(list(layer_keys(handle.locator, layer)), [2]) as read:
-            table, n = read.transfer(sizes)
+            table, n = read.transfer(sizes if like is not None else None)
             if n < 2:
                 return None
-            srcs = decode_plan_table(table, 2, arena=table_arena(self.client))
+            srcs = self._value_pointers(read, table, sizes, raw=like is None)
             if like is None:
                 return self._raw(srcs[0], size), self._raw(srcs[1], size)
             k, v = (t.new_empty(t.shape) for t in like)
@@ -324,6 +324,30 @@ class Reader:
             copy_now(transfer, batch, [transfer.device_range(k), transfer.device_range(v)] + self.link.value_ranges,
                      producer=None, on=self.link.read_stream)
             return k, v
+
+    def _value_pointers(self, read: GetRead, table: int, sizes: Sequence[int], *, raw: bool) -> list[int]:
+        """The value pointers of a transferred read of ``len(sizes)`` values, checked before any
+        byte is read: a bad table is a `PlanError` naming the key. With ``raw`` (the caller reads
+        ``sizes`` bytes itself, with no transfer runtime to check the addresses), each value must
+        also hold exactly its size (when the client reports lengths) and lie whole inside a
+        segment mapping of the client: else `CorruptValueError` naming the key."""
+        keys = read.plan.keys[: len(sizes)]
+        try:
+            srcs = decode_plan_table(table, len(sizes), arena=table_arena(self.client))
+        except PlanTableError as exc:
+            raise PlanError(f"read of {keys[0]!r}: {exc}") from exc
+        if not raw:
+            return srcs  # the transfer runtime checks every copy against the registered mappings
+        lengths_fn = getattr(self.client, "value_lengths", None)
+        lengths = list(lengths_fn(read.plan)) if callable(lengths_fn) else None
+        spans = self.link.value_spans
+        for i, (key, src, size) in enumerate(zip(keys, srcs, sizes)):
+            if lengths is not None and lengths[i] != size:
+                raise CorruptValueError(key, f"holds {lengths[i]} B where {size} B were written")
+            if not any(r.contains(src, size) for r in spans):
+                raise CorruptValueError(
+                    key, f"[{src:#x}, +{size}) does not lie inside a segment mapping of the Plan client")
+        return srcs
 
     def _raw(self, src: int, size: int) -> bytes:
         """The bytes of a value this store holds a view of (through the pool for device values)."""
