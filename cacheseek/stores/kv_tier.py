@@ -30,9 +30,9 @@ of the values it holds, KV and latents, a write in flight included from the mome
 or ``put_skeleton`` reserves it. A write that would go above the capacity raises `StoreFullError`
 at once, before anything is written or queued (the manager evicts and retries once); so usage
 never exceeds the capacity. ``usage()`` reports used, capacity and peak bytes; a failed write
-or a removal gives its bytes back (the accounting is `ValueLedger`'s). Bytes are counted in the backend's unit when it has one
-(``stored_nbytes(key, value)``: LocalDisk counts file bytes, header included, the same unit it
-reads back from the files on reopen), else in payload bytes.
+or a removal gives its bytes back (the accounting is `ValueLedger`'s). Bytes are counted in the
+backend's unit when it has one (``stored_nbytes(key, value)``: LocalDisk counts file bytes, header
+included, the same unit it reads back from the files on reopen), else in payload bytes.
 
 A full medium: a backend raises `StoreFullError` from ``write``. When the backend says the tier
 accounts for its medium (``full_caps_tier``: a LocalDisk root at ENOSPC), the tier lowers
