@@ -123,7 +123,7 @@ def test_close_levels_closes_last_first_and_goes_on_after_a_failure(caplog):
                 raise OSError("stuck")
 
     lv = make_levels([("a", Closing("a")), ("b", Closing("b", fail=True)), ("c", object())])
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="cacheseek"):
         close_levels(lv)
     assert order == ["b", "a"] and "closing b failed: stuck" in caplog.text
 
@@ -144,7 +144,7 @@ def test_a_snapshot_blob_is_located_once_in_the_levels_holding_all_of_it(caplog)
     top, mid, low = KeysStore(keys[:1]), KeysStore(fail=True), KeysStore(keys)
     book = book_of(top, mid, low, names=["hbm", "fluxon_plan", "localdisk"])
     handle = BlobHandle(Tier.HBM_STAGING, LOC, 64, 2, ready=True)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="cacheseek"):
         rec = book.copies(handle)
     assert "fluxon_plan cannot say whether it holds" in caplog.text
     assert list(rec.at) == [2] and rec.at[2].ready and rec.at[2].tier is Tier.DISK
