@@ -9,8 +9,8 @@ policy; this class is the mechanism that all of them share:
 
 - ``put_async`` takes caller-owned CPU snapshots, writes every value, and only then marks the
   handle ready and calls ``on_ready``. With ``write_back=True`` the writes run on one background
-  thread fed by a bounded queue (``put_async`` blocks when ``queue_depth`` blobs are pending:
-  backpressure, not unbounded memory).
+  thread fed by a bounded queue (`WriteBackWorker`: ``put_async`` blocks when ``queue_depth``
+  blobs are pending: backpressure, not unbounded memory).
 - A failed write removes what it wrote of the blob, leaves the handle unready with ``error`` set,
   counts and logs the failure (`TierStats.failed_writes`). Neither ``put_async`` (write-through)
   nor `flush` (write-back) raises it (a full LocalDisk excepted, see "A full medium"): both
@@ -30,9 +30,9 @@ of the values it holds, KV and latents, a write in flight included from the mome
 or ``put_skeleton`` reserves it. A write that would go above the capacity raises `StoreFullError`
 at once, before anything is written or queued (the manager evicts and retries once); so usage
 never exceeds the capacity. ``usage()`` reports used, capacity and peak bytes; a failed write
-or a removal gives its bytes back. Bytes are counted in the backend's unit when it has one
-(``stored_nbytes(key, value)``: LocalDisk counts file bytes, header included, the same unit it
-reads back from the files on reopen), else in payload bytes.
+or a removal gives its bytes back (the accounting is `ValueLedger`'s). Bytes are counted in the
+backend's unit when it has one (``stored_nbytes(key, value)``: LocalDisk counts file bytes, header
+included, the same unit it reads back from the files on reopen), else in payload bytes.
 
 A full medium: a backend raises `StoreFullError` from ``write``. When the backend says the tier
 accounts for its medium (``full_caps_tier``: a LocalDisk root at ENOSPC), the tier lowers
@@ -44,12 +44,14 @@ store that evicts by itself (Fluxon) reports the failure on the handle and caps 
 
 Optional capabilities for the manager: ``contains(keys)`` (which values exist, without reading
 them where the backend has ``exists``) and ``free_skeleton``.
+
+``flush`` and ``close`` are bounded (``flush_timeout_s``; `wait_drained`): past the bound they
+raise `StoreTimeoutError`, and ``close`` never closes the backend under a live write-back thread.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -71,6 +73,9 @@ from cacheseek.kv.locators import blob_keys, layer_keys, object_key
 from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.sizes import AUTO, available_memory, parse_size
 from cacheseek.sizing import SizeField
+from cacheseek.stores.flush import wait_drained
+from cacheseek.stores.value_ledger import ValueLedger
+from cacheseek.stores.write_back import WriteBackWorker
 
 log = logging.getLogger(__name__)
 
@@ -141,18 +146,18 @@ class KeyValueTier:
         self.backend = backend
         self.name = name
         self.stats = TierStats(capacity_bytes=_check_capacity(capacity_bytes))
-        self._sizes: dict[str, int] = {}  # bytes of every value this tier holds or is writing
-        self._lock = threading.Lock()
+        self._ledger = ValueLedger(self.stats)  # bytes of every value this tier holds or is writing
+        self._lock = threading.Lock()  # guards stats and the ledger
         self._closed = False
-        self._queue: Optional[queue.Queue] = None
-        self._worker: Optional[threading.Thread] = None
-        self._idle = threading.Condition(self._lock)
+        self._idle = threading.Condition(self._lock)  # notified when a pending write completes
+        self._worker: Optional[WriteBackWorker] = None
         if write_back:
-            if queue_depth < 1:
-                raise ValueError("queue_depth must be >= 1")
-            self._queue = queue.Queue(maxsize=queue_depth)
-            self._worker = threading.Thread(target=self._drain, name=f"{name}-write-back", daemon=True)
-            self._worker.start()
+            self._worker = WriteBackWorker(self._run_queued, depth=queue_depth, name=name)
+
+    @property
+    def write_back(self) -> bool:
+        """Whether writes run on the write-back thread (``put_async`` returns before they land)."""
+        return self._worker is not None
 
     @classmethod
     def size_fields(cls, config: dict[str, Any]) -> list[SizeField]:
@@ -188,10 +193,10 @@ class KeyValueTier:
             old = self._reserve(sizes)
             self.stats.pending_writes += 1
         job = (handle, items, on_ready, old)
-        if self._queue is None:
+        if self._worker is None:
             self._write_blob(*job)
         else:
-            self._queue.put(job)
+            self._worker.submit(job)
         return handle
 
     def _write_blob(
@@ -213,15 +218,15 @@ class KeyValueTier:
                     log.exception("%s: could not remove %s after a failed write", self.name, key)
             handle.error = exc
             with self._lock:
-                self._unreserve(old, removed=removed)
+                self._ledger.unreserve(old, removed=removed)
                 if self._caps_on_full(exc):
-                    self._backend_full(exc)
+                    self._ledger.cap_at_used(exc, name=self.name)
                 self.stats.failed_writes += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
                 self.stats.pending_writes -= 1
                 self._idle.notify_all()
             log.error("%s: write of %s failed: %s", self.name, handle.locator, exc)
-            if self._queue is None and (self._caps_on_full(exc) or not isinstance(exc, Exception)):
+            if self._worker is None and (self._caps_on_full(exc) or not isinstance(exc, Exception)):
                 raise  # a full medium (the caller evicts and retries); KeyboardInterrupt and the like
             return
         with self._lock:
@@ -237,19 +242,12 @@ class KeyValueTier:
                 self.stats.pending_writes -= 1
                 self._idle.notify_all()
 
-    def _drain(self) -> None:
-        assert self._queue is not None
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                try:
-                    self._write_blob(*job)
-                except Exception:  # noqa: BLE001 - the write succeeded; on_ready raised
-                    log.exception("%s: on_ready callback of %s failed", self.name, job[0].locator)
-            finally:
-                self._queue.task_done()
+    def _run_queued(self, job: tuple) -> None:
+        """A write on the write-back thread: a failed write is on its handle already."""
+        try:
+            self._write_blob(*job)
+        except Exception:  # noqa: BLE001 - the write succeeded; on_ready raised
+            log.exception("%s: on_ready callback of %s failed", self.name, job[0].locator)
 
     def put_skeleton(self, locator: str, latent: Any) -> None:
         """Write a latent (synchronously). `StoreFullError` when it does not fit; any backend
@@ -262,9 +260,9 @@ class KeyValueTier:
             self.backend.write(locator, latent)
         except BaseException as exc:
             with self._lock:
-                self._unreserve(old, removed=[])
+                self._ledger.unreserve(old, removed=[])
                 if self._caps_on_full(exc):
-                    self._backend_full(exc)
+                    self._ledger.cap_at_used(exc, name=self.name)
             if isinstance(exc, StoreError) or not isinstance(exc, Exception):
                 raise
             raise StoreError(f"{self.name}: write of {locator} failed: {type(exc).__name__}: {exc}") from exc
@@ -272,32 +270,8 @@ class KeyValueTier:
     # -- accounting ---------------------------------------------------------------------------
 
     def _reserve(self, sizes: list[tuple[str, int]]) -> dict[str, Optional[int]]:
-        """Under ``_lock``: count ``sizes`` (replacing what those keys held), or raise
-        `StoreFullError` changing nothing. Returns the keys' previous sizes (None: absent)."""
-        old = {key: self._sizes.get(key) for key, _ in sizes}
-        delta = sum(n for _, n in sizes) - sum(n or 0 for n in old.values())
-        used, cap = self.stats.used_bytes, self.stats.capacity_bytes
-        if cap is not None and delta > 0 and used + delta > cap:
-            self.stats.refused_full += 1
-            raise StoreFullError(
-                f"{self.name} store full: need {delta} more bytes, {used} of {cap} used ({self.capacity_fix})"
-            )
-        for key, n in sizes:
-            self._sizes[key] = n
-        self.stats.used_bytes = used + delta
-        self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.used_bytes)
-        return old
-
-    def _unreserve(self, old: dict[str, Optional[int]], *, removed: list[str]) -> None:
-        """Under ``_lock``: undo a reservation after a failed write. ``removed`` keys are gone
-        from the backend; the others still hold their previous value (if any)."""
-        gone = set(removed)
-        for key, previous in old.items():
-            now = self._sizes.pop(key, 0)
-            self.stats.used_bytes -= now
-            if previous is not None and key not in gone:
-                self._sizes[key] = previous
-                self.stats.used_bytes += previous
+        """Under ``_lock``: `ValueLedger.reserve`, the refusal naming this tier and its fix."""
+        return self._ledger.reserve(sizes, name=self.name, fix=self.capacity_fix)
 
     def _value_nbytes(self, key: str, value: Any) -> int:
         sized = getattr(self.backend, "stored_nbytes", None)
@@ -313,26 +287,14 @@ class KeyValueTier:
         shared store that evicts by itself (Fluxon) reports full without capping the tier."""
         return isinstance(exc, StoreFullError) and bool(getattr(self.backend, "full_caps_tier", False))
 
-    def _backend_full(self, exc: BaseException) -> None:
-        """Under ``_lock``: the backend's medium is full; cap the tier at what it holds now."""
-        used, cap = self.stats.used_bytes, self.stats.capacity_bytes
-        if cap is None or used < cap:
-            self.stats.capacity_bytes = used
-            log.warning("%s: the backend is full (%s); capacity lowered from %s to %d bytes (the bytes "
-                        "held now); the manager evicts from here on", self.name, exc,
-                        "unbounded" if cap is None else cap, used)
-
     def _forget(self, key: str) -> None:
         """Under ``_lock``: ``key`` was removed from the backend."""
-        self.stats.used_bytes -= self._sizes.pop(key, 0)
+        self._ledger.forget(key)
 
     def _seed_usage(self, sizes: dict[str, int]) -> None:
         """Count values that already exist in the backend (a reopened persistent tier)."""
         with self._lock:
-            for key, n in sizes.items():
-                self._sizes[key] = n
-            self.stats.used_bytes = sum(self._sizes.values())
-            self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.used_bytes)
+            self._ledger.seed(sizes)
 
     @property
     def capacity_bytes(self) -> Optional[int]:
@@ -348,7 +310,7 @@ class KeyValueTier:
     def usage(self) -> StoreUsage:
         with self._lock:
             return StoreUsage(self.stats.used_bytes, self.stats.capacity_bytes, self.stats.peak_bytes,
-                              len(self._sizes))
+                              len(self._ledger))
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -429,15 +391,10 @@ class KeyValueTier:
         ``timeout_s`` seconds (default ``flush_timeout_s``); `StoreTimeoutError` past it, naming
         how many writes are still pending (they go on; a later flush may succeed)."""
         bound = self.flush_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + bound
         with self._lock:
-            while self.stats.pending_writes > 0:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise StoreTimeoutError(
-                        f"{self.name}: {self.stats.pending_writes} writes still pending after {bound} s "
-                        "(a stuck backend?)")
-                self._idle.wait(timeout=min(remaining, 1.0))
+            wait_drained(self._idle, lambda: self.stats.pending_writes, bound,
+                         lambda n: StoreTimeoutError(f"{self.name}: {n} writes still pending after {bound} s "
+                                                     "(a stuck backend?)"))
 
     def close(self) -> None:
         """Flush pending writes, stop the write-back thread, close the backend. Idempotent.
@@ -451,23 +408,13 @@ class KeyValueTier:
             self.flush()
         except StoreTimeoutError:
             self._closed = True
-            if self._queue is not None:
-                self._stop_worker(wait_s=0.0)
+            if self._worker is not None:
+                self._worker.stop(wait_s=0.0)
             raise
         self._closed = True
-        if self._queue is not None and not self._stop_worker(wait_s=self.flush_timeout_s):
+        if self._worker is not None and not self._worker.stop(wait_s=self.flush_timeout_s):
             raise StoreTimeoutError(f"{self.name}: the write-back thread did not stop; backend left open")
         self.backend.close()
-
-    def _stop_worker(self, *, wait_s: float) -> bool:
-        """Ask the write-back thread to stop after the queued jobs; True once it has."""
-        assert self._queue is not None and self._worker is not None
-        try:
-            self._queue.put(None, timeout=max(wait_s, 0.001))
-        except queue.Full:
-            return False
-        self._worker.join(timeout=wait_s)
-        return not self._worker.is_alive()
 
     def _check_open(self) -> None:
         if self._closed:

@@ -51,7 +51,7 @@ def store(request, tmp_path):
 
 
 def is_write_back(store) -> bool:
-    return getattr(store, "_queue", None) is not None
+    return store.write_back
 
 
 # -- backend wrappers ---------------------------------------------------------------------------

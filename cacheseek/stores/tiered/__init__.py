@@ -1,0 +1,258 @@
+"""`TieredStore` (store ``tiered``): a hierarchy of stores, fastest first, with write-through,
+promotion on a hit and demotion on eviction (``+store=tiered store.tiers=[hbm,fluxon_plan]``).
+
+Each *level* is a whole store built from its own registry entry and config node; every level
+shares one transfer runtime. What each level holds is recorded per blob and per latent; the trie
+sees it on the blob handle (`TieredHandle`: ``tier`` is the nearest level's `Tier`, ``tiers``
+every level's). This package is one module per role; this one is the facade that implements the
+store interface and hands each call to its role:
+
+- `levels`: what a level is, building the levels from their Hydra nodes, the storage format
+  (the levels' own when they all share one, else one naming every level), closing them;
+- `residency`: the record of what each level holds, the handle lifecycle per level;
+- `write`: write-through of a chunk (first level with room, then every level below) and of a
+  latent (every level with room);
+- `read`: a restore from the nearest level holding the whole window, single values, ``contains``;
+- `promotion`: a hit from a lower level copied into level 0 (from the ring or the level below);
+- `demotion`: an upper level's copy dropped once a level below holds one (written first when
+  none does: nothing is lost); `moves` copies a blob or a latent between two levels for both;
+- `removal`: ``free`` and ``free_skeleton`` across every level;
+- `generic_level`: values in and out of a generic level (owned CPU snapshots, byte-wise reads);
+- `stats`: `TierUsage` per level and `TieredStats` for the report.
+
+Eviction is decided by the manager (`cacheseek.eviction`): per upper level above the high
+watermark, leaf-first LRU among the nodes held there, each victim demoted. ``usage()`` is the
+last level's (the store of record, which the manager's ordinary eviction bounds); `tier_usages`
+gives every level's. ``free`` removes a blob from every level; ``free_skeleton`` a latent.
+Blobs known only from a forest snapshot (plain `BlobHandle`) are located on first use by asking
+each level's ``contains``. Checksums are the levels' own (a disk level checks what it reads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+import attrs
+
+from cacheseek.errors import StoreClosedError
+from cacheseek.eviction.base import StoreUsage, store_usage
+from cacheseek.kv.handles import BlobHandle, ChunkNode, Tier
+from cacheseek.registry import STORES
+from cacheseek.stores.base import RestoreTarget
+from cacheseek.stores.tiered import demotion, read, removal, write
+from cacheseek.stores.tiered.levels import (
+    TIER_OF,
+    build_stores,
+    close_levels,
+    make_levels,
+    shared_transfer,
+    storage_format,
+)
+from cacheseek.stores.tiered.residency import Residency, TieredHandle
+from cacheseek.stores.tiered.stats import TieredStats, TierUsage, tier_usages, tiered_stats
+
+__all__ = ["TieredStore", "TieredSchema", "TieredHandle", "TierUsage", "TieredStats", "TIER_OF"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class TieredSchema:
+    _target_: str = "cacheseek.stores.tiered.TieredStore"
+    _recursive_: bool = False  # the levels are built by the store, only the listed ones
+    tiers: list = dataclasses.field(default_factory=lambda: ["hbm", "fluxon_plan"])
+    write_through: bool = True
+    promote: bool = True
+    hbm: Any = None
+    fluxon_plan: Any = None
+    localdisk: Any = None
+    memory: Any = None
+    per_tensor: Any = None
+    fluxon: Any = None
+
+
+@STORES.register("tiered", TieredSchema)
+class TieredStore:
+    """Levels fastest first (see the package docstring). ``tiers``: registry names, each with its
+    config node passed by that name (``hbm={...}``); or ``stores``: built levels (the caller
+    keeps owning them; tests). ``transfer``: the runtime every level shares."""
+
+    accepts_device_views = True
+
+    @classmethod
+    def size_fields(cls, config: dict) -> list:
+        """The size fields of every listed level, under its name (``fluxon_plan.segment_bytes``):
+        each is fitted and checked against one chunk as it would be alone."""
+        fields = []
+        for name in config.get("tiers") or []:
+            level = config.get(name) or {}
+            sized = getattr(STORES.get(name), "size_fields", None) if name in STORES else None
+            for f in sized(level) if sized is not None else []:
+                fields.append(attrs.evolve(f, path=f"{name}.{f.path}"))
+        return fields
+
+    def __init__(
+        self,
+        tiers: Sequence[str] = ("hbm", "fluxon_plan"),
+        write_through: bool = True,
+        promote: bool = True,
+        *,
+        transfer: Any = None,
+        stores: Optional[Sequence[tuple[str, Any]]] = None,
+        **levels: Any,
+    ) -> None:
+        self.write_through = bool(write_through)
+        self.promote = bool(promote)
+        self._transfer = transfer
+        self._closed = False
+        self._owns = stores is None
+        built = list(stores) if stores is not None else build_stores(list(tiers), levels, transfer)
+        self._levels = make_levels(built)
+        self._book = Residency(self._levels)
+        self.storage_format = storage_format(self._levels)
+        log.info("tiered store: %s (write-through %s, promote %s)",
+                 " > ".join(lv.name for lv in self._levels), self.write_through, self.promote)
+
+    # -- levels ---------------------------------------------------------------------------------
+    @property
+    def levels(self) -> list[Any]:
+        """The level stores, fastest first."""
+        return [lv.store for lv in self._levels]
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [lv.name for lv in self._levels]
+
+    @property
+    def transfer(self) -> Any:
+        return shared_transfer(self._transfer, self._levels)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreClosedError("tiered store used after close()")
+
+    # -- residency ------------------------------------------------------------------------------
+    def levels_of(self, handle: BlobHandle) -> tuple[int, ...]:
+        """The levels holding a ready copy of ``handle``'s blob, nearest first."""
+        return self._book.levels_of(handle)
+
+    def pending_levels_of(self, handle: BlobHandle) -> tuple[int, ...]:
+        """The levels whose write of ``handle``'s blob is still in flight."""
+        return self._book.pending_levels_of(handle)
+
+    def latent_levels(self, locator: str) -> tuple[int, ...]:
+        return self._book.latent_levels(locator)
+
+    # -- writes ---------------------------------------------------------------------------------
+    def put_async(
+        self,
+        locator: str,
+        payload: Sequence[Any],
+        *,
+        tier: Tier = Tier.HBM_STAGING,
+        on_ready: Optional[Callable[[BlobHandle], None]] = None,
+        stream: Any = None,
+    ) -> BlobHandle:
+        """Write one chunk to the first level with room and, with ``write_through``, to every
+        level below it (see `write`). Returns the PENDING or READY outer handle (its ``tier``
+        is level 0's, whatever ``tier`` says). Raises `StoreFullError` when no level has room, a
+        `StoreError` when every level refused."""
+        self._check_open()
+        self._book.reap()
+        return write.put_chunk(self._book, locator, payload, write_through=self.write_through,
+                               on_ready=on_ready, stream=stream)
+
+    def put_skeleton(self, locator: str, latent: Any, *, stream: Any = None) -> None:
+        """Write a latent to every level that has room (latents are small and every level's
+        restore reads the whole path's). Raises when no level took it."""
+        self._check_open()
+        write.put_latent(self._book, locator, latent, stream=stream)
+
+    # -- reads ----------------------------------------------------------------------------------
+    def read_path(self, path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget) -> bool:
+        """See `PathReadStore.read_path`: the nearest level holding the whole path restores it,
+        then (``promote``) the path is copied into level 0. False when no level can."""
+        self._check_open()
+        self._book.reap()
+        return read.read_path(self._book, path, window, target, promote=self.promote)
+
+    def get_skeleton(self, locator: str, *args: Any, **kwargs: Any) -> Any:
+        """The latent from the nearest level holding it (None when none does)."""
+        self._check_open()
+        return read.get_skeleton(self._book, locator, *args, **kwargs)
+
+    def get_layer(self, handle: BlobHandle, layer: int, **kwargs: Any) -> Any:
+        """One layer from the nearest level holding the blob (None when none does)."""
+        self._check_open()
+        return read.get_layer(self._book, handle, layer, **kwargs)
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        """Which keys some level holds (a lost value in one level is served by another)."""
+        self._check_open()
+        return read.contains(self._book, keys)
+
+    # -- demotion -------------------------------------------------------------------------------
+    def demote(self, handle: BlobHandle, level: int) -> bool:
+        """Drop ``level``'s copy of a blob, keeping (or first writing) a ready copy in a level
+        below. False when ``level`` does not hold it, a write is in flight, it is the last
+        level's only copy (that is eviction, not demotion) or no level below could take it
+        (then nothing changed: nothing is lost). Raises when freeing the copy fails (kept)."""
+        self._check_open()
+        self._book.reap()
+        return demotion.demote(self._book, handle, level)
+
+    # -- capacity -------------------------------------------------------------------------------
+    def tier_usages(self) -> list[TierUsage]:
+        """Every level's usage and the blobs it holds, fastest first."""
+        self._book.reap()
+        return tier_usages(self._book, closed=self._closed)
+
+    def usage(self) -> Optional[StoreUsage]:
+        """The last level's usage: the store of record, bounded by the manager's eviction."""
+        if self._closed:
+            return None
+        return store_usage(self._levels[-1].store)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def free(self, handle: BlobHandle) -> None:
+        """Remove the blob from every level (idempotent). `WriteNotCompleteError` while a write
+        is in flight; a level whose free fails keeps its copy (still recorded) and the first error
+        is raised after every level was tried."""
+        self._check_open()
+        self._book.reap()
+        removal.free_blob(self._book, handle)
+
+    def free_skeleton(self, locator: str) -> None:
+        """Remove a latent from every level (idempotent); the first failure is raised after all."""
+        self._check_open()
+        removal.free_latent(self._book, locator)
+
+    def flush(self) -> None:
+        """Wait for every level's pending writes, then settle them."""
+        for lv in self._levels:
+            fn = getattr(lv.store, "flush", None)
+            if fn is not None:
+                fn()
+        self._book.reap()
+
+    def close(self) -> None:
+        """Flush and close every level this store built (last level first). Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            if self._owns:
+                close_levels(self._levels)
+
+    # -- stats ----------------------------------------------------------------------------------
+    @property
+    def stats(self) -> TieredStats:
+        return tiered_stats(self._book, self.tier_usages())
+
+    def __repr__(self) -> str:
+        return f"TieredStore({' > '.join(lv.name for lv in self._levels)})"

@@ -1,0 +1,123 @@
+"""The levels of a tiered store: what each one is, how it is built from its Hydra node, what the
+hierarchy's storage format is, and how the levels are closed.
+
+A *level* is one whole store built from its own registry entry and config node (``store.hbm``,
+``store.fluxon_plan``, ...), fastest first. A *path* level (a `PathReadStore` that takes device
+views: ``hbm``, ``fluxon_plan``) restores the ring straight from its values; a *generic* level
+(``memory``, ``localdisk``, ``per_tensor``, ``fluxon``) holds owned CPU values read layer by layer.
+Every level shares one transfer runtime, so Plan-style levels copy between one another in one batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import attrs
+from omegaconf import DictConfig, OmegaConf
+
+from cacheseek.errors import ConfigError
+from cacheseek.kv.handles import Tier
+from cacheseek.registry import STORES, instantiate
+
+__all__ = ["TIER_OF", "Level", "is_path_store", "build_stores", "make_levels", "storage_format",
+           "shared_transfer", "close_levels"]
+
+log = logging.getLogger(__name__)
+
+# The `Tier` each known backend stands for (persisted on the blob handle; others count as CPU).
+TIER_OF = {
+    "hbm": Tier.HBM_STAGING,
+    "fluxon_plan": Tier.FLUXON_DRAM,
+    "fluxon": Tier.FLUXON_DRAM,
+    "memory": Tier.CPU,
+    "per_tensor": Tier.CPU,
+    "localdisk": Tier.DISK,
+}
+
+
+@attrs.define(eq=False)
+class Level:
+    """One level: its position (0 = fastest), registry ``name``, `Tier`, store, whether it is a
+    path level, and its counters (hits, writes, promotions, demotions, failures; see stats)."""
+
+    index: int
+    name: str
+    tier: Tier
+    store: Any
+    path: bool  # restores into the ring itself (read_path) and takes device views on write
+    counters: dict = attrs.field(factory=dict)
+
+
+def is_path_store(store: Any) -> bool:
+    return callable(getattr(store, "read_path", None)) and bool(getattr(store, "accepts_device_views", False))
+
+
+def build_stores(names: list[str], nodes: dict[str, Any], transfer: Any) -> list[tuple[str, Any]]:
+    """``(name, store)`` for every listed tier, each built from its config node with the shared
+    ``transfer``. A repeated or unknown name, or a tier without a node, is a `ConfigError`; the
+    stores built before a failure are closed (last first) before it is raised."""
+    if len(set(names)) != len(names):
+        raise ConfigError("store.tiers", f"lists a store twice: {names}", "name each store once")
+    built: list[tuple[str, Any]] = []
+    try:
+        for name in names:
+            if name == "tiered" or name not in STORES:
+                known = ", ".join(n for n in STORES.names() if n != "tiered")
+                raise ConfigError("store.tiers", f"unknown tier {name!r}", f"use some of: {known}")
+            node = nodes.get(name)
+            if isinstance(node, DictConfig):
+                node = OmegaConf.to_container(node, resolve=True)
+            if node is None:
+                raise ConfigError(f"store.{name}", f"tier {name!r} has no config node",
+                                  "use conf/store/tiered.yaml, which has one per backend")
+            built.append((name, instantiate(node, transfer=transfer)))
+    except BaseException:
+        for _, store in reversed(built):
+            close = getattr(store, "close", None)
+            if close is not None:
+                close()
+        raise
+    return built
+
+
+def make_levels(built: Sequence[tuple[str, Any]]) -> list[Level]:
+    """The levels of built ``(name, store)`` pairs, fastest first; none is a `ConfigError`."""
+    if not built:
+        raise ConfigError("store.tiers", "is empty", "list at least one store, e.g. [hbm,fluxon_plan]")
+    return [Level(i, name, TIER_OF.get(name, Tier.CPU), store, is_path_store(store))
+            for i, (name, store) in enumerate(built)]
+
+
+def storage_format(levels: Sequence[Level]) -> str:
+    """The namespace's store_format field: levels that all encode values one way share it with a
+    plain store of that kind (an HBM tier over a shared Fluxon Plan service reads and writes what
+    the other workers do); a mixed hierarchy gets a namespace of its own."""
+    formats = [getattr(lv.store, "storage_format", None) or type(lv.store).__qualname__ for lv in levels]
+    if len(set(formats)) == 1:
+        return formats[0]
+    return "cacheseek.tiered.v1[" + ",".join(f"{lv.name}={f}" for lv, f in zip(levels, formats)) + "]"
+
+
+def shared_transfer(transfer: Optional[Any], levels: Sequence[Level]) -> Any:
+    """``transfer`` when given, else the first level's (None when no level has one)."""
+    if transfer is not None:
+        return transfer
+    for lv in levels:
+        t = getattr(lv.store, "transfer", None)
+        if t is not None:
+            return t
+    return None
+
+
+def close_levels(levels: Sequence[Level]) -> None:
+    """Close every level, last first; a failure is logged and the others are still closed."""
+    for lv in reversed(levels):
+        close = getattr(lv.store, "close", None)
+        if close is None:
+            continue
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - close the others
+            log.warning("tiered store: closing %s failed: %s", lv.name, exc)

@@ -1,0 +1,202 @@
+"""What each level of a tiered store holds: the record every role of the store reads and updates.
+
+Per blob, a `Copies` record: the outer handle the trie sees (`TieredHandle`) and, per level, that
+level's own handle. Per latent, the set of levels holding it (and the levels already asked about
+a latent this store did not write). One re-entrant lock guards all of it.
+
+Lifecycle of one level's copy of a blob::
+
+    written (that level's put_async) --> PENDING: recorded in ``at``, the record in ``pending``
+    PENDING --(the level's on_ready: `on_level_ready`)--> READY: counted as a write; the first
+        ready copy makes the outer handle ready and calls its on_ready, once
+    PENDING --(the write failed; seen by `reap`)--> dropped from ``at`` (it stored nothing); the
+        outer handle fails when no copy is left and it never turned ready
+    READY --(free, demotion, a miss its level no longer confirms)--> dropped from ``at``
+
+The outer handle's ``tier`` is the nearest level holding a ready copy, ``tiers`` every such
+level's, nearest first (`refresh`). A blob known only from a forest snapshot (a plain
+`BlobHandle`) is located on first use by asking each level's ``contains`` (`copies`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import attrs
+
+from cacheseek.kv.handles import BlobHandle, BlobState
+from cacheseek.kv.locators import blob_keys
+from cacheseek.stores.tiered.levels import Level
+
+__all__ = ["TieredHandle", "Copies", "Residency", "latent_of"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class TieredHandle(BlobHandle):
+    """A blob of a `TieredStore`: ``tier`` is the `Tier` of the nearest level holding a ready
+    copy, ``tiers`` those of every level holding one, nearest first (kept by the store)."""
+
+    tiers: tuple = field(default=())
+
+
+@attrs.define(eq=False)
+class Copies:
+    """What the levels hold of one blob: level -> that level's handle (pending, ready or failed)."""
+
+    outer: BlobHandle
+    at: dict = attrs.field(factory=dict)
+    on_ready: Optional[Callable[[BlobHandle], None]] = None
+    notified: bool = False
+
+
+def latent_of(kv_locator: str) -> Optional[str]:
+    """The latent key of the chunk whose KV locator is ``{hex}:kv``."""
+    return kv_locator[: -len(":kv")] + ":lat" if kv_locator.endswith(":kv") else None
+
+
+class Residency:
+    """The record of what ``levels`` hold. ``blobs`` (locator -> `Copies`), ``latents`` (latent
+    -> levels holding it), ``probed`` (latent -> levels asked), ``pending`` (records with a write
+    in flight, by id) and the counters are guarded by ``lock``; ``count`` adds to the store's
+    totals (``level=None``) or to one level's counters."""
+
+    def __init__(self, levels: Sequence[Level]) -> None:
+        self.levels = list(levels)
+        self.lock = threading.RLock()
+        self.blobs: dict[str, Copies] = {}
+        self.latents: dict[str, set] = {}
+        self.probed: dict[str, set] = {}  # latents this store did not write
+        self.pending: dict[int, Copies] = {}
+        self.counters: dict[str, Any] = {}
+
+    def count(self, level: Optional[int] = None, **deltas: Any) -> None:
+        with self.lock:
+            target = self.counters if level is None else self.levels[level].counters
+            for k, v in deltas.items():
+                target[k] = target.get(k, 0) + v
+
+    # -- blobs ----------------------------------------------------------------------------------
+    def copies(self, handle: BlobHandle) -> Copies:
+        """The record of ``handle``'s blob; a blob known only from a snapshot is located now."""
+        with self.lock:
+            rec = self.blobs.get(handle.locator)
+            if rec is not None:
+                return rec
+        keys = blob_keys(handle.locator, handle.n_layers, pairs=handle.pairs)
+        rec = Copies(handle)
+        for lv in self.levels:
+            contains = getattr(lv.store, "contains", None)
+            try:
+                whole = callable(contains) and all(contains(keys))
+            except Exception as exc:  # noqa: BLE001 - cannot tell: not held there
+                log.warning("tiered store: %s cannot say whether it holds %s: %s", lv.name, handle.locator, exc)
+                whole = False
+            if whole:
+                rec.at[lv.index] = BlobHandle(lv.tier, handle.locator, handle.nbytes, handle.n_layers,
+                                              ready=True, pairs=handle.pairs)
+        with self.lock:
+            rec = self.blobs.setdefault(handle.locator, rec)
+            self.refresh(rec)
+        return rec
+
+    def refresh(self, rec: Copies) -> None:
+        """Under the lock: the outer handle's ``tier``/``tiers`` from the ready copies."""
+        ready = sorted(i for i, h in rec.at.items() if h.ready)
+        tiers = tuple(self.levels[i].tier for i in ready)
+        if ready:
+            rec.outer.tier = tiers[0]
+        if isinstance(rec.outer, TieredHandle):
+            rec.outer.tiers = tiers
+
+    def levels_of(self, handle: BlobHandle) -> tuple[int, ...]:
+        """The levels holding a ready copy of ``handle``'s blob, nearest first."""
+        rec = self.copies(handle)
+        with self.lock:
+            return tuple(sorted(i for i, h in rec.at.items() if h.ready))
+
+    def pending_levels_of(self, handle: BlobHandle) -> tuple[int, ...]:
+        """The levels whose write of ``handle``'s blob is still in flight."""
+        rec = self.copies(handle)
+        with self.lock:
+            return tuple(sorted(i for i, h in rec.at.items() if h.in_flight))
+
+    def settle(self, rec: Copies, level: int, handle: BlobHandle) -> None:
+        """Record ``level``'s new copy of a blob (a write, a promotion or a demotion): tracked as
+        pending while in flight, the outer handle refreshed."""
+        with self.lock:
+            rec.at[level] = handle
+            if handle.in_flight:
+                self.pending[id(rec)] = rec
+            self.refresh(rec)
+
+    def drop(self, rec: Copies, level: int) -> None:
+        """``level`` no longer holds the blob."""
+        with self.lock:
+            rec.at.pop(level, None)
+            self.refresh(rec)
+
+    def reap(self) -> None:
+        """Settle writes that finished since the last look: a failed level's copy is dropped
+        from the record (it stored nothing); an outer handle whose every copy failed fails."""
+        with self.lock:
+            pending, self.pending = self.pending, {}
+            for rec in pending.values():
+                for i, h in list(rec.at.items()):
+                    if h.state is BlobState.FAILED:
+                        del rec.at[i]
+                        self.levels[i].counters["write_failures"] = self.levels[i].counters.get("write_failures", 0) + 1
+                        log.warning("tiered store: write of %s to %s failed: %s", rec.outer.locator,
+                                    self.levels[i].name, h.error)
+                        if rec.outer.error is None and not rec.outer.ready and not rec.at:
+                            rec.outer.error = h.error
+                if any(h.in_flight for h in rec.at.values()):
+                    self.pending[id(rec)] = rec
+                if not rec.at and self.blobs.get(rec.outer.locator) is rec:
+                    del self.blobs[rec.outer.locator]
+                self.refresh(rec)
+
+    def on_level_ready(self, rec: Copies, level: int, handle: Optional[BlobHandle]) -> None:
+        """A level's write of the blob completed: its copy turns ready; the first ready copy
+        makes the outer handle ready and calls its ``on_ready`` (outside the lock, once)."""
+        notify = None
+        with self.lock:
+            h = handle if handle is not None else rec.at.get(level)
+            if h is not None:
+                h.ready = True
+                rec.at[level] = h
+            self.count(level, writes=1, write_bytes=rec.outer.nbytes)
+            self.refresh(rec)
+            if not rec.notified and rec.outer.error is None:
+                rec.notified = True
+                rec.outer.ready = True
+                notify = rec.on_ready
+        if notify is not None:
+            notify(rec.outer)
+
+    def ready_counts(self) -> list[int]:
+        """The number of ready copies each level holds."""
+        with self.lock:
+            counts = [0] * len(self.levels)
+            for rec in self.blobs.values():
+                for i, h in rec.at.items():
+                    counts[i] += bool(h.ready)
+        return counts
+
+    # -- latents --------------------------------------------------------------------------------
+    def latent_levels(self, locator: str) -> tuple[int, ...]:
+        with self.lock:
+            return tuple(sorted(self.latents.get(locator, ())))
+
+    def add_latent(self, locator: str, *levels: int) -> None:
+        with self.lock:
+            self.latents.setdefault(locator, set()).update(levels)
+
+    def discard_latent(self, locator: str, level: int) -> None:
+        with self.lock:
+            self.latents.get(locator, set()).discard(level)

@@ -1,0 +1,86 @@
+"""The byte accounting of a generic tier: what every value it holds (or is writing) weighs, against
+its capacity.
+
+A write reserves its values' bytes before anything is written or queued (`reserve`): above the
+capacity it is refused with `StoreFullError`, changing nothing, so usage never exceeds the
+capacity. A failed write gives its bytes back (`unreserve`), so does a removal (`forget`); a
+reopened persistent tier counts what it already holds (`seed`). A full medium that the tier
+accounts for alone lowers the capacity to the bytes held at that moment (`cap_at_used`).
+
+The counts live in the tier's stats (``used_bytes``, ``peak_bytes``, ``capacity_bytes``,
+``refused_full``), which the report shows. The ledger takes no lock: the tier calls every method
+under its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, Optional
+
+from cacheseek.errors import StoreFullError
+
+__all__ = ["ValueLedger"]
+
+log = logging.getLogger(__name__)
+
+
+class ValueLedger:
+    """Bytes per key and their total in ``stats`` (any object with ``used_bytes``,
+    ``peak_bytes``, ``capacity_bytes`` (None: unbounded) and ``refused_full``)."""
+
+    def __init__(self, stats: Any) -> None:
+        self.stats = stats
+        self.sizes: dict[str, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def reserve(self, sizes: Iterable[tuple[str, int]], *, name: str, fix: str) -> dict[str, Optional[int]]:
+        """Count ``sizes`` (replacing what those keys held), or raise `StoreFullError` (naming
+        the tier ``name`` and the ``fix``) changing nothing but ``refused_full``. Returns the
+        keys' previous sizes (None: absent), for `unreserve`."""
+        sizes = list(sizes)
+        old = {key: self.sizes.get(key) for key, _ in sizes}
+        delta = sum(n for _, n in sizes) - sum(n or 0 for n in old.values())
+        used, cap = self.stats.used_bytes, self.stats.capacity_bytes
+        if cap is not None and delta > 0 and used + delta > cap:
+            self.stats.refused_full += 1
+            raise StoreFullError(f"{name} store full: need {delta} more bytes, {used} of {cap} used ({fix})")
+        for key, n in sizes:
+            self.sizes[key] = n
+        self.stats.used_bytes = used + delta
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.used_bytes)
+        return old
+
+    def unreserve(self, old: dict[str, Optional[int]], *, removed: Iterable[str]) -> None:
+        """Undo a reservation after a failed write. ``removed`` keys are gone from the backend;
+        the others still hold their previous value (if any)."""
+        gone = set(removed)
+        for key, previous in old.items():
+            now = self.sizes.pop(key, 0)
+            self.stats.used_bytes -= now
+            if previous is not None and key not in gone:
+                self.sizes[key] = previous
+                self.stats.used_bytes += previous
+
+    def forget(self, key: str) -> None:
+        """``key`` was removed from the backend (idempotent)."""
+        self.stats.used_bytes -= self.sizes.pop(key, 0)
+
+    def seed(self, sizes: dict[str, int]) -> None:
+        """Count values that already exist in the backend (a reopened persistent tier)."""
+        for key, n in sizes.items():
+            self.sizes[key] = n
+        self.stats.used_bytes = sum(self.sizes.values())
+        self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.used_bytes)
+
+    def cap_at_used(self, exc: BaseException, *, name: str) -> None:
+        """The backend's medium is full (``exc``): cap the tier at what it holds now (logged),
+        unless the capacity is already at or below that."""
+        used, cap = self.stats.used_bytes, self.stats.capacity_bytes
+        if cap is None or used < cap:
+            self.stats.capacity_bytes = used
+            log.warning("%s: the backend is full (%s); capacity lowered from %s to %d bytes (the bytes "
+                        "held now); the manager evicts from here on", name, exc,
+                        "unbounded" if cap is None else cap, used)
