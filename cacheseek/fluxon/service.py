@@ -21,6 +21,11 @@ The owner's shared-memory segment is ``<share_mem_path>/<cluster_name>/mmap.file
 ``shared.json`` beside it once it serves, which is what `start` waits for. Clients attach with
 ``cluster_name`` and ``share_mem_path`` (`attach_info`).
 
+Its parts live beside it: the configs handed to Fluxon (`cacheseek.fluxon.config`), the etcd
+binary and health checks (`cacheseek.fluxon.etcd`), the namespace check
+(`cacheseek.fluxon.netns`); this module re-exports what ``tools/fluxon_service.py`` reaches
+through it.
+
 Lifecycle::
 
     FluxonService(...)  --start()-->  running  --stop()-->  stopped (segment folder removed)
