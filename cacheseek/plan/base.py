@@ -49,7 +49,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 
 import attrs
 
-from cacheseek.errors import HandleStateError, StoreClosedError
+from cacheseek.errors import HandleStateError
 
 __all__ = [
     "SegmentMapping",
@@ -61,7 +61,6 @@ __all__ = [
     "PlanClient",
     "PlanClientInfo",
     "PlanValueLengths",
-    "InProcessPlanClient",
     "PlanUsage",
     "SegmentTimers",
     "PLAN_OK",
@@ -280,34 +279,3 @@ class PlanValueLengths(Protocol):
         """Byte lengths of the transferable values of a TRANSFERRING plan, in key order."""
         ...
 
-
-class InProcessPlanClient:
-    """The handle verbs every in-process Plan client implements the same way (embedded, Fluxon
-    public): ending a read and checking that a handle is this open client's. Subclasses hold
-    ``_lock`` and ``_closed`` and implement ``_end_read(plan)`` (release the plan's table and the
-    values it keeps alive)."""
-
-    _client_name = "Plan client"
-
-    def cancel_get_transfer(self, plan: GetPlan) -> None:
-        with self._lock:  # type: ignore[attr-defined]
-            self._check_handle(plan)
-            plan.advance((GetPlanState.STARTED,), GetPlanState.CANCELLED, "cancel_get_transfer")
-            self._end_read(plan)
-
-    def release_views(self, plan: GetPlan) -> None:
-        with self._lock:  # type: ignore[attr-defined]
-            self._check_handle(plan)
-            plan.advance((GetPlanState.TRANSFERRING,), GetPlanState.RELEASED, "release_views")
-            self._end_read(plan)
-
-    def _end_read(self, plan: GetPlan) -> None:
-        raise NotImplementedError
-
-    def _check_open(self) -> None:
-        if self._closed:  # type: ignore[attr-defined]
-            raise StoreClosedError(f"{self._client_name} used after close()")
-
-    def _check_handle(self, plan: Any) -> None:
-        self._check_open()
-        plan.check_owner(self)

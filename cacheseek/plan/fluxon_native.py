@@ -167,7 +167,7 @@ class FluxonNativePlanClient:
         size = parse_size(table_arena_bytes, _ARENA_FIELD, allow_auto=True, allow_none=True, minimum=4096)
         size = table_arena_for(value_bytes, chunk_bytes) if size in (None, AUTO) else size
         TableArena.check_fits(size, _ARENA_FIELD, value_bytes, chunk_bytes)
-        self._tables = TableArena(size, _ARENA_FIELD)
+        self._tables = TableArena(size, full_fix=f"raise {_ARENA_FIELD}")
         self._client = client
         self._owned = client is None
         self._config = dict(config or {})

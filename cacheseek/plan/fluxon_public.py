@@ -1,18 +1,14 @@
-"""Plan semantics over the public fluxon-py 0.2.4 client (which has no Plan API).
+"""`FluxonPublicPlanClient` (Plan client ``fluxon_public``): Plan semantics over the public
+fluxon-py 0.2.4 client, which has no Plan API.
 
-Plan clients registered here (`cacheseek.registry.PLAN_CLIENTS`):
-
-- ``fluxon_public``: `FluxonPublicPlanClient`, the emulation described below, always;
-- ``fluxon``: chosen by capability (`open_fluxon_plan_client`): the native Plan API through
-  `FluxonNativePlanClient` when the installed fluxon-py offers every Plan call, else the
-  emulation. It logs which, and why. ``api: native|public`` forces one.
-
-Both take the connection options of `FluxonClient` (``cluster_name``, ``share_mem_path``,
+It takes the connection options of `FluxonClient` (``cluster_name``, ``share_mem_path``,
 ``instance_key``, ``op_timeout_s``, ``attach_timeout_s``, ``settle_s``), given to the Plan tier as
 ``store.client_options.*``. Constructing a client attaches to the running service at once: no
-service is `FluxonUnavailableError` within a second.
+service is `FluxonUnavailableError` within a second. (The ``fluxon`` Plan client chooses between
+this emulation and the native Plan API by capability: `cacheseek.plan.fluxon_select`.)
 
-How the emulation meets the Plan contract (`cacheseek.plan.base`)::
+How the emulation meets the Plan contract (`cacheseek.plan.base`; the verbs shared with the
+embedded store: `cacheseek.plan.inprocess`)::
 
     wait_local_segments_ready()
         -> [the owner's segment as mapped read-only in this process (writable=False): every
@@ -24,8 +20,9 @@ How the emulation meets the Plan contract (`cacheseek.plan.base`)::
         A value whose power-of-two slot cannot fit the owner's segment raises
         `FluxonValueTooLargeError` here, before any copy; staging exhausted raises
         `StoreFullError` (raise ``staging_bytes``). The staging is sized from the geometry and
-        checked at construction (one value must fit); `max_plan_values` tells the Plan tier how
-        many values one plan may stage, and the tier writes a larger chunk in waves.
+        checked at construction (one value must fit; `cacheseek.plan.fluxon_staging`);
+        `max_plan_values` tells the Plan tier how many values one plan may stage, and the tier
+        writes a larger chunk in waves.
     local_fast_put_commit(plan) -> Future[PutCommitResult]
         on the commit thread: one Fluxon put per key straight from its staging block
         (``put_from_ptr``): ONE copy, by Fluxon (fluxon-py's native code, in this process, writes
@@ -68,13 +65,8 @@ Importing this module needs neither fluxon-py, numpy nor torch.
 
 from __future__ import annotations
 
-import collections
-import ctypes
-import ctypes.util
 import dataclasses
-import enum
 import logging
-import mmap
 import threading
 import time
 from collections.abc import Sequence
@@ -83,61 +75,22 @@ from typing import Any, Optional
 
 import attrs
 
-from cacheseek.errors import (
-    ConfigError,
-    PlanError,
-    PlanUnavailableError,
-    StoreClosedError,
-    StoreFullError,
-    StoreTimeoutError,
-)
-from cacheseek.fluxon.client import FluxonClient, FluxonImportError, FluxonValueTooLargeError, _load_fluxon
-from cacheseek.fluxon.service import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
-from cacheseek.plan.base import (
-    InProcessPlanClient,
-    REQUIRED_PLAN_CALLS,
-    GetPlan,
-    GetPlanState,
-    PutCommitResult,
-    PutPlan,
-    PutPlanState,
-    SegmentMapping,
-    SegmentTimers,
-)
-from cacheseek.plan.fluxon_native import FluxonNativePlanClient, missing_plan_calls
-from cacheseek.plan.allocator import FirstFitAllocator
-from cacheseek.plan.table import encode_plan_table, plan_table_nbytes
+from cacheseek.errors import ConfigError, PlanError, StoreClosedError
+from cacheseek.fluxon.client import FluxonClient
+from cacheseek.fluxon.config import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
+from cacheseek.plan.base import GetPlan, PutCommitResult, PutPlan, SegmentMapping
+from cacheseek.plan.fluxon_calls import CommitOutcome, fetch_prefix, release_all
+from cacheseek.plan.fluxon_staging import Staging, max_values, resolve_staging_bytes
+from cacheseek.plan.inprocess import InProcessPlanClient, check_group_lens
+from cacheseek.plan.pipeline import run_in_order
+from cacheseek.plan.segment import page_round
+from cacheseek.plan.table_arena import TableArena
 from cacheseek.registry import PLAN_CLIENTS
-from cacheseek.sizes import AUTO, Size, parse_size
+from cacheseek.sizes import Size, parse_size
 
-__all__ = [
-    "FluxonPublicPlanClient",
-    "FluxonPublicPlanSchema",
-    "FluxonPlanSchema",
-    "PutKeyCode",
-    "native_plan_api_problem",
-    "open_fluxon_plan_client",
-]
+__all__ = ["FluxonPublicPlanClient", "FluxonPublicPlanSchema"]
 
 log = logging.getLogger(__name__)
-
-_ALIGN = 256  # staging blocks (and so every put source) start on 256-byte boundaries
-_TABLE_ALIGN = 64
-_PAGE = mmap.PAGESIZE
-_MADV_POPULATE_WRITE = 23
-_STAGING_FIX = "raise store.client_options.staging_bytes"
-
-
-class PutKeyCode(enum.IntEnum):
-    """Per-key codes of a commit (`PutCommitResult.key_codes`); 0 = published."""
-
-    OK = 0
-    FAILED = 1  # Fluxon refused the put (the message carries its error text)
-    TIMEOUT = 2  # the put did not complete within op_timeout_s (it may still land later)
-    NOT_ATTEMPTED = 3  # not issued: an earlier put of the plan timed out or the client closed
-    CLOSED = 4  # the Fluxon client was closed meanwhile
-    STORE_FULL = 6000  # Fluxon's StorageFullError: no space (its own eviction runs behind)
-    TOO_LARGE = 6001  # the value cannot fit the owner's segment even when empty
 
 
 @dataclasses.dataclass
@@ -160,86 +113,17 @@ class FluxonPublicPlanSchema:
     key_index: bool = False
 
 
-@dataclasses.dataclass
-class FluxonPlanSchema(FluxonPublicPlanSchema):
-    _target_: str = "cacheseek.plan.fluxon_public.open_fluxon_plan_client"
-    api: str = "auto"
-
-
-# -- host memory --------------------------------------------------------------------------------
-
-
-def _libc() -> Optional[ctypes.CDLL]:
-    name = ctypes.util.find_library("c")
-    try:
-        lib = ctypes.CDLL(name or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-    lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    lib.madvise.restype = ctypes.c_int
-    return lib
-
-
-class _Arena:
-    """An anonymous private mapping, carved by a `FirstFitAllocator` (offsets)."""
-
-    def __init__(self, length: int, *, prefault: bool, align: int) -> None:
-        t0 = time.perf_counter()
-        self.length = -(-length // _PAGE) * _PAGE
-        self.align = align
-        self._mm: Optional[mmap.mmap] = mmap.mmap(-1, self.length, flags=mmap.MAP_PRIVATE)
-        anchor = ctypes.c_char.from_buffer(self._mm)
-        self.ptr = ctypes.addressof(anchor)
-        del anchor  # the address stays valid while the mapping is open
-        self.map_seconds = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        self.fault_method = "none"
-        if prefault:
-            libc = _libc()
-            if libc is not None and libc.madvise(self.ptr, self.length, _MADV_POPULATE_WRITE) == 0:
-                self.fault_method = "madvise"
-            else:
-                ctypes.memset(self.ptr, 0, self.length)
-                self.fault_method = "touch"
-        self.fault_seconds = time.perf_counter() - t1
-        self._alloc = FirstFitAllocator(self.length, align)
-
-    @property
-    def used(self) -> int:
-        return self._alloc.used
-
-    def block(self, n: int) -> int:
-        return self._alloc.block(n)
-
-    def alloc(self, n: int) -> Optional[int]:
-        return self._alloc.alloc(n)
-
-    def free(self, off: int) -> None:
-        self._alloc.free(off)
-
-    def close(self) -> None:
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
-
-
-# -- handle records -----------------------------------------------------------------------------
-
-
 @attrs.define(eq=False)
 class _PutRecord:
     offset: int  # of the plan's staging region
     block: int  # bytes between consecutive values in it
-    table: Optional[int]
+    table: Optional[int] = None
 
 
 @attrs.define(eq=False)
 class _GetRecord:
     views: list  # ValueView of the transferable prefix, key order
     table: Optional[int] = None
-
-
-# -- the client ---------------------------------------------------------------------------------
 
 
 @PLAN_CLIENTS.register("fluxon_public", FluxonPublicPlanSchema)
@@ -250,14 +134,12 @@ class FluxonPublicPlanClient(InProcessPlanClient):
     it open); else one is attached now from the connection options. ``staging_bytes``: host
     staging for uncommitted puts; None sizes it from the geometry (`staging_for`: ``value_bytes``,
     the largest value, one layer's K or V of a chunk; ``chunk_bytes``, one chunk's KV; the Plan
-    tier passes both). A staging that cannot hold one value is a `ConfigError` here. A chunk larger
-    than the staging (a 480p LingBot chunk is 3.57 GiB) is written in waves of plans of at most
-    `max_plan_values` values each (the Plan tier splits it). ``io_threads``: Fluxon calls in flight per get or commit (calls
-    are round-trip bound: 4 in flight were 1.4-3x faster than 1 on a 2-core machine,
-    experiments/fluxon_plan).
-    ``prefault``: fault the staging in at `wait_local_segments_ready` (libc
-    ``madvise(MADV_POPULATE_WRITE)``, else a memset). ``key_index``: keep FluxonClient's etcd
-    key index (only `FluxonClient.list_keys` needs it; it costs an etcd call per put and remove).
+    tier passes both). A staging that cannot hold one value is a `ConfigError` here. A chunk
+    larger than the staging (a 480p LingBot chunk is 3.57 GiB) is written in waves of plans of at
+    most `max_plan_values` values each (the Plan tier splits it). ``io_threads``: Fluxon calls in
+    flight per get or commit (`cacheseek.plan.pipeline`). ``prefault``: fault the staging in at
+    `wait_local_segments_ready`. ``key_index``: keep FluxonClient's etcd key index (only
+    `FluxonClient.list_keys` needs it; it costs an etcd call per put and remove).
     """
 
     _client_name = "fluxon Plan client"
@@ -285,42 +167,24 @@ class FluxonPublicPlanClient(InProcessPlanClient):
                 raise ConfigError(f"store.client_options.{name}", f"must be null or an int >= {low}, got {value!r}")
         if not isinstance(io_threads, int) or isinstance(io_threads, bool) or io_threads < 1:
             raise ConfigError("store.client_options.io_threads", f"must be an int >= 1, got {io_threads!r}")
-        staging_bytes = parse_size(staging_bytes, "store.client_options.staging_bytes", minimum=_ALIGN,
-                                   allow_auto=True, allow_none=True)
-        if staging_bytes is None or staging_bytes == AUTO:
-            staging_bytes = staging_for(value_bytes, chunk_bytes)
-        table_arena_bytes = parse_size(table_arena_bytes, "store.client_options.table_arena_bytes", minimum=4096)
-        if value_bytes is not None and _block(value_bytes) > staging_bytes:
-            raise ConfigError(
-                "store.client_options.staging_bytes",
-                f"{staging_bytes} bytes cannot stage one value of {value_bytes} bytes (one layer's K or V of "
-                "a chunk): no write could ever start",
-                f"set it to at least {_block(value_bytes)}, or auto to size it from the geometry")
-        self.staging_bytes = staging_bytes
+        self.staging_bytes = resolve_staging_bytes(staging_bytes, value_bytes, chunk_bytes)
+        self.table_arena_bytes = parse_size(table_arena_bytes, "store.client_options.table_arena_bytes",
+                                            minimum=4096)
         self.io_threads = io_threads
         self.prefault = bool(prefault)
-        self.table_arena_bytes = table_arena_bytes
+        self._owns_client = client is None
         if client is None:
             client = FluxonClient(cluster_name, share_mem_path, instance_key, op_timeout_s=op_timeout_s,
                                   attach_timeout_s=attach_timeout_s, settle_s=settle_s, key_index=key_index)
-            self._owns_client = True
-        else:
-            self._owns_client = False
+        super().__init__()
         self._client = client
-        self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._segments: Optional[list[SegmentMapping]] = None
         self._owner_map: Optional[SegmentMapping] = None
-        self._staging: Optional[_Arena] = None
-        self._tables: Optional[_Arena] = None
-        self._timers = SegmentTimers()
-        self._live_puts: set[PutPlan] = set()
-        self._live_gets: set[GetPlan] = set()
+        self._staging: Optional[Staging] = None
         self._commits = 0  # commits submitted and not finished
-        self._quarantined = 0  # staging bytes left to stuck puts
         self._io: Optional[ThreadPoolExecutor] = None
         self._committer: Optional[ThreadPoolExecutor] = None
-        self._closed = False
         log.info("Plan client fluxon_public on cluster %r (%s): reads zero-copy from the owner's "
                  "segment, writes staged here and copied once into Fluxon by fluxon-py",
                  client.cluster_name, client.share_mem_path)
@@ -341,40 +205,28 @@ class FluxonPublicPlanClient(InProcessPlanClient):
                 f"the Fluxon client of cluster {self._client.cluster_name!r} has no mapping of the owner's "
                 f"segment {self._client.segment_dir}/mmap.file in this process")
         generation = self._client.segment_generation()
-        staging = _Arena(self.staging_bytes, prefault=self.prefault, align=_ALIGN)
+        staging = Staging(self.staging_bytes, prefault=self.prefault)
         try:
-            tables = _Arena(self.table_arena_bytes, prefault=True, align=_TABLE_ALIGN)
+            tables = TableArena(page_round(self.table_arena_bytes),
+                                full_fix="raise store.client_options.table_arena_bytes")
         except BaseException:
             staging.close()
             raise
         self._staging, self._tables = staging, tables
         self._owner_map = SegmentMapping(seg.start, seg.length, generation, seg.writable)
         self._segments = [self._owner_map, SegmentMapping(staging.ptr, staging.length, 1, True)]
-        self._timers = SegmentTimers(staging.map_seconds, staging.fault_seconds, staging.fault_method,
-                                     1 if self.prefault else 0, -1, staging.length)
+        self._timers = staging.timers()
         log.info("fluxon_public segments: owner's %d MiB %s mapping at %#x (generation %d); staging %d MiB "
                  "at %#x, pre-faulted (%s) in %.3f s", seg.length >> 20, seg.perms, seg.start, generation,
                  staging.length >> 20, staging.ptr, staging.fault_method, staging.fault_seconds)
 
     # -- capability: PlanClientInfo (no usage: Fluxon 0.2.4 does not report it) ----------------
-    def table_arena(self) -> Optional[tuple[int, int]]:
-        with self._lock:
-            return None if self._tables is None else (self._tables.ptr, self._tables.length)
-
-    def segment_timers(self) -> SegmentTimers:
-        return self._timers
-
     def staging_usage(self) -> tuple[int, int]:
         """``(bytes reserved by live or stuck put plans, staging bytes)``."""
         with self._lock:
             if self._staging is None:
                 return 0, self.staging_bytes
             return self._staging.used, self._staging.length
-
-    def live_handles(self) -> tuple[int, int]:
-        """``(put plans STARTED, get plans not yet ended)``."""
-        with self._lock:
-            return len(self._live_puts), len(self._live_gets)
 
     @property
     def fluxon_client(self) -> Any:
@@ -386,218 +238,81 @@ class FluxonPublicPlanClient(InProcessPlanClient):
         """How many values of ``value_len`` bytes one put plan can stage (plans hold their
         staging until committed, so the Plan tier splits a chunk into plans of at most this many
         values and writes them in waves); 0 when not even one fits."""
-        return self.staging_bytes // _block(value_len)
+        return max_values(self.staging_bytes, value_len)
 
-    def local_fast_put_start(self, keys: Sequence[str], value_len: int) -> tuple[PutPlan, int]:
-        keys = tuple(keys)
-        if not keys or len(set(keys)) != len(keys) or not all(isinstance(k, str) and k for k in keys):
-            raise ValueError("local_fast_put_start needs distinct, non-empty string keys")
-        if not isinstance(value_len, int) or isinstance(value_len, bool) or value_len <= 0:
-            raise ValueError(f"value_len must be a positive int, got {value_len!r}")
+    def _before_reserve(self, keys: tuple[str, ...], value_len: int) -> None:
         self._check_open()
         self._client.check_fits(keys[0], value_len)  # refused before any copy or Fluxon call
-        with self._lock:
-            self._ensure_ready()
-            staging, block = self._staging, _block(value_len)
-            if staging is None:
-                raise StoreClosedError("fluxon Plan client has no staging (closed)")
-            off = staging.alloc(block * len(keys))
-            if off is None:
-                raise StoreFullError(
-                    f"fluxon Plan staging full: need {block * len(keys)} bytes ({len(keys)} values of "
-                    f"{value_len} B), {staging.used} of {staging.length} reserved by uncommitted plans"
-                    f"{f' ({self._quarantined} left to stuck puts)' if self._quarantined else ''}; {_STAGING_FIX}")
-            try:
-                table, ptr = self._write_table([staging.ptr + off + i * block for i in range(len(keys))])
-            except BaseException:
-                staging.free(off)
-                raise
-            plan = PutPlan(keys, owner=self, native=_PutRecord(off, block, table), value_len=value_len)
-            self._live_puts.add(plan)
-            return plan, ptr
 
-    def local_fast_put_commit(self, plan: PutPlan) -> "Future[PutCommitResult]":
-        with self._lock:
-            self._check_handle(plan)
-            plan.advance((PutPlanState.STARTED,), PutPlanState.COMMIT_SUBMITTED, "local_fast_put_commit")
-            self._live_puts.discard(plan)
-            record: _PutRecord = plan.native
-            self._free_table(record)
-            if self._committer is None:
-                self._committer = ThreadPoolExecutor(1, thread_name_prefix="fluxon-plan-commit")
-            self._commits += 1
-            try:
-                return self._committer.submit(self._commit, plan, record)
-            except BaseException:
-                self._commits -= 1
-                self._staging_free(record.offset)
-                raise
+    def _reserve(self, keys: tuple[str, ...], value_len: int) -> tuple[_PutRecord, list[int]]:
+        self._ensure_ready()
+        staging = self._staging
+        if staging is None:
+            raise StoreClosedError("fluxon Plan client has no staging (closed)")
+        off, block = staging.reserve(len(keys), value_len)
+        return _PutRecord(off, block), [staging.ptr + off + i * block for i in range(len(keys))]
 
-    def _commit(self, plan: PutPlan, record: _PutRecord) -> PutCommitResult:
+    def _unreserve(self, record: _PutRecord) -> None:
+        if self._staging is not None:  # bookkeeping only: safe after the mapping is gone
+            self._staging.free(record.offset)
+
+    def _submit_commit(self, plan: PutPlan) -> "Future[PutCommitResult]":
+        if self._committer is None:
+            self._committer = ThreadPoolExecutor(1, thread_name_prefix="fluxon-plan-commit")
+        self._commits += 1
+        try:
+            return self._committer.submit(self._run_commit, plan, plan.native)
+        except BaseException:
+            self._commits -= 1
+            self._unreserve(plan.native)
+            raise
+
+    def _run_commit(self, plan: PutPlan, record: _PutRecord) -> PutCommitResult:
         """The commit thread: one put per key from its staging block; codes in key order."""
-        n = len(plan.keys)
-        codes = [PutKeyCode.NOT_ATTEMPTED] * n
-        notes: list[str] = []
-        stuck = False
+        outcome = CommitOutcome(plan.keys)
         try:
             base = self._staging_ptr() + record.offset
-            stop = False
-
-            def put(i: int) -> None:
-                self._client.put_from_ptr(plan.keys[i], base + i * record.block, plan.value_len)
-
-            def settle(i: int, fut: Future) -> None:
-                nonlocal stop, stuck
-                try:
-                    fut.result()
-                    codes[i] = PutKeyCode.OK
-                    return
-                except BaseException as exc:  # noqa: BLE001 - reported as the key's code
-                    code = _put_code(exc)
-                    if code in (PutKeyCode.TIMEOUT, PutKeyCode.CLOSED):
-                        stop = True
-                    if code == PutKeyCode.TIMEOUT:
-                        stuck = True
-                    codes[i] = code
-                    if len(notes) < 3:
-                        notes.append(f"{plan.keys[i]}: {exc}")
-
-            self._pipeline(n, put, settle, lambda: stop)
+            outcome.run(self._runner, lambda i: self._client.put_from_ptr(
+                plan.keys[i], base + i * record.block, plan.value_len))
         except BaseException as exc:  # noqa: BLE001 - e.g. closed before the first put
-            stuck = stuck or isinstance(exc, StoreTimeoutError)
-            notes.append(f"commit failed: {type(exc).__name__}: {exc}")
+            outcome.failed(exc)
         finally:
             with self._lock:
-                if stuck:
-                    self._quarantined += record.block * n
+                n = len(plan.keys)
+                if not outcome.stuck:
+                    self._unreserve(record)
+                elif self._staging is not None:
+                    self._staging.quarantine(record.block * n)
                     log.warning("fluxon_public: a put of a plan of %d keys timed out; its %d staging bytes stay "
                                 "reserved (the call may still read them)", n, record.block * n)
-                else:
-                    self._staging_free(record.offset)
                 self._commits -= 1
                 self._idle.notify_all()
-        bad = sum(c != PutKeyCode.OK for c in codes)
-        message = "" if not bad else f"{bad} of {n} puts failed: " + "; ".join(notes)
-        return PutCommitResult(0, tuple(int(c) for c in codes), message)
-
-    def put_abort(self, plan: PutPlan) -> None:
-        with self._lock:
-            self._check_handle(plan)
-            plan.advance((PutPlanState.STARTED,), PutPlanState.ABORTED, "put_abort")
-            self._live_puts.discard(plan)
-            record: _PutRecord = plan.native
-            self._free_table(record)
-            self._staging_free(record.offset)
+        return outcome.result()
 
     # -- get ------------------------------------------------------------------------------------
     def get_start(self, keys: Sequence[str], atomic_group_lens: Sequence[int]) -> GetPlan:
         keys, lens = tuple(keys), tuple(atomic_group_lens)
-        bad = any(not isinstance(g, int) or isinstance(g, bool) or g <= 0 for g in lens)
-        if not keys or bad or sum(lens) != len(keys):
-            raise ValueError(f"atomic_group_lens {lens} must be positive and sum to the {len(keys)} keys")
+        check_group_lens(keys, lens)
         with self._lock:
             self._ensure_ready()
             owner = self._owner_map
-        views = self._fetch(keys, lens, owner)
+        views = fetch_prefix(keys, lens, self._client.get_view, owner, self._runner)
         with self._lock:
             if self._closed:
-                _release_all(views)
+                release_all(views)
                 raise StoreClosedError("fluxon Plan client closed during get_start")
             plan = GetPlan(keys, owner=self, native=_GetRecord(views), atomic_group_lens=lens)
             self._live_gets.add(plan)
             return plan
 
-    def _fetch(self, keys: tuple[str, ...], lens: tuple[int, ...], owner: Any) -> list:
-        """Views of the transferable prefix (whole groups whose every key exists), key order."""
-        starts, pos = [], 0  # starts[i]: index of the first key of i's group
-        for g in lens:
-            starts += [pos] * g
-            pos += g
-        views: list[Any] = [None] * len(keys)
-        limit = len(keys)  # first index not in the prefix
-        error: Optional[BaseException] = None
+    def _transfer_pointers(self, record: _GetRecord) -> list[int]:
+        return [v.ptr for v in record.views]  # HandleStateError if a view was released meanwhile
 
-        def settle(i: int, fut: Future) -> None:
-            nonlocal limit, error
-            try:
-                view = fut.result()
-            except BaseException as exc:  # noqa: BLE001 - raised below, after releasing
-                error = error or exc
-                return
-            if view is None:
-                limit = min(limit, starts[i])
-                return
-            views[i] = view
-            if error is None and not (view.zero_copy and owner.ptr <= view.ptr and
-                                      view.ptr + view.nbytes <= owner.ptr + owner.length):
-                error = PlanError(
-                    f"fluxon value {keys[i]!r} ({view.nbytes} B at {view.ptr:#x}) is not a zero-copy view into "
-                    f"the owner's segment mapping [{owner.ptr:#x}, +{owner.length}): not written by a "
-                    f"CacheSeek Plan client")
+    def _lengths(self, record: _GetRecord) -> tuple[int, ...]:
+        return tuple(int(v.nbytes) for v in record.views)
 
-        try:
-            self._pipeline(len(keys), lambda i: self._client.get_view(keys[i]), settle,
-                           lambda: error is not None, limit_fn=lambda: limit)
-        except BaseException as exc:
-            error = error or exc
-        if error is not None:
-            _release_all(views)
-            raise error
-        _release_all(views[limit:])
-        return views[:limit]
-
-    def _pipeline(self, n: int, call: Any, settle: Any, stop: Any, *, limit_fn: Any = None) -> None:
-        """Run ``call(i)`` for i in 0..n-1 on the I/O pool with at most ``io_threads`` in flight,
-        settling results in index order; stops issuing once ``stop()`` or i >= ``limit_fn()``.
-        Every issued call is settled before this returns (each is bounded by op_timeout_s)."""
-        if self.io_threads == 1:
-            for i in range(n):
-                if stop() or (limit_fn is not None and i >= limit_fn()):
-                    break
-                fut: Future = Future()
-                try:
-                    fut.set_result(call(i))
-                except BaseException as exc:  # noqa: BLE001 - handed to settle
-                    fut.set_exception(exc)
-                settle(i, fut)
-            return
-        pool = self._pool()
-        in_flight: collections.deque[tuple[int, Future]] = collections.deque()
-        i = 0
-        while True:
-            while (i < n and len(in_flight) < self.io_threads and not stop()
-                   and (limit_fn is None or i < limit_fn())):
-                in_flight.append((i, pool.submit(call, i)))
-                i += 1
-            if not in_flight:
-                return
-            j, fut = in_flight.popleft()
-            settle(j, fut)
-
-    def get_transfer(self, plan: GetPlan) -> tuple[int, int]:
-        with self._lock:
-            self._check_handle(plan)
-            plan.expect((GetPlanState.STARTED,), "get_transfer")
-            record: _GetRecord = plan.native
-            ptrs = [v.ptr for v in record.views]  # HandleStateError if a view was released meanwhile
-            record.table, ptr = self._write_table(ptrs)
-            plan.advance((GetPlanState.STARTED,), GetPlanState.TRANSFERRING, "get_transfer")
-            return ptr, len(ptrs)
-
-    def value_lengths(self, plan: GetPlan) -> tuple[int, ...]:
-        """See `PlanValueLengths`."""
-        with self._lock:
-            self._check_handle(plan)
-            plan.expect((GetPlanState.TRANSFERRING,), "value_lengths")
-            return tuple(int(v.nbytes) for v in plan.native.views)
-
-    def _end_read(self, plan: GetPlan) -> None:
-        self._live_gets.discard(plan)
-        record: _GetRecord = plan.native
-        if record.table is not None and self._tables is not None:
-            self._tables.free(record.table)
-        record.table = None
-        _release_all(record.views)
+    def _release_held(self, record: _GetRecord) -> None:
+        release_all(record.views)
         record.views = []
 
     # -- remove / close -------------------------------------------------------------------------
@@ -617,8 +332,7 @@ class FluxonPublicPlanClient(InProcessPlanClient):
                 self._idle.wait(timeout=max(0.01, deadline - time.monotonic()))
             commits, gets, puts = self._commits, list(self._live_gets), list(self._live_puts)
             for plan in gets:
-                _release_all(plan.native.views)
-                plan.native.views = []
+                self._release_held(plan.native)
             self._live_gets.clear()
             self._live_puts.clear()
         if gets or puts:
@@ -629,9 +343,10 @@ class FluxonPublicPlanClient(InProcessPlanClient):
                 pool.shutdown(wait=False, cancel_futures=True)
         if self._owns_client:
             self._client.close()
-        if commits or self._quarantined:
+        quarantined = self._staging.quarantined if self._staging is not None else 0
+        if commits or quarantined:
             log.warning("fluxon_public: %d commits still running and %d staging bytes held by stuck puts at "
-                        "close: staging left mapped until process exit", commits, self._quarantined)
+                        "close: staging left mapped until process exit", commits, quarantined)
             if self._tables is not None:
                 self._tables.close()
             return
@@ -639,11 +354,11 @@ class FluxonPublicPlanClient(InProcessPlanClient):
             if arena is not None:
                 arena.close()
 
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
     # -- internals ------------------------------------------------------------------------------
+    def _runner(self, n: int, call: Any, settle: Any, stop: Any, *, limit: Any = None) -> None:
+        """`run_in_order` with ``io_threads`` in flight on this client's I/O pool."""
+        run_in_order(n, call, settle, stop, width=self.io_threads, pool=self._pool, limit=limit)
+
     def _pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._io is None:
@@ -656,120 +371,7 @@ class FluxonPublicPlanClient(InProcessPlanClient):
                 raise StoreClosedError("fluxon Plan client has no staging (closed)")
             return self._staging.ptr
 
-    def _staging_free(self, offset: int) -> None:
-        if self._staging is not None:  # bookkeeping only: safe after the mapping is gone
-            self._staging.free(offset)
-
-    def _write_table(self, pointers: list[int]) -> tuple[int, int]:
-        tables = self._tables
-        if tables is None:
-            raise StoreClosedError("fluxon Plan client has no table arena (closed)")
-        off = tables.alloc(plan_table_nbytes(len(pointers)))
-        if off is None:
-            raise PlanError(f"plan table arena full ({tables.used} of {tables.length} B in live tables); end "
-                            f"plans sooner or raise store.client_options.table_arena_bytes")
-        encode_plan_table(tables.ptr + off, pointers)
-        return off, tables.ptr + off
-
-    def _free_table(self, record: _PutRecord) -> None:
-        if record.table is not None and self._tables is not None:
-            self._tables.free(record.table)
-        record.table = None
-
     def __repr__(self) -> str:
         used, total = self.staging_usage()
         return (f"FluxonPublicPlanClient(cluster={self._client.cluster_name!r}, staging {used}/{total} B, "
                 f"closed={self._closed})")
-
-
-def _block(value_len: int) -> int:
-    """The staging bytes one value of ``value_len`` bytes takes."""
-    return -(-value_len // _ALIGN) * _ALIGN
-
-
-_STAGING_MIN = 64 << 20
-_STAGING_MAX = 4 << 30
-_STAGING_DEFAULT = 256 << 20
-
-
-def staging_for(value_bytes: Optional[int], chunk_bytes: Optional[int]) -> int:
-    """The staging size from the geometry: one chunk's KV (so a chunk is one wave of plans) and
-    at least 4 values, within 64 MiB..4 GiB (a larger chunk is written in several waves); 256 MiB
-    when the geometry is unknown."""
-    if value_bytes is None and chunk_bytes is None:
-        return _STAGING_DEFAULT
-    want = max(chunk_bytes or 0, 4 * _block(value_bytes or 1))
-    size = min(max(want, _STAGING_MIN), _STAGING_MAX)
-    if value_bytes is not None:
-        size = max(size, _block(value_bytes))
-    return -(-size // _ALIGN) * _ALIGN
-
-
-def _release_all(views: Sequence[Any]) -> None:
-    for v in views:
-        if v is not None and not v.released:
-            v.release()
-
-
-def _put_code(exc: BaseException) -> PutKeyCode:
-    if isinstance(exc, FluxonValueTooLargeError):
-        return PutKeyCode.TOO_LARGE
-    if isinstance(exc, StoreFullError):
-        return PutKeyCode.STORE_FULL
-    if isinstance(exc, StoreTimeoutError):
-        return PutKeyCode.TIMEOUT
-    if isinstance(exc, StoreClosedError):
-        return PutKeyCode.CLOSED
-    return PutKeyCode.FAILED
-
-
-# -- choosing by capability ---------------------------------------------------------------------
-
-
-def native_plan_api_problem() -> Optional[str]:
-    """None when the installed fluxon-py's client offers every Plan call; otherwise why not
-    (fluxon-py missing, or the calls its client classes lack)."""
-    try:
-        fluxon_py = _load_fluxon()
-    except FluxonImportError as exc:
-        return str(exc)
-    classes = [c for c in vars(fluxon_py).values() if isinstance(c, type)]
-    try:
-        from fluxon_py.kvclient.fluxon import FluxonKVCacheStore
-
-        classes.append(FluxonKVCacheStore)
-    except ImportError:
-        pass
-    missing = min((missing_plan_calls(c) for c in classes), key=len, default=list(REQUIRED_PLAN_CALLS))
-    if not missing:
-        return None
-    return (f"fluxon-py {getattr(fluxon_py, '__version__', '?')} has no Plan API "
-            f"(missing {', '.join(missing)})")
-
-
-_APIS = ("auto", "native", "public")
-_NATIVE_OPTIONS = ("op_timeout_s", "attach_timeout_s", "table_arena_bytes", "value_bytes", "chunk_bytes")
-
-
-@PLAN_CLIENTS.register("fluxon", FluxonPlanSchema)
-def open_fluxon_plan_client(api: str = "auto", **options: Any) -> Any:
-    """The ``fluxon`` Plan client: the native Plan API when the installed fluxon-py has it
-    (`FluxonNativePlanClient`), else `FluxonPublicPlanClient`; ``api`` = ``native`` or ``public``
-    forces one. ``options`` are `FluxonPublicPlanSchema`'s; the native client uses the
-    connection options, the time bounds, ``table_arena_bytes`` and the geometry."""
-    if api not in _APIS:
-        raise ConfigError("store.client_options.api", f"unknown api {api!r}", f"use one of: {', '.join(_APIS)}")
-    problem = native_plan_api_problem() if api != "public" else "forced by api=public"
-    if api == "native" and problem:
-        raise PlanUnavailableError(f"Plan client 'fluxon' with api=native: {problem}")
-    if problem is None:
-        log.info("Plan client 'fluxon': the installed fluxon-py offers the Plan API: using it natively "
-                 "(fluxon_native)")
-        spec = {"cluster_name": options.get("cluster_name", DEFAULT_CLUSTER_NAME),
-                "share_mem_path": options.get("share_mem_path", DEFAULT_SHARE_MEM_PATH)}
-        return FluxonNativePlanClient(
-            config={"instance_key": options.get("instance_key", "cacheseek-plan"), "fluxonkv_spec": spec},
-            **{k: options[k] for k in _NATIVE_OPTIONS if k in options})
-    log.info("Plan client 'fluxon': %s; emulating it over the public client (fluxon_public: zero-copy "
-             "reads, staged writes copied once by Fluxon)", problem)
-    return FluxonPublicPlanClient(**options)

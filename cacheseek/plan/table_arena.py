@@ -1,35 +1,38 @@
-"""`TableArena`: one reused mapping that a Plan client writes its FXPLANV1 tables into.
+"""`TableArena`: one reused mapping that a Plan client writes its FXPLANV1 plan tables into.
 
 A plan table is tiny ((2 + n) * 8 bytes: 658 B for the 80 values of a 480p LingBot chunk) but
-lives from a plan's start to its end, and the reader dereferences it. Tables of one client lie in
-one private anonymous mapping, carved by a `FirstFitAllocator` and reused across plans (nothing is
-allocated per call), so a reader can check that a table address lies inside the client's arena
-(`PlanClientInfo.table_arena`, `cacheseek.plan.table.decode_plan_table`) before it reads a word.
+lives from a plan's start to its end, and the reader dereferences it. A client's tables lie in a
+small private host mapping of its own (`HostSegment`, pre-faulted, no huge pages), carved 64-byte
+aligned by a `FirstFitAllocator`: one table per live plan, written by `write` when the plan needs
+it (a put at start, a get at transfer) and freed by `free` when the plan ends. Nothing is
+allocated per call, and a reader can check that a table address lies inside the arena
+(``bounds``, `PlanClientInfo.table_arena`, `cacheseek.plan.table.decode_plan_table`) before it
+reads a word. A table that does not fit is `PlanError` naming the fix (``full_fix``).
 
 Sizing (`table_arena_for`): from the geometry, room for ``LIVE_TABLES`` live plans of
 ``CHUNKS_PER_PLAN`` chunks' values each (a read of a 32-chunk window is one plan), at least
-64 KiB; 1 MiB when the geometry is unknown. Not thread-safe: the client calls it under its lock.
+64 KiB; 1 MiB when the geometry is unknown. Not thread-safe: the client's lock guards it.
 """
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 from collections.abc import Sequence
 from typing import Optional
 
 from cacheseek.errors import ConfigError, PlanError, StoreClosedError
 from cacheseek.plan.allocator import FirstFitAllocator
+from cacheseek.plan.segment import HostSegment
 from cacheseek.plan.table import encode_plan_table, plan_table_nbytes
 
-__all__ = ["TableArena", "table_arena_for", "LIVE_TABLES", "CHUNKS_PER_PLAN"]
+__all__ = ["TableArena", "TABLE_ALIGN", "table_arena_for", "LIVE_TABLES", "CHUNKS_PER_PLAN"]
 
+TABLE_ALIGN = 64
 LIVE_TABLES = 32
 CHUNKS_PER_PLAN = 32
 _MIN = 64 << 10
 _MAX = 64 << 20
 _DEFAULT = 1 << 20
-_ALIGN = 64
 
 
 def values_per_chunk(value_bytes: Optional[int], chunk_bytes: Optional[int]) -> Optional[int]:
@@ -44,25 +47,23 @@ def table_arena_for(value_bytes: Optional[int], chunk_bytes: Optional[int]) -> i
     per_chunk = values_per_chunk(value_bytes, chunk_bytes)
     if per_chunk is None:
         return _DEFAULT
-    want = LIVE_TABLES * (-(-plan_table_nbytes(CHUNKS_PER_PLAN * per_chunk) // _ALIGN) * _ALIGN)
+    want = LIVE_TABLES * (-(-plan_table_nbytes(CHUNKS_PER_PLAN * per_chunk) // TABLE_ALIGN) * TABLE_ALIGN)
     return -(-min(max(want, _MIN), _MAX) // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
 class TableArena:
-    """``length`` bytes of private anonymous memory holding plan tables. ``field`` names the config
-    field that sizes it (in the error when it is full)."""
+    """``length`` bytes of plan tables at ``ptr``; see the module docstring."""
 
-    def __init__(self, length: int, field: str) -> None:
-        self.length = -(-length // mmap.PAGESIZE) * mmap.PAGESIZE
-        self.field = field
-        self._mm: Optional[mmap.mmap] = mmap.mmap(-1, self.length, flags=mmap.MAP_PRIVATE)
-        anchor = ctypes.c_char.from_buffer(self._mm)
-        self.ptr = ctypes.addressof(anchor)
-        del anchor  # the address stays valid while the mapping is open
-        self._alloc = FirstFitAllocator(self.length, _ALIGN)
+    def __init__(self, length: int, *, full_fix: str) -> None:
+        self._segment: Optional[HostSegment] = HostSegment(length, "private", None, 1, prefault=True,
+                                                           hugepages=False)
+        self.ptr = self._segment.ptr
+        self.length = self._segment.length
+        self._alloc = FirstFitAllocator(self.length, TABLE_ALIGN)
+        self._full_fix = full_fix
 
-    @classmethod
-    def check_fits(cls, length: int, field: str, value_bytes: Optional[int], chunk_bytes: Optional[int]) -> None:
+    @staticmethod
+    def check_fits(length: int, field: str, value_bytes: Optional[int], chunk_bytes: Optional[int]) -> None:
         """`ConfigError` when ``length`` cannot hold the table of one chunk's values."""
         per_chunk = values_per_chunk(value_bytes, chunk_bytes)
         if per_chunk is not None and plan_table_nbytes(per_chunk) > length:
@@ -72,28 +73,32 @@ class TableArena:
     @property
     def bounds(self) -> Optional[tuple[int, int]]:
         """``(ptr, length)``, or None once closed."""
-        return None if self._mm is None else (self.ptr, self.length)
+        return None if self._segment is None else (self.ptr, self.length)
 
     @property
     def used(self) -> int:
+        """Bytes in live tables."""
         return self._alloc.used
 
     def write(self, pointers: Sequence[int]) -> tuple[int, int]:
-        """Encode a table of ``pointers``; ``(offset, address)``. `PlanError` when the arena is
-        full (the live tables fill it), `StoreClosedError` after `close`."""
-        if self._mm is None:
+        """Write a table of ``pointers``; ``(offset, address)`` of it. Free the offset later.
+        `PlanError` when the live tables fill the arena, `StoreClosedError` after `close`."""
+        if self._segment is None:
             raise StoreClosedError("plan table arena used after close()")
         off = self._alloc.alloc(plan_table_nbytes(len(pointers)))
         if off is None:
-            raise PlanError(f"plan table arena full ({self._alloc.used} of {self.length} B in live tables, "
-                            f"{plan_table_nbytes(len(pointers))} B wanted); end plans sooner or raise {self.field}")
+            raise PlanError(f"plan table arena full ({self._alloc.used} of {self._alloc.capacity} B in live "
+                            f"tables, {plan_table_nbytes(len(pointers))} B wanted); end plans sooner or "
+                            f"{self._full_fix}")
         encode_plan_table(self.ptr + off, pointers)
         return off, self.ptr + off
 
     def free(self, offset: int) -> None:
-        self._alloc.free(offset)  # bookkeeping only: safe after close
+        """Free the table at ``offset`` (bookkeeping only: safe after `close`)."""
+        self._alloc.free(offset)
 
     def close(self) -> None:
-        if self._mm is not None:
-            self._mm.close()
-            self._mm = None
+        """Unmap the arena (idempotent); table addresses are invalid afterwards."""
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None

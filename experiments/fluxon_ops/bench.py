@@ -71,7 +71,8 @@ def main() -> int:
 
     import numpy as np
 
-    from cacheseek.fluxon.client import VALUE_FIELD, FluxonClient, _writable_u8, fluxon_runtime_info
+    from cacheseek.fluxon.client import VALUE_FIELD, FluxonClient, fluxon_runtime_info
+    from cacheseek.fluxon.values import writable_u8
     from cacheseek.fluxon.service import FluxonService
 
     out = Path(args.out)
@@ -131,7 +132,7 @@ def main() -> int:
                 ok(store.put_payload_from_ptr_blocking(key, ptr, size))
 
             def put_dlpack_from_ptr(key, i):
-                ok(store.put_blocking(key, {VALUE_FIELD: _writable_u8(ptr, size)}))
+                ok(store.put_blocking(key, {VALUE_FIELD: writable_u8(ptr, size)}))
 
             def client_put_from_ptr(key, i):
                 client.put_from_ptr(key, ptr, size)

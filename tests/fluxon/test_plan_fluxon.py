@@ -18,9 +18,11 @@ import torch
 
 from cacheseek.errors import ConfigError, PlanError, PlanUnavailableError, StoreFullError
 from cacheseek.fluxon.client import FluxonValueTooLargeError
-from cacheseek.plan import fluxon_public
+from cacheseek.plan import fluxon_select
+from cacheseek.plan.fluxon_calls import PutKeyCode
 from cacheseek.plan.fluxon_native import FluxonNativePlanClient
-from cacheseek.plan.fluxon_public import FluxonPublicPlanClient, PutKeyCode, open_fluxon_plan_client
+from cacheseek.plan.fluxon_public import FluxonPublicPlanClient
+from cacheseek.plan.fluxon_select import open_fluxon_plan_client
 from cacheseek.plan.table import decode_plan_table
 from cacheseek.reuse.exact_prefix.keys import layer_keys
 from cacheseek.kv.ring import RingGeometry
@@ -37,8 +39,8 @@ HAS_FLUXON_PY = importlib.util.find_spec("fluxon_py") is not None
 
 
 def test_fluxon_choice_uses_the_native_api_when_the_installed_client_has_it(monkeypatch, caplog):
-    monkeypatch.setattr(fluxon_public, "native_plan_api_problem", lambda: None)
-    with caplog.at_level(logging.INFO, logger="cacheseek.plan.fluxon_public"):
+    monkeypatch.setattr(fluxon_select, "native_plan_api_problem", lambda: None)
+    with caplog.at_level(logging.INFO, logger="cacheseek.plan.fluxon_select"):
         client = open_fluxon_plan_client(cluster_name="c1", share_mem_path="/dev/shm/nowhere", op_timeout_s=7.0,
                                          attach_timeout_s=9.0, value_bytes=MiB, chunk_bytes=80 * MiB)
     assert isinstance(client, FluxonNativePlanClient)  # connects on first use only
@@ -51,10 +53,10 @@ def test_fluxon_choice_uses_the_native_api_when_the_installed_client_has_it(monk
 
 def test_fluxon_choice_falls_back_to_the_emulation(monkeypatch, caplog):
     made = []
-    monkeypatch.setattr(fluxon_public, "native_plan_api_problem",
+    monkeypatch.setattr(fluxon_select, "native_plan_api_problem",
                         lambda: "fluxon-py 0.2.4 has no Plan API (missing get_start)")
-    monkeypatch.setattr(fluxon_public, "FluxonPublicPlanClient", lambda **kw: made.append(kw) or "emulated")
-    with caplog.at_level(logging.INFO, logger="cacheseek.plan.fluxon_public"):
+    monkeypatch.setattr(fluxon_select, "FluxonPublicPlanClient", lambda **kw: made.append(kw) or "emulated")
+    with caplog.at_level(logging.INFO, logger="cacheseek.plan.fluxon_select"):
         assert open_fluxon_plan_client(cluster_name="c1", staging_bytes=MiB) == "emulated"
     assert made == [{"cluster_name": "c1", "staging_bytes": MiB}]
     assert "missing get_start); emulating it over the public client (fluxon_public" in caplog.text
@@ -65,7 +67,7 @@ def test_fluxon_choice_falls_back_to_the_emulation(monkeypatch, caplog):
 
 @pytest.mark.skipif(not HAS_FLUXON_PY, reason="fluxon-py is not installed")
 def test_the_installed_fluxon_py_has_no_plan_api():
-    problem = fluxon_public.native_plan_api_problem()
+    problem = fluxon_select.native_plan_api_problem()
     assert problem is not None and "has no Plan API (missing " in problem and "local_fast_put_start" in problem
 
 
@@ -217,7 +219,7 @@ def test_plan_tier_builds_the_fluxon_client_from_its_name(fluxon_service, caplog
     """``client: fluxon`` with client_options attaches its own Fluxon client (and closes it)."""
     opts = dict(cluster_name=fluxon_service.cluster_name, share_mem_path=fluxon_service.share_mem_path,
                 op_timeout_s=10.0, staging_bytes=MiB)
-    with caplog.at_level(logging.INFO, logger="cacheseek.plan.fluxon_public"):
+    with caplog.at_level(logging.INFO, logger="cacheseek.plan.fluxon_select"):
         store = PlanTierStore(client="fluxon", client_options=opts, transfer=HostTransferRuntime())
     assert "emulating it over the public client (fluxon_public" in caplog.text
     client = store.plan_client

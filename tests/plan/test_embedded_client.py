@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from cacheseek.errors import ConfigError, HandleStateError, PlanError, PlanTableError, StoreClosedError, StoreFullError
-from cacheseek.plan import embedded as embedded_mod
+from cacheseek.plan import segment as segment_mod
 from cacheseek.plan.base import GetPlanState, PlanClient, PlanClientInfo, PutPlanState
 from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
 from cacheseek.plan.table import decode_plan_table
@@ -63,7 +63,7 @@ def test_segment_ready_prefaulted_and_generation_one(backing, tmp_path):
 
 
 def test_prefault_uses_several_threads_for_large_segments(monkeypatch):
-    monkeypatch.setattr(embedded_mod, "_PREFAULT_SLICE", MiB)
+    monkeypatch.setattr(segment_mod, "_PREFAULT_SLICE", MiB)
     started = []
     real = threading.Thread.start
 

@@ -10,7 +10,8 @@ import torch
 
 from cacheseek.errors import ConfigError, StoreError, StoreFullError
 from cacheseek.plan.embedded import EmbeddedPlanClient
-from cacheseek.plan.fluxon_public import FluxonPublicPlanClient, staging_for
+from cacheseek.plan.fluxon_public import FluxonPublicPlanClient
+from cacheseek.plan.fluxon_staging import staging_for
 from cacheseek.reuse.exact_prefix.keys import layer_keys
 from cacheseek.reuse.exact_prefix.types import Tier
 from cacheseek.stores.plan_tier import PlanTierStore
