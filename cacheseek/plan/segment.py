@@ -37,6 +37,7 @@ _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23
 _HUGE_PAGE = 2 << 20
 _PREFAULT_SLICE = 256 << 20  # one thread per 256 MiB, up to prefault_threads
+_POPULATE_STEP = 32 << 20  # bytes of one madvise(MADV_POPULATE_WRITE) call (a multiple of 2 MiB)
 _MAX_AUTO_THREADS = 16
 PAGE = mmap.PAGESIZE
 BACKINGS = ("shared", "private", "shm")
@@ -141,11 +142,18 @@ class HostSegment:
         methods: list[str] = []
 
         def fault(off: int, size: int) -> None:
-            if libc is not None and libc.madvise(self.ptr + off, size, _MADV_POPULATE_WRITE) == 0:
-                methods.append("madvise")
-                return
-            ctypes.memset(self.ptr + off, 0, size)
-            methods.append("touch")
+            # In steps: one MADV_POPULATE_WRITE call holds the process's mmap lock while it runs,
+            # so a whole 1.5 GiB slice would stall every mmap meanwhile (cudaMalloc included)
+            # for a second; a step of 32 MiB stalls one for a few milliseconds.
+            end, used = off + size, set()
+            for start in range(off, end, _POPULATE_STEP):
+                n = min(_POPULATE_STEP, end - start)
+                if libc is not None and libc.madvise(self.ptr + start, n, _MADV_POPULATE_WRITE) == 0:
+                    used.add("madvise")
+                else:
+                    ctypes.memset(self.ptr + start, 0, n)
+                    used.add("touch")
+            methods.extend(used)
 
         workers = [threading.Thread(target=fault, args=s, daemon=True) for s in slices[1:]]
         for w in workers:
