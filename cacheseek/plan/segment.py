@@ -37,7 +37,7 @@ _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23
 _HUGE_PAGE = 2 << 20
 _PREFAULT_SLICE = 256 << 20  # one thread per 256 MiB, up to prefault_threads
-_POPULATE_STEP = 32 << 20  # bytes of one madvise(MADV_POPULATE_WRITE) call (a multiple of 2 MiB)
+_POPULATE_STEP = 4 << 20  # bytes of one madvise(MADV_POPULATE_WRITE) call (a multiple of 2 MiB)
 _MAX_AUTO_THREADS = 16
 PAGE = mmap.PAGESIZE
 BACKINGS = ("shared", "private", "shm")
@@ -144,7 +144,7 @@ class HostSegment:
         def fault(off: int, size: int) -> None:
             # In steps: one MADV_POPULATE_WRITE call holds the process's mmap lock while it runs,
             # so a whole 1.5 GiB slice would stall every mmap meanwhile (cudaMalloc included)
-            # for a second; a step of 32 MiB stalls one for a few milliseconds.
+            # for a second; a step of 4 MiB stalls one for about a millisecond.
             end, used = off + size, set()
             for start in range(off, end, _POPULATE_STEP):
                 n = min(_POPULATE_STEP, end - start)

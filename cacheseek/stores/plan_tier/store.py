@@ -54,6 +54,11 @@ from cacheseek.transfer.protocol import TransferRuntime
 
 __all__ = ["PlanTierSchema", "PlanTierStore"]
 
+# Threads that pre-fault the segment of a background warm-up (prefault_threads=0): every fault
+# step holds the mmap lock that the runtime's own cudaMalloc calls wait for, so fewer threads
+# keep the requests served meanwhile as fast as with no cache; the warm-up takes longer.
+_BACKGROUND_FAULT_THREADS = 2
+
 
 @dataclasses.dataclass
 class PlanTierSchema:
@@ -98,7 +103,8 @@ class PlanTierStore:
     from the completion thread (0: one batch from put_async). A copy the runtime makes in the same
     direction meanwhile (a frame read back, a ``.tolist()``) shares the copy engine: behind one
     3.6 GiB batch it would wait ~70 ms, behind two pieces of 32 MiB ~1.3 ms. ``warmup``:
-    ``foreground`` or ``background`` (`Warmup`; `wait_ready`).
+    ``foreground`` or ``background`` (`Warmup`; `wait_ready`; a background warm-up pre-faults
+    with 2 threads unless ``prefault_threads`` says otherwise).
     """
 
     __module__ = "cacheseek.stores.plan_tier"  # its public path: configs and results name it there
@@ -139,6 +145,8 @@ class PlanTierStore:
         self.commit_timeout_s = commit_timeout_s
         self.transfer_kind = transfer_kind
         self._closed = False
+        if warmup == "background" and prefault_threads == 0:
+            prefault_threads = _BACKGROUND_FAULT_THREADS  # leave the memory system to the requests
         if plan_client is None:
             given = dict(segment_bytes=segment_bytes, prefault_threads=prefault_threads, backing=backing,
                          hugepages=hugepages, shm_dir=shm_dir)
