@@ -86,10 +86,24 @@ __all__ = [
     "private_netns_problem",
     "resolve_etcd_binary",
     "fluxon_py_problem",
+    "local_service_problem",
     "SEGMENT_ALIGN",
     "DEFAULT_CLUSTER_NAME",
     "DEFAULT_SHARE_MEM_PATH",
 ]
+
+
+def local_service_problem() -> Optional[str]:
+    """Why a real local Fluxon service cannot start here (no fluxon-py, no etcd binary, not
+    inside a private network namespace), or None."""
+    problem = fluxon_py_problem()
+    if problem:
+        return problem
+    try:
+        resolve_etcd_binary()
+    except FluxonServiceError as exc:
+        return str(exc)
+    return private_netns_problem()
 
 
 def _free_ports(n: int) -> list[int]:

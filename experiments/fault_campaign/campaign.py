@@ -438,18 +438,10 @@ def concurrent_scenario(cfg: dict, work: Path, rng: random.Random) -> dict[str, 
 
 
 def fluxon_problem() -> Optional[str]:
-    """Why a real local Fluxon service cannot start here (no fluxon-py, no etcd, not inside a
-    private network namespace), or None."""
-    from cacheseek.fluxon.service import FluxonServiceError, fluxon_py_problem, private_netns_problem, resolve_etcd_binary
+    """Why a real local Fluxon service cannot start here, or None."""
+    from cacheseek.fluxon.service import local_service_problem
 
-    problem = fluxon_py_problem()
-    if problem:
-        return problem
-    try:
-        resolve_etcd_binary()
-    except FluxonServiceError as exc:
-        return str(exc)
-    return private_netns_problem()
+    return local_service_problem()
 
 
 def open_fluxon_store(kind: str, svc: Any) -> Any:

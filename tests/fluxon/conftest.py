@@ -24,13 +24,7 @@ from typing import Optional
 
 import pytest
 
-from cacheseek.fluxon.service import (
-    FluxonService,
-    FluxonServiceError,
-    fluxon_py_problem,
-    private_netns_problem,
-    resolve_etcd_binary,
-)
+from cacheseek.fluxon.service import FluxonService, local_service_problem
 
 # The Plan tests here reuse the Plan test kit (recording proxies, the cold ring, the fake Fluxon
 # with a Plan API) the way tests/plan/conftest.py does: from its folder on sys.path.
@@ -45,14 +39,7 @@ _names = itertools.count(1)
 
 def fluxon_skip_reason() -> Optional[str]:
     """Why real-Fluxon tests cannot run here, or None."""
-    problem = fluxon_py_problem()
-    if problem:
-        return problem
-    try:
-        resolve_etcd_binary()
-    except FluxonServiceError as exc:
-        return str(exc)
-    problem = private_netns_problem()
+    problem = local_service_problem()
     if problem:
         return f"{problem} (the fluxon tests run as: {CI_COMMAND})"
     return None
