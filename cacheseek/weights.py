@@ -67,6 +67,9 @@ def of_model(module: Any) -> Iterator[None]:
 
 
 def current() -> Optional[bytes]:
-    """The fingerprint of the model marked by the innermost `of_model`, or None outside one."""
+    """The fingerprint of the model marked by the innermost `of_model`; None outside one, or for a
+    model without a state dict (a stand-in: a real DiT is a torch module)."""
     module = _current.get()
-    return None if module is None else module_fingerprint(module)
+    if module is None or not callable(getattr(module, "state_dict", None)):
+        return None
+    return module_fingerprint(module)

@@ -58,3 +58,18 @@ def test_a_telefuser_runtime_nothing_identifies_is_refused():
     named = LingBotWorldKVBinding(_manager(), NamespaceForest(), model_fingerprint=b"lingbot-world-fast@ckpt-7")
     named.on_runtime_created(runtime, session_config)
     assert named.manager.metrics.hook_failures == 0 and named.root is not None
+
+
+def test_the_marked_model_is_hashed_once_and_a_stand_in_is_not():
+    import torch
+
+    assert weights.current() is None
+    layer = torch.nn.Linear(3, 2)
+    with weights.of_model(layer):
+        first = weights.current()
+        assert len(first) == 16 and weights.current() is first  # cached per module
+        with weights.of_model(object()):  # a stand-in without a state dict (a test double)
+            assert weights.current() is None
+    with torch.no_grad():
+        layer.bias.add_(1)
+    assert weights.module_fingerprint(torch.nn.Linear(3, 2)) != first
