@@ -42,3 +42,18 @@ def test_short_fault_campaign(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["totals"] == res["totals"]
     assert (tmp_path / "fault_campaign.png").stat().st_size > 0
     assert "| kill9 |" in (tmp_path / "results.md").read_text()
+
+
+def test_the_campaign_gives_the_logging_level_back(tmp_path):
+    """The campaign silences CacheSeek's logger while it injects faults, and restores it: it also
+    runs inside test sessions whose later tests read log records."""
+    import logging
+
+    logger = logging.getLogger("cacheseek")
+    before = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        load().main(["short=true", "faults=full_store", f"out_dir={tmp_path}"])
+        assert logger.level == logging.INFO
+    finally:
+        logger.setLevel(before)

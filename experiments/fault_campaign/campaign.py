@@ -653,7 +653,16 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv: Sequence[str]) -> dict[str, Any]:
     import logging
 
-    logging.getLogger("cacheseek").setLevel(logging.CRITICAL)  # the faults are counted, not logged
+    quiet = logging.getLogger("cacheseek")
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)  # the faults are counted, not logged
+    try:
+        return _main(argv)
+    finally:
+        quiet.setLevel(level)  # main() also runs inside a test session: give its logging back
+
+
+def _main(argv: Sequence[str]) -> dict[str, Any]:
     if argv and argv[0] == FLUXON_CHILD:  # a round of fluxon_owner_kill9_scenario: its row, then exit at once
         kind, cfg, seed, work = argv[1], json.loads(argv[2]), int(argv[3]), Path(argv[4])
         print("ROW " + json.dumps(fluxon_owner_kill9_round(cfg, work, random.Random(seed), kind)), flush=True)
