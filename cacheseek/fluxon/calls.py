@@ -1,48 +1,134 @@
-"""`BoundedCalls`: every call into Fluxon runs on its own daemon thread, waited for a bounded time.
+"""Bounded calls into native code: every call runs on its own daemon thread, waited for a bounded time.
 
-A put issued after the service stopped was seen to return only after ~450 s, so no caller waits
-on fluxon-py directly. `run(op, key, fn)` starts ``fn`` on a daemon thread and waits at most
-``timeout`` (``op_timeout_s`` unless given). A call that overruns raises `StoreTimeoutError`
-naming the op and key and keeps running in the background (its thread is a daemon; process exit
-is not held up); when it finally returns, its value is dropped at once. While ``MAX_STUCK_CALLS``
-such calls are outstanding, new calls fail at once. A raw exception from fluxon-py becomes
-`StoreError`; CacheSeek's own errors and `Miss` pass through unchanged.
+A call into native code cannot be interrupted from Python, and a Fluxon call issued after its
+owner died was seen to return only after ~450 s. So no caller waits on fluxon-py directly:
+`BoundedCalls.run` starts ``fn`` on a daemon thread (process exit is never held up by one) and
+waits at most ``timeout_s``. A call that overruns raises `StoreTimeoutError` naming the call and
+the config field of its bound, and keeps running in the background; if it returns later,
+``on_late(value, error)`` gets its outcome (to abort a plan reserved after its caller gave up,
+say), else the value is dropped. While ``max_stuck`` such calls are outstanding, new calls fail at
+once instead of piling up threads. A thread costs ~0.1 ms a call.
 
 States: ``inflight`` (waited for), ``stuck`` (abandoned, still running). `mark_closed` refuses
-every later call but ``close``; `drain` waits (bounded) for the calls in flight to finish.
-The owner shares ``lock``, so that its own state and these counts change together.
+every later call but ``close``; `drain` and `wait_idle` wait (bounded) for the calls in flight.
+An owner may share ``lock``, so that its own state and these counts change together.
+
+`BoundedCalls` is the mechanism, used as it is by the native Plan client; `FluxonCalls` is the
+policy of the Fluxon client: raw errors from fluxon-py become `StoreError`, and messages name the
+cluster.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Optional, TypeVar
 
-from cacheseek.errors import CacheSeekError, StoreClosedError, StoreError, StoreTimeoutError
+from cacheseek.errors import CacheSeekError, ConfigError, StoreClosedError, StoreError, StoreTimeoutError
 from cacheseek.fluxon.results import Miss
 
-__all__ = ["BoundedCalls", "MAX_STUCK_CALLS"]
+__all__ = ["BoundedCalls", "FluxonCalls", "MAX_STUCK_CALLS"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+LateHandler = Callable[[Any, Optional[BaseException]], None]
 
 MAX_STUCK_CALLS = 4
 
 
 class BoundedCalls:
-    """Bounded calls of one Fluxon client (``owner``: its instance key) to one cluster."""
+    """Time-bounded calls of one client. ``name``: how messages name the client; ``field``: the
+    config field of ``timeout_s``; ``hint``: what a timeout probably means."""
 
-    def __init__(self, op_timeout_s: float, *, owner: str, cluster_name: str, share_mem_path: str) -> None:
-        self.op_timeout_s = float(op_timeout_s)
-        self._owner = owner
-        self._cluster_name = cluster_name
-        self._share_mem_path = share_mem_path
+    def __init__(self, timeout_s: float, *, name: str, field: str, hint: str = "",
+                 max_stuck: int = MAX_STUCK_CALLS) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ConfigError(field, f"must be a number of seconds > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self.name = name
+        self.field = field
+        self.hint = hint
+        self.max_stuck = max_stuck
         self.lock = threading.Lock()
         self._idle = threading.Condition(self.lock)
         self.inflight = 0
         self.stuck = 0
         self.closed = False
+
+    # -- policy (a subclass varies these) ---------------------------------------------------------
+    def describe(self, op: str, key: Optional[str]) -> str:
+        return f"{self.name} {op}" + (f" of key {key!r}" if key is not None else "")
+
+    def refusal(self, what: str, op: str) -> Optional[BaseException]:
+        """Why a call must not be issued now (the caller holds ``lock``), or None."""
+        if self.closed and op != "close":
+            return StoreClosedError(f"{what}: {self.name} is closed")
+        if self.stuck >= self.max_stuck:
+            return StoreTimeoutError(f"{what} not issued: {self.stuck} earlier calls are still stuck{self.hint}")
+        return None
+
+    def wrap(self, what: str, exc: BaseException) -> BaseException:
+        """The error the caller gets for ``fn``'s exception (as it is, here)."""
+        return exc
+
+    def timed_out(self, what: str, timeout: float, field: str, ptr_note: bool) -> StoreTimeoutError:
+        note = " Keep the source memory valid: the call may still read it." if ptr_note else ""
+        return StoreTimeoutError(f"{what} did not complete within {timeout:g} s ({field}){self.hint}; if it is "
+                                 f"only slow, raise {field}. The call goes on in the background.{note}")
+
+    # -- mechanism --------------------------------------------------------------------------------
+    def run(self, op: str, fn: Callable[[], T], *, key: Optional[str] = None, timeout_s: Optional[float] = None,
+            field: Optional[str] = None, on_late: Optional[LateHandler] = None, ptr_note: bool = False) -> T:
+        """``fn()`` on a daemon thread, waited for at most ``timeout_s`` (default: the client's bound,
+        named by ``field``). ``ptr_note``: the call reads caller memory (the timeout says so)."""
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        field = field or self.field
+        what = self.describe(op, key)
+        with self.lock:
+            refused = self.refusal(what, op)
+            if refused is not None:
+                raise refused
+            self.inflight += 1
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def runner() -> None:
+            try:
+                box["value"] = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                box["error"] = self.wrap(what, exc)
+            finally:
+                with self.lock:
+                    done.set()
+                    late = box.get("abandoned", False)
+                    if late:
+                        self.stuck -= 1
+                    else:
+                        self.inflight -= 1
+                    self._idle.notify_all()
+            if late:
+                outcome = (box.pop("value", None), box.pop("error", None))  # nothing kept past here
+                if on_late is not None:
+                    try:
+                        on_late(*outcome)
+                    except Exception:  # noqa: BLE001 - nobody is left to raise it to
+                        log.warning("%s: cleaning up after a late call failed", what, exc_info=True)
+
+        threading.Thread(target=runner, name=f"{self.name}-{op}", daemon=True).start()
+        if not done.wait(timeout):
+            with self.lock:
+                if not done.is_set():
+                    box["abandoned"] = True
+                    self.inflight -= 1
+                    self.stuck += 1
+                    self._idle.notify_all()
+                    raise self.timed_out(what, timeout, field, ptr_note)
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def mark_closed(self) -> bool:
         """Refuse every later call but ``close``; False when already closed. Caller holds ``lock``."""
@@ -59,57 +145,40 @@ class BoundedCalls:
                 self._idle.wait(timeout=max(0.01, deadline - time.monotonic()))
             return self.stuck, self.inflight
 
-    def run(self, op: str, key: Optional[str], fn: Callable[[], T], timeout: Optional[float] = None,
-            *, ptr_note: bool = False) -> T:
-        """Run ``fn`` on a daemon thread; wait at most ``timeout`` (default op_timeout_s).
-        ``ptr_note``: the call reads caller memory (say so in the timeout's message)."""
-        timeout = self.op_timeout_s if timeout is None else timeout
-        what = f"fluxon {op}" + (f" of key {key!r}" if key is not None else "")
-        with self.lock:
-            if self.closed and op != "close":
-                raise StoreClosedError(f"{what}: the Fluxon client {self._owner} is closed")
-            if self.stuck >= MAX_STUCK_CALLS:
-                raise StoreTimeoutError(
-                    f"{what} not issued: {self.stuck} earlier Fluxon calls are still stuck (the service "
-                    f"of cluster {self._cluster_name!r} is probably gone)")
-            self.inflight += 1
-        box: dict[str, Any] = {}
-        done = threading.Event()
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no call is being waited for (stuck calls aside); False past ``timeout_s``."""
+        return self.drain(timeout_s)[1] == 0
 
-        def runner() -> None:
-            try:
-                box["value"] = fn()
-            except (CacheSeekError, Miss) as exc:
-                box["error"] = exc
-            except Exception as exc:  # noqa: BLE001 - a raw error from fluxon-py or its etcd client
-                err = StoreError(f"{what} raised {type(exc).__name__}: {exc}")
-                err.__cause__ = exc
-                box["error"] = err
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                box["error"] = exc
-            finally:
-                with self.lock:
-                    done.set()
-                    if box.get("abandoned"):
-                        self.stuck -= 1
-                        box.clear()  # drop a late holder or value at once
-                    else:
-                        self.inflight -= 1
-                        self._idle.notify_all()
 
-        threading.Thread(target=runner, name=f"fluxon-{op}", daemon=True).start()
-        if not done.wait(timeout):
-            with self.lock:
-                if not done.is_set():
-                    box["abandoned"] = True
-                    self.inflight -= 1
-                    self.stuck += 1
-                    self._idle.notify_all()
-                    note = (" Keep the source memory valid: the call may still read it." if ptr_note else "")
-                    raise StoreTimeoutError(
-                        f"{what} did not complete within {timeout:.1f} s (cluster {self._cluster_name!r} "
-                        f"at {self._share_mem_path}); the service may be stopped or overloaded. The call "
-                        f"goes on in the background.{note}")
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+class FluxonCalls(BoundedCalls):
+    """The Fluxon client's calls (``owner``: its instance key) to one cluster."""
+
+    def __init__(self, op_timeout_s: float, *, owner: str, cluster_name: str, share_mem_path: str) -> None:
+        super().__init__(op_timeout_s, name="fluxon", field="store.op_timeout_s")
+        self.op_timeout_s = self.timeout_s
+        self._owner = owner
+        self._cluster_name = cluster_name
+        self._share_mem_path = share_mem_path
+
+    def refusal(self, what: str, op: str) -> Optional[BaseException]:
+        if self.closed and op != "close":
+            return StoreClosedError(f"{what}: the Fluxon client {self._owner} is closed")
+        if self.stuck >= self.max_stuck:
+            return StoreTimeoutError(
+                f"{what} not issued: {self.stuck} earlier Fluxon calls are still stuck (the service "
+                f"of cluster {self._cluster_name!r} is probably gone)")
+        return None
+
+    def wrap(self, what: str, exc: BaseException) -> BaseException:
+        if isinstance(exc, (CacheSeekError, Miss)) or not isinstance(exc, Exception):
+            return exc
+        err = StoreError(f"{what} raised {type(exc).__name__}: {exc}")  # raw fluxon-py or etcd client
+        err.__cause__ = exc
+        return err
+
+    def timed_out(self, what: str, timeout: float, field: str, ptr_note: bool) -> StoreTimeoutError:
+        note = " Keep the source memory valid: the call may still read it." if ptr_note else ""
+        return StoreTimeoutError(
+            f"{what} did not complete within {timeout:.1f} s (cluster {self._cluster_name!r} "
+            f"at {self._share_mem_path}); the service may be stopped or overloaded. The call "
+            f"goes on in the background.{note}")

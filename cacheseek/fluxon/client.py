@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 from cacheseek.errors import ConfigError, StoreClosedError, StoreError, StoreTimeoutError
-from cacheseek.fluxon.calls import MAX_STUCK_CALLS, BoundedCalls
+from cacheseek.fluxon.calls import MAX_STUCK_CALLS, FluxonCalls
 from cacheseek.fluxon.config import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
 from cacheseek.fluxon.errors import FluxonImportError, FluxonUnavailableError, FluxonValueTooLargeError
 from cacheseek.fluxon.held_views import HeldViews
@@ -135,7 +135,7 @@ class FluxonClient:
         self.instance_key = f"{instance_key}-{os.getpid()}-{next(_instance_counter)}"
         self.op_timeout_s = float(op_timeout_s)
         self.attach_timeout_s = float(attach_timeout_s)
-        self._calls = BoundedCalls(self.op_timeout_s, owner=self.instance_key, cluster_name=cluster_name,
+        self._calls = FluxonCalls(self.op_timeout_s, owner=self.instance_key, cluster_name=cluster_name,
                                    share_mem_path=self.share_mem_path)
         self._lock = self._calls.lock  # guards the views below and the call counts together
         self._store: Any = None
@@ -187,7 +187,7 @@ class FluxonClient:
     def _run(self, op: str, key: Optional[str], fn: Callable[[], T], timeout: Optional[float] = None,
              *, ptr_note: bool = False) -> T:
         """Run ``fn`` on a daemon thread; wait at most ``timeout`` (default op_timeout_s)."""
-        return self._calls.run(op, key, fn, timeout, ptr_note=ptr_note)
+        return self._calls.run(op, fn, key=key, timeout_s=timeout, ptr_note=ptr_note)
 
     def _unwrap(self, op: str, key: Optional[str], res: Any, *, nbytes: int = 0, miss_ok: bool = False) -> Any:
         """Consume a fluxon Result and map its error; a missing key raises Miss when ``miss_ok``."""

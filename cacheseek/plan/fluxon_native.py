@@ -37,18 +37,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
-import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from typing import Any, Dict, Optional
 
 import attrs
 
-from cacheseek.errors import CacheSeekError, PlanError, PlanUnavailableError, StoreClosedError, StoreTimeoutError
+from cacheseek.errors import CacheSeekError, PlanError, StoreClosedError, StoreTimeoutError
+from cacheseek.fluxon.calls import BoundedCalls
 from cacheseek.plan.base import (
-    REQUIRED_PLAN_CALLS,
     GetPlan,
     GetPlanState,
     PutCommitResult,
@@ -56,7 +54,17 @@ from cacheseek.plan.base import (
     PutPlanState,
     SegmentMapping,
 )
-from cacheseek.plan.bounded import BoundedCalls
+from cacheseek.plan.fluxon_native_api import (
+    as_int,
+    build_native,
+    commit_result,
+    inside,
+    keys_text,
+    missing_plan_calls,
+    settle_once,
+    transferable,
+    unavailable,
+)
 from cacheseek.plan.table import decode_plan_table
 from cacheseek.plan.table_arena import TableArena, table_arena_for
 from cacheseek.registry import PLAN_CLIENTS
@@ -84,37 +92,6 @@ class FluxonNativePlanSchema:
     chunk_bytes: Optional[int] = None
 
 
-def missing_plan_calls(client: Any) -> list[str]:
-    """The Plan calls ``client`` lacks (empty when it offers them all)."""
-    return [name for name in REQUIRED_PLAN_CALLS if not callable(getattr(client, name, None))]
-
-
-def _unavailable(what: str, missing: Sequence[str]) -> PlanUnavailableError:
-    return PlanUnavailableError(
-        f"{what} lacks the Plan API calls: {', '.join(missing)} (the public fluxon-py 0.2.4 has "
-        f"none of them); use plan client 'embedded' until a Fluxon build with the Plan API is installed"
-    )
-
-
-def _build_native(config: dict[str, Any]) -> Any:
-    try:
-        import fluxon_py
-    except ImportError as exc:
-        raise PlanUnavailableError(
-            "plan client 'fluxon_native' needs fluxon-py (pip install 'cacheseek[fluxon]')"
-        ) from exc
-    classes = [c for c in vars(fluxon_py).values() if isinstance(c, type)]
-    missing = min((missing_plan_calls(c) for c in classes), key=len, default=list(REQUIRED_PLAN_CALLS))
-    if missing:
-        raise _unavailable(f"the installed fluxon-py {getattr(fluxon_py, '__version__', '?')}", missing)
-    spec = config.get("fluxonkv_spec", {})
-    ready = os.path.join(spec.get("share_mem_path", ""), spec.get("cluster_name", ""), "shared.json")
-    if spec.get("share_mem_path") and not os.path.exists(ready):
-        raise PlanUnavailableError(f"no Fluxon owner is serving {ready!r} (start the owner first)")
-    result = fluxon_py.new_store(fluxon_py.FluxonKvClientConfig(config))
-    return result.unwrap() if hasattr(result, "unwrap") else result
-
-
 @attrs.define(eq=False)
 class _Record:
     """This client's side of a plan: the native handle and the plan's table in the arena."""
@@ -126,11 +103,6 @@ class _Record:
     transfer_stuck: bool = False  # a timed-out native get_transfer may still return
     late_settled: bool = False  # that call returned after its caller gave up
     end_deferred: bool = False  # the plan was ended while that call was stuck
-
-
-def _inside(mappings: Sequence[SegmentMapping], ptr: int, nbytes: int, *, writable: bool) -> bool:
-    return any(m.ptr <= ptr and ptr + nbytes <= m.ptr + m.length and (m.writable or not writable)
-               for m in mappings)
 
 
 @PLAN_CLIENTS.register("fluxon_native", FluxonNativePlanSchema)
@@ -159,9 +131,9 @@ class FluxonNativePlanClient:
         if client is not None:
             missing = missing_plan_calls(client)
             if missing:
-                raise _unavailable(f"the Fluxon client {type(client).__name__}", missing)
-        self._calls = BoundedCalls("fluxon_native", op_timeout_s, _OP_FIELD, hint=_HINT)
-        BoundedCalls("fluxon_native", attach_timeout_s, _ATTACH_FIELD)  # validates the field
+                raise unavailable(f"the Fluxon client {type(client).__name__}", missing)
+        self._calls = BoundedCalls(op_timeout_s, name="fluxon_native", field=_OP_FIELD, hint=_HINT)
+        BoundedCalls(attach_timeout_s, name="fluxon_native", field=_ATTACH_FIELD)  # validates the field
         self.op_timeout_s = float(op_timeout_s)
         self.attach_timeout_s = float(attach_timeout_s)
         size = parse_size(table_arena_bytes, _ARENA_FIELD, allow_auto=True, allow_none=True, minimum=4096)
@@ -187,7 +159,7 @@ class FluxonNativePlanClient:
         except (CacheSeekError, ValueError, TypeError):  # ours, or a bad argument: as is
             raise
         except Exception as exc:
-            raise PlanError(f"fluxon_native {op}{_keys_text(keys)} raised {type(exc).__name__}: {exc}") from exc
+            raise PlanError(f"fluxon_native {op}{keys_text(keys)} raised {type(exc).__name__}: {exc}") from exc
 
     def _native(self) -> Any:
         if self._closed:
@@ -198,10 +170,10 @@ class FluxonNativePlanClient:
                     if client is not None and callable(getattr(client, "close", None)):
                         client.close()
 
-                client = self._call("connect", lambda: _build_native(self._config), on_late=close_late, attach=True)
+                client = self._call("connect", lambda: build_native(self._config), on_late=close_late, attach=True)
                 missing = missing_plan_calls(client)
                 if missing:
-                    raise _unavailable(f"the Fluxon client {type(client).__name__}", missing)
+                    raise unavailable(f"the Fluxon client {type(client).__name__}", missing)
                 self._client = client
             return self._client
 
@@ -240,13 +212,13 @@ class FluxonNativePlanClient:
             if not keys:  # nothing transferable: the native table is not read
                 pointers = []
             else:
-                pointers = decode_plan_table(_as_int(ptr), len(keys), arena=arena_fn() if callable(arena_fn) else None)
+                pointers = decode_plan_table(as_int(ptr), len(keys), arena=arena_fn() if callable(arena_fn) else None)
         except CacheSeekError as exc:
-            raise PlanError(f"fluxon_native {op}{_keys_text(keys)}: bad plan table: {exc}") from exc
+            raise PlanError(f"fluxon_native {op}{keys_text(keys)}: bad plan table: {exc}") from exc
         mappings = self._segments()
         for i, p in enumerate(pointers):
             n = nbytes[i] if nbytes is not None else 1
-            if not _inside(mappings, p, n, writable=writable):
+            if not inside(mappings, p, n, writable=writable):
                 raise PlanError(
                     f"fluxon_native {op}: value {keys[i]!r} [{p:#x}, +{n}) lies outside every "
                     f"{'writable ' if writable else ''}segment mapping of wait_local_segments_ready")
@@ -298,15 +270,15 @@ class FluxonNativePlanClient:
             if timer is not None:
                 timer.cancel()
             try:
-                result = _commit_result(get(), keys)
+                result = commit_result(get(), keys)
             except BaseException as exc:  # noqa: BLE001 - the failure travels in the future
-                _settle_once(out, exception=exc)
+                settle_once(out, exception=exc)
             else:
-                _settle_once(out, result=result)
+                settle_once(out, result=result)
 
         def expire() -> None:
-            _settle_once(out, exception=StoreTimeoutError(
-                f"fluxon_native commit of {len(keys)} keys{_keys_text(keys)} did not settle within "
+            settle_once(out, exception=StoreTimeoutError(
+                f"fluxon_native commit of {len(keys)} keys{keys_text(keys)} did not settle within "
                 f"{self.op_timeout_s:g} s ({_OP_FIELD}){_HINT}; if it is only slow, raise {_OP_FIELD}"))
 
         if callable(getattr(native_future, "add_done_callback", None)) or callable(
@@ -353,7 +325,7 @@ class FluxonNativePlanClient:
         plan.expect((GetPlanState.STARTED,), "get_transfer")
         record: _Record = plan.native
         if record.transfer_stuck or record.native_transferred:
-            raise PlanError(f"fluxon_native get_transfer{_keys_text(plan.keys)}: an earlier get_transfer of this "
+            raise PlanError(f"fluxon_native get_transfer{keys_text(plan.keys)}: an earlier get_transfer of this "
                             "plan failed or timed out; cancel it")
 
         def transferred_late(_value: Any, error: Optional[BaseException]) -> None:
@@ -379,13 +351,13 @@ class FluxonNativePlanClient:
             raise
         with self._lock:
             record.native_transferred = True
-        n = _transferable(n, plan)
+        n = transferable(n, plan)
         lengths = None
         if callable(getattr(native, "value_lengths", None)):
             lengths = tuple(int(x) for x in self._call("value_lengths", lambda: native.value_lengths(record.handle),
                                                        plan.keys))
             if len(lengths) != n:
-                raise PlanError(f"fluxon_native value_lengths{_keys_text(plan.keys)}: {len(lengths)} lengths for "
+                raise PlanError(f"fluxon_native value_lengths{keys_text(plan.keys)}: {len(lengths)} lengths for "
                                 f"{n} transferable values")
         table, address = self._copy_table("get_transfer", native, ptr, plan.keys[:n], nbytes=lengths, writable=False)
         record.table, record.lengths = table, lengths
@@ -467,49 +439,3 @@ class FluxonNativePlanClient:
     @property
     def closed(self) -> bool:
         return self._closed
-
-
-def _keys_text(keys: Sequence[str]) -> str:
-    if not keys:
-        return ""
-    return f" of {keys[0]!r}" + (f" (+{len(keys) - 1} keys)" if len(keys) > 1 else "")
-
-
-def _as_int(value: Any) -> Any:
-    """An integral value (a numpy int, say) as an int; anything else unchanged (and refused by
-    the check that follows)."""
-    return int(value) if isinstance(value, numbers.Integral) and not isinstance(value, bool) else value
-
-
-def _transferable(n: Any, plan: GetPlan) -> int:
-    """``n`` checked: an int within the plan, at a group boundary."""
-    ends, pos = {0}, 0
-    for g in plan.atomic_group_lens:
-        pos += g
-        ends.add(pos)
-    n = _as_int(n)
-    if isinstance(n, bool) or not isinstance(n, int) or n not in ends:
-        raise PlanError(f"fluxon_native get_transfer{_keys_text(plan.keys)}: {n!r} transferable values is not a "
-                        f"whole-group prefix of the {len(plan.keys)} keys (groups {list(plan.atomic_group_lens)})")
-    return n
-
-
-def _commit_result(value: Any, keys: tuple[str, ...]) -> PutCommitResult:
-    try:
-        result = PutCommitResult.coerce(value)
-    except (TypeError, ValueError, IndexError) as exc:
-        raise PlanError(f"fluxon_native commit{_keys_text(keys)}: unreadable result {value!r}") from exc
-    if len(result.key_codes) != len(keys):
-        raise PlanError(f"fluxon_native commit{_keys_text(keys)}: {len(result.key_codes)} key codes for "
-                        f"{len(keys)} keys")
-    return result
-
-
-def _settle_once(out: Future, *, result: Any = None, exception: Optional[BaseException] = None) -> None:
-    try:
-        if exception is not None:
-            out.set_exception(exception)
-        else:
-            out.set_result(result)
-    except InvalidStateError:  # the deadline (or the result) came first
-        pass

@@ -8,14 +8,14 @@ import time
 import pytest
 
 from cacheseek.errors import ConfigError, StoreClosedError, StoreError, StoreFullError, StoreTimeoutError
-from cacheseek.fluxon.calls import MAX_STUCK_CALLS, BoundedCalls
+from cacheseek.fluxon.calls import MAX_STUCK_CALLS, FluxonCalls
 from cacheseek.fluxon.errors import FluxonValueTooLargeError
 from cacheseek.fluxon.results import Miss, error_text, unwrap
 from cacheseek.fluxon.values import slot_bytes, too_large_text
 
 
-def calls(timeout: float = 5.0) -> BoundedCalls:
-    return BoundedCalls(timeout, owner="cs-1-1", cluster_name="c1", share_mem_path="/dev/shm/x")
+def calls(timeout: float = 5.0) -> FluxonCalls:
+    return FluxonCalls(timeout, owner="cs-1-1", cluster_name="c1", share_mem_path="/dev/shm/x")
 
 
 def wait_for(cond, timeout_s: float = 5.0) -> None:
@@ -25,19 +25,19 @@ def wait_for(cond, timeout_s: float = 5.0) -> None:
         time.sleep(0.005)
 
 
-# -- BoundedCalls -------------------------------------------------------------------------------
+# -- FluxonCalls --------------------------------------------------------------------------------
 
 
 def test_a_call_returns_its_value_and_maps_raw_errors():
     c = calls()
-    assert c.run("get", "k", lambda: 42) == 42
+    assert c.run("get", lambda: 42, key="k") == 42
     with pytest.raises(StoreError, match=r"fluxon get of key 'k' raised RuntimeError: boom") as info:
-        c.run("get", "k", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+        c.run("get", lambda: (_ for _ in ()).throw(RuntimeError("boom")), key="k")
     assert isinstance(info.value.__cause__, RuntimeError)
     with pytest.raises(ConfigError):  # CacheSeek's own errors pass through unchanged
-        c.run("get", "k", lambda: (_ for _ in ()).throw(ConfigError("store", "bad")))
+        c.run("get", lambda: (_ for _ in ()).throw(ConfigError("store", "bad")), key="k")
     with pytest.raises(Miss):
-        c.run("get", "k", lambda: (_ for _ in ()).throw(Miss()))
+        c.run("get", lambda: (_ for _ in ()).throw(Miss()), key="k")
     assert c.inflight == 0 and c.stuck == 0
 
 
@@ -46,7 +46,7 @@ def test_an_overrunning_call_times_out_and_is_counted_stuck_until_it_returns():
     gate = threading.Event()
     t0 = time.monotonic()
     with pytest.raises(StoreTimeoutError) as info:
-        c.run("put", "k", gate.wait, 0.05, ptr_note=True)
+        c.run("put", gate.wait, key="k", timeout_s=0.05, ptr_note=True)
     assert time.monotonic() - t0 < 2.0
     assert str(info.value) == (
         "fluxon put of key 'k' did not complete within 0.1 s (cluster 'c1' at /dev/shm/x); the service "
@@ -63,27 +63,27 @@ def test_too_many_stuck_calls_refuse_new_ones_at_once():
     try:
         for _ in range(MAX_STUCK_CALLS):
             with pytest.raises(StoreTimeoutError):
-                c.run("get", "k", gate.wait, 0.01)
+                c.run("get", gate.wait, key="k", timeout_s=0.01)
         with pytest.raises(StoreTimeoutError, match=r"fluxon exists of key 'x' not issued: 4 earlier Fluxon "
                                                     r"calls are still stuck \(the service of cluster 'c1'"):
-            c.run("exists", "x", lambda: True)
+            c.run("exists", lambda: True, key="x")
     finally:
         gate.set()
     wait_for(lambda: c.stuck == 0)
-    assert c.run("exists", "x", lambda: True) is True
+    assert c.run("exists", lambda: True, key="x") is True
 
 
 def test_closed_refuses_every_call_but_close_and_drain_waits_for_calls_in_flight():
     c = calls()
     gate = threading.Event()
-    worker = threading.Thread(target=lambda: c.run("get", "k", gate.wait))
+    worker = threading.Thread(target=lambda: c.run("get", gate.wait, key="k"))
     worker.start()
     wait_for(lambda: c.inflight == 1)
     with c.lock:
         assert c.mark_closed() and not c.mark_closed()
     with pytest.raises(StoreClosedError, match=r"fluxon get of key 'k': the Fluxon client cs-1-1 is closed"):
-        c.run("get", "k", lambda: None)
-    assert c.run("close", None, lambda: "closed") == "closed"
+        c.run("get", lambda: None, key="k")
+    assert c.run("close", lambda: "closed", key=None) == "closed"
     assert c.drain(0.05) == (0, 1)  # still in flight after the wait
     threading.Timer(0.05, gate.set).start()
     assert c.drain(5.0) == (0, 0)
