@@ -74,3 +74,14 @@ def test_hbm_tier_benchmark_smoke(tmp_path):
                                    "cold_a_within_3pct_of_nocache"}
     assert "| hbm+plan |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "hbm_tier.png").stat().st_size > 0
+
+
+def test_copy_kernel_benchmark_smoke(tmp_path):
+    res = load("copy_kernel").main([
+        "device=cpu", "reps=1", "peak_bytes=1048576", "total_bytes=1048576",
+        "cases=[[d2d,65536,4],[h2d,131072,3],[d2d,4096,0]]", f"out_dir={tmp_path}",
+    ])
+    assert [r["copies"] for r in res["rows"]] == [4, 3, 256]
+    assert all(r["kernel_ok"] for r in res["rows"])  # the fake kernel ran the packed tables
+    assert "| d2d | 256 x 4 KiB |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "copy_kernel.png").stat().st_size > 0

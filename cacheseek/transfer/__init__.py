@@ -42,17 +42,19 @@ class AutoTransferSchema:
     _target_: str = "cacheseek.transfer.auto_transfer_runtime"
     device: str = "cpu"
     use_batch_api: Optional[bool] = None
+    copy_kernel: Optional[bool] = None
 
 
 def auto_transfer_runtime(
-    device: Any = "cpu", *, use_batch_api: Optional[bool] = None
+    device: Any = "cpu", *, use_batch_api: Optional[bool] = None, copy_kernel: Optional[bool] = None
 ) -> TransferRuntime:
     """The transfer runtime for tensors on ``device`` (a string such as "cuda:0" or a torch
     device): `CudaTransferRuntime` for CUDA (bound to ``cuda:N`` when the device names an
-    index), `HostTransferRuntime` otherwise."""
+    index; ``use_batch_api`` and ``copy_kernel`` as it documents), `HostTransferRuntime`
+    otherwise."""
     kind = getattr(device, "type", None) or str(device).split(":", 1)[0]
     if kind == "cuda":
-        return CudaTransferRuntime(use_batch_api=use_batch_api, device=str(device))
+        return CudaTransferRuntime(use_batch_api=use_batch_api, copy_kernel=copy_kernel, device=str(device))
     return HostTransferRuntime()
 
 

@@ -14,6 +14,12 @@
   them overlap compute. Ordering across streams is explicit: events (``cudaEventRecord``,
   ``cudaStreamWaitEvent``), created with ``cudaEventDisableTiming``.
 - Device ranges not declared by the caller are checked with ``cudaPointerGetAttributes``.
+- The range-copy kernel (`cacheseek.transfer.copy_kernel`) takes the batches that the copy
+  engines serve worst: at least ``kernel_min_copies`` copies, every one device-to-device, or
+  host-to-device averaging at most ``kernel_h2d_max_mean_bytes`` (where the device reads
+  registered host memory at its host address), all 16-byte aligned. It is one launch per
+  1024 copies instead of a descriptor each. ``copy_kernel``: None = that policy where the
+  kernel can be built (NVRTC), False = never, True = the policy, and the kernel must build.
 
 ``cudart`` is injectable (`cacheseek.transfer.fake_cuda.FakeCudart` in CPU tests); the real module
 is imported only when none is given. The batch call's signature differs between bindings
@@ -23,6 +29,7 @@ is imported only when none is given. The batch call's signature differs between 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections.abc import Callable
 from typing import Any, Optional
@@ -31,11 +38,14 @@ from cacheseek.errors import RegistrationError, TransferError
 from cacheseek.registry import TRANSFERS
 from cacheseek.transfer.base import SubmitFailed, TransferRuntimeBase
 from cacheseek.transfer.batch import DIRECTIONS, CopyBatch, Direction
+from cacheseek.transfer.copy_kernel import CudaRangeKernel, RangeKernel, aligned, range_tables
 from cacheseek.transfer.memory import HostMapping
 from cacheseek.transfer.pending import Event
 from cacheseek.transfer.registrations import Registration
 
 __all__ = ["CudaTransferRuntime", "CudaTransferSchema"]
+
+log = logging.getLogger(__name__)
 
 _LEGACY_STREAMS = (0, 1)  # the NULL stream and cudaStreamLegacy
 _BATCH_UNSUPPORTED = ("cudaErrorNotSupported", "cudaErrorCallRequiresNewerDriver")
@@ -47,6 +57,9 @@ class CudaTransferSchema:
     _target_: str = "cacheseek.transfer.cuda_transfer.CudaTransferRuntime"
     use_batch_api: Optional[bool] = None
     max_batch: int = 4096
+    copy_kernel: Optional[bool] = None
+    kernel_min_copies: int = 8
+    kernel_h2d_max_mean_bytes: int = 0
 
 
 def _import_cudart() -> Any:
@@ -150,6 +163,10 @@ class CudaTransferRuntime(TransferRuntimeBase):
         tensor_device_type: str = "cuda",
         max_batch: int = 4096,
         device: Any = None,
+        copy_kernel: Optional[bool] = None,
+        kernel_min_copies: int = 8,
+        kernel_h2d_max_mean_bytes: int = 0,
+        range_kernel: Optional[RangeKernel] = None,
     ) -> None:
         super().__init__()
         self.device_index = _device_index(device)
@@ -178,6 +195,21 @@ class CudaTransferRuntime(TransferRuntimeBase):
         self._kind_by_code = [self._kinds[d] for d in DIRECTIONS]  # indexed by Direction.code
         self._stream_flags = getattr(self._rt, "cudaStreamNonBlocking", 1)
         self._event_flags = getattr(self._rt, "cudaEventDisableTiming", 2)
+        for name, value, least in (("kernel_min_copies", kernel_min_copies, 1), ("kernel_h2d_max_mean_bytes", kernel_h2d_max_mean_bytes, 0)):
+            if not isinstance(value, int) or value < least:
+                raise TransferError(f"{name} must be an int >= {least}, got {value!r}")
+        self.kernel_min_copies = kernel_min_copies
+        self.kernel_h2d_max_mean_bytes = kernel_h2d_max_mean_bytes
+        # auto mode builds the real kernel only over the real bindings (an injected cudart is a
+        # test's fake: it gets the kernel it is given, or none)
+        self._kernel_mode = copy_kernel if (cudart is None or range_kernel is not None or copy_kernel) else False
+        self._kernel = range_kernel
+        self.kernel_unavailable: Optional[str] = None  # why the policy is off in auto mode
+        self.kernel_batches = 0
+        if copy_kernel is False:
+            self._kernel = None
+        elif copy_kernel and self._kernel is None:
+            self._kernel = self._build_kernel()
 
     def bind_thread(self) -> None:
         """Make the runtime's device current on the calling thread (no-op without an index)."""
@@ -185,6 +217,15 @@ class CudaTransferRuntime(TransferRuntimeBase):
             set_device = getattr(self._rt, "cudaSetDevice", None)
             if set_device is not None:
                 self._check(set_device(self.device_index)[0], f"cudaSetDevice({self.device_index})")
+
+    def _build_kernel(self) -> RangeKernel:
+        self.bind_thread()
+        return CudaRangeKernel(self._rt, self.device_index)
+
+    @property
+    def range_kernel(self) -> Optional[RangeKernel]:
+        """The range-copy kernel once built (None: not yet, or off)."""
+        return self._kernel
 
     @property
     def batch_api(self) -> bool:
@@ -253,8 +294,35 @@ class CudaTransferRuntime(TransferRuntimeBase):
         handle = coerce_stream(stream)
         return int(self._current_stream()) if handle is None else handle
 
+    def _kernel_for(self, batch: CopyBatch) -> Optional[RangeKernel]:
+        """The range-copy kernel when the policy (module docstring) gives it ``batch``, else None."""
+        if self._kernel_mode is False or len(batch) < self.kernel_min_copies:
+            return None
+        codes = batch.codes
+        d2d = codes == Direction.D2D.code
+        if not d2d.all():
+            h2d = codes == Direction.H2D.code
+            if not (h2d | d2d).all() or int(batch.sizes[h2d].mean()) > self.kernel_h2d_max_mean_bytes:
+                return None
+        if not aligned(batch.dsts, batch.srcs, batch.sizes):
+            return None
+        if self._kernel is None:
+            try:
+                self._kernel = self._build_kernel()
+            except TransferError as exc:
+                self._kernel_mode = False
+                self.kernel_unavailable = str(exc)
+                log.info("range-copy kernel off: %s", exc)
+                return None
+        if not d2d.all() and not self._kernel.host_readable:
+            return None
+        return self._kernel
+
     def _submit(self, batch: CopyBatch, stream: int) -> None:
         self.bind_thread()
+        kernel = self._kernel_for(batch)
+        if kernel is not None:
+            return self._submit_kernel(kernel, batch, stream)
         if self._batch_fn is not None and stream not in _LEGACY_STREAMS:
             dsts, srcs, sizes = batch.dsts.tolist(), batch.srcs.tolist(), batch.sizes.tolist()
             n = len(dsts)
@@ -264,6 +332,14 @@ class CudaTransferRuntime(TransferRuntimeBase):
                     return self._submit_loop(batch, stream, start=lo)
             return
         self._submit_loop(batch, stream)
+
+    def _submit_kernel(self, kernel: RangeKernel, batch: CopyBatch, stream: int) -> None:
+        for k, table in enumerate(range_tables(batch.dsts, batch.srcs, batch.sizes)):
+            try:
+                kernel.launch(table, stream)
+            except TransferError as exc:
+                raise SubmitFailed(-1 if k else 0, exc) from exc
+        self.kernel_batches += 1
 
     def _submit_loop(self, batch: CopyBatch, stream: int, start: int = 0) -> None:
         memcpy = self._rt.cudaMemcpyAsync
@@ -375,5 +451,6 @@ class CudaTransferRuntime(TransferRuntimeBase):
 
     def __repr__(self) -> str:
         return (
-            f"CudaTransferRuntime(batch_api={self.batch_api}, registered={len(self.registered())})"
+            f"CudaTransferRuntime(batch_api={self.batch_api}, kernel={self._kernel!r}, "
+            f"registered={len(self.registered())})"
         )

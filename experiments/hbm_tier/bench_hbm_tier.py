@@ -101,12 +101,13 @@ def section_peak(cfg, dev, transfer, sync) -> dict:
     if copies * size <= n:
         shaped = CopyBatch.of(dst.data_ptr() + np.arange(copies) * size, src.data_ptr() + np.arange(copies) * size,
                               [size] * copies, Direction.D2D)
-        runtimes = [("batched", transfer, rt_stream)]
+        runtimes = [("runtime", transfer, rt_stream)]
         if cuda:
             from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
 
-            loop = CudaTransferRuntime(use_batch_api=False)
-            runtimes.append(("loop", loop, loop.new_stream()))
+            for name, kw in (("batched", dict(copy_kernel=False)), ("loop", dict(copy_kernel=False, use_batch_api=False))):
+                rt = CudaTransferRuntime(**kw)
+                runtimes.append((name, rt, rt.new_stream()))
         for name, rt, st in runtimes:
             secs = []
             for _ in range(int(cfg.reps) + 1):
@@ -505,15 +506,16 @@ def main(argv: list[str]) -> dict:
     sections = list(cfg.sections)
     results: dict = {"config": _plain(cfg), "env": env_info(), "command": " ".join(["python", *sys.argv[:1], *argv])}
     prog = Progress(len(sections) + 1, "hbm_tier")
-    transfer = auto_transfer_runtime(str(dev), use_batch_api=cfg.get("use_batch_api"))
+    transfer = auto_transfer_runtime(str(dev), use_batch_api=cfg.get("use_batch_api"), copy_kernel=cfg.get("copy_kernel"))
+    results["transfer"] = repr(transfer)
     try:
         if "peak" in sections:
             results["peak"] = section_peak(cfg, dev, transfer, sync)
             p = results["peak"]
             prog.step(f"D2D peak {p['d2d_peak_gib_s']:.1f} GiB/s (torch {p['torch_copy_gib_s']:.1f}, transfer runtime "
                       f"{p['runtime_batch_gib_s']:.1f}), bytes equal {p['verified']}; one chunk's "
-                      f"{p.get('chunk_copies')} values: batched {p.get('chunk_batched_gib_s', 0):.1f} GiB/s, "
-                      f"loop {p.get('chunk_loop_gib_s', 0):.1f} GiB/s")
+                      f"{p.get('chunk_copies')} values: the runtime {p.get('chunk_runtime_gib_s', 0):.1f} GiB/s, "
+                      f"batched {p.get('chunk_batched_gib_s', 0):.1f} GiB/s, loop {p.get('chunk_loop_gib_s', 0):.1f} GiB/s")
             write_json(out_dir / "results.json", results)
             gc.collect()
         if "full_hit" in sections:
@@ -532,6 +534,8 @@ def main(argv: list[str]) -> dict:
             if cuda:
                 torch.cuda.empty_cache()
     finally:
+        results["transfer_kernel_batches"] = getattr(transfer, "kernel_batches", 0)
+        results["transfer"] = repr(transfer)
         transfer.close()
     if "cold_a" in sections:
         results["cold_a"] = section_cold_a(cfg, dev, sync, prog, out_dir)
@@ -576,8 +580,11 @@ def render(r: dict) -> str:
         p = r["peak"]
         lines += [f"D2D peak: {p['d2d_peak_gib_s']:.1f} GiB/s (torch copy_ {p['torch_copy_gib_s']:.1f}, transfer "
                   f"runtime batch {p['runtime_batch_gib_s']:.1f}; one copy of {p['bytes'] / GiB:.2f} GiB). One chunk's "
-                  f"{p.get('chunk_copies')} values of {p.get('chunk_copy_bytes')} B D2D: cudaMemcpyBatchAsync "
-                  f"{p.get('chunk_batched_gib_s', 0):.1f} GiB/s, a cudaMemcpyAsync loop {p.get('chunk_loop_gib_s', 0):.1f} GiB/s", ""]
+                  f"{p.get('chunk_copies')} values of {p.get('chunk_copy_bytes')} B D2D: the transfer runtime as "
+                  f"configured {p.get('chunk_runtime_gib_s', 0):.1f} GiB/s, cudaMemcpyBatchAsync "
+                  f"{p.get('chunk_batched_gib_s', 0):.1f} GiB/s, a cudaMemcpyAsync loop {p.get('chunk_loop_gib_s', 0):.1f} GiB/s.",
+                  "", f"Transfer runtime of peak and full hit: `{r.get('transfer')}`, {r.get('transfer_kernel_batches', 0)} "
+                      "batches through the range-copy kernel.", ""]
     if "full_hit" in r:
         f = r["full_hit"]
         lines += ["## Full hit (tiered store read_path)", "",
