@@ -11,6 +11,8 @@ they live below both.
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["kv_locator", "latent_locator", "layer_keys", "object_key", "blob_keys"]
 
 
@@ -35,5 +37,11 @@ def object_key(locator: str, layer: int) -> str:
 def blob_keys(locator: str, n_layers: int, *, pairs: bool = True) -> list[str]:
     """Every store key of a blob's KV: K and V per layer, or one key per layer (``pairs=False``)."""
     if pairs:
-        return [key for layer in range(n_layers) for key in layer_keys(locator, layer)]
+        return list(_pair_keys(locator, n_layers))
     return [object_key(locator, layer) for layer in range(n_layers)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _pair_keys(locator: str, n_layers: int) -> tuple[str, ...]:
+    """A restore names the same hot blobs again and again: their 80 keys are built once."""
+    return tuple(key for layer in range(n_layers) for key in layer_keys(locator, layer))

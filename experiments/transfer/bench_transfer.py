@@ -225,12 +225,20 @@ def main(argv: list[str]) -> dict:
     run_bytes = sum(r.n_tokens for r in runs) * rtb * 2 * RL
     n_desc = len(runs) * 2 * RL
     loop_store = PlanTierStore(plan_client=store.plan_client, transfer=new_runtime(batch=False), overlap=False)
-    for label, st_ in (("batched (cudaMemcpyBatchAsync)", store), ("loop of cudaMemcpyAsync", loop_store)):
+    variants = [("batched (cudaMemcpyBatchAsync)", store), ("loop of cudaMemcpyAsync", loop_store)]
+    if cuda:  # the range-copy kernel reading the segment through the device's mapping of it
+        from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
+
+        kernel_store = PlanTierStore(plan_client=store.plan_client, overlap=False, transfer=CudaTransferRuntime(
+            copy_kernel=True, kernel_h2d_max_mean_bytes=1 << 40))
+        variants.append(("range-copy kernel", kernel_store))
+    for label, st_ in variants:
         assert st_.read_path(rnodes, window, rtarget)
         secs = timed(lambda: st_.read_path(rnodes, window, rtarget), reps, sync=sync)
         row("rolled", f"restore depth {depth}: {n_desc} runs, {label}", "h2d", run_bytes + sum(x.numel() * 2 for x in rlat),
             secs, descriptors=n_desc, mean_run_bytes=run_bytes / n_desc)
-    loop_store.close()
+    for _, st_ in variants[1:]:
+        st_.close()
     prog.step(f"rolled-ring restores: {len(runs)} runs per tensor, {n_desc} copies of "
               f"{run_bytes / n_desc / 1024:.0f} KiB on average")
 

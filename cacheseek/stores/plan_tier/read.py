@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from cacheseek.errors import CorruptValueError, LayoutMismatchError, PlanError, PlanTableError, add_note
 from cacheseek.kv.handles import BlobHandle, ChunkNode
-from cacheseek.kv.locators import layer_keys
+from cacheseek.kv.locators import blob_keys, layer_keys
 from cacheseek.kv.payload import LayerPayload, RestoreTarget
 from cacheseek.plan.base import GetPlan, PlanClient
 from cacheseek.plan.table import decode_plan_table
@@ -226,7 +226,7 @@ class Reader:
 
             n_layers, tb = target.n_layers, target.token_bytes
             width = 2 * n_layers
-            keys = [k for blob in blobs for i in range(n_layers) for k in layer_keys(blob.locator, i)]
+            keys = [k for blob in blobs for k in blob_keys(blob.locator, n_layers)]
             kv = self._start(keys, [width] * len(blobs))
             reads.append(kv)
             table, n = kv.transfer([target.chunk_value_nbytes] * len(keys))
