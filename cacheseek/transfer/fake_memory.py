@@ -92,11 +92,14 @@ class FakeMemory:
         return None
 
     def where(self, ptr: int, nbytes: int) -> str:
-        """"device", "host" (registered) or "unregistered"."""
+        """"device", "host" (inside one registration) or "unregistered" (also a range that
+        touches registered memory without lying inside one registration: it spans two)."""
         if self.device_of(ptr, nbytes) is not None:
             return "device"
         if self.host_registration(ptr, nbytes) is not None:
             return "host"
+        if any(start < ptr + nbytes and ptr < start + length for start, (length, _) in self.registered.items()):
+            return "unregistered"
         return "device" if self.unknown_is_device else "unregistered"
 
     def pointer_attributes(self, ptr: int) -> cudaPointerAttributes:
