@@ -61,6 +61,7 @@ __all__ = [
     "PlanClient",
     "PlanClientInfo",
     "PlanValueLengths",
+    "PlanSegmentPieces",
     "PlanUsage",
     "SegmentTimers",
     "PLAN_OK",
@@ -279,3 +280,18 @@ class PlanValueLengths(Protocol):
         """Byte lengths of the transferable values of a TRANSFERRING plan, in key order."""
         ...
 
+
+@runtime_checkable
+class PlanSegmentPieces(Protocol):
+    """Optional capability: a client whose segments can be mapped first and pre-faulted part by
+    part, so a warm-up can fault a piece, register it with the transfer runtime, then fault the
+    next (registration starts early; no single call holds the process's locks for long)."""
+
+    def map_local_segments(self) -> list[SegmentMapping]:
+        """The segments mapped, not necessarily pre-faulted (``wait_local_segments_ready``
+        afterwards faults whatever is left)."""
+        ...
+
+    def fault_local_range(self, ptr: int, length: int) -> None:
+        """Pre-fault ``length`` bytes at ``ptr`` (inside a segment of `map_local_segments`)."""
+        ...

@@ -129,7 +129,7 @@ class DevicePlanClient(EmbeddedPlanClient):
         super().__init__(size, backing="private", hugepages=False, alignment=alignment,
                          table_arena_bytes=table_arena_bytes, prefault=False, faults=faults)
 
-    def _new_segment(self) -> _DeviceSegment:
+    def _new_segment(self, prefault: bool) -> _DeviceSegment:  # device memory: nothing to fault
         seg = _DeviceSegment(self.segment_bytes, self.device)
         log.info("device Plan pool: %.2f GiB on %s in %.3f s", seg.length / 2**30, self.device, seg.map_seconds)
         return seg

@@ -12,7 +12,9 @@ the Fluxon public client: `cacheseek.plan.inprocess`), over:
   THP is enabled (it is ``never`` on the H200 machine). The bytes actually backed by huge pages
   are read back into the segment timers. The segment is created and pre-faulted by
   ``wait_local_segments_ready`` from ``prefault_threads`` threads (0 = one per CPU up to 16), so
-  that registering it with CUDA and the first write pay for no page fault;
+  that registering it with CUDA and the first write pay for no page fault; or, through the
+  `PlanSegmentPieces` capability, mapped by ``map_local_segments`` and faulted part by part with
+  ``fault_local_range`` (the Plan tier faults a piece, registers it, then the next one);
 - a first-fit allocator with ``alignment``-byte blocks that coalesces freed neighbours;
 - a key index of published values; each value counts its readers. A remove or an overwrite
   unpublishes a value at once but frees its bytes only when the last reader releases its views;
@@ -140,14 +142,42 @@ class EmbeddedPlanClient(InProcessPlanClient):
     def wait_local_segments_ready(self) -> list[SegmentMapping]:
         with self._lock:
             seg = self._ensure_segment()
+            if self.prefault and hasattr(seg, "fault_rest"):
+                seg.fault_rest()  # what map_local_segments left unfaulted (nothing otherwise)
+                self._timers = self._segment_timers(seg)
             return [SegmentMapping(seg.ptr, seg.length, self._generation, True, self._on_device)]
 
-    def _ensure_segment(self) -> Any:
+    # -- capability: PlanSegmentPieces ----------------------------------------------------------
+    def map_local_segments(self) -> list[SegmentMapping]:
+        """The segments mapped, not pre-faulted yet: fault them with `fault_local_range` (or
+        `wait_local_segments_ready`, which faults whatever is left)."""
+        with self._lock:
+            seg = self._ensure_segment(prefault=False)
+            return [SegmentMapping(seg.ptr, seg.length, self._generation, True, self._on_device)]
+
+    def fault_local_range(self, ptr: int, length: int) -> None:
+        """Pre-fault ``length`` bytes of the segment at ``ptr`` (with ``prefault_threads``
+        threads; nothing when the client does not pre-fault). The client's lock is not held
+        while the pages fault."""
+        with self._lock:
+            self._check_open()
+            seg = self._segment
+        if seg is None or not self.prefault or not hasattr(seg, "fault"):
+            return
+        seg.fault(ptr - seg.ptr, length)
+        self._timers = self._segment_timers(seg)
+
+    @staticmethod
+    def _segment_timers(seg: Any) -> SegmentTimers:
+        return SegmentTimers(seg.map_seconds, seg.fault_seconds, seg.fault_method, seg.threads, seg.huge_bytes,
+                             seg.length)
+
+    def _ensure_segment(self, prefault: Optional[bool] = None) -> Any:
         self._check_open()
         if self._segment is not None:
             return self._segment
         try:
-            seg = self._new_segment()
+            seg = self._new_segment(self.prefault if prefault is None else prefault)
         except OSError as exc:  # ENOMEM, ENOSPC in shm_dir: the size does not fit this machine
             raise ConfigError(
                 "store.segment_bytes", f"cannot map a {format_size(self.segment_bytes)} {self.backing} "
@@ -160,9 +190,7 @@ class EmbeddedPlanClient(InProcessPlanClient):
         self._segment, self._tables = seg, tables
         self._alloc = FirstFitAllocator(seg.length, self.alignment)
         self._generation += 1
-        self._timers = SegmentTimers(
-            seg.map_seconds, seg.fault_seconds, seg.fault_method, seg.threads, seg.huge_bytes, seg.length
-        )
+        self._timers = self._segment_timers(seg)
         log.info(
             "embedded Plan segment: %d MiB %s, generation %d, mapped in %.3f s, "
             "pre-faulted (%s, %d threads) in %.3f s, %d MiB in 2 MiB pages",
@@ -177,12 +205,12 @@ class EmbeddedPlanClient(InProcessPlanClient):
         )
         return seg
 
-    def _new_segment(self) -> Any:
-        """The value segment (``ptr``, ``length``, timers, ``close()``); a subclass may back it
-        with other memory (`DevicePlanClient`: the runtime device's)."""
+    def _new_segment(self, prefault: bool) -> Any:
+        """The value segment (``ptr``, ``length``, timers, ``close()``), pre-faulted or not; a
+        subclass may back it with other memory (`DevicePlanClient`: the runtime device's)."""
         return HostSegment(
             self.segment_bytes, self.backing, self.shm_dir, self.prefault_threads,
-            prefault=self.prefault, hugepages=self.hugepages,
+            prefault=prefault, hugepages=self.hugepages,
         )
 
     def recreate_segment(self) -> list[SegmentMapping]:

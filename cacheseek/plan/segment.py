@@ -14,7 +14,9 @@ may refuse); the bytes actually backed by huge pages are read back from ``/proc/
 registering the segment and the first write pay for none: libc ``madvise(MADV_POPULATE_WRITE)``
 through ctypes (which releases the GIL) from up to ``prefault_threads`` threads (0 = one per CPU
 up to 16; one per 256 MiB at most), ``memset`` where the kernel refuses. ``fault_method`` says
-which ran: "madvise", "touch", "mixed" or "none".
+which ran: "madvise", "touch", "mixed" or "none". Without ``prefault`` the caller may fault the
+segment part by part (`fault`: the Plan tier faults a piece, registers it, then the next one);
+`fault_rest` faults what is left after the faulted prefix.
 
 Lifecycle: mapped by the constructor; ``ptr`` is valid until `close` (idempotent).
 """
@@ -126,19 +128,49 @@ class HostSegment:
         if self.hugepages:
             libc.madvise(self.ptr, length, _MADV_HUGEPAGE)  # type: ignore[union-attr]  # advice only
         self.map_seconds = time.perf_counter() - t0
-        t1 = time.perf_counter()
         self.threads = 0
-        self.fault_method = self._prefault(libc, prefault_threads) if prefault else "none"
-        self.fault_seconds = time.perf_counter() - t1
-        self.huge_bytes = huge_page_bytes(self.ptr) if self.hugepages else 0
+        self.fault_seconds = 0.0
+        self.faulted_end = 0  # bytes faulted from the start on
+        self._libc = libc
+        self._prefault_threads = prefault_threads
+        self._methods: set[str] = set()
+        self.huge_bytes = 0
+        if prefault:
+            self.fault(0, length)
 
-    def _prefault(self, libc: Optional[ctypes.CDLL], threads: int) -> str:
-        n = max(1, min(auto_threads(threads), math.ceil(self.length / _PREFAULT_SLICE)))
-        step = -(-self.length // n // PAGE) * PAGE
+    @property
+    def fault_method(self) -> str:
+        """"madvise", "touch", "mixed" or "none" (nothing faulted yet)."""
+        if not self._methods:
+            return "none"
+        return next(iter(self._methods)) if len(self._methods) == 1 else "mixed"
+
+    def fault_rest(self) -> None:
+        """Fault whatever follows the faulted prefix (nothing when the whole segment is)."""
+        if self.faulted_end < self.length:
+            self.fault(self.faulted_end, self.length - self.faulted_end)
+
+    def fault(self, off: int, size: int) -> None:
+        """Pre-fault ``[off, off + size)`` of the segment (see the module docstring); adds to
+        ``fault_seconds`` and refreshes ``huge_bytes``."""
+        if off < 0 or size <= 0 or off + size > self.length:
+            raise ValueError(f"fault range [{off}, +{size}) is outside the {self.length}-byte segment")
+        t0 = time.perf_counter()
+        self._methods.add(self._prefault(off, size))
+        self.fault_seconds += time.perf_counter() - t0
+        if off <= self.faulted_end:
+            self.faulted_end = max(self.faulted_end, off + size)
+        if self.faulted_end == self.length:
+            self.huge_bytes = huge_page_bytes(self.ptr) if self.hugepages else 0
+
+    def _prefault(self, base: int, length: int) -> str:
+        libc = self._libc
+        n = max(1, min(auto_threads(self._prefault_threads), math.ceil(length / _PREFAULT_SLICE)))
+        step = -(-length // n // PAGE) * PAGE
         if self.hugepages:
             step = -(-step // _HUGE_PAGE) * _HUGE_PAGE  # whole huge pages per thread
-        slices = [(off, min(step, self.length - off)) for off in range(0, self.length, step)]
-        self.threads = len(slices)
+        slices = [(base + off, min(step, length - off)) for off in range(0, length, step)]
+        self.threads = max(self.threads, len(slices))
         methods: list[str] = []
 
         def fault(off: int, size: int) -> None:

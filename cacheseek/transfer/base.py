@@ -2,8 +2,9 @@
 the error its subclasses raise from ``_submit``.
 
 The base class owns the parts that are the same for every runtime: the registration bookkeeping
-(`RegistrationTable`), the whole-batch check (`validate_batch`), synchronize-on-failure, streams
-and events, and the stats (`CopyCounters`). A subclass moves the bytes through the hooks listed
+(`RegistrationTable`, whole or in pieces), the cut of copies at the joints between registrations
+(`split_at_joints`) and the whole-batch check (`validate_batch`), both before anything is
+submitted, synchronize-on-failure, streams and events, and the stats (`CopyCounters`). A subclass moves the bytes through the hooks listed
 in the class docstring. The lifecycles are written where the seams are: synchronous batches in
 `cacheseek.transfer.protocol`, asynchronous ones in `cacheseek.transfer.pending`, registrations
 in `cacheseek.transfer.registrations`.
@@ -14,11 +15,12 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any, Union
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
 
 from cacheseek.errors import TransferError, add_note
 from cacheseek.transfer.batch import BatchLike, CopyBatch, Direction
+from cacheseek.transfer.joints import split_at_joints
 from cacheseek.transfer.memory import HostMapping, MemoryRange
 from cacheseek.transfer.pending import Event, PendingBatch
 from cacheseek.transfer.registrations import Registration, RegistrationTable
@@ -115,6 +117,27 @@ class TransferRuntimeBase(abc.ABC):
     def register(self, mappings: Sequence[HostMapping]) -> None:
         self._check_open()
         self._registrations.register(mappings, self._register_one)
+
+    def register_in_pieces(
+        self,
+        mapping: HostMapping,
+        piece_bytes: Optional[int],
+        *,
+        before_piece: Optional[Callable[[HostMapping], None]] = None,
+        after_piece: Optional[Callable[[HostMapping], None]] = None,
+    ) -> None:
+        """`register` one mapping as consecutive pieces of at most ``piece_bytes`` (None or 0: in
+        one call), each its own registration; ``before_piece(piece)`` runs before each (pre-fault
+        it), ``after_piece(piece)`` between two (a pause). One user of the mapping, as `register`;
+        `unregister` undoes every piece. On a failure nothing of the mapping stays registered
+        (`RegistrationError` names the piece). Copies that span a joint are cut at submission."""
+        self._check_open()
+        self._registrations.register([mapping], self._register_one, unregister_one=self._unregister_one,
+                                     piece_bytes=piece_bytes, before_piece=before_piece, after_piece=after_piece)
+
+    def registered_pieces(self, mapping: HostMapping) -> tuple[HostMapping, ...]:
+        """The registrations behind ``mapping`` now (one: whole; none: not registered)."""
+        return self._registrations.pieces(mapping)
 
     def unregister(self, mappings: Sequence[HostMapping]) -> None:
         self._registrations.unregister(mappings, self._unregister_one)
@@ -232,8 +255,13 @@ class TransferRuntimeBase(abc.ABC):
         self._check_open()
         self._validate(CopyBatch.coerce(descriptors), device_ranges)
 
-    def _validate(self, batch: CopyBatch, device_ranges: Sequence[MemoryRange]) -> None:
-        validate_batch(batch, self._registrations.index(), device_ranges, self._is_device_memory)
+    def _validate(self, batch: CopyBatch, device_ranges: Sequence[MemoryRange]) -> CopyBatch:
+        """``batch`` cut at the joints between registrations, then checked whole; the cut batch
+        is what gets submitted (one place for every runtime: `cacheseek.transfer.joints`)."""
+        hosts = self._registrations.index()
+        batch = split_at_joints(batch, hosts)
+        validate_batch(batch, hosts, device_ranges, self._is_device_memory)
+        return batch
 
     def _prepare(
         self,
@@ -242,11 +270,11 @@ class TransferRuntimeBase(abc.ABC):
         device_ranges: Sequence[MemoryRange],
         after: Sequence[Union[Event, PendingBatch]],
     ) -> tuple[CopyBatch, Any]:
-        """What every submission does first: the whole batch validated, then ``stream`` resolved
-        and ordered after every ``after`` event. Nothing is submitted here."""
+        """What every submission does first: the whole batch cut at the joints and validated,
+        then ``stream`` resolved and ordered after every ``after`` event. Nothing is submitted
+        here. Returns the batch to submit (the cut one)."""
         self._check_open()
-        batch = CopyBatch.coerce(descriptors)
-        self._validate(batch, device_ranges)
+        batch = self._validate(CopyBatch.coerce(descriptors), device_ranges)
         handle = self._resolve_stream(stream)
         for ev in after:
             self.stream_wait(handle, ev)
@@ -273,7 +301,8 @@ class TransferRuntimeBase(abc.ABC):
     @property
     def stats(self) -> TransferStats:
         n, nbytes, seconds = self._registrations.totals()
-        return self._counters.snapshot(n_registered=n, registered_bytes=nbytes, register_seconds=seconds)
+        return self._counters.snapshot(n_registered=n, registered_bytes=nbytes, register_seconds=seconds,
+                                       registered_pieces=self._registrations.n_pieces())
 
     # -- lifetime -------------------------------------------------------------------------------
     def _check_open(self) -> None:

@@ -8,7 +8,10 @@ accepts ``cudaHostRegisterReadOnly``).
 
 With ``strict`` (default) `check_copy` refuses a copy whose source or destination is neither
 registered host memory nor declared device memory, whose kind contradicts where they live, or
-that writes a read-only registration. ``unknown_is_device=True`` treats every address that is
+that writes a read-only registration. A host side must lie inside ONE registration: a range that
+crosses from one registration into the next (two pieces of a segment registered in pieces) is
+refused like unregistered memory, as CUDA treats it as not pinned; so tests prove the runtime
+cut such a copy at the joint (`cacheseek.transfer.joints`). ``unknown_is_device=True`` treats every address that is
 not registered host memory as device memory (convenient when CPU tensors stand in for CUDA
 tensors). Not thread-safe by itself: the fake calls it under its own mutex.
 """
@@ -89,11 +92,14 @@ class FakeMemory:
         return None
 
     def where(self, ptr: int, nbytes: int) -> str:
-        """"device", "host" (registered) or "unregistered"."""
+        """"device", "host" (inside one registration) or "unregistered" (also a range that
+        touches registered memory without lying inside one registration: it spans two)."""
         if self.device_of(ptr, nbytes) is not None:
             return "device"
         if self.host_registration(ptr, nbytes) is not None:
             return "host"
+        if any(start < ptr + nbytes and ptr < start + length for start, (length, _) in self.registered.items()):
+            return "unregistered"
         return "device" if self.unknown_is_device else "unregistered"
 
     def pointer_attributes(self, ptr: int) -> cudaPointerAttributes:

@@ -3,7 +3,9 @@
 
 - a *host mapping* is a range of host memory (a Plan store's segment) registered once with
   `TransferRuntime.register`, deduplicated by ``(ptr, length, generation)``; a read-only mapping
-  can only be a copy source;
+  can only be a copy source. A mapping may be registered as consecutive *pieces*
+  (`HostMapping.pieces`, `TransferRuntimeBase.register_in_pieces`): each piece is a registration
+  of its own, so no copy may span two of them (`cacheseek.transfer.joints`);
 - a *device range* is the memory of one of the runtime's tensors (CUDA tensors for the CUDA
   runtime, CPU tensors for the host runtime), declared per batch with ``device_ranges`` (build
   them with `TransferRuntime.device_range`).
@@ -14,7 +16,7 @@ Addresses are raw ints in this process; lengths are bytes.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, Optional
 
 import attrs
 
@@ -22,7 +24,9 @@ from cacheseek.transfer.lazy import LazyModule
 
 np = LazyModule("numpy")
 
-__all__ = ["MemoryRange", "HostMapping", "DeviceRanges", "positive_int", "non_negative_int"]
+__all__ = ["MemoryRange", "HostMapping", "DeviceRanges", "positive_int", "non_negative_int", "PIECE_ALIGNMENT"]
+
+PIECE_ALIGNMENT = 4096  # a piece of a registration is whole pages (the driver pins pages)
 
 
 def positive_int(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -98,3 +102,22 @@ class HostMapping:
     @property
     def range(self) -> MemoryRange:
         return MemoryRange(self.ptr, self.length)
+
+    def pieces(self, piece_bytes: Optional[int]) -> "tuple[HostMapping, ...]":
+        """The mapping cut into consecutive pieces of ``piece_bytes`` (the last one shorter), each
+        with this mapping's generation and writability; None or 0: the mapping itself, whole.
+        ``piece_bytes`` must be a multiple of `PIECE_ALIGNMENT`, so every cut falls on a page."""
+        if piece_bytes is None or piece_bytes == 0 or piece_bytes >= self.length:
+            if piece_bytes is not None:
+                _check_piece_bytes(piece_bytes)
+            return (self,)
+        _check_piece_bytes(piece_bytes)
+        return tuple(HostMapping(self.ptr + off, min(piece_bytes, self.length - off), self.generation, self.writable)
+                     for off in range(0, self.length, piece_bytes))
+
+
+def _check_piece_bytes(piece_bytes: Any) -> None:
+    if (not isinstance(piece_bytes, int) or isinstance(piece_bytes, bool) or piece_bytes < 0
+            or piece_bytes % PIECE_ALIGNMENT):
+        raise ValueError(f"piece_bytes must be 0 (one registration) or a positive multiple of "
+                         f"{PIECE_ALIGNMENT}, got {piece_bytes!r}")

@@ -8,6 +8,8 @@ declared per batch (`cacheseek.transfer.memory`), in batches of copies
 
 Synchronous batch lifecycle (`TransferRuntime.copy_batch`)::
 
+    cut every copy whose host side spans two registrations (a mapping registered in pieces) at
+    the joint (`cacheseek.transfer.joints`)
     validate every copy (positive size, each range inside a registered mapping or a declared
     device range, direction consistent, destinations disjoint)   -> TransferError, nothing submitted
     submit every copy on the stream (one batched call where offered, else one call per copy)

@@ -13,6 +13,18 @@ The table does the bookkeeping; the runtime moves the bytes through two callback
 ``register_one(mapping) -> (owned, read_only)`` and ``unregister_one(registration)``, each
 called outside the table's lock. Batch validation reads `HostIndex`, an immutable snapshot
 rebuilt on every change (so a lookup takes no copy).
+
+In pieces (``register(..., piece_bytes=N)``): a mapping is registered as consecutive pieces of at
+most N bytes (`HostMapping.pieces`), one ``register_one`` call each, so no single driver call
+holds the driver's and the mmap locks for long (a 24 GiB ``cudaHostRegister`` holds them for
+about 0.4 s, and every ``cudaMalloc`` of the process waits). ``before_piece(piece)`` runs before
+each piece (the Plan tier pre-faults it there) and ``after_piece(piece)`` after it (a pause that
+lets other threads take the locks). The mapping stays one entry for the users count, `registered`
+and `timings` (seconds of the register calls only); each piece is its own `Registration` in the
+index (so `cacheseek.transfer.joints` can split copies at the joints) and is unregistered on its
+own. If piece k fails, pieces 0..k-1 are unregistered before the error (`RegistrationError`
+naming the piece) propagates: nothing of the mapping stays registered. The mapping is published
+(in the index, counted) only once every piece is registered.
 """
 
 from __future__ import annotations
@@ -20,10 +32,11 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Optional
 
 import attrs
 
-from cacheseek.errors import TransferError
+from cacheseek.errors import RegistrationError, TransferError, add_note
 from cacheseek.transfer.lazy import LazyModule
 from cacheseek.transfer.memory import HostMapping
 
@@ -36,6 +49,9 @@ Key = tuple[int, int, int]
 
 @attrs.frozen(slots=True)
 class Registration:
+    """One registration the runtime made or found: a whole mapping, or one piece of a mapping
+    registered in pieces (``mapping`` is then the piece)."""
+
     mapping: HostMapping
     owned: bool  # False: someone else had registered it ("already registered"); never unregistered
     read_only: bool
@@ -43,23 +59,24 @@ class Registration:
 
 @attrs.frozen(slots=True, eq=False)
 class HostIndex:
-    """The registered mappings sorted by address: ``entries`` ``[(ptr, Registration)]`` and, for
-    vectorized checks, ``starts``/``ends`` int64 ``[n]`` and ``writable`` bool ``[n]``."""
+    """The registrations (whole mappings and pieces) sorted by address: ``entries``
+    ``[(ptr, Registration)]`` and, for vectorized checks, ``starts``/``ends`` int64 ``[n]``,
+    ``writable`` bool ``[n]`` and ``joints`` int64 ``[j]``: the addresses where one registration
+    ends and the next one begins (a copy may not run across them; empty when nothing touches)."""
 
     entries: list[tuple[int, Registration]]
     starts: np.ndarray
     ends: np.ndarray
     writable: np.ndarray
+    joints: np.ndarray
 
     @classmethod
     def of(cls, registrations: Sequence[Registration]) -> "HostIndex":
         entries = sorted(((r.mapping.ptr, r) for r in registrations), key=lambda e: e[0])
-        return cls(
-            entries,
-            np.array([r.mapping.ptr for _, r in entries], dtype=np.int64),
-            np.array([r.mapping.ptr + r.mapping.length for _, r in entries], dtype=np.int64),
-            np.array([r.mapping.writable for _, r in entries], dtype=bool),
-        )
+        starts = np.array([r.mapping.ptr for _, r in entries], dtype=np.int64)
+        ends = np.array([r.mapping.ptr + r.mapping.length for _, r in entries], dtype=np.int64)
+        joints = np.unique(ends[:-1][np.isin(ends[:-1], starts[1:])]) if len(entries) > 1 else ends[:0]
+        return cls(entries, starts, ends, np.array([r.mapping.writable for _, r in entries], dtype=bool), joints)
 
 
 class RegistrationTable:
@@ -68,7 +85,8 @@ class RegistrationTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._registrations: dict[Key, Registration] = {}
+        self._registrations: dict[Key, tuple[Registration, ...]] = {}  # mapping -> its pieces (one: whole)
+        self._mappings: dict[Key, HostMapping] = {}
         self._users: dict[Key, int] = {}  # register calls not yet unregistered
         self._registering: set[Key] = set()
         self._index = HostIndex.of([])
@@ -76,10 +94,21 @@ class RegistrationTable:
         self._timings: list[tuple[HostMapping, float]] = []
 
     def register(
-        self, mappings: Sequence[HostMapping], register_one: Callable[[HostMapping], tuple[bool, bool]]
+        self,
+        mappings: Sequence[HostMapping],
+        register_one: Callable[[HostMapping], tuple[bool, bool]],
+        *,
+        unregister_one: Optional[Callable[[Registration], None]] = None,
+        piece_bytes: Optional[int] = None,
+        before_piece: Optional[Callable[[HostMapping], None]] = None,
+        after_piece: Optional[Callable[[HostMapping], None]] = None,
     ) -> None:
-        """Count one user of each mapping, calling ``register_one`` for the first. An error of
-        ``register_one`` propagates; the mappings before it stay registered (and counted)."""
+        """Count one user of each mapping, registering it (whole, or in pieces of ``piece_bytes``:
+        module docstring) for the first. An error propagates; the mappings before it stay
+        registered (and counted), nothing of the failing one does (``unregister_one`` undoes its
+        pieces: required with ``piece_bytes``)."""
+        if piece_bytes and unregister_one is None:
+            raise TypeError("register in pieces needs unregister_one (to undo the pieces of a failure)")
         for mapping in mappings:
             if not isinstance(mapping, HostMapping):
                 raise TypeError(f"register takes HostMapping values, got {type(mapping).__name__}")
@@ -91,24 +120,27 @@ class RegistrationTable:
                     self._users[key] += 1
                     continue
                 self._registering.add(key)
-            t0 = time.perf_counter()
             try:
-                owned, read_only = register_one(mapping)
+                pieces, seconds = _register_pieces(mapping, register_one, unregister_one, piece_bytes,
+                                                   before_piece, after_piece)
             except BaseException:
                 with self._cond:
                     self._registering.discard(key)
                     self._cond.notify_all()
                 raise
-            reg = Registration(mapping, owned, read_only)
             with self._cond:
-                seconds = time.perf_counter() - t0
                 self._seconds += seconds
                 self._timings.append((mapping, seconds))
-                self._registrations[key] = reg
+                self._registrations[key] = pieces
+                self._mappings[key] = mapping
                 self._users[key] = 1
                 self._registering.discard(key)
-                self._index = HostIndex.of(list(self._registrations.values()))
+                self._reindex()
                 self._cond.notify_all()
+
+    def _reindex(self) -> None:
+        """Rebuild the index from every piece (the caller holds the lock)."""
+        self._index = HostIndex.of([r for pieces in self._registrations.values() for r in pieces])
 
     def unregister(
         self,
@@ -118,8 +150,8 @@ class RegistrationTable:
         force: bool = False,
     ) -> None:
         """One count off each mapping (``force``: all of them); at zero, forget it and call
-        ``unregister_one`` if this runtime made the registration. Every mapping is tried; the
-        first `TransferError` is raised at the end."""
+        ``unregister_one`` for each of its pieces this runtime registered. Every mapping and piece
+        is tried; the first `TransferError` is raised at the end."""
         errors: list[BaseException] = []
         for mapping in mappings:
             with self._lock:
@@ -130,30 +162,38 @@ class RegistrationTable:
                 if self._users[key] > 0 and not force:
                     continue  # another user still needs it
                 self._users.pop(key, None)
-                reg = self._registrations.pop(key)
-                self._index = HostIndex.of(list(self._registrations.values()))
-            if reg.owned:
-                try:
-                    unregister_one(reg)
-                except TransferError as exc:
-                    errors.append(exc)
+                self._mappings.pop(key, None)
+                pieces = self._registrations.pop(key)
+                self._reindex()
+            for reg in pieces:
+                if reg.owned:
+                    try:
+                        unregister_one(reg)
+                    except TransferError as exc:
+                        errors.append(exc)
         if errors:
             raise errors[0]
 
     def drop_all(self, unregister_one: Callable[[Registration], None]) -> None:
         """Unregister every mapping, whatever its count."""
         with self._lock:
-            mappings = [r.mapping for r in self._registrations.values()]
+            mappings = list(self._mappings.values())
         self.unregister(mappings, unregister_one, force=True)
 
     def index(self) -> HostIndex:
-        """The registered mappings now, sorted by address (an immutable snapshot)."""
+        """The registrations now, sorted by address (an immutable snapshot)."""
         with self._lock:
             return self._index
 
     def registered(self) -> list[HostMapping]:
-        """The mappings registered now, in address order."""
-        return [reg.mapping for _, reg in self.index().entries]
+        """The mappings registered now (whole, however many pieces each), in address order."""
+        with self._lock:
+            return sorted(self._mappings.values(), key=lambda m: (m.ptr, m.length, m.generation))
+
+    def pieces(self, mapping: HostMapping) -> tuple[HostMapping, ...]:
+        """The registrations behind ``mapping`` now (one: registered whole; none: not registered)."""
+        with self._lock:
+            return tuple(r.mapping for r in self._registrations.get(mapping.key, ()))
 
     def users(self, mapping: HostMapping) -> int:
         """How many `register` calls of ``mapping`` are not yet matched by `unregister` (0: none)."""
@@ -161,12 +201,66 @@ class RegistrationTable:
             return self._users.get(mapping.key, 0)
 
     def timings(self) -> list[tuple[HostMapping, float]]:
-        """``(mapping, seconds)`` of every registration made, in order."""
+        """``(mapping, seconds)`` of every registration made, in order (a mapping registered in
+        pieces: one entry, the sum of its pieces' register calls)."""
         with self._lock:
             return list(self._timings)
 
     def totals(self) -> tuple[int, int, float]:
         """``(mappings registered now, their bytes, seconds spent registering so far)``."""
         with self._lock:
-            regs = list(self._registrations.values())
-            return len(regs), sum(r.mapping.length for r in regs), self._seconds
+            maps = list(self._mappings.values())
+            return len(maps), sum(m.length for m in maps), self._seconds
+
+    def n_pieces(self) -> int:
+        """Registrations (driver calls that succeeded) behind the mappings registered now."""
+        with self._lock:
+            return sum(len(p) for p in self._registrations.values())
+
+
+def _register_pieces(
+    mapping: HostMapping,
+    register_one: Callable[[HostMapping], tuple[bool, bool]],
+    unregister_one: Optional[Callable[[Registration], None]],
+    piece_bytes: Optional[int],
+    before_piece: Optional[Callable[[HostMapping], None]],
+    after_piece: Optional[Callable[[HostMapping], None]],
+) -> tuple[tuple[Registration, ...], float]:
+    """Register every piece of ``mapping`` in order (outside the lock); on a failure undo the
+    pieces before it. Returns the pieces' registrations and the seconds of the register calls."""
+    pieces = mapping.pieces(piece_bytes)
+    done: list[Registration] = []
+    seconds = 0.0
+    for k, piece in enumerate(pieces):
+        try:
+            if before_piece is not None:
+                before_piece(piece)
+            t0 = time.perf_counter()
+            owned, read_only = register_one(piece)
+            seconds += time.perf_counter() - t0
+            done.append(Registration(piece, owned, read_only))
+            if after_piece is not None and k + 1 < len(pieces):
+                after_piece(piece)
+        except BaseException as exc:
+            if len(pieces) == 1:
+                raise
+            undo_errors = []
+            for reg in done:
+                if reg.owned and unregister_one is not None:
+                    try:
+                        unregister_one(reg)
+                    except Exception as undo_error:  # noqa: BLE001 - reported on the error
+                        undo_errors.append(undo_error)
+            error = RegistrationError(
+                f"registering {mapping} in {len(pieces)} pieces of {piece_bytes} B: piece {k} "
+                f"[{piece.ptr:#x}, +{piece.length}) failed: {exc}. The {len(done)} piece(s) before "
+                f"it were unregistered, nothing of the mapping stays registered. Fix: free host "
+                f"memory or raise the locked-memory limit (ulimit -l); pieces of another size "
+                f"(store.register_piece_bytes; 0 registers the mapping in one call)"
+            )
+            for undo_error in undo_errors:
+                add_note(error, f"and undoing a piece before it failed: {undo_error}")
+            if isinstance(exc, Exception):
+                raise error from exc
+            raise  # KeyboardInterrupt and the like: pieces undone, the interrupt goes on
+    return tuple(done), seconds

@@ -44,6 +44,7 @@ class TransferStats:
     n_registered: int = 0
     registered_bytes: int = 0
     register_seconds: float = 0.0
+    registered_pieces: int = 0  # registrations behind the n_registered mappings (more when in pieces)
 
     def direction(self, direction: Direction) -> DirectionStats:
         return getattr(self, direction.value)
@@ -60,6 +61,7 @@ class TransferStats:
             n_registered=self.n_registered,
             registered_bytes=self.registered_bytes,
             register_seconds=self.register_seconds,
+            registered_pieces=self.registered_pieces,
         )
         return out
 
@@ -82,7 +84,9 @@ class CopyCounters:
                 share = seconds * nbytes / total if total else 0.0
                 self._dirs[direction] = DirectionStats(s.bytes + nbytes, s.seconds + share, s.copies + copies)
 
-    def snapshot(self, *, n_registered: int, registered_bytes: int, register_seconds: float) -> TransferStats:
+    def snapshot(
+        self, *, n_registered: int, registered_bytes: int, register_seconds: float, registered_pieces: int = 0
+    ) -> TransferStats:
         """The totals so far, with the registration figures given."""
         with self._lock:
             return TransferStats(
@@ -94,4 +98,5 @@ class CopyCounters:
                 n_registered=n_registered,
                 registered_bytes=registered_bytes,
                 register_seconds=register_seconds,
+                registered_pieces=registered_pieces,
             )

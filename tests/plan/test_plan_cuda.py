@@ -3,6 +3,7 @@ mapping), and KV plus latent round trips through the Plan tier with the real CUD
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import mmap
 import os
@@ -171,3 +172,49 @@ def test_gate_on_cuda_with_the_plan_tier(compose_cfg, tmp_path, overlap):
     results = run(cfg, tmp_path)
     assert results["passed"]
     assert results["store_stats"]["overlap"] is overlap and results["store_stats"]["put_failures"] == 0
+
+
+@pytest.mark.parametrize("use_batch_api", [None, False])
+def test_segment_registered_in_pieces_copies_over_the_joints(use_batch_api):
+    """Each piece its own cudaHostRegister; copies spanning pieces are cut and land intact."""
+    runtime = CudaTransferRuntime(use_batch_api=use_batch_api)
+    client = EmbeddedPlanClient(segment_bytes=64 * MiB, backing="private")
+    try:
+        (seg,) = client.map_local_segments()
+        mapping = HostMapping(seg.ptr, seg.length, seg.generation, seg.writable)
+        runtime.register_in_pieces(mapping, 8 * MiB, before_piece=lambda p: client.fault_local_range(p.ptr, p.length))
+        assert last_error_is_clear() and runtime.stats.registered_pieces == 8 and runtime.stats.n_registered == 1
+        host = torch.frombuffer((ctypes.c_uint8 * seg.length).from_address(seg.ptr), dtype=torch.uint8)
+        host.copy_(torch.randint(0, 256, (seg.length,), dtype=torch.uint8))
+        n = 20 * MiB + 123  # from 1 MiB before the first joint (8 MiB), over three joints
+        dev = torch.zeros(n, dtype=torch.uint8, device="cuda")
+        runtime.copy_batch([CopyDescriptor(dev.data_ptr(), seg.ptr + 7 * MiB, n, Direction.H2D)],
+                           device_ranges=[runtime.device_range(dev)])
+        assert torch.equal(dev.cpu(), host[7 * MiB: 7 * MiB + n])
+        assert runtime.stats.h2d.copies == 4
+        runtime.copy_batch([CopyDescriptor(seg.ptr + 31 * MiB + 5, dev.data_ptr(), n, Direction.D2H)],
+                           device_ranges=[runtime.device_range(dev)])
+        assert torch.equal(host[31 * MiB + 5: 31 * MiB + 5 + n], dev.cpu())
+        assert last_error_is_clear()
+        del host
+        runtime.unregister([mapping])
+        assert runtime.stats.registered_pieces == 0 and last_error_is_clear()
+    finally:
+        runtime.close()
+        client.close()
+
+
+@pytest.mark.parametrize("warmup", ["foreground", "background"])
+def test_plan_tier_in_pieces_round_trips_on_cuda(warmup):
+    geom = RingGeometry(chunk_size=3, frame_tokens=4, local_attn_size=7, sink_size=3)
+    store = PlanTierStore(segment_bytes=32 * MiB, device="cuda", register_piece_bytes="2MiB", warmup=warmup)
+    assert store.wait_ready(60) and store.stats.register_pieces == 16
+    ring_kw = dict(n_layers=3, heads=32, dim=128, dtype=torch.bfloat16, device="cuda")  # 96 KiB values
+    nodes, states, latents, kv_size = ingest(store, geom, 5, **ring_kw)
+    for k in (3, 5):
+        target = restore_target(geom, k, kv_size, **ring_kw)
+        assert store.read_path(nodes[:k], [nodes[d] for d in geom.window_depths(k)], target)
+        cold, local_end, _ = states[k - 1]
+        for (rk, rv), (ck, cv) in zip(target.kv, cold):
+            assert torch.equal(rk[:, :local_end], ck[:, :local_end]) and torch.equal(rv[:, :local_end], cv[:, :local_end])
+    store.close()

@@ -10,6 +10,15 @@ the counters (ready, register per mapping, total). Without a runtime or a ``devi
 is chosen from the device of the first tensors seen (`transfer_for`) and that first request pays
 the registration.
 
+In pieces (``piece_bytes`` > 0, a runtime with ``register_in_pieces``): each mapping is registered
+as consecutive pieces of at most ``piece_bytes``, one driver call each, so no call holds the
+driver's and the mmap locks for long (one ``cudaHostRegister`` of 24 GiB holds them for about
+0.4 s, and the runtime's own ``cudaMalloc`` calls wait behind it). With a client that offers
+`PlanSegmentPieces` the loop interleaves: fault a piece, register it, pause ``piece_pause_s``
+(a background warm-up: the request's allocations get the locks), the next piece; so registration
+starts at once instead of after the whole fault. Copies that span two pieces are cut by the
+transfer runtime (`cacheseek.transfer.joints`).
+
 Lifecycle::
 
     TransferLink(...)      nothing touched yet
@@ -35,7 +44,7 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from cacheseek.errors import ConfigError
-from cacheseek.plan.base import PlanClient
+from cacheseek.plan.base import PlanClient, SegmentMapping
 from cacheseek.registry import TRANSFERS
 from cacheseek.stores.plan_tier.client import offered
 from cacheseek.stores.plan_tier.stats import Counters
@@ -71,8 +80,13 @@ class TransferLink:
         overlap: Optional[bool],
         counters: Counters,
         on_attach: Callable[[Any], None],
+        piece_bytes: int = 0,
+        piece_pause_s: float = 0.0,
     ) -> None:
         self.client = client
+        self.piece_bytes = piece_bytes
+        self.piece_pause_s = piece_pause_s
+        self._fault_range: Optional[Callable[[int, int], None]] = None  # set while faulting piece by piece
         self.transfer_kind = transfer_kind
         self._transfer = transfer
         self._owns_transfer = False
@@ -119,17 +133,27 @@ class TransferLink:
 
     # -- warm-up --------------------------------------------------------------------------------
     def warm_up(self, device: Optional[str]) -> None:
-        """Segments ready, registered, streams made, staging allocated; every stage timed."""
+        """Segments ready, registered (faulted piece by piece where the client and the runtime
+        allow: module docstring), streams made, staging allocated; every stage timed."""
         t0 = time.perf_counter()
-        segments = self.client.wait_local_segments_ready()
-        self._counters.count(segment_ready_seconds=time.perf_counter() - t0)
-        self._mappings = [HostMapping(s.ptr, s.length, s.generation, s.writable)
-                          for s in segments if not getattr(s, "on_device", False)]
-        self.value_ranges = [MemoryRange(s.ptr, s.length) for s in segments if getattr(s, "on_device", False)]
         if self._transfer is None and device is not None:
             self._transfer = self._build_transfer(device)
-        if self._transfer is not None:
-            self._attach(None)
+        map_only = offered(self.client, "map_local_segments")
+        fault_range = offered(self.client, "fault_local_range")
+        if map_only is not None and fault_range is not None and self._in_pieces():
+            self._fault_range = fault_range  # faulted in _register, a piece before its registration
+            self._set_segments(map_only())
+            self._counters.count(segment_ready_seconds=time.perf_counter() - t0)
+        else:
+            self._set_segments(self.client.wait_local_segments_ready())
+            self._counters.count(segment_ready_seconds=time.perf_counter() - t0)
+        try:
+            if self._transfer is not None:
+                self._attach(None)
+        finally:
+            self._fault_range = None
+        if map_only is not None and fault_range is not None:
+            self.client.wait_local_segments_ready()  # faults what no piece did (nothing, normally)
         self._counters.count(warmup_seconds=time.perf_counter() - t0)
         timers_fn = offered(self.client, "segment_timers")
         timers = timers_fn() if timers_fn is not None else None
@@ -141,6 +165,15 @@ class TransferLink:
             timers.fault_method if timers else "?", self._counters.get("register_seconds", 0.0),
             self._overlap,
         )
+
+    def _set_segments(self, segments: list[SegmentMapping]) -> None:
+        self._mappings = [HostMapping(s.ptr, s.length, s.generation, s.writable)
+                          for s in segments if not getattr(s, "on_device", False)]
+        self.value_ranges = [MemoryRange(s.ptr, s.length) for s in segments if getattr(s, "on_device", False)]
+
+    def _in_pieces(self) -> bool:
+        """Whether mappings are registered in pieces: a size is set and the runtime offers it."""
+        return bool(self.piece_bytes) and callable(getattr(self._transfer, "register_in_pieces", None))
 
     def _build_transfer(self, device: Any) -> TransferRuntime:
         factory = TRANSFERS.get(self.transfer_kind)
@@ -180,16 +213,35 @@ class TransferLink:
         if transfer is None:
             return
         entries = []
+        faulting = [0.0]  # seconds spent faulting pieces inside the registration loop
+        fault_range = self._fault_range
+
+        def fault_piece(piece: HostMapping) -> None:
+            t = time.perf_counter()
+            fault_range(piece.ptr, piece.length)  # type: ignore[misc]
+            faulting[0] += time.perf_counter() - t
+
+        def pause(_piece: HostMapping) -> None:
+            time.sleep(self.piece_pause_s)  # sleeps without the GIL: the request thread's allocations go first
+
         # registrations are reference-counted by the runtime: this link unregisters exactly what
         # it registered at close, and a shared runtime keeps what another user still holds
         for m in self._mappings:
-            t0 = time.perf_counter()
-            transfer.register([m])
+            t0, faulted_before = time.perf_counter(), faulting[0]
+            if self._in_pieces():
+                transfer.register_in_pieces(  # type: ignore[attr-defined]
+                    m, self.piece_bytes, before_piece=fault_piece if fault_range is not None else None,
+                    after_piece=pause if self.piece_pause_s > 0 else None)
+                pieces = len(transfer.registered_pieces(m))  # type: ignore[attr-defined]
+            else:
+                transfer.register([m])
+                pieces = 1
             self._registered_here.append(m)
-            seconds = time.perf_counter() - t0
-            self._counters.count(register_seconds=seconds)
+            fault_s = faulting[0] - faulted_before
+            seconds = time.perf_counter() - t0 - fault_s
+            self._counters.count(register_seconds=seconds, segment_ready_seconds=fault_s, register_pieces=pieces)
             entries.append(dict(ptr=m.ptr, length=m.length, generation=m.generation,
-                                writable=m.writable, register_seconds=seconds))
+                                writable=m.writable, register_seconds=seconds, pieces=pieces))
         self._counters.note(mappings=tuple(entries))
 
     def transfer_for(self, tensor: Any) -> TransferRuntime:

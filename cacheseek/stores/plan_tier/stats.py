@@ -19,8 +19,10 @@ class PlanTierStats:
     Warm-up: ``warmup_seconds`` (all of it), ``segment_ready_seconds`` (the client's
     ``wait_local_segments_ready``: ``map_seconds`` + ``fault_seconds`` for an embedded client,
     ``fault_method`` with ``fault_threads``, ``huge_page_bytes`` backed by 2 MiB pages),
-    ``register_seconds`` and ``mappings`` (per mapping: ptr, length, generation, writable,
-    register_seconds). Writes: ``put_seconds`` from put_async to ready, ``put_submit_seconds``
+    ``register_seconds`` (the register calls only, not the faults between pieces),
+    ``register_pieces`` (registrations made: one per mapping, more when registered in pieces) and
+    ``mappings`` (per mapping: ptr, length, generation, writable, register_seconds, pieces).
+    Faulted piece by piece, ``segment_ready_seconds`` is the mapping plus every piece's fault. Writes: ``put_seconds`` from put_async to ready, ``put_submit_seconds``
     spent inside put_async (the request path), ``backpressure_*`` waits for a staging slot,
     ``pending_writes`` and ``inflight_bytes`` now, ``peak_inflight_bytes``. Background warm-up
     (``warmup``): ``ready``, the reads served as misses and the writes refused meanwhile, and
@@ -63,6 +65,7 @@ class PlanTierStats:
     fault_threads: int = 0
     huge_page_bytes: int = -1
     register_seconds: float = 0.0
+    register_pieces: int = 0
     warmup: str = "foreground"
     ready: bool = True
     reads_while_warming: int = 0

@@ -58,6 +58,10 @@ __all__ = ["PlanTierSchema", "PlanTierStore"]
 # step holds the mmap lock that the runtime's own cudaMalloc calls wait for, so fewer threads
 # keep the requests served meanwhile as fast as with no cache; the warm-up takes longer.
 _BACKGROUND_FAULT_THREADS = 2
+# Pause between two registered pieces of a background warm-up: the request thread's cudaMalloc
+# calls, waiting for the driver's and the mmap locks, get them before the next piece does.
+_BACKGROUND_PIECE_PAUSE_S = 1e-3
+_PIECE_ROUND = 2 << 20  # register_piece_bytes rounds up to whole 2 MiB pages
 
 
 @dataclasses.dataclass
@@ -83,6 +87,9 @@ class PlanTierSchema:
     # foreground: ready when built; background: the segment warms on a thread while the store
     # serves every read as a miss and drops every write (the first request waits for nothing)
     warmup: str = "foreground"
+    # register the segment as pieces of this size, each its own cudaHostRegister (faulted, then
+    # registered, piece by piece), so no driver call holds the locks for long; 0 or null: one call
+    register_piece_bytes: Any = "1GiB"
     client_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -104,7 +111,10 @@ class PlanTierStore:
     direction meanwhile (a frame read back, a ``.tolist()``) shares the copy engine: behind one
     3.6 GiB batch it would wait ~70 ms, behind two pieces of 32 MiB ~1.3 ms. ``warmup``:
     ``foreground`` or ``background`` (`Warmup`; `wait_ready`; a background warm-up pre-faults
-    with 2 threads unless ``prefault_threads`` says otherwise).
+    with 2 threads unless ``prefault_threads`` says otherwise). ``register_piece_bytes``: each
+    host mapping is faulted and registered in pieces of this size (rounded up to 2 MiB; 0 or None:
+    one registration call), so no single driver call holds the driver's and the mmap locks for
+    long; a background warm-up pauses 1 ms between pieces (`TransferLink`).
     """
 
     __module__ = "cacheseek.stores.plan_tier"  # its public path: configs and results name it there
@@ -131,6 +141,7 @@ class PlanTierStore:
         write_pieces_in_flight: int = 2,
         client_options: Optional[dict[str, Any]] = None,
         warmup: str = "foreground",
+        register_piece_bytes: Optional[Size] = 1 << 30,
         *,
         transfer: Optional[TransferRuntime] = None,
         plan_client: Optional[PlanClient] = None,
@@ -142,6 +153,8 @@ class PlanTierStore:
         staging_slot_bytes = parse_size(staging_slot_bytes, "store.staging_slot_bytes")
         max_inflight_bytes = parse_size(max_inflight_bytes, "store.max_inflight_bytes")
         write_piece_bytes = parse_size(write_piece_bytes, "store.write_piece_bytes")
+        piece_bytes = parse_size(register_piece_bytes, "store.register_piece_bytes", allow_none=True) or 0
+        piece_bytes = -(-piece_bytes // _PIECE_ROUND) * _PIECE_ROUND
         self.commit_timeout_s = commit_timeout_s
         self.transfer_kind = transfer_kind
         self._closed = False
@@ -160,7 +173,9 @@ class PlanTierStore:
         self._counters = Counters()
         self._latent_sizes: dict[str, int] = {}
         self._link = TransferLink(plan_client, transfer, transfer_kind=transfer_kind, device=device,
-                                  overlap=overlap, counters=self._counters, on_attach=self._attached)
+                                  overlap=overlap, counters=self._counters, on_attach=self._attached,
+                                  piece_bytes=piece_bytes,
+                                  piece_pause_s=_BACKGROUND_PIECE_PAUSE_S if warmup == "background" else 0.0)
         self._slots = StagingSlots(staging_slots, staging_slot_bytes, max_inflight_bytes,
                                    timeout_s=commit_timeout_s, allocate=self._link.staging_tensor,
                                    counters=self._counters, pending_writes=lambda: self._completion.pending)

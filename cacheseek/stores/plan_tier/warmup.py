@@ -1,7 +1,8 @@
 """`Warmup`: the Plan tier's warm-up on the constructor's path, or on a thread of its own.
 
-Warming a segment maps it, pre-faults it (2 MiB pages, several threads), registers it with the
-transfer runtime, makes the streams and the staging slots: about 0.2 s/GiB on an H200 host, so
+Warming a segment maps it, pre-faults it (2 MiB pages, several threads) and registers it with the
+transfer runtime piece by piece (`TransferLink`: fault a piece, register it, the next), makes the
+streams and the staging slots: about 0.2 s/GiB on an H200 host, so
 5 s for a 24 GiB segment and 13 s for 64 GiB before the first request. ``foreground`` (the default)
 runs it in the constructor: a store that returns is ready, and a failure raises there.
 ``background`` returns at once; until the warm-up ends the store serves every read as a miss and
