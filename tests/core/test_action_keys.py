@@ -309,6 +309,7 @@ def _controls() -> list:
 @pytest.mark.parametrize("cpus", [1, 2, 8], ids=["inline", "pool2", "pool4"])
 def test_action_keys_are_action_bytes_in_order(monkeypatch, cpus):
     monkeypatch.setattr(actions, "_usable_cpus", lambda: cpus)
+    monkeypatch.setattr(actions, "_POOL_MIN_VALUES", 1)  # every control is worth a thread
     controls = _controls()
     assert action_keys(controls) == [action_bytes(c) for c in controls]
     assert action_keys(iter(controls[:2])) == [action_bytes(controls[0]), NO_CONTROL]
@@ -323,20 +324,34 @@ def test_action_keys_hash_on_several_threads(monkeypatch):
     barrier = threading.Barrier(3, timeout=30)
 
     def recording(q):
-        seen.add(threading.current_thread().name)
-        barrier.wait()  # all three chunks hash at once, or this times out
+        if q.size > 1:
+            seen.add(threading.current_thread().name)
+            barrier.wait()  # the three large chunks hash at once, or this times out
         return digest(q)
 
     monkeypatch.setattr(actions, "_usable_cpus", lambda: 8)
     monkeypatch.setattr(actions, "_digest", recording)
-    controls = [np.full(5, float(i)) for i in range(3)]
+    controls = [np.full(1 << 18, float(i)) for i in range(3)] + [[0.5]]  # three worth a thread, one small
     assert action_keys(controls) == [digest(actions._quantize(c)) for c in controls]
     assert len(seen) == 3 and all(n.startswith("cacheseek-action-keys") for n in seen)
+
+
+def test_action_keys_of_small_controls_run_inline(monkeypatch):
+    """Starting a pool costs about a millisecond: controls below 2**18 values are keyed inline."""
+    import threading
+
+    seen, digest = set(), actions._digest
+    monkeypatch.setattr(actions, "_usable_cpus", lambda: 8)
+    monkeypatch.setattr(actions, "_digest", lambda q: (seen.add(threading.current_thread().name), digest(q))[1])
+    controls = [np.full((1 << 18) - 1, 1.0), torch.ones(1 << 18), [0.25] * 10]  # one large control only
+    assert action_keys(controls) == [action_bytes(c) for c in controls]
+    assert seen == {threading.current_thread().name}
 
 
 @pytest.mark.parametrize("cpus", [1, 4], ids=["inline", "pool"])
 def test_action_keys_name_the_chunk_that_has_no_key(monkeypatch, cpus):
     monkeypatch.setattr(actions, "_usable_cpus", lambda: cpus)
+    monkeypatch.setattr(actions, "_POOL_MIN_VALUES", 1)
     good = np.zeros(10)
     with pytest.raises(ValueError, match=r"chunk 2's control: .*non-finite"):
         action_keys([good, None, np.array([0.0, float("nan")]), good])

@@ -44,6 +44,7 @@ _SCALE = 1e6
 _I4_RANGE = (2**31 - 1) / _SCALE  # |x| at or below this quantizes into int32
 _MAX_VALUE = 2**62 / _SCALE  # |x| above this has no int64 quantum with margin
 _BLOCK = 1 << 18  # values per pass: the float64 scratch stays in cache
+_POOL_MIN_VALUES = 1 << 18  # a control worth a thread (~1.5 ms to key); starting the pool costs ~1 ms
 
 
 class _Quantized(NamedTuple):
@@ -65,12 +66,15 @@ def action_bytes(control: Any) -> bytes:
 
 
 def action_keys(controls: Iterable[Any]) -> list[bytes]:
-    """`action_bytes` of each control, in order, on up to `MAX_KEY_THREADS` threads (never more
-    than the usable cores; one control or one core runs inline). A CUDA tensor is quantized in
-    the calling thread, on the caller's current stream; the hashing runs on the pool. A control
-    that has no key raises ValueError naming its chunk index (the first such chunk in order)."""
+    """`action_bytes` of each control, in order, on up to `MAX_KEY_THREADS` threads: one per
+    control of at least 2**18 values, never more than the usable cores (fewer than two such
+    controls, or one core, run inline: the pool would cost more than it saves). A CUDA tensor is
+    quantized in the calling thread, on the caller's current stream; the hashing runs on the
+    pool. A control that has no key raises ValueError naming its chunk index (the first such
+    chunk in order)."""
     staged = [_staged(i, c) for i, c in enumerate(controls)]
-    workers = min(len(staged), MAX_KEY_THREADS, _usable_cpus())
+    large = sum(_n_values(s) >= _POOL_MIN_VALUES for s in staged)
+    workers = min(large, MAX_KEY_THREADS, _usable_cpus())
     if workers <= 1:
         return [_chunk_key(i, s) for i, s in enumerate(staged)]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cacheseek-action-keys") as pool:
@@ -192,6 +196,14 @@ def _staged(index: int, control: Any) -> Any:
         return _quantize_on_device(control)
     except ValueError as e:
         raise _chunk_error(index, e) from e
+
+
+def _n_values(staged: Any) -> int:
+    if isinstance(staged, _Quantized):
+        return staged.size
+    if hasattr(staged, "numel"):
+        return int(staged.numel())
+    return int(staged.size) if isinstance(staged, np.ndarray) else 0  # nested sequences: small
 
 
 def _chunk_key(index: int, staged: Any) -> bytes:
