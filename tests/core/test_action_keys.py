@@ -363,6 +363,35 @@ def test_action_keys_name_the_chunk_that_has_no_key(monkeypatch, cpus):
         action_keys([good, good, good, np.array(["a"])])
 
 
+@pytest.mark.parametrize("cpus", [1, 4], ids=["inline", "pool"])
+def test_action_keys_stage_device_tensors_in_the_caller(monkeypatch, cpus):
+    """The CUDA route without a GPU: torch tensors take the device path, quantized in the calling
+    thread and hashed on the pool; keys and the first-in-order error are unchanged."""
+    import threading
+
+    staged_in = set()
+    quantize = actions._quantize_on_device
+
+    def recording(t):
+        staged_in.add(threading.current_thread().name)
+        return quantize(t)
+
+    monkeypatch.setattr(actions, "_is_cuda_tensor", lambda c: isinstance(c, torch.Tensor))
+    monkeypatch.setattr(actions, "_quantize_on_device", recording)
+    monkeypatch.setattr(actions, "_usable_cpus", lambda: cpus)
+    monkeypatch.setattr(actions, "_POOL_MIN_VALUES", 1)
+    controls = _controls()
+    expect = [action_bytes(c) for c in controls]
+    staged_in.clear()
+    assert action_keys(controls) == expect
+    assert staged_in == {threading.current_thread().name}
+    good = torch.zeros(10)
+    with pytest.raises(ValueError, match=r"chunk 1's control: .*non-finite"):  # hashed on the pool
+        action_keys([good, np.array([float("nan")]), torch.tensor([float("inf")])])  # chunk 2 fails staging
+    with pytest.raises(ValueError, match=r"chunk 2's control: .*non-finite"):
+        action_keys([good, good, torch.tensor([1.0, float("nan")]), good])
+
+
 # --- CUDA: the device path on a GPU ---------------------------------------------------------------
 
 

@@ -72,13 +72,22 @@ def action_keys(controls: Iterable[Any]) -> list[bytes]:
     quantized in the calling thread, on the caller's current stream; the hashing runs on the
     pool. A control that has no key raises ValueError naming its chunk index (the first such
     chunk in order)."""
-    staged = [_staged(i, c) for i, c in enumerate(controls)]
-    large = sum(_n_values(s) >= _POOL_MIN_VALUES for s in staged)
+    controls = list(controls)
+    large = sum(_n_values(c) >= _POOL_MIN_VALUES for c in controls)
     workers = min(large, MAX_KEY_THREADS, _usable_cpus())
     if workers <= 1:
-        return [_chunk_key(i, s) for i, s in enumerate(staged)]
+        return [_chunk_key(i, _staged(i, c)) for i, c in enumerate(controls)]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cacheseek-action-keys") as pool:
-        return list(pool.map(_chunk_key, range(len(staged)), staged))
+        futures = []
+        for i, c in enumerate(controls):  # chunk i hashes while chunk i + 1 quantizes on its GPU
+            try:
+                staged = _staged(i, c)
+            except ValueError:
+                for f in futures:
+                    f.result()  # an earlier chunk's error is the one to report
+                raise
+            futures.append(pool.submit(_chunk_key, i, staged))
+        return [f.result() for f in futures]
 
 
 def quantized_values(control: Any) -> np.ndarray:
@@ -198,12 +207,10 @@ def _staged(index: int, control: Any) -> Any:
         raise _chunk_error(index, e) from e
 
 
-def _n_values(staged: Any) -> int:
-    if isinstance(staged, _Quantized):
-        return staged.size
-    if hasattr(staged, "numel"):
-        return int(staged.numel())
-    return int(staged.size) if isinstance(staged, np.ndarray) else 0  # nested sequences: small
+def _n_values(control: Any) -> int:
+    if hasattr(control, "numel"):
+        return int(control.numel())
+    return int(control.size) if isinstance(control, np.ndarray) else 0  # nested sequences: small
 
 
 def _chunk_key(index: int, staged: Any) -> bytes:
