@@ -132,7 +132,7 @@ def _quantize_on_device(t: Any) -> _Quantized:
         return _Quantized(shape, dtype, 0, lambda: iter(()))
     lo, hi = torch.stack(torch.aminmax(flat)).to(torch.float64).tolist()  # NaN propagates
     dtype = _int_dtype(lo, hi, flat.numel())
-    q = flat.to(torch.float64).mul(_SCALE).round_()  # mul allocates: the caller's tensor is untouched
+    q = flat.to(torch.float64, copy=True).mul_(_SCALE).round_()  # a copy: the caller's tensor is untouched
     host = q.to(torch.int32 if dtype.itemsize == 4 else torch.int64).cpu().numpy()
     host = host.astype(dtype, copy=False)  # little-endian on every host
     return _Quantized(shape, dtype, host.size, lambda: iter((host,)))
