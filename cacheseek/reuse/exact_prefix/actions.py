@@ -10,13 +10,13 @@ control ``[1, 384, 3, 60, 104]`` float32, 7.19 M values). Its key must be
   float64, then rounded half to even and written as little-endian integers. IEEE float64
   multiply and round-half-to-even are exactly rounded on a CPU and a CUDA GPU alike, so a
   CUDA tensor quantized on its own device keys like its CPU copy;
-- cheap: one 480p chunk costs about 37 ms on one core (2-core AMD EPYC VM, quiet; 45 ms on the
-  H200 host's Xeon): about 20 ms of sha256 over the 28.8 MB of ``<i4`` (1.4 GB/s with SHA-NI, the
-  format's floor), 12 ms quantizing in cache-sized numpy blocks (torch on the CPU takes about
-  70 ms: it widens the whole tensor), 5 ms for the min/max that picks the integer width. A CUDA
-  tensor is quantized on its GPU and only the integers cross to the host, which leaves the hash.
-  `action_keys` hashes several chunks on a small thread pool (sha256 and numpy release the
-  GIL). `experiments/action_keys` measures every path.
+- cheap: one 480p chunk costs about 32-37 ms of CPU on one core (2-core AMD EPYC VM; 45 ms wall
+  on the H200 host's Xeon): 18-20 ms of sha256 over the 28.8 MB of ``<i4`` (1.3-1.5 GB/s with
+  SHA-NI: the format's floor), about 12 ms quantizing in cache-sized numpy blocks (torch on the
+  CPU takes 2-3x as long: it widens the whole tensor at once) and 5 ms for the min/max that picks
+  the integer width. A CUDA tensor is quantized on its GPU and only the integers cross to the
+  host, which leaves the hash; `action_keys` hashes a session's chunks on a small thread pool
+  (sha256 and numpy release the GIL). `experiments/action_keys` measures every path.
 
     key = H("action", "q1e-6", dtype tag, shape, quantized values)
 
