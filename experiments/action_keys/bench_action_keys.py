@@ -18,10 +18,26 @@ before numpy and torch are imported. The cases:
 
 For each case: wall and thread-CPU seconds per call (the new path: median and p90 over
 ``new_runs`` calls after one warm-up), the speedup, and whether both paths quantize to the same
-integers (`quantized_values` against the old list). Writes results.json, results.md and
-action_keys.png into ``out_dir`` (default: beside this script).
+integers (`quantized_values` against the old list).
+
+Then, in the same run, the paths added for issue 14 (ratios against the vectorized numpy path
+above, the one a CPU control takes):
+
+  device=cpu   torch on the CPU: `actions._quantize_on_device` on the CPU tensor, hashed (the path
+               a CUDA tensor takes, run on the host: why a CPU control keeps the numpy path)
+  device=cuda  the control on the GPU: `action_bytes(cuda tensor)` (quantized on the GPU, only the
+               integers cross) and the path before it, `action_bytes(cuda_tensor.cpu())` (the
+               float32 values cross, quantized on the host)
+  sha256       hashlib's sha256 over the case's quantized bytes alone: the floor of the key format
+  list         ``list_chunks`` 480p controls: ``[action_bytes(c) for c in chunks]`` (serial)
+               against `action_keys(chunks)` (a thread pool), both on ``device``; for cuda also
+               the serial pre-change path; wall and process CPU (all threads)
+
+Writes results.json, results.md and action_keys.png into ``out_dir`` (default: beside this
+script).
 
     python experiments/action_keys/bench_action_keys.py [key=value ...]   # conf/action_keys.yaml
+    python experiments/action_keys/bench_action_keys.py device=cuda out_dir=/tmp/ak   # on a GPU host
     python experiments/action_keys/bench_action_keys.py --render experiments/action_keys/results.json
 """
 
@@ -60,6 +76,27 @@ def _time_call(fn: Callable[[], Any]) -> tuple[float, float, Any]:
     return time.perf_counter() - w0, time.thread_time() - c0, out
 
 
+def _time_runs(fn: Callable[[], Any], runs: int, sync: Callable[[], None]) -> dict:
+    """One warm-up call, then ``runs`` timed calls: wall, thread CPU and process CPU (all threads)."""
+    sync()
+    w_first, _, out = _time_call(fn)
+    sync()
+    wall, cpu, proc, outs = [], [], [], {_hashable(out)}
+    for _ in range(runs):
+        sync()
+        p0 = time.process_time()
+        w, c, out = _time_call(lambda: (fn(), sync())[0])
+        proc.append(time.process_time() - p0)
+        wall.append(w), cpu.append(c), outs.add(_hashable(out))
+    return {"runs": runs, "first_ms": w_first * 1e3, "median_ms": median(wall) * 1e3, "p90_ms": _p90(wall) * 1e3,
+            "min_ms": min(wall) * 1e3, "thread_cpu_median_ms": median(cpu) * 1e3,
+            "process_cpu_median_ms": median(proc) * 1e3, "stable": len(outs) == 1, "_out": out}
+
+
+def _hashable(out: Any) -> Any:
+    return tuple(out) if isinstance(out, list) else out
+
+
 def _p90(xs: list[float]) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(round(0.9 * (len(s) - 1))))]
@@ -69,11 +106,20 @@ def main(argv: list[str]) -> dict:
     import numpy as np
     import torch
 
-    from cacheseek.reuse.exact_prefix.actions import action_bytes, quantized_values
+    import hashlib
+
+    from cacheseek.reuse.exact_prefix import actions
+    from cacheseek.reuse.exact_prefix.actions import action_bytes, action_keys, quantized_values
     from cacheseek.runtime.geometry import get_geometry
     from cacheseek.runtime.synthetic import control_tensor
 
     cfg = compose(HERE / "conf", "action_keys", argv)
+    device = str(cfg.device)
+    if device not in ("cpu", "cuda"):
+        raise SystemExit(f"device={device}: expected cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("device=cuda but torch sees no CUDA device (fix: run on a GPU host, or device=cpu)")
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     torch.set_num_threads(int(cfg.threads))
     out_dir = Path(cfg.out_dir) if cfg.out_dir else HERE
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -87,7 +133,9 @@ def main(argv: list[str]) -> dict:
         (f"{cfg.tiny_geometry} fp32", tiny, int(cfg.tiny_runs), int(cfg.tiny_runs)),
     ]
     results: dict = {
-        "what": "action key of one control chunk: old per-value Python path vs vectorized action_bytes",
+        "what": "action key of one control chunk: old per-value Python path vs vectorized action_bytes; "
+                "the device path, sha256 alone and a chunk list serial vs action_keys' thread pool",
+        "device": device,
         "command": " ".join(["python", "experiments/action_keys/bench_action_keys.py", *argv]),
         "config": _plain(cfg),
         "env": {**env_info(), **_machine(cfg, np, torch)},
@@ -96,10 +144,13 @@ def main(argv: list[str]) -> dict:
         "loadavg_start": list(os.getloadavg()),
         "cases": [],
     }
+    if device == "cuda":
+        results["env"]["gpu"] = torch.cuda.get_device_name(0)
     print(f"action keys on {results['env']['cpu_model']} ({results['env']['cpus']} cores), torch threads "
-          f"{torch.get_num_threads()}, load average {results['loadavg_start'][0]:.2f} at start", flush=True)
+          f"{torch.get_num_threads()}, device {device}, load average {results['loadavg_start'][0]:.2f} at start",
+          flush=True)
     slow = 100_000  # values: the old path prints a line per run above this, one per case below
-    prog = Progress(sum((old if c.numel() > slow else 1) + 1 for _, c, old, _ in cases), "action_keys")
+    prog = Progress(sum((old if c.numel() > slow else 1) + 2 for _, c, old, _ in cases) + 1, "action_keys")
 
     for name, control, old_runs, new_runs in cases:
         n = control.numel()
@@ -134,6 +185,53 @@ def main(argv: list[str]) -> dict:
         prog.step(f"{name}: new path {row['new_median_ms']:.1f} ms median, {row['new_p90_ms']:.1f} ms p90 "
                   f"({new_runs} runs), {row['speedup_median']:.0f}x; same integers: {same}")
 
+        runs = int(cfg.device_runs)
+        paths = {}
+        if device == "cpu":
+            paths["torch on the CPU (device path)"] = _time_runs(
+                lambda: actions._digest(actions._quantize_on_device(control)), int(cfg.torch_cpu_runs), sync)
+        else:
+            on_gpu = control.to("cuda")
+            paths["cuda tensor: action_bytes (quantized on the GPU)"] = _time_runs(lambda: action_bytes(on_gpu), runs, sync)
+            paths["cuda tensor: action_bytes(t.cpu()) (before)"] = _time_runs(lambda: action_bytes(on_gpu.cpu()), runs, sync)
+        data = q.tobytes()
+        paths["sha256 of the quantized bytes alone"] = _time_runs(lambda: hashlib.sha256(data).digest(), runs, sync)
+        base = row["new_median_ms"]
+        for label, r in paths.items():
+            out = r.pop("_out")
+            r.update(case=name, path=label, bytes=len(data), vs_numpy=base / r["median_ms"],
+                     same_key=(out == key0) if isinstance(out, bytes) and not label.startswith("sha256") else None)
+            if label.startswith("sha256"):
+                r["gb_s"] = len(data) / (r["median_ms"] / 1e3) / 1e9
+            results.setdefault("paths", []).append(r)
+        prog.step(f"{name}: " + "; ".join(f"{k} {r['median_ms']:.1f} ms ({r['vs_numpy']:.2f}x of numpy)"
+                                          for k, r in paths.items()))
+
+    chunks = [control_tensor(get_geometry(cfg.geometry), [a * f for a in action]) for f in (1.0, 0.5, -1.0, 0.25)]
+    chunks = (chunks * int(cfg.list_chunks))[: int(cfg.list_chunks)]
+    if device == "cuda":
+        chunks = [c.to("cuda") for c in chunks]
+    serial = _time_runs(lambda: [action_bytes(c) for c in chunks], int(cfg.list_runs), sync)
+    pooled = _time_runs(lambda: action_keys(chunks), int(cfg.list_runs), sync)
+    rows = {"serial: [action_bytes(c) for c in chunks]": serial, "pool: action_keys(chunks)": pooled}
+    if device == "cuda":
+        rows["serial, before: [action_bytes(c.cpu()) for c in chunks]"] = _time_runs(
+            lambda: [action_bytes(c.cpu()) for c in chunks], int(cfg.list_runs), sync)
+    before = rows.get("serial, before: [action_bytes(c.cpu()) for c in chunks]", serial)
+    same = serial["_out"] == pooled["_out"]
+    results["list"] = {
+        "case": f"{cfg.geometry} fp32 x {len(chunks)} chunks on {device}",
+        "workers": min(len(chunks), actions.MAX_KEY_THREADS, actions._usable_cpus()),
+        "usable_cpus": actions._usable_cpus(), "same_keys": same, "rows": [],
+    }
+    for label, r in rows.items():
+        r.pop("_out")
+        r.update(path=label, vs_before=before["median_ms"] / r["median_ms"])
+        results["list"]["rows"].append(r)
+    prog.step(f"{results['list']['case']}: serial {serial['median_ms']:.1f} ms, action_keys {pooled['median_ms']:.1f} ms "
+              f"({results['list']['workers']} threads; {before['median_ms'] / pooled['median_ms']:.2f}x of the "
+              f"pre-change serial path), same keys: {same}")
+
     results["loadavg_end"] = list(os.getloadavg())
     head = results["cases"][0]
     target = float(cfg.target_ms)
@@ -143,16 +241,21 @@ def main(argv: list[str]) -> dict:
         "met_wall": head["new_median_ms"] <= target, "met_cpu": head["new_cpu_median_ms"] <= target,
     }
     results["all_same_integers"] = all(r["same_integers"] for r in results["cases"])
+    results["all_same_keys"] = results["list"]["same_keys"] and all(
+        r["same_key"] is not False and r["stable"] for r in results["paths"])
 
     write_json(out_dir / "results.json", results)
     (out_dir / "results.md").write_text(_markdown(results))
     _plot(results, out_dir / "action_keys.png")
     print(_table(results), flush=True)
+    print(_paths_table(results), flush=True)
+    print(_list_table(results), flush=True)
     t = results["target"]
     print(f"target <= {target:g} ms ({t['case']}): median {t['wall_median_ms']:.1f} ms wall "
           f"({'met' if t['met_wall'] else 'MISSED'}), {t['cpu_median_ms']:.1f} ms thread CPU "
           f"({'met' if t['met_cpu'] else 'MISSED'}); load average {results['loadavg_start'][0]:.2f} -> "
-          f"{results['loadavg_end'][0]:.2f}; same integers in every case: {results['all_same_integers']}", flush=True)
+          f"{results['loadavg_end'][0]:.2f}; same integers in every case: {results['all_same_integers']}; "
+          f"same keys on every path: {results['all_same_keys']}", flush=True)
     print(f"wrote {out_dir / 'results.json'}, results.md, action_keys.png", flush=True)
     return results
 
@@ -201,6 +304,36 @@ def _table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _paths_table(results: dict) -> str:
+    lines = [
+        "| case | path | wall ms, median | wall ms, p90 | thread CPU ms | x of the numpy path (wall) | same key |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for r in results.get("paths", []):
+        extra = f" ({r['gb_s']:.2f} GB/s)" if "gb_s" in r else ""
+        same = "-" if r["same_key"] is None else ("yes" if r["same_key"] else "NO")
+        lines.append(f"| {r['case']} | {r['path']}{extra} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} "
+                     f"| {r['thread_cpu_median_ms']:.2f} | {r['vs_numpy']:.2f}x | {same} |")
+    return "\n".join(lines)
+
+
+def _list_table(results: dict) -> str:
+    li = results.get("list")
+    if not li:
+        return ""
+    lines = [
+        f"{li['case']}: action_keys ran {li['workers']} threads ({li['usable_cpus']} usable CPUs); "
+        f"same keys serial and pooled: {'yes' if li['same_keys'] else 'NO'}",
+        "",
+        "| path | wall ms, median | wall ms, p90 | process CPU ms (all threads) | speedup vs the pre-change serial path |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in li["rows"]:
+        lines.append(f"| {r['path']} | {r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['process_cpu_median_ms']:.1f} "
+                     f"| {r['vs_before']:.2f}x |")
+    return "\n".join(lines)
+
+
 def _markdown(results: dict) -> str:
     e, t = results["env"], results["target"]
     return "\n".join([
@@ -221,6 +354,15 @@ def _markdown(results: dict) -> str:
         "",
         "Wall is what the hook waits; thread CPU is the time the calling thread was on a core (it "
         "excludes time the scheduler gave to other processes).",
+        "",
+        f"## The device path and sha256 alone (device={results.get('device', 'cpu')}; ratios against the "
+        "vectorized numpy path's median above, same run)",
+        "",
+        _paths_table(results),
+        "",
+        "## A session's chunks: serial against `action_keys`' thread pool",
+        "",
+        _list_table(results),
         "",
     ])
 

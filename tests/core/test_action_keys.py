@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from cacheseek.reuse.exact_prefix.actions import NO_CONTROL, QUANTUM, action_bytes, quantized_values
+from cacheseek.reuse.exact_prefix import actions
+from cacheseek.reuse.exact_prefix.actions import NO_CONTROL, QUANTUM, action_bytes, action_keys, quantized_values
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -213,3 +214,211 @@ def test_non_numeric_controls_raise():
         action_bytes(np.array(["a", "b"]))
     with pytest.raises(ValueError, match="no action key"):
         action_bytes(torch.tensor([1 + 2j]))
+
+
+# --- the device path: torch on the tensor's own device -------------------------------------------
+# `_quantize_on_device` is what a CUDA tensor takes; run on CPU tensors here, it must give the numpy
+# path's integers, width and digest bit for bit (both are IEEE float64 multiply and rint).
+
+
+def _adversarial() -> list[tuple[str, torch.Tensor]]:
+    halves = [(k + 0.5) * 1e-6 for k in range(-6, 6)] + [5e-7, -5e-7, 2.5e-6, -2.5e-6, 1.5e-6, -1.5e-6]
+    halves += [m / 128 for m in range(-129, 130, 2)]  # exact halves of the quantum after * 1e6
+    edge = 2147.483647
+    near_i4 = [edge, -edge, np.nextafter(edge, 0.0), np.nextafter(edge, 3000.0), 2147.4836475,
+               -2147.4836475, 2147.483646, 2147.4836465]
+    g = torch.Generator().manual_seed(11)
+    mixed = torch.cat([torch.randn(50_000, generator=g, dtype=torch.float64) * s for s in (1e-6, 1e-3, 1, 100, 2147)])
+    return [
+        ("halves_f64", torch.tensor(halves, dtype=torch.float64)),
+        ("halves_f32", torch.tensor(halves, dtype=torch.float32)),
+        ("near_i4_f64", torch.tensor(near_i4, dtype=torch.float64)),
+        ("at_i4_edge_f64", torch.tensor([edge, -edge, 0.5e-6], dtype=torch.float64)),
+        ("past_i4_edge_f64", torch.tensor([np.nextafter(edge, 3000.0), 1.0], dtype=torch.float64)),
+        ("near_i4_f32", torch.tensor(near_i4, dtype=torch.float32)),
+        ("at_neg_i4_edge", torch.tensor([-2147.483648, 1.0], dtype=torch.float64)),
+        ("int64_wide", torch.tensor([3000.0, -4e6, 4.6e12, -4.6e12, 2.5e-6], dtype=torch.float64)),
+        ("mixed_f64", mixed),
+        ("mixed_f32", mixed.float()),
+        ("mixed_bf16", mixed[:100_000].to(torch.bfloat16)),
+        ("mixed_f16", (mixed[:100_000] / 2147).to(torch.float16)),
+        ("int64", torch.tensor([[1, -2], [2147, 4_000_000]], dtype=torch.int64)),
+        ("int32_small", torch.tensor([0, 1, -2147], dtype=torch.int32)),
+        ("bool", torch.tensor([True, False, True])),
+        ("strided", mixed[:600].reshape(20, 30).T),
+        ("empty", torch.empty(0, 3)),
+        ("empty_bf16", torch.empty(2, 0, dtype=torch.bfloat16)),
+        ("scalar", torch.tensor(0.0000005)),
+    ]
+
+
+ADVERSARIAL = _adversarial()
+
+
+@pytest.mark.parametrize("name, x", ADVERSARIAL, ids=[n for n, _ in ADVERSARIAL])
+def test_device_path_is_bit_identical_to_numpy_path(name, x):
+    on_device = actions._quantize_on_device(x)
+    on_host = actions._quantize(x)  # a CPU tensor takes the numpy path
+    assert on_device.shape == on_host.shape == tuple(x.shape)
+    assert on_device.dtype == on_host.dtype and on_device.size == on_host.size == x.numel()
+    a = np.concatenate([b.copy() for b in on_device.blocks()] or [np.empty(0, on_device.dtype)])
+    b = np.concatenate([b.copy() for b in on_host.blocks()] or [np.empty(0, on_host.dtype)])
+    assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+    assert actions._digest(on_device) == actions._digest(on_host) == action_bytes(x)
+
+
+def test_device_path_width_rule_and_halves():
+    """Spot values, so a bug shared by both paths would still show: the i4/i8 edge and halves."""
+    q = actions._quantize_on_device(torch.tensor([2147.483647, -2147.483647], dtype=torch.float64))
+    assert q.dtype == np.dtype("<i4") and next(q.blocks()).tolist() == [2147483647, -2147483647]
+    q = actions._quantize_on_device(torch.tensor([2147.483648], dtype=torch.float64))
+    assert q.dtype == np.dtype("<i8") and next(q.blocks()).tolist() == [2147483648]
+    halves = torch.tensor([m / 128 for m in (1, 3, 5, -1, -3, 7)], dtype=torch.float32)
+    assert next(actions._quantize_on_device(halves).blocks()).tolist() == [7812, 23438, 39062, -7812, -23438, 54688]
+
+
+def test_device_path_pinned_digests_and_leaves_the_input_alone():
+    for values, digest in (PINNED_I4, PINNED_I8):
+        x = torch.tensor(values, dtype=torch.float64)
+        before = x.clone()
+        assert actions._digest(actions._quantize_on_device(x)).hex() == digest
+        assert torch.equal(x, before)  # a float64 control is not scaled in place
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_device_path_non_finite_and_too_large_raise(bad):
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        with pytest.raises(ValueError, match="non-finite"):
+            actions._quantize_on_device(torch.tensor([0.5, bad, 1.0], dtype=dtype))
+    with pytest.raises(ValueError, match="too large"):
+        actions._quantize_on_device(torch.tensor([1e13]))
+    with pytest.raises(ValueError, match="no action key"):
+        actions._quantize_on_device(torch.tensor([1 + 2j]))
+
+
+# --- action_keys: many chunks on a small pool ----------------------------------------------------
+
+
+def _controls() -> list:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randn(1, 384, 3, 2, 4, generator=g), None, [0.5, -0.25],
+            np.float32(np.arange(300_001) * 1e-3), torch.randn(7, generator=g).to(torch.bfloat16),
+            torch.randn(2, 3, generator=g, dtype=torch.float64).T, np.empty((0, 3))]
+
+
+@pytest.mark.parametrize("cpus", [1, 2, 8], ids=["inline", "pool2", "pool4"])
+def test_action_keys_are_action_bytes_in_order(monkeypatch, cpus):
+    monkeypatch.setattr(actions, "_usable_cpus", lambda: cpus)
+    monkeypatch.setattr(actions, "_POOL_MIN_VALUES", 1)  # every control is worth a thread
+    controls = _controls()
+    assert action_keys(controls) == [action_bytes(c) for c in controls]
+    assert action_keys(iter(controls[:2])) == [action_bytes(controls[0]), NO_CONTROL]
+    assert action_keys([]) == []
+    assert action_keys([None, None]) == [NO_CONTROL, NO_CONTROL]
+
+
+def test_action_keys_hash_on_several_threads(monkeypatch):
+    import threading
+
+    seen, digest = set(), actions._digest
+    barrier = threading.Barrier(3, timeout=30)
+
+    def recording(q):
+        if q.size > 1:
+            seen.add(threading.current_thread().name)
+            barrier.wait()  # the three large chunks hash at once, or this times out
+        return digest(q)
+
+    monkeypatch.setattr(actions, "_usable_cpus", lambda: 8)
+    monkeypatch.setattr(actions, "_digest", recording)
+    controls = [np.full(1 << 18, float(i)) for i in range(3)] + [[0.5]]  # three worth a thread, one small
+    assert action_keys(controls) == [digest(actions._quantize(c)) for c in controls]
+    assert len(seen) == 3 and all(n.startswith("cacheseek-action-keys") for n in seen)
+
+
+def test_action_keys_of_small_controls_run_inline(monkeypatch):
+    """Starting a pool costs about a millisecond: controls below 2**18 values are keyed inline."""
+    import threading
+
+    seen, digest = set(), actions._digest
+    monkeypatch.setattr(actions, "_usable_cpus", lambda: 8)
+    monkeypatch.setattr(actions, "_digest", lambda q: (seen.add(threading.current_thread().name), digest(q))[1])
+    controls = [np.full((1 << 18) - 1, 1.0), torch.ones(1 << 18), [0.25] * 10]  # one large control only
+    assert action_keys(controls) == [action_bytes(c) for c in controls]
+    assert seen == {threading.current_thread().name}
+
+
+@pytest.mark.parametrize("cpus", [1, 4], ids=["inline", "pool"])
+def test_action_keys_name_the_chunk_that_has_no_key(monkeypatch, cpus):
+    monkeypatch.setattr(actions, "_usable_cpus", lambda: cpus)
+    monkeypatch.setattr(actions, "_POOL_MIN_VALUES", 1)
+    good = np.zeros(10)
+    with pytest.raises(ValueError, match=r"chunk 2's control: .*non-finite"):
+        action_keys([good, None, np.array([0.0, float("nan")]), good])
+    with pytest.raises(ValueError, match=r"chunk 1's control: .*non-finite"):  # the first in order
+        action_keys([good, torch.tensor([float("inf")]), good, [float("nan")]])
+    with pytest.raises(ValueError, match=r"chunk 0's control: .*too large"):
+        action_keys([[1e13], good])
+    with pytest.raises(ValueError, match=r"chunk 3's control: .*no action key"):
+        action_keys([good, good, good, np.array(["a"])])
+
+
+@pytest.mark.parametrize("cpus", [1, 4], ids=["inline", "pool"])
+def test_action_keys_stage_device_tensors_in_the_caller(monkeypatch, cpus):
+    """The CUDA route without a GPU: torch tensors take the device path, quantized in the calling
+    thread and hashed on the pool; keys and the first-in-order error are unchanged."""
+    import threading
+
+    staged_in = set()
+    quantize = actions._quantize_on_device
+
+    def recording(t):
+        staged_in.add(threading.current_thread().name)
+        return quantize(t)
+
+    monkeypatch.setattr(actions, "_is_cuda_tensor", lambda c: isinstance(c, torch.Tensor))
+    monkeypatch.setattr(actions, "_quantize_on_device", recording)
+    monkeypatch.setattr(actions, "_usable_cpus", lambda: cpus)
+    monkeypatch.setattr(actions, "_POOL_MIN_VALUES", 1)
+    controls = _controls()
+    expect = [action_bytes(c) for c in controls]
+    staged_in.clear()
+    assert action_keys(controls) == expect
+    assert staged_in == {threading.current_thread().name}
+    good = torch.zeros(10)
+    with pytest.raises(ValueError, match=r"chunk 1's control: .*non-finite"):  # hashed on the pool
+        action_keys([good, np.array([float("nan")]), torch.tensor([float("inf")])])  # chunk 2 fails staging
+    with pytest.raises(ValueError, match=r"chunk 2's control: .*non-finite"):
+        action_keys([good, good, torch.tensor([1.0, float("nan")]), good])
+
+
+# --- CUDA: the device path on a GPU ---------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name, x", ADVERSARIAL, ids=[n for n, _ in ADVERSARIAL])
+def test_cuda_tensor_keys_like_its_cpu_copy(name, x):
+    on_gpu = x.to("cuda")
+    assert actions._is_cuda_tensor(on_gpu)
+    q = actions._quantize(on_gpu)
+    assert q.shape == tuple(x.shape)
+    assert np.concatenate([b.copy() for b in q.blocks()] or [np.empty(0, q.dtype)]).tobytes() == \
+        quantized_values(x).tobytes()
+    assert action_bytes(on_gpu) == action_bytes(x)
+    assert quantized_values(on_gpu).tobytes() == quantized_values(x).tobytes()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_pinned_digests_and_action_keys():
+    for values, digest in (PINNED_I4, PINNED_I8):
+        for dtype in (torch.float32, torch.float64):
+            assert action_bytes(torch.tensor(values, dtype=dtype, device="cuda")).hex() == digest
+    g = torch.Generator().manual_seed(9)
+    big = [torch.randn(1, 384, 3, 60, 104, generator=g) * 2 for _ in range(3)]  # the 480p control's shape
+    assert action_keys([c.cuda() for c in big] + [None]) == [action_bytes(c) for c in big] + [NO_CONTROL]
+    bad = big[1].cuda()
+    bad[0, 5, 1, 2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"chunk 1's control: .*non-finite"):
+        action_keys([big[0].cuda(), bad])

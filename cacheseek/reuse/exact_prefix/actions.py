@@ -7,31 +7,53 @@ control ``[1, 384, 3, 60, 104]`` float32, 7.19 M values). Its key must be
 - stable against float noise below the model's resolution: values are quantized to 1e-6 (the
   conditioning is cast to bf16, whose resolution is far coarser);
 - the same in every process and on every machine: a float32 value times 1e6 is exact in
-  float64, then rounded half to even and written as little-endian integers;
-- cheap: vectorized in cache-sized blocks, about 40 ms for a 480p chunk on one core (the old
-  per-value Python path took seconds; `experiments/action_keys` measures both).
+  float64, then rounded half to even and written as little-endian integers. IEEE float64
+  multiply and round-half-to-even are exactly rounded on a CPU and a CUDA GPU alike, so a
+  CUDA tensor quantized on its own device keys like its CPU copy;
+- cheap: one 480p chunk costs about 32-37 ms of CPU on one core (2-core AMD EPYC VM; 45 ms wall
+  on the H200 host's Xeon): 18-20 ms of sha256 over the 28.8 MB of ``<i4`` (1.3-1.5 GB/s with
+  SHA-NI: the format's floor), about 12 ms quantizing in cache-sized numpy blocks (torch on the
+  CPU takes 2-3x as long: it widens the whole tensor at once) and 5 ms for the min/max that picks
+  the integer width. A CUDA tensor is quantized on its GPU and only the integers cross to the
+  host, which leaves the hash; `action_keys` hashes a session's chunks on a small thread pool
+  (sha256 and numpy release the GIL). `experiments/action_keys` measures every path.
 
     key = H("action", "q1e-6", dtype tag, shape, quantized values)
 
 with H the length-prefixed sha256 of `keys` and the values as ``<i4`` when every one fits
-(|x| < 2147), else ``<i8``. ``None`` (a chunk without control) is ``b"noctrl"``.
+(|x| <= 2147.483647), else ``<i8``. ``None`` (a chunk without control) is ``b"noctrl"``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from cacheseek.reuse.exact_prefix.keys import sha256_of_parts
 
-__all__ = ["NO_CONTROL", "QUANTUM", "action_bytes", "quantized_values"]
+__all__ = ["NO_CONTROL", "QUANTUM", "MAX_KEY_THREADS", "action_bytes", "action_keys", "quantized_values"]
 
 NO_CONTROL = b"noctrl"
 QUANTUM = 1e-6
+MAX_KEY_THREADS = 4  # `action_keys`' pool: a session has a few chunks, and sha256 is ~1.4 GB/s a core
 _SCALE = 1e6
 _I4_RANGE = (2**31 - 1) / _SCALE  # |x| at or below this quantizes into int32
+_MAX_VALUE = 2**62 / _SCALE  # |x| above this has no int64 quantum with margin
 _BLOCK = 1 << 18  # values per pass: the float64 scratch stays in cache
+_POOL_MIN_VALUES = 1 << 18  # a control worth a thread (~1.5 ms to key); starting the pool costs ~1 ms
+
+
+class _Quantized(NamedTuple):
+    """A control ready to hash: its shape, the integer width and its values in that width."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype  # <i4 or <i8
+    size: int
+    blocks: Callable[[], Iterator[np.ndarray]]  # flat C order; consume each block before the next
 
 
 def action_bytes(control: Any) -> bytes:
@@ -40,24 +62,83 @@ def action_bytes(control: Any) -> bytes:
     ValueError on a non-finite value, which has no canonical quantum."""
     if control is None:
         return NO_CONTROL
-    values = _flat_values(control)
-    dtype = _int_dtype(values)
-    shape = np.asarray(np.shape(control) if not hasattr(control, "shape") else tuple(control.shape), dtype="<i8")
-    h = sha256_of_parts(b"action", b"q1e-6", dtype.str.encode(), memoryview(shape))
-    h.update((values.size * dtype.itemsize).to_bytes(8, "little"))
-    for block in _quantized_blocks(values, dtype):
-        h.update(block)
-    return h.digest()
+    return _digest(_quantize(control))
+
+
+def action_keys(controls: Iterable[Any]) -> list[bytes]:
+    """`action_bytes` of each control, in order, on up to `MAX_KEY_THREADS` threads: one per
+    control of at least 2**18 values, never more than the usable cores (fewer than two such
+    controls, or one core, run inline: the pool would cost more than it saves). A CUDA tensor is
+    quantized in the calling thread, on the caller's current stream; the hashing runs on the
+    pool. A control that has no key raises ValueError naming its chunk index (the first such
+    chunk in order)."""
+    controls = list(controls)
+    large = sum(_n_values(c) >= _POOL_MIN_VALUES for c in controls)
+    workers = min(large, MAX_KEY_THREADS, _usable_cpus())
+    if workers <= 1:
+        return [_chunk_key(i, _staged(i, c)) for i, c in enumerate(controls)]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cacheseek-action-keys") as pool:
+        futures = []
+        for i, c in enumerate(controls):  # chunk i hashes while chunk i + 1 quantizes on its GPU
+            try:
+                staged = _staged(i, c)
+            except ValueError:
+                for f in futures:
+                    f.result()  # an earlier chunk's error is the one to report
+                raise
+            futures.append(pool.submit(_chunk_key, i, staged))
+        return [f.result() for f in futures]
 
 
 def quantized_values(control: Any) -> np.ndarray:
     """The control's values in units of `QUANTUM` (flat, C order), as the key hashes them."""
+    q = _quantize(control)
+    return np.concatenate([b.copy() for b in q.blocks()] or [np.empty(0, q.dtype)])
+
+
+def _digest(q: _Quantized) -> bytes:
+    shape = np.asarray(q.shape, dtype="<i8")
+    h = sha256_of_parts(b"action", b"q1e-6", q.dtype.str.encode(), memoryview(shape))
+    h.update((q.size * q.dtype.itemsize).to_bytes(8, "little"))
+    for block in q.blocks():
+        h.update(block)
+    return h.digest()
+
+
+def _quantize(control: Any) -> _Quantized:
+    if _is_cuda_tensor(control):
+        return _quantize_on_device(control)
     values = _flat_values(control)
-    dtype = _int_dtype(values)
-    return np.concatenate([b.copy() for b in _quantized_blocks(values, dtype)] or [np.empty(0, dtype)])
+    dtype = _int_dtype(*_bounds(values), values.size)
+    shape = tuple(control.shape) if hasattr(control, "shape") else np.shape(control)
+    return _Quantized(tuple(int(d) for d in shape), dtype, values.size, lambda: _quantized_blocks(values, dtype))
 
 
-def _quantized_blocks(values: np.ndarray, dtype: np.dtype):
+def _quantize_on_device(t: Any) -> _Quantized:
+    """Quantize a torch tensor with torch on the tensor's device (float64 multiply, round half to
+    even, cast) and bring only the integers to the host. Bit-identical to the numpy path; on a
+    CPU tensor it is slower (it widens the whole tensor at once), so only CUDA tensors take it."""
+    import torch
+
+    t = t.detach()
+    if t.is_complex():
+        raise ValueError(f"a control of dtype {t.dtype} has no action key")
+    shape = tuple(int(d) for d in t.shape)
+    flat = t.reshape(-1)  # the logical C order (a copy for a non-contiguous view)
+    if not flat.is_floating_point():
+        flat = flat.to(torch.float64)  # integers and bools, as the numpy path widens them
+    if flat.numel() == 0:
+        dtype = np.dtype("<i4")
+        return _Quantized(shape, dtype, 0, lambda: iter(()))
+    lo, hi = torch.stack(torch.aminmax(flat)).to(torch.float64).tolist()  # NaN propagates
+    dtype = _int_dtype(lo, hi, flat.numel())
+    q = flat.to(torch.float64, copy=True).mul_(_SCALE).round_()  # a copy: the caller's tensor is untouched
+    host = q.to(torch.int32 if dtype.itemsize == 4 else torch.int64).cpu().numpy()
+    host = host.astype(dtype, copy=False)  # little-endian on every host
+    return _Quantized(shape, dtype, host.size, lambda: iter((host,)))
+
+
+def _quantized_blocks(values: np.ndarray, dtype: np.dtype) -> Iterator[np.ndarray]:
     """Yields views of one reused buffer: consume each before the next."""
     scratch = np.empty(min(_BLOCK, values.size), dtype=np.float64)
     out = np.empty(scratch.size, dtype=dtype)
@@ -70,13 +151,20 @@ def _quantized_blocks(values: np.ndarray, dtype: np.dtype):
         yield q
 
 
-def _int_dtype(values: np.ndarray) -> np.dtype:
+def _bounds(values: np.ndarray) -> tuple[float, float]:
     if values.size == 0:
+        return 0.0, 0.0
+    return float(values.min()), float(values.max())
+
+
+def _int_dtype(lo: float, hi: float, size: int) -> np.dtype:
+    """The integer width of the key from the control's smallest and largest value (NaN when any
+    value is NaN): the one rule both quantization paths share."""
+    if size == 0:
         return np.dtype("<i4")
-    lo, hi = float(values.min()), float(values.max())
     if not (np.isfinite(lo) and np.isfinite(hi)):
         raise ValueError("the control holds a non-finite value: it has no canonical action key")
-    if max(-lo, hi) > 2**62 / _SCALE:
+    if max(-lo, hi) > _MAX_VALUE:
         raise ValueError(f"control value {max(-lo, hi):g} is too large to quantize to {QUANTUM:g}")
     return np.dtype("<i4") if max(-lo, hi) <= _I4_RANGE else np.dtype("<i8")
 
@@ -102,3 +190,43 @@ def _flat_values(control: Any) -> np.ndarray:
             raise ValueError(f"a control of dtype {arr.dtype} has no action key")
         arr = arr.astype(np.float64)
     return np.ascontiguousarray(arr).reshape(-1)
+
+
+def _is_cuda_tensor(control: Any) -> bool:
+    device = getattr(control, "device", None)
+    return hasattr(control, "detach") and getattr(device, "type", None) == "cuda"
+
+
+def _staged(index: int, control: Any) -> Any:
+    """A CUDA tensor quantized now (this thread, the caller's stream); anything else as is."""
+    if control is None or not _is_cuda_tensor(control):
+        return control
+    try:
+        return _quantize_on_device(control)
+    except ValueError as e:
+        raise _chunk_error(index, e) from e
+
+
+def _n_values(control: Any) -> int:
+    if hasattr(control, "numel"):
+        return int(control.numel())
+    return int(control.size) if isinstance(control, np.ndarray) else 0  # nested sequences: small
+
+
+def _chunk_key(index: int, staged: Any) -> bytes:
+    try:
+        if staged is None:
+            return NO_CONTROL
+        return _digest(staged if isinstance(staged, _Quantized) else _quantize(staged))
+    except ValueError as e:
+        raise _chunk_error(index, e) from e
+
+
+def _chunk_error(index: int, cause: ValueError) -> ValueError:
+    return ValueError(f"chunk {index}'s control: {cause}")
+
+
+def _usable_cpus() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1

@@ -35,7 +35,7 @@ from cacheseek import namespace, weights
 from cacheseek.errors import CacheSeekError, ConfigError, GeometryError, LayoutMismatchError, StoreWarmingError
 from cacheseek.kv.payload import RestoreTarget
 from cacheseek.layout.bshd import BshdLayout
-from cacheseek.reuse.exact_prefix.actions import action_bytes
+from cacheseek.reuse.exact_prefix.actions import action_bytes, action_keys
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
 from cacheseek.reuse.exact_prefix.keys import canonical_json_bytes, config_blob_hash, node_key, root_hash, sha256
 from cacheseek.reuse.exact_prefix.manager import WorldKVManager
@@ -154,7 +154,7 @@ class LingBotWorldKVBinding:
         if controls is None:
             self.actions = [b"noctrl"] * n_chunks
         else:
-            self.actions = [action_bytes(c) for c in list(controls)[:n_chunks]]
+            self.actions = action_keys(list(controls)[:n_chunks])
         window = _RuntimeWindow(self, runtime)
         result = self.manager.try_fast_forward(self.root, self.actions, window)
         self._ns = self.forest.get_or_create_namespace(self.root, cbh)
