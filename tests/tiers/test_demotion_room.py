@@ -16,6 +16,7 @@ import torch
 from cacheseek.errors import StoreError
 from cacheseek.eviction import EvictionConfig
 from cacheseek.kv.locators import blob_keys
+from cacheseek.report import metrics_block
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVConfig, WorldKVManager
 from cacheseek.reuse.exact_prefix.keys import kv_locator, node_key
 
@@ -106,6 +107,7 @@ def test_a_full_plan_tier_evicts_its_lru_leaf_and_takes_the_demotion(levels):
     assert row(store, "fluxon_plan")["evictions_for_demotion"] == 1
     m = mgr.metrics.as_dict()
     assert (m["evictions_for_demotion"], m["evictions"], m["demotion_no_room"]) == (1, 1, 0)
+    assert "tier 1 fluxon_plan: 2 chunks" in metrics_block(m) and "1 moved out to make room" in metrics_block(m)
     assert parts["plan_client"].live_handles() == (0, 0)
     check_residency(mgr)
     # the next one: a0 is the Plan tier's leaf now (b1 was just written there)
