@@ -11,7 +11,7 @@ Who records what:
 - the store, read when the metrics are rendered (`as_dict`): its current usage (``usage()``),
   failed and pending writes and its registration seconds (``stats``), where it offers them; a
   tiered store's levels under ``tiers`` (usage, capacity, blobs, hits, writes, promotions,
-  demotions per tier; the manager counts its demotion passes here).
+  demotions per tier; the manager counts its demotion passes and the room it makes for them here).
 
 Thread-safe: every update holds one lock. Times come from the manager's clock.
 """
@@ -61,6 +61,8 @@ class CacheMetrics:
     demoted_bytes: int = 0
     demotion_passes: int = 0
     demotion_errors: int = 0
+    evictions_for_demotion: int = 0  # victims moved out of a full tier to let a demotion in
+    demotion_no_room: int = 0  # a full tier in which no room could be made (all protected)
     skeletons_freed: int = 0
     invalidations: int = 0
     hook_failures: int = 0

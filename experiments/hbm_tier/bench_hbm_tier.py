@@ -50,9 +50,9 @@ def chunk_sizes(geometry: str) -> dict[str, int]:
             "stored": 2 * g.n_layers * block(kv) + block(lat)}
 
 
-def capacity(geometry: str, chunks: int) -> int:
-    """Bytes for ``chunks`` chunks (KV and latent, in value blocks) plus 1 MiB of slack."""
-    return chunks * chunk_sizes(geometry)["stored"] + (1 << 20)
+def capacity(geometry: str, chunks: int, slack: int = 1 << 20) -> int:
+    """Bytes for ``chunks`` chunks (KV and latent, in value blocks) plus ``slack`` (1 MiB)."""
+    return chunks * chunk_sizes(geometry)["stored"] + slack
 
 
 # -- peak -----------------------------------------------------------------------------------------
@@ -314,9 +314,10 @@ def request(stack, actions, sync, *, manager=None, ingest=True, hooks=True) -> d
             "hit_depth": h.last_fast_forward if h else 0, "frames": [x.hex() for x in hashes]}
 
 
-def store_overrides(layout: str, geometry: str, hbm_chunks: int, plan_chunks: int, staging: int) -> list[str]:
-    hbm = capacity(geometry, hbm_chunks)
-    plan = capacity(geometry, plan_chunks)
+def store_overrides(layout: str, geometry: str, hbm_chunks: int, plan_chunks: int, staging: int,
+                    slack: int = 1 << 20) -> list[str]:
+    hbm = capacity(geometry, hbm_chunks, slack)
+    plan = capacity(geometry, plan_chunks, slack)
     if layout == "nocache":
         return []
     if layout == "plan":
@@ -421,7 +422,7 @@ def section_mixed(cfg, dev, sync, prog, out_dir: Path) -> dict:
     reference: dict[int, list[str]] = {}
     for layout in list(c.layouts):
         overrides = runtime_overrides(dev, c) + store_overrides(layout, c.geometry, int(c.hbm_chunks),
-                                                               int(c.plan_chunks), staging)
+                                                               int(c.plan_chunks), staging, int(c.slack_bytes))
         t0 = time.perf_counter()
         stack = build_stack(compose(Path(CONF_DIR), "config", overrides), run_dir=out_dir / "runs" / f"mixed_{layout}")
         build_s = time.perf_counter() - t0
@@ -463,6 +464,8 @@ def section_mixed(cfg, dev, sync, prog, out_dir: Path) -> dict:
                 "evictions": m.get("evictions", 0), "demotions": m.get("demotions", 0),
                 "tier_hits": {t["name"]: t.get("hits", 0) for t in tiers},
                 "tier_promotions": {t["name"]: t.get("promotions", 0) for t in tiers},
+                "demotion_failures": sum(t.get("demotion_failures", 0) for t in tiers),
+                "evictions_for_demotion": {t["name"]: t.get("evictions_for_demotion", 0) for t in tiers},
                 "frames_ok": all(r["frames_ok"] for r in rows),
             }
         finally:
@@ -620,11 +623,13 @@ def render(r: dict) -> str:
         m = r["mixed"]
         lines += ["## Mixed workload", "",
                   f"{len(m['sessions'])} sessions, {m['distinct']} distinct sequences, one at a time.", "",
-                  "| layout | hit rate | chunks restored | hits per tier | demotions | evictions | mean TTFF ms | TTFF vs no cache | mean session s | frames ok |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| layout | hit rate | chunks restored | hits per tier | demotions | demotion failures | "
+                  "evictions | evictions for demotion | mean TTFF ms | TTFF vs no cache | mean session s | frames ok |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for name, x in m["layouts"].items():
             lines.append(f"| {name} | {x['hit_rate']:.0%} | {x['chunks_restored']} | {x['tier_hits'] or ''} | "
-                         f"{x['demotions']} | {x['evictions']} | {x['mean_ttff_s'] * 1e3:.1f} | "
+                         f"{x['demotions']} | {x.get('demotion_failures', 0)} | {x['evictions']} | "
+                         f"{x.get('evictions_for_demotion') or ''} | {x['mean_ttff_s'] * 1e3:.1f} | "
                          f"{x.get('ttff_over_nocache', float('nan')):.3f} | {x['mean_wall_s']:.2f} | {x['frames_ok']} |")
         lines.append("")
     if r.get("targets"):

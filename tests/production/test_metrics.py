@@ -29,6 +29,7 @@ KEYS = {
     "restore_failures", "writes", "write_bytes", "write_seconds", "reingest_kept", "dropped_writes",
     "store_full_retries", "failed_writes", "pending_writes", "evictions", "evicted_bytes",
     "eviction_passes", "eviction_errors", "demotions", "demoted_bytes", "demotion_passes", "demotion_errors",
+    "evictions_for_demotion", "demotion_no_room",
     "skeletons_freed", "invalidations", "hook_failures", "hook_failures_by_hook", "registration_seconds",
     "store_used_bytes", "store_capacity_bytes", "store_peak_bytes", "peak_used_bytes",
 }

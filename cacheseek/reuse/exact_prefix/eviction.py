@@ -36,13 +36,15 @@ class Evictor:
     def __init__(self, ctx: ManagerContext, demoter: Demoter) -> None:
         self.ctx = ctx
         self.demoter = demoter
+        demoter.evictor = self  # room made in a tiered store's lowest level evicts through here
 
-    def maybe_evict(self) -> int:
-        """After a write: demote the tiers of a tiered store, then, when the store's usage is
-        above the high watermark, evict down to the low watermark. Returns the number of blobs
-        evicted (0 when the store is unbounded)."""
+    def maybe_evict(self, protect: Optional[TrieNode] = None) -> int:
+        """After a write: demote the tiers of a tiered store (``protect``: the node just written,
+        whose path no room-making evicts), then, when the store's usage is above the high
+        watermark, evict down to the low watermark. Returns the number of blobs evicted (0 when
+        the store is unbounded)."""
         ctx = self.ctx
-        self.demoter.demote_tiers()
+        self.demoter.demote_tiers(protect)
         u = store_usage(ctx.store)
         if u is None:
             return 0

@@ -112,7 +112,7 @@ class Ingestor:
             if nbytes and not handle.nbytes:
                 handle.nbytes = nbytes
         ctx.count("ingests")
-        self.evictor.maybe_evict()
+        self.evictor.maybe_evict(protect=node)
         return node
 
     def with_room(self, write: Callable[[], Any], need: int) -> Any:

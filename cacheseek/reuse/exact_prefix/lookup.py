@@ -58,7 +58,7 @@ class FastForward:
             if outcome is not None and outcome.ok:
                 ctx.count("hits")
                 ctx.metrics.record_hit(match.matched_len, requested)
-                self.demoter.demote_tiers()
+                self.demoter.demote_tiers(protect=match.node)
                 return FastForwardResult(match.matched_len, match.node, match.namespace)
             if outcome is None or not outcome.retryable:
                 ctx.count("restore_failures")

@@ -15,13 +15,17 @@ store interface and hands each call to its role:
 - `read`: a restore from the nearest level holding the whole window, single values, ``contains``;
 - `promotion`: a hit from a lower level copied into level 0 (from the ring or the level below);
 - `demotion`: an upper level's copy dropped once a level below holds one (written first when
-  none does: nothing is lost); `moves` copies a blob or a latent between two levels for both;
+  none does: nothing is lost; a full level below is first made room in by the manager, then the
+  write is retried once); `moves` copies a blob or a latent between two levels for both;
 - `removal`: ``free`` and ``free_skeleton`` across every level;
 - `generic_level`: values in and out of a generic level (owned CPU snapshots, byte-wise reads);
 - `stats`: `TierUsage` per level and `TieredStats` for the report.
 
 Eviction is decided by the manager (`cacheseek.eviction`): per upper level above the high
-watermark, leaf-first LRU among the nodes held there, each victim demoted. ``usage()`` is the
+watermark, leaf-first LRU among the nodes held there, each victim demoted; when a demotion finds
+the level below full, the manager makes room there with the same rule (victims demoted further
+down, or evicted from the lowest level: ``evict_copy``, or ``free`` for a sole copy), counted per
+level as ``evictions_for_demotion``. ``usage()`` is the
 last level's (the store of record, which the manager's ordinary eviction bounds); `tier_usages`
 gives every level's. ``free`` removes a blob from every level; ``free_skeleton`` a latent.
 Blobs known only from a forest snapshot (plain `BlobHandle`) are located on first use by asking
@@ -195,14 +199,24 @@ class TieredStore:
         return read.contains(self._book, keys)
 
     # -- demotion -------------------------------------------------------------------------------
-    def demote(self, handle: BlobHandle, level: int) -> bool:
+    def demote(self, handle: BlobHandle, level: int, *, make_room: Optional[demotion.MakeRoom] = None) -> bool:
         """Drop ``level``'s copy of a blob, keeping (or first writing) a ready copy in a level
-        below. False when ``level`` does not hold it, a write is in flight, it is the last
-        level's only copy (that is eviction, not demotion) or no level below could take it
-        (then nothing changed: nothing is lost). Raises when freeing the copy fails (kept)."""
+        below. A level below that is full is made room in by ``make_room(level, nbytes)`` (the
+        manager's: returns how many blobs it moved out) and the write retried once. False when
+        ``level`` does not hold it, a write is in flight, it is the last level's only copy (that
+        is eviction, not demotion) or no level below could take it (then nothing changed:
+        nothing is lost). Raises when freeing the copy fails (kept)."""
         self._check_open()
         self._book.reap()
-        return demotion.demote(self._book, handle, level)
+        return demotion.demote(self._book, handle, level, make_room)
+
+    def evict_copy(self, handle: BlobHandle, level: int) -> bool:
+        """Free ``level``'s copy of a blob while another level keeps a ready one (the manager
+        making room in the lowest level). False when there is no such pair of copies or a write
+        is in flight; raises when the free fails (the copy is kept)."""
+        self._check_open()
+        self._book.reap()
+        return demotion.evict_copy(self._book, handle, level)
 
     # -- capacity -------------------------------------------------------------------------------
     def tier_usages(self) -> list[TierUsage]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from cacheseek.errors import StoreError
+from cacheseek.errors import StoreError, StoreFullError
 from cacheseek.kv.handles import BlobHandle
 from cacheseek.kv.locators import blob_keys
 from cacheseek.stores.tiered.generic_level import as_tensors, device_of
@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 def copy_blob(book: Residency, src: int, dst: int, rec: Copies) -> Optional[BlobHandle]:
     """Write level ``src``'s copy of a blob into level ``dst``; the new (ready) handle, or None
-    when ``src`` no longer holds it. Raises on failure, having written nothing."""
+    when ``src`` no longer holds it. Raises on failure, having written nothing (`StoreFullError`
+    when ``dst`` has no room)."""
     a, b = book.levels[src], book.levels[dst]
     h = rec.at.get(src)
     if h is None or not h.ready:
@@ -53,7 +54,8 @@ def copy_blob(book: Residency, src: int, dst: int, rec: Copies) -> Optional[Blob
     if out is None or not out.ready:
         b.store.flush()
     if out is not None and not out.ready:
-        raise StoreError(f"copy of {outer.locator} into {b.name} failed: {out.error}")
+        kind = StoreFullError if isinstance(out.error, StoreFullError) else StoreError
+        raise kind(f"copy of {outer.locator} into {b.name} failed: {out.error}")
     return out
 
 

@@ -30,7 +30,9 @@ class TierUsage:
 @attrs.frozen(slots=True)
 class TieredStats:
     """``totals`` of the tiered store and one row per level (usage, blobs, hits, writes,
-    promotions, demotions and their failures, and the level's own stats under ``store``).
+    promotions, demotions and their failures (``demotion_no_room``: the level below was full),
+    ``evictions_for_demotion`` (victims moved out of the level to let a demotion in), and the
+    level's own stats under ``store``).
     ``put_failures``, ``pending_writes`` and ``register_seconds`` sum the levels' for the report."""
 
     totals: dict
