@@ -123,7 +123,7 @@ def section_peak(cfg, dev, transfer, sync) -> dict:
         out["chunk_copies"], out["chunk_copy_bytes"] = copies, size
     if rt_stream is not None:
         transfer.destroy_stream(rt_stream)
-    del src, dst
+    src = dst = None  # free the 8 GiB before the next section
     return out
 
 
