@@ -212,7 +212,13 @@ def main(argv: list[str]) -> dict:
     if device == "cuda":
         chunks = [c.to("cuda") for c in chunks]
     serial = _time_runs(lambda: [action_bytes(c) for c in chunks], int(cfg.list_runs), sync)
-    pooled = _time_runs(lambda: action_keys(chunks), int(cfg.list_runs), sync)
+    default_threads = actions.MAX_KEY_THREADS
+    actions.MAX_KEY_THREADS = int(cfg.list_threads)  # the pool measured at this size, whatever the default
+    try:
+        pooled = _time_runs(lambda: action_keys(chunks), int(cfg.list_runs), sync)
+        workers = min(len(chunks), actions.MAX_KEY_THREADS, actions._usable_cpus())
+    finally:
+        actions.MAX_KEY_THREADS = default_threads
     rows = {"serial: [action_bytes(c) for c in chunks]": serial, "pool: action_keys(chunks)": pooled}
     if device == "cuda":
         rows["serial, before: [action_bytes(c.cpu()) for c in chunks]"] = _time_runs(
@@ -221,7 +227,7 @@ def main(argv: list[str]) -> dict:
     same = serial["_out"] == pooled["_out"]
     results["list"] = {
         "case": f"{cfg.geometry} fp32 x {len(chunks)} chunks on {device}",
-        "workers": min(len(chunks), actions.MAX_KEY_THREADS, actions._usable_cpus()),
+        "workers": workers, "default_max_key_threads": default_threads,
         "usable_cpus": actions._usable_cpus(), "same_keys": same, "rows": [],
     }
     for label, r in rows.items():

@@ -108,7 +108,7 @@ def main(argv: list[str]) -> dict:
     K = int(c.path_chunks)
     t0 = time.perf_counter()
     store = PlanTierStore(segment_bytes=int(cfg.segment_bytes), backing=str(cfg.backing), overlap=False,
-                          transfer=new_runtime(), device=str(dev))
+                          transfer=new_runtime(), device=str(dev), register_piece_bytes=cfg.register_piece_bytes)
     st = store.stats
     results["warmup"] = {k: getattr(st, k) for k in ("warmup_seconds", "map_seconds", "fault_seconds",
                                                       "fault_method", "fault_threads", "huge_page_bytes",

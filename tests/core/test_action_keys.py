@@ -309,6 +309,7 @@ def _controls() -> list:
 @pytest.mark.parametrize("cpus", [1, 2, 8], ids=["inline", "pool2", "pool4"])
 def test_action_keys_are_action_bytes_in_order(monkeypatch, cpus):
     monkeypatch.setattr(actions, "_usable_cpus", lambda: cpus)
+    monkeypatch.setattr(actions, "MAX_KEY_THREADS", 4)
     monkeypatch.setattr(actions, "_POOL_MIN_VALUES", 1)  # every control is worth a thread
     controls = _controls()
     assert action_keys(controls) == [action_bytes(c) for c in controls]
@@ -330,6 +331,8 @@ def test_action_keys_hash_on_several_threads(monkeypatch):
         return digest(q)
 
     monkeypatch.setattr(actions, "_usable_cpus", lambda: 8)
+
+    monkeypatch.setattr(actions, "MAX_KEY_THREADS", 4)
     monkeypatch.setattr(actions, "_digest", recording)
     controls = [np.full(1 << 18, float(i)) for i in range(3)] + [[0.5]]  # three worth a thread, one small
     assert action_keys(controls) == [digest(actions._quantize(c)) for c in controls]
@@ -342,6 +345,7 @@ def test_action_keys_of_small_controls_run_inline(monkeypatch):
 
     seen, digest = set(), actions._digest
     monkeypatch.setattr(actions, "_usable_cpus", lambda: 8)
+    monkeypatch.setattr(actions, "MAX_KEY_THREADS", 4)
     monkeypatch.setattr(actions, "_digest", lambda q: (seen.add(threading.current_thread().name), digest(q))[1])
     controls = [np.full((1 << 18) - 1, 1.0), torch.ones(1 << 18), [0.25] * 10]  # one large control only
     assert action_keys(controls) == [action_bytes(c) for c in controls]
@@ -351,6 +355,7 @@ def test_action_keys_of_small_controls_run_inline(monkeypatch):
 @pytest.mark.parametrize("cpus", [1, 4], ids=["inline", "pool"])
 def test_action_keys_name_the_chunk_that_has_no_key(monkeypatch, cpus):
     monkeypatch.setattr(actions, "_usable_cpus", lambda: cpus)
+    monkeypatch.setattr(actions, "MAX_KEY_THREADS", 4)
     monkeypatch.setattr(actions, "_POOL_MIN_VALUES", 1)
     good = np.zeros(10)
     with pytest.raises(ValueError, match=r"chunk 2's control: .*non-finite"):
@@ -379,6 +384,7 @@ def test_action_keys_stage_device_tensors_in_the_caller(monkeypatch, cpus):
     monkeypatch.setattr(actions, "_is_cuda_tensor", lambda c: isinstance(c, torch.Tensor))
     monkeypatch.setattr(actions, "_quantize_on_device", recording)
     monkeypatch.setattr(actions, "_usable_cpus", lambda: cpus)
+    monkeypatch.setattr(actions, "MAX_KEY_THREADS", 4)
     monkeypatch.setattr(actions, "_POOL_MIN_VALUES", 1)
     controls = _controls()
     expect = [action_bytes(c) for c in controls]

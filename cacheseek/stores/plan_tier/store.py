@@ -89,7 +89,7 @@ class PlanTierSchema:
     warmup: str = "foreground"
     # register the segment as pieces of this size, each its own cudaHostRegister (faulted, then
     # registered, piece by piece), so no driver call holds the locks for long; 0 or null: one call
-    register_piece_bytes: Any = "1GiB"
+    register_piece_bytes: Any = 0
     client_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -113,8 +113,9 @@ class PlanTierStore:
     ``foreground`` or ``background`` (`Warmup`; `wait_ready`; a background warm-up pre-faults
     with 2 threads unless ``prefault_threads`` says otherwise). ``register_piece_bytes``: each
     host mapping is faulted and registered in pieces of this size (rounded up to 2 MiB; 0 or None:
-    one registration call), so no single driver call holds the driver's and the mmap locks for
-    long; a background warm-up pauses 1 ms between pieces (`TransferLink`).
+    one registration call, the default), so no single driver call holds the driver's and the mmap
+    locks for long; a background warm-up pauses 1 ms between pieces (`TransferLink`). Opt-in: on
+    the H200 it did not bring the first request forward (experiments/warmup).
     """
 
     __module__ = "cacheseek.stores.plan_tier"  # its public path: configs and results name it there
@@ -141,7 +142,7 @@ class PlanTierStore:
         write_pieces_in_flight: int = 2,
         client_options: Optional[dict[str, Any]] = None,
         warmup: str = "foreground",
-        register_piece_bytes: Optional[Size] = 1 << 30,
+        register_piece_bytes: Optional[Size] = 0,
         *,
         transfer: Optional[TransferRuntime] = None,
         plan_client: Optional[PlanClient] = None,
