@@ -203,13 +203,13 @@ class CudaTransferRuntime(TransferRuntimeBase):
         # auto mode builds the real kernel only over the real bindings (an injected cudart is a
         # test's fake: it gets the kernel it is given, or none)
         self._kernel_mode = copy_kernel if (cudart is None or range_kernel is not None or copy_kernel) else False
-        self._kernel = range_kernel
+        self._given_kernel = range_kernel if copy_kernel is not False else None
+        self._kernels: dict[int, RangeKernel] = {}  # per device: a kernel lives in one context
+        self._kernel: Optional[RangeKernel] = self._given_kernel  # the last one used
         self.kernel_unavailable: Optional[str] = None  # why the policy is off in auto mode
         self.kernel_batches = 0
-        if copy_kernel is False:
-            self._kernel = None
-        elif copy_kernel and self._kernel is None:
-            self._kernel = self._build_kernel()
+        if copy_kernel and self._kernel is None:
+            self._kernel = self._device_kernel()
 
     def bind_thread(self) -> None:
         """Make the runtime's device current on the calling thread (no-op without an index)."""
@@ -218,13 +218,24 @@ class CudaTransferRuntime(TransferRuntimeBase):
             if set_device is not None:
                 self._check(set_device(self.device_index)[0], f"cudaSetDevice({self.device_index})")
 
-    def _build_kernel(self) -> RangeKernel:
+    def _device_kernel(self) -> RangeKernel:
+        """The kernel of the device copies go to now (the runtime's, else the thread's current
+        one), built on first use there; the injected one when a test gave it."""
+        if self._given_kernel is not None:
+            return self._given_kernel
         self.bind_thread()
-        return CudaRangeKernel(self._rt, self.device_index)
+        device = self.device_index
+        if device is None:
+            err, device = self._rt.cudaGetDevice()[:2]
+            self._check(err, "cudaGetDevice")
+        kernel = self._kernels.get(device)
+        if kernel is None:
+            kernel = self._kernels[device] = CudaRangeKernel(self._rt, device)
+        return kernel
 
     @property
     def range_kernel(self) -> Optional[RangeKernel]:
-        """The range-copy kernel once built (None: not yet, or off)."""
+        """The range-copy kernel last used (None: none yet, or off)."""
         return self._kernel
 
     @property
@@ -306,17 +317,16 @@ class CudaTransferRuntime(TransferRuntimeBase):
                 return None
         if not aligned(batch.dsts, batch.srcs, batch.sizes):
             return None
-        if self._kernel is None:
-            try:
-                self._kernel = self._build_kernel()
-            except TransferError as exc:
-                self._kernel_mode = False
-                self.kernel_unavailable = str(exc)
-                log.info("range-copy kernel off: %s", exc)
-                return None
-        if not d2d.all() and not self._kernel.host_readable:
+        try:
+            kernel = self._kernel = self._device_kernel()
+        except TransferError as exc:
+            self._kernel_mode = False
+            self.kernel_unavailable = str(exc)
+            log.info("range-copy kernel off: %s", exc)
             return None
-        return self._kernel
+        if not d2d.all() and not kernel.host_readable:
+            return None
+        return kernel
 
     def _submit(self, batch: CopyBatch, stream: int) -> None:
         self.bind_thread()
