@@ -100,7 +100,7 @@ def main(argv: list[str]) -> dict:
     row("peak", "one pinned copy (torch, side stream)", "h2d", n, h2d)
     row("peak", "one pinned copy (torch, side stream)", "d2h", n, d2h)
     row("peak", "both directions at once, two streams", "both", 2 * n, bidir)
-    del host, host2, d2
+    host = host2 = d2 = None  # free the pinned 8 GiB before the segment is made
 
     # -- 2. Plan write / read of lingbot_480p chunks --------------------------------------------
     c = cfg.chunk
@@ -191,37 +191,15 @@ def main(argv: list[str]) -> dict:
         secs = timed(lambda: store.read_path(nodes[:depth], nodes[:depth], tgt), reps, sync=sync)
         row("plan", label, "h2d", depth * (chunk_bytes + lat_bytes), secs, verified=bool(ok))
         prog.note(f"restored bytes equal the source: {ok}")
-        del tgt
+        tgt = None
     prog.step("Plan reads")
     for node in nodes:
         store.free(node.blob)
 
     # -- 3. rolled-ring restores: many small runs ----------------------------------------------
     rc = cfg.rolled
-    rg = RingGeometry(chunk_size=int(rc.chunk_size), frame_tokens=int(rc.frame_tokens),
-                      local_attn_size=int(rc.local_attn_size), sink_size=int(rc.sink_size))
-    RL, RH, RD, depth = int(rc.n_layers), int(rc.heads), int(rc.head_dim), int(rc.depth)
-    rct = rg.chunk_size * rg.frame_tokens
-    rtb = RH * RD * 2
-    chunks = [[tuple(torch.randn(1, rct, RH, RD, device=dev, dtype=torch.bfloat16) for _ in range(2)) for _ in range(RL)]
-              for _ in range(depth)]
-    rlat = [torch.randn(1, 16, 3, 2, 2, device=dev, dtype=torch.bfloat16) for _ in range(depth)]
-    rnodes, parent = [], None
-    for i in range(depth):
-        key = bytes([0x80 + i]) * 32
-        store.put_skeleton(f"{key.hex()}:lat", rlat[i])
-        h = store.put_async(f"{key.hex()}:kv", chunks[i], tier=Tier.FLUXON_DRAM)
-        node = TrieNode(key, b"r", i, parent, skeleton=Skeleton(f"{key.hex()}:lat"), blob=h)
-        rnodes.append(node)
-        parent = node
-    window = [rnodes[d] for d in rg.window_depths(depth)]
-    runs = rg.restore_runs(depth)
-    kv_size = rg.local_attn_size * rg.frame_tokens
-    rtarget = RestoreTarget(
-        kv=tuple(tuple(torch.zeros(1, kv_size, RH, RD, device=dev, dtype=torch.bfloat16) for _ in range(2))
-                 for _ in range(RL)),
-        runs=runs, window_depths=tuple(rg.window_depths(depth)), token_bytes=rtb, chunk_tokens=rct,
-        latents=tuple(torch.empty_like(rlat[0]) for _ in range(depth)))
+    rnodes, window, rtarget, rlat = rolled_case(store, dev, rc)
+    runs, rtb, RL = rtarget.runs, rtarget.token_bytes, rtarget.n_layers
     run_bytes = sum(r.n_tokens for r in runs) * rtb * 2 * RL
     n_desc = len(runs) * 2 * RL
     loop_store = PlanTierStore(plan_client=store.plan_client, transfer=new_runtime(batch=False), overlap=False)
@@ -306,6 +284,41 @@ def main(argv: list[str]) -> dict:
     _plot(results, out_dir / "transfer.png")
     prog.step(f"results in {out_dir}")
     return results
+
+
+def rolled_case(store, dev, rc) -> tuple:
+    """Section 3's data: ``rc.depth`` chunks of a rolling ring (random bf16, ``rc`` as in
+    conf/transfer.yaml ``rolled``) written through ``store``; returns ``(nodes, window, target,
+    latents)``, the restore of the deepest node being ``store.read_path(nodes, window, target)``."""
+    import torch
+
+    from cacheseek.kv.ring import RingGeometry
+    from cacheseek.reuse.exact_prefix.types import Skeleton, Tier, TrieNode
+    from cacheseek.stores.base import RestoreTarget
+
+    rg = RingGeometry(chunk_size=int(rc.chunk_size), frame_tokens=int(rc.frame_tokens),
+                      local_attn_size=int(rc.local_attn_size), sink_size=int(rc.sink_size))
+    layers, heads, dim, depth = int(rc.n_layers), int(rc.heads), int(rc.head_dim), int(rc.depth)
+    ct = rg.chunk_size * rg.frame_tokens
+    chunks = [[tuple(torch.randn(1, ct, heads, dim, device=dev, dtype=torch.bfloat16) for _ in range(2)) for _ in range(layers)]
+              for _ in range(depth)]
+    lats = [torch.randn(1, 16, 3, 2, 2, device=dev, dtype=torch.bfloat16) for _ in range(depth)]
+    nodes, parent = [], None
+    for i in range(depth):
+        key = bytes([0x80 + i]) * 32
+        store.put_skeleton(f"{key.hex()}:lat", lats[i])
+        handle = store.put_async(f"{key.hex()}:kv", chunks[i], tier=Tier.FLUXON_DRAM)
+        parent = TrieNode(key, b"r", i, parent, skeleton=Skeleton(f"{key.hex()}:lat"), blob=handle)
+        nodes.append(parent)
+    store.flush()
+    window = [nodes[d] for d in rg.window_depths(depth)]
+    kv_size = rg.local_attn_size * rg.frame_tokens
+    target = RestoreTarget(
+        kv=tuple(tuple(torch.zeros(1, kv_size, heads, dim, device=dev, dtype=torch.bfloat16) for _ in range(2))
+                 for _ in range(layers)),
+        runs=rg.restore_runs(depth), window_depths=tuple(rg.window_depths(depth)), token_bytes=heads * dim * 2,
+        chunk_tokens=ct, latents=tuple(torch.empty_like(lats[0]) for _ in range(depth)))
+    return nodes, window, target, lats
 
 
 def _raw_loop(batch, stream: int):
