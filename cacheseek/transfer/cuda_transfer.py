@@ -7,8 +7,8 @@
   someone else and is never unregistered here.
 - Copies go on the stream given (None: the caller's current torch CUDA stream). Where the bindings
   offer ``cudaMemcpyBatchAsync`` and the stream is not the legacy default stream (which that call
-  refuses), the batch is one call per ``max_batch`` copies; otherwise one ``cudaMemcpyAsync`` per
-  copy. `copy_batch` then synchronizes the stream once; `submit_batch` records an event instead.
+  refuses), the batch is a few calls: 32 copies first, so the engine starts while the rest is
+  converted, then doubling up to ``max_batch``; otherwise one ``cudaMemcpyAsync`` per copy. `copy_batch` then synchronizes the stream once; `submit_batch` records an event instead.
 - Streams of its own (`new_stream`) are created with ``cudaStreamNonBlocking``: they never wait
   for the legacy default stream (where PyTorch computes by default) nor block it, so copies on
   them overlap compute. Ordering across streams is explicit: events (``cudaEventRecord``,
@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 _LEGACY_STREAMS = (0, 1)  # the NULL stream and cudaStreamLegacy
 _BATCH_UNSUPPORTED = ("cudaErrorNotSupported", "cudaErrorCallRequiresNewerDriver")
+_LEAD_COPIES = 32  # the first batched call of a batch (`CudaTransferRuntime._calls`)
 _BATCH_13_PARAMS = ("dsts", "srcs", "sizes", "count", "attrs", "attrsIdxs", "numAttrs", "stream")
 
 
@@ -335,13 +336,22 @@ class CudaTransferRuntime(TransferRuntimeBase):
             return self._submit_kernel(kernel, batch, stream)
         if self._batch_fn is not None and stream not in _LEGACY_STREAMS:
             dsts, srcs, sizes = batch.dsts.tolist(), batch.srcs.tolist(), batch.sizes.tolist()
-            n = len(dsts)
-            for lo in range(0, n, self.max_batch):
-                hi = min(n, lo + self.max_batch)
+            for lo, hi in self._calls(len(dsts)):
                 if not self._submit_batch(dsts[lo:hi], srcs[lo:hi], sizes[lo:hi], stream, n_before=lo):
                     return self._submit_loop(batch, stream, start=lo)
             return
         self._submit_loop(batch, stream)
+
+    def _calls(self, n: int) -> list[tuple[int, int]]:
+        """``(lo, hi)`` of each batched call for ``n`` copies: `_LEAD_COPIES` first, then twice as
+        many each call, at most ``max_batch``. The bindings convert a call's lists at about 1.4 us
+        a copy before the driver sees any of it; a short first call starts the engine while the
+        rest converts, and each later call converts faster than the engine drains the one before."""
+        out, lo, size = [], 0, min(_LEAD_COPIES, self.max_batch)
+        while lo < n:
+            out.append((lo, min(n, lo + size)))
+            lo, size = lo + size, min(2 * size, self.max_batch)
+        return out
 
     def _submit_kernel(self, kernel: RangeKernel, batch: CopyBatch, stream: int) -> None:
         for k, table in enumerate(range_tables(batch.dsts, batch.srcs, batch.sizes)):

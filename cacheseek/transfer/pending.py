@@ -28,9 +28,9 @@ from cacheseek.transfer.batch import CopyBatch, Direction
 
 __all__ = ["Event", "PendingBatch", "EventSource"]
 
-# Poll schedule of `PendingBatch.wait`: from 20 us doubling to 100 us while the wait is younger than
-# 50 ms (a restore lands in 1-10 ms: a coarser poll would add up to a millisecond to it), then
-# doubling to 1 ms (long waits: writes, flushes).
+# Poll schedule of `PendingBatch.wait`: from 20 us doubling to 100 us (or every ``poll_s``) for 50 ms
+# after the expected time (a restore lands in 1-10 ms: a coarser poll would add up to a millisecond
+# to it), then doubling to 1 ms (long waits: writes, flushes).
 _FIRST_POLL_S = 2e-5
 _FINE_POLL_S = 1e-4
 _FINE_PHASE_S = 0.05
@@ -91,11 +91,11 @@ class PendingBatch:
     def wait(self, *, poll_s: Optional[float] = None, expected_s: float = 0.0,
              timeout_s: Optional[float] = None) -> None:
         """Block until the batch has landed, at most ``timeout_s`` seconds (default the runtime's
-        ``wait_timeout_s``). ``poll_s``: the interval between queries (default: from 20 us,
-        doubling up to 100 us for the first 50 ms, then up to 1 ms); ``expected_s``: sleep that
-        long first. Polling keeps the
-        interpreter free for other threads whatever the bindings do with the GIL, and bounds the
-        wait (a blocking synchronize could not be)."""
+        ``wait_timeout_s``). ``expected_s``: sleep that long first; then query every ``poll_s``
+        (default: from 20 us, doubling up to 100 us) for 50 ms, and after that at intervals
+        doubling up to 1 ms (a wait that outlives its estimate, e.g. behind other work on the
+        stream, stops spinning). Polling keeps the interpreter free for other threads whatever the
+        bindings do with the GIL, and bounds the wait (a blocking synchronize could not be)."""
         bound = self._runtime.wait_timeout_s if timeout_s is None else timeout_s
         with self._lock:
             if self._error is not None:
@@ -103,11 +103,12 @@ class PendingBatch:
             if self.completed_at is not None:
                 return
             try:
-                start = time.monotonic()
-                deadline = start + bound
+                deadline = time.monotonic() + bound
                 if expected_s > 0:
                     time.sleep(min(expected_s, bound))
+                fine_until = time.monotonic() + _FINE_PHASE_S
                 interval = poll_s if poll_s is not None else _FIRST_POLL_S
+                fine_cap = poll_s if poll_s is not None else _FINE_POLL_S
                 while not self._runtime._event_query(self.event):
                     now = time.monotonic()
                     if now >= deadline:
@@ -116,9 +117,8 @@ class PendingBatch:
                             f"{bound} s; its buffers are still in use (raise the transfer runtime's "
                             "wait_timeout_s if the device is that slow)")
                     time.sleep(interval)
-                    if poll_s is None:
-                        cap = _FINE_POLL_S if now - start < _FINE_PHASE_S else _COARSE_POLL_S
-                        interval = min(interval * 2, cap)
+                    cap = fine_cap if now < fine_until else max(_COARSE_POLL_S, fine_cap)
+                    interval = min(interval * 2, cap)
                 self._runtime._event_synchronize(self.event)
             except TransferTimeoutError:
                 raise

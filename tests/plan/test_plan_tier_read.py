@@ -59,9 +59,10 @@ def test_a_rolled_restore_is_three_runs_per_tensor(make_store):
     target = target_for(geom, 3, kv_size)
     parts["transfer"].batches.clear()
     assert store.read_path(nodes, window_of(nodes, geom, 3), target)
-    latent_batch, kv_batch = parts["transfer"].batches
-    assert len(latent_batch) == 3 and len(kv_batch) == 3 * N_LAYERS * 2
-    assert {d.direction for d in latent_batch + kv_batch} == {Direction.H2D}
+    (batch,) = parts["transfer"].batches  # one batch: the KV runs, then the latents
+    kv_batch, latent_batch = batch[: 3 * N_LAYERS * 2], batch[3 * N_LAYERS * 2 :]
+    assert len(latent_batch) == 3 and [d.dst for d in latent_batch] == [t.data_ptr() for t in target.latents]
+    assert {d.direction for d in batch} == {Direction.H2D}
     rings = [t for pair in target.kv for t in pair]
     # chunk-major runs, then layer, then K before V; destinations inside the ring tensors
     for i, d in enumerate(kv_batch):
@@ -71,7 +72,7 @@ def test_a_rolled_restore_is_three_runs_per_tensor(make_store):
         assert d.nbytes == target.runs[run].n_tokens * TOKEN_BYTES
 
 
-def test_read_order_latents_first_one_sync_then_views_released(make_store):
+def test_read_order_one_get_one_batch_one_sync_then_views_released(make_store):
     geom, _ = GEOMETRIES["full_length"]
     store, parts = make_store("fake_cuda")
     nodes, _, _, kv_size = ingest(store, geom, 2)
@@ -81,21 +82,19 @@ def test_read_order_latents_first_one_sync_then_views_released(make_store):
     wanted = ("get_start", "get_transfer", "copy_batch", "cudaStreamWaitEvent", "cudaEventSynchronize",
               "release_views", "cancel_get_transfer", "cudaStreamSynchronize")
     seq = [e[1] for e in log if e[1] in wanted]
-    one_get = ["get_start", "get_transfer", "copy_batch"]
-    # the latent batch waits for the producer stream; the producer waits for the KV batch; then
-    # the host waits once per batch (same stream) and only then are the views released
-    assert seq == (one_get + ["cudaStreamWaitEvent"] + one_get
-                   + ["cudaStreamWaitEvent", "cudaEventSynchronize", "cudaEventSynchronize",
-                      "release_views", "release_views"])
-    lat_keys, kv_keys = [e[2] for e in log if e[1] == "get_start"]
-    assert lat_keys == [n.skeleton.latent_locator for n in nodes]
+    # the batch waits for the producer stream; the producer waits for the batch; the host waits
+    # once and only then are the views released
+    assert seq == ["get_start", "get_transfer", "copy_batch", "cudaStreamWaitEvent", "cudaStreamWaitEvent",
+                   "cudaEventSynchronize", "release_views"]
+    (keys,) = [e[2] for e in log if e[1] == "get_start"]
     h0, h1 = nodes[0].blob.locator, nodes[1].blob.locator
-    assert kv_keys == [f"{h}:L{i}:{x}" for h in (h0, h1) for i in range(N_LAYERS) for x in "kv"]
+    assert keys == [n.skeleton.latent_locator for n in nodes] + [
+        f"{h}:L{i}:{x}" for h in (h0, h1) for i in range(N_LAYERS) for x in "kv"]
     fake = parts["fake"]
     read_stream = parts["transfer"].streams[-1]
-    assert read_stream not in (0, 1, 7) and parts["transfer"].streams[-2] == read_stream
-    batches = fake.calls_named("cudaMemcpyBatchAsync")[-2:]
-    assert [c.args[-1] for c in batches] == [read_stream, read_stream]  # the batch API, on the read stream
+    assert read_stream not in (0, 1, 7)
+    (batch,) = fake.calls_named("cudaMemcpyBatchAsync")[-1:]
+    assert batch.args[-1] == read_stream  # the batch API, on the read stream
     waits = fake.calls_named("cudaStreamWaitEvent")[-2:]
     assert waits[0].args[0] == read_stream and waits[1].args[0] == 7  # producer -> read -> producer
     assert fake.live_events() == 0
@@ -114,7 +113,7 @@ def test_partial_transferable_prefix_is_a_miss_with_nothing_copied(make_store, t
     parts["transfer"].batches.clear()
     assert store.read_path(nodes, nodes, target) is False
     assert kv_untouched(target)
-    assert len(parts["transfer"].batches) == 1  # the latents only
+    assert parts["transfer"].batches == []  # not even the latents: one get, all or nothing
     assert parts["client"].live_handles() == (0, 0)
     assert store.stats.read_misses == 1
 
@@ -173,12 +172,12 @@ def test_kv_copy_failure_synchronizes_and_releases_views(make_store):
     store, parts = make_store("fake_cuda", batch_api=None, stream=0)
     nodes, _, _, kv_size = ingest(store, geom, 2)
     fake, log = parts["fake"], parts["log"]
-    fake.fail("cudaMemcpyAsync", nth=2 + 3)  # the latent batch has 2 copies; fail the KV batch's third
+    fake.fail("cudaMemcpyAsync", nth=3)  # the batch's third copy (a KV run; the latents come last)
     log.clear()
     with pytest.raises(TransferError):
         store.read_path(nodes, nodes, target_for(geom, 2, kv_size))
     tail = [e[1] for e in log if e[1] in ("cudaStreamSynchronize", "cudaEventSynchronize", "release_views")]
-    assert tail == ["cudaStreamSynchronize", "cudaEventSynchronize", "release_views", "release_views"]
+    assert tail == ["cudaStreamSynchronize", "release_views"]  # what went out landed, then the views
     assert fake.pending() == 0 and parts["client"].live_handles() == (0, 0) and fake.live_events() == 0
 
 
@@ -186,19 +185,18 @@ def test_get_transfer_failure_cancels_the_plan(make_store):
     geom, _ = GEOMETRIES["full_length"]
     store, parts = make_store("host")
     nodes, _, _, kv_size = ingest(store, geom, 2)
-    parts["faults"].arm("get_transfer", nth=2)  # the KV read
+    parts["faults"].arm("get_transfer")  # the read's one get
     with pytest.raises(PlanError, match="injected"):
         store.read_path(nodes, nodes, target_for(geom, 2, kv_size))
     assert "cancel_get_transfer" in [e[1] for e in parts["log"]]
     assert store.stats.gets_cancelled == 1 and parts["client"].live_handles() == (0, 0)
 
 
-@pytest.mark.parametrize("nth", [1, 2])
-def test_decode_failure_on_read_releases_views(make_store, nth):
+def test_decode_failure_on_read_releases_views(make_store):
     geom, _ = GEOMETRIES["full_length"]
     store, parts = make_store("host")
     nodes, _, _, kv_size = ingest(store, geom, 2)
-    parts["faults"].arm("table_count", nth=nth)
+    parts["faults"].arm("table_count")
     target = target_for(geom, 2, kv_size)
     with pytest.raises(PlanTableError):
         store.read_path(nodes, nodes, target)
@@ -253,8 +251,8 @@ def test_a_value_shorter_than_its_target_is_refused_before_any_copy(make_store, 
     parts["transfer"].batches.clear()
     with pytest.raises(LayoutMismatchError, match="restore target takes"):
         store.read_path(nodes, window_of(nodes, geom, 2), target)
-    # KV lengths are checked after the latents' batch into their private targets, before the ring
-    assert len(parts["transfer"].batches) == (0 if wider == "latent" else 1)
+    # every length, latents and KV, is checked before the one batch is built
+    assert parts["transfer"].batches == []
     assert not any(t.any() for pair in target.kv for t in pair)
     assert parts["client"].live_handles() == (0, 0)
 
@@ -276,7 +274,7 @@ def test_a_ring_is_declared_once_and_another_ring_is_checked_again(make_store, m
         for t in target.kv[0]:
             t.zero_()
         assert store.read_path(nodes, window_of(nodes, geom, n_chunks), target)
-        assert len(checked) == ring_tensors + n_chunks * (again + 1)  # latents every time, the ring once
+        assert len(checked) == ring_tensors + n_chunks  # the ring and the same latent targets, once
     cold, local_end, _ = states[-1]
     assert torch.equal(target.kv[0][0][:, :local_end], cold[0][0][:, :local_end])
 

@@ -149,6 +149,27 @@ def test_large_batches_are_split_into_max_batch_calls():
     assert host.read() == bytes(dev.tolist())
 
 
+def test_a_batch_starts_with_a_short_call_then_doubles_up_to_max_batch():
+    """The first batched call is short, so the copy engine starts while the bindings convert the
+    rest; every copy goes out once, in order, and a failing call names its copy's index."""
+    fake = FakeCudart(unknown_is_device=True)
+    runtime = CudaTransferRuntime(cudart=fake, current_stream=lambda: 5, tensor_device_type="cpu", max_batch=100)
+    n = 300
+    host = HostBuffer(n * 16)
+    runtime.register([host.mapping()])
+    dev = torch.arange(n * 16, dtype=torch.uint8)
+    runtime.copy_batch(CopyBatch.of(host.ptr + np.arange(n) * 16, dev.data_ptr() + np.arange(n) * 16, 16, D2H),
+                       device_ranges=[runtime.device_range(dev)])
+    calls = fake.calls_named("cudaMemcpyBatchAsync")
+    assert [c.args[3] for c in calls] == [32, 64, 100, 100, 4]
+    assert [d for c in calls for d in c.args[0]] == list(host.ptr + np.arange(n) * 16)
+    assert host.read() == bytes(dev.tolist())
+    fake.fail("cudaMemcpyBatchAsync", cudaError_t.cudaErrorInvalidValue, nth=2)
+    with pytest.raises(TransferError, match="cudaMemcpyBatchAsync of 64 copies failed"):
+        runtime.copy_batch(CopyBatch.of(host.ptr + np.arange(n) * 16, dev.data_ptr() + np.arange(n) * 16, 16, D2H),
+                           device_ranges=[runtime.device_range(dev)])
+
+
 def test_copy_batch_arrays_match_descriptors():
     descs = [CopyDescriptor(100 + 10 * i, 5000 + 10 * i, 10, H2D if i % 2 else D2H) for i in range(5)]
     batch = CopyBatch.from_descriptors(descs)

@@ -92,8 +92,8 @@ def test_a_hit_from_the_tier_below_is_promoted_from_the_ring(levels, transfer_ki
     rec = parts["transfer"]
     before = len(rec.batches)
     assert restore(store, FULL, nodes, states, latents, kv_size, 3)
-    served = {d.direction for b in rec.batches[before : before + 2] for d in b}
-    promoted = {d.direction for b in rec.batches[before + 2 :] for d in b}
+    served = {d.direction for b in rec.batches[before : before + 1] for d in b}  # a read is one batch
+    promoted = {d.direction for b in rec.batches[before + 1 :] for d in b}
     assert served == {Direction.H2D} and promoted == {Direction.D2D}  # one read of the Plan tier only
     assert [store.levels_of(n.blob) for n in nodes] == [(0, 1)] * 3
     hbm = tier_row(store, "hbm")

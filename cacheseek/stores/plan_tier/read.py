@@ -10,24 +10,27 @@ Lifecycle of a get plan (`GetRead`)::
     end()                exactly once, on every path, after any copy out of its values landed:
                          ``release_views`` when transferred, else ``cancel_get_transfer``
 
-Read of depth K (`read_path`): the path checked against the target (`check_path`); latents
-first (one GET of every ``{hex}:lat`` of the path, all or nothing, one H2D batch into
-``target.latents``), then the window's KV as one chunk-major request with
-``atomic_group_lens = [2 * n_layers] * len(window)`` (a partial transferable prefix is a miss:
-nothing is copied into the ring), then every copy run of every layer, K and V, in one H2D batch.
-Both batches go on the read stream after an event on the producer stream (so the ring's zeroing
-and earlier work land first); the producer stream then waits for the read's completion event
-(the runtime cannot read the ring before the copies land) and the host synchronizes once before
-the views are released.
+Read of depth K (`read_path`): the path checked against the target (`check_path`); then one
+get of the path's latents (``{hex}:lat``, one all-or-nothing group) and the window's KV, chunk-major
+(``atomic_group_lens = [K, 2 * n_layers, 2 * n_layers, ...]``: a partial transferable prefix is a
+miss and nothing is copied); then every copy run of every layer, K and V, followed by the latents,
+in one batch (one validation, one submission: the engine starts on the KV while nothing else is
+queued). The batch goes on the read stream after an event on the producer stream (so the ring's
+zeroing and earlier work land first); the producer stream then waits for the read's completion
+event (the runtime cannot read the ring before the copies land) and the host synchronizes once
+before the views are released.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
+
+import attrs
 
 from cacheseek.errors import CorruptValueError, LayoutMismatchError, PlanError, PlanTableError, add_note
 from cacheseek.kv.handles import BlobHandle, ChunkNode
@@ -48,6 +51,24 @@ from cacheseek.transfer.pending import PendingBatch
 __all__ = ["GetRead", "Reader", "check_path"]
 
 np = LazyModule("numpy")
+
+_RESTORE_POLL_S = 2e-5
+_SLEEP_FRACTION = 0.8  # of the expected time, asleep before polling: the rate varies by a few percent
+
+
+@attrs.frozen(slots=True)
+class _Declared:
+    """A reader's memo of the device ranges of its last restore target (`Reader._declared`):
+    ``ring_spans`` ``(address, bytes)`` per ring tensor, layer-major, K before V, and their
+    checked ranges and addresses; ``lat_spans`` the latent targets'; ``ranges`` everything
+    declared."""
+
+    transfer: Any
+    ring_spans: tuple[tuple[int, int], ...]
+    ring_ranges: tuple[MemoryRange, ...]
+    ring_ptrs: Any  # int64 [len(ring_spans)]
+    lat_spans: Optional[tuple[tuple[int, int], ...]] = None
+    ranges: Optional[DeviceRanges] = None
 
 
 class GetRead:
@@ -78,6 +99,8 @@ class GetRead:
             lengths = list(client.value_lengths(self.plan))
         else:  # the store's own records of what it wrote (latents; KV sizes are on the blob)
             lengths = [self._latent_sizes.get(k, want) for k, want in zip(keys, expected)]
+        if lengths[: len(expected)] == expected:  # a list compare: no Python work per value
+            return
         for key, have, want in zip(keys, lengths, expected):
             if have != want:
                 raise LayoutMismatchError(
@@ -130,6 +153,23 @@ def check_path(
     return latent_keys, blobs
 
 
+@functools.lru_cache(maxsize=64)
+def _runs_as_arrays(runs: tuple, window_depths: tuple, token_bytes: int) -> tuple:
+    slot = {depth: j for j, depth in enumerate(window_depths)}
+    arrays = [np.array([slot[r.chunk_depth] for r in runs], dtype=np.int64)]
+    arrays += [np.array(col, dtype=np.int64) * token_bytes
+               for col in zip(*[(r.src_token, r.dst_token, r.n_tokens) for r in runs])]
+    for a in arrays:
+        a.flags.writeable = False  # shared by every restore of this shape
+    return tuple(arrays)
+
+
+def _run_arrays(target: RestoreTarget) -> tuple:
+    """``(window slot, source offset, ring offset, bytes)`` of each copy run of ``target``, int64
+    ``[n_runs]`` each (cached: a runtime restores the same few shapes of window)."""
+    return _runs_as_arrays(tuple(target.runs), tuple(target.window_depths), int(target.token_bytes))
+
+
 class Reader:
     """Reads through ``link``; ``latent_sizes`` is the store's record of the latents it wrote
     (the size of a latent read without ``like``, the length check of a client that reports
@@ -140,7 +180,8 @@ class Reader:
         self.client = link.client
         self._counters = counters
         self._latent_sizes = latent_sizes
-        self._ring: Optional[tuple[Any, tuple[tuple[int, int], ...], DeviceRanges]] = None  # (runtime, spans, ranges)
+        self._ring: Optional[_Declared] = None
+        self._best_rate = 0.0  # bytes/s of the fastest restore so far (submission to landing)
 
     def _start(self, keys: list[str], group_lens: list[int]) -> GetRead:
         read = GetRead(self.client, self._counters, self._latent_sizes, self.client.get_start(keys, group_lens))
@@ -190,100 +231,94 @@ class Reader:
         self._counters.count(read_hits=1, get_bytes=moved, get_seconds=time.perf_counter() - t0)
         return True
 
-    def _submit(self, transfer: Any, batch: CopyBatch, ranges: list[MemoryRange], after: list) -> Optional[PendingBatch]:
-        if self.link.read_stream is None:  # a runtime without streams: synchronous, on the caller's stream
-            transfer.copy_batch(batch.descriptors(), device_ranges=ranges)
-            return None
-        return transfer.submit_batch(batch, stream=self.link.read_stream, device_ranges=ranges, after=after)
-
     def _read_window(
         self, latent_keys: list[str], blobs: list[BlobHandle], target: RestoreTarget, transfer: Any
     ) -> Optional[int]:
-        """Latents, then the window's KV runs into the ring, on the read stream; one synchronize;
-        the producer stream waits for the copies; then every view is released. Bytes moved, or
-        None on a miss (a missing latent or a partial transferable prefix: nothing is copied into
-        the ring)."""
+        """One get of the path's latents and the window's KV, then one batch on the read stream
+        (every copy run of every layer into the ring, then the latents), one synchronize, the
+        producer stream made to wait for the copies, the views released. Bytes moved, or None on a
+        miss (a missing latent or a partial transferable prefix: nothing is copied)."""
         link = self.link
-        reads: list[GetRead] = []
-        pendings: list[PendingBatch] = []
-        producer = transfer.record_event(None) if link.read_stream is not None else None
+        width = 2 * target.n_layers
+        keys = latent_keys + [k for blob in blobs for k in blob_keys(blob.locator, target.n_layers)]
+        lat_sizes = [nbytes(t) for t in target.latents]
+        read = self._start(keys, [len(latent_keys)] + [width] * len(blobs))
+        producer: Any = None
+        pending: Optional[PendingBatch] = None
         error: Optional[BaseException] = None
         try:
-            arena = table_arena(self.client)
-            lat = self._start(latent_keys, [len(latent_keys)])
-            reads.append(lat)
-            table, n = lat.transfer([nbytes(t) for t in target.latents])
-            if n < len(latent_keys):
-                return None
-            srcs = decode_plan_table(table, n, arena=arena)
-            lat_batch = CopyBatch.of(
-                [t.data_ptr() for t in target.latents], srcs, [nbytes(t) for t in target.latents], link.from_values
-            )
-            lat_ranges = [transfer.device_range(t) for t in target.latents] + link.value_ranges
-            pending = self._submit(transfer, lat_batch, lat_ranges, [producer] if producer else [])
-            if pending is not None:
-                pendings.append(pending)
-
-            n_layers, tb = target.n_layers, target.token_bytes
-            width = 2 * n_layers
-            keys = [k for blob in blobs for k in blob_keys(blob.locator, n_layers)]
-            kv = self._start(keys, [width] * len(blobs))
-            reads.append(kv)
-            table, n = kv.transfer([target.chunk_value_nbytes] * len(keys))
+            table, n = read.transfer(lat_sizes + [target.chunk_value_nbytes] * (len(keys) - len(latent_keys)))
             if n < len(keys):
                 return None
-            values = np.array(decode_plan_table(table, n, arena=arena), dtype=np.int64).reshape(len(blobs), width)
-            rings = [t for pair in target.kv for t in pair]  # layer-major, K before V
-            spans, ring_ranges = self._ring_ranges(transfer, rings)
-            ring_ptrs = np.array([ptr for ptr, _ in spans], dtype=np.int64)
-            slot = {depth: j for j, depth in enumerate(target.window_depths)}
-            runs = target.runs
-            run_slot = np.array([slot[r.chunk_depth] for r in runs], dtype=np.int64)
-            src_off = np.array([r.src_token for r in runs], dtype=np.int64) * tb
-            dst_off = np.array([r.dst_token for r in runs], dtype=np.int64) * tb
-            run_bytes = np.array([r.n_tokens for r in runs], dtype=np.int64) * tb
-            kv_batch = CopyBatch.of(  # chunk-major runs, then layer, then K before V
-                (ring_ptrs[None, :] + dst_off[:, None]).ravel(),
-                (values[run_slot] + src_off[:, None]).ravel(),
-                np.repeat(run_bytes, width),
-                link.from_values,
-            )
-            pending = self._submit(transfer, kv_batch, ring_ranges, [])
-            if pending is not None:
-                transfer.stream_wait(None, pending)  # the runtime reads the ring after the copies
-                pendings.append(pending)
-            for p in pendings:
-                p.wait()  # the one synchronize before the views are released
-            return lat_batch.nbytes + kv_batch.nbytes
+            values = np.array(decode_plan_table(table, n, arena=table_arena(self.client)), dtype=np.int64)
+            declared = self._declared(transfer, target)
+            batch = self._window_batch(values, len(latent_keys), lat_sizes, len(blobs), target, declared.ring_ptrs)
+            ranges = declared.ranges
+            if link.read_stream is None:  # a runtime without streams: synchronous, on the caller's stream
+                transfer.copy_batch(batch.descriptors(), device_ranges=ranges)
+                return batch.nbytes
+            producer = transfer.record_event(None)  # the ring's zeroing and earlier work land first
+            pending = transfer.submit_batch(batch, stream=link.read_stream, device_ranges=ranges, after=[producer])
+            transfer.stream_wait(None, pending)  # the runtime reads the ring after the copies
+            self._wait(pending)  # the one synchronize before the views are released
+            return batch.nbytes
         except BaseException as exc:
             error = exc
             raise
         finally:
-            for p in pendings:
-                settle(p, error)
+            settle(pending, error)
             if producer is not None:
                 transfer.release_event(producer)
-            for read in reads:
-                try:
-                    read.end()
-                except Exception as end_error:
-                    if error is None:
-                        raise
-                    add_note(error, f"ending the get plan failed too: {end_error!r}")
+            try:
+                read.end()
+            except Exception as end_error:
+                if error is None:
+                    raise
+                add_note(error, f"ending the get plan failed too: {end_error!r}")
 
-    def _ring_ranges(self, transfer: Any, rings: list[Any]) -> tuple[tuple[tuple[int, int], ...], DeviceRanges]:
-        """Each ring tensor's (address, bytes) in ``rings`` order, and the device ranges a restore
-        declares (the ring's and the value pool's), checked by ``transfer.device_range`` once per
-        ring: a runtime restores into the same ring every session, and declaring its 80 tensors
-        anew would cost more than submitting the copies. Another ring (or another tensor at the
-        same address with another size) is checked again."""
-        spans = tuple((t.data_ptr(), t.numel() * t.element_size()) for t in rings)
+    def _wait(self, pending: PendingBatch) -> None:
+        """Wait for a restore's batch: asleep for most of the time the fastest restore so far
+        would take for its bytes, then polling every `_RESTORE_POLL_S` (a restore lands in
+        milliseconds: the default schedule's coarser polls would add a tenth of one to it)."""
+        expected = _SLEEP_FRACTION * pending.nbytes / self._best_rate if self._best_rate else 0.0
+        pending.wait(poll_s=_RESTORE_POLL_S, expected_s=expected)
+        if pending.seconds:
+            self._best_rate = max(self._best_rate, pending.nbytes / pending.seconds)
+
+    def _window_batch(self, values: Any, n_latents: int, lat_sizes: list[int], n_chunks: int,
+                      target: RestoreTarget, ring_ptrs: Any) -> CopyBatch:
+        """The restore's copies from the value pointers of one get (``n_latents`` latents, then
+        ``n_chunks`` chunks of ``2 * n_layers`` values): every copy run, chunk-major, then layer,
+        K before V, into the ring (``ring_ptrs``: int64 ``[2 * n_layers]``, layer-major, K before
+        V); then each latent into its target. The bulk goes first, so the engine starts on it."""
+        width = 2 * target.n_layers
+        kv = values[n_latents:].reshape(n_chunks, width)
+        run_slot, src_off, dst_off, run_bytes = _run_arrays(target)
+        dsts = np.concatenate([(ring_ptrs[None, :] + dst_off[:, None]).ravel(),
+                               np.array([t.data_ptr() for t in target.latents], dtype=np.int64)])
+        srcs = np.concatenate([(kv[run_slot] + src_off[:, None]).ravel(), values[:n_latents]])
+        sizes = np.concatenate([np.repeat(run_bytes, width), np.array(lat_sizes, dtype=np.int64)])
+        return CopyBatch.of(dsts, srcs, sizes, self.link.from_values)
+
+    def _declared(self, transfer: Any, target: RestoreTarget) -> _Declared:
+        """The device ranges a restore declares (the ring's tensors, the latent targets, the value
+        pool) and the ring's addresses. Each tensor is checked by ``transfer.device_range`` once
+        per ring and once per set of latent targets: a runtime restores into the same ring every
+        session, and declaring its 80 tensors anew would cost more than submitting the copies.
+        Another ring (or another tensor at the same address with another size) is checked again."""
+        rings = [t for pair in target.kv for t in pair]
+        ring_spans = tuple((t.data_ptr(), t.nbytes) for t in rings)
+        lat_spans = tuple((t.data_ptr(), t.nbytes) for t in target.latents)
         memo = self._ring
-        if memo is not None and memo[0] is transfer and memo[1] == spans:
-            return spans, memo[2]
-        declared = DeviceRanges.of([transfer.device_range(t) for t in rings] + list(self.link.value_ranges))
-        self._ring = (transfer, spans, declared)
-        return spans, declared
+        if memo is None or memo.transfer is not transfer or memo.ring_spans != ring_spans:
+            memo = _Declared(transfer, ring_spans, tuple(transfer.device_range(t) for t in rings),
+                             np.array([p for p, _ in ring_spans], dtype=np.int64))
+        if memo.lat_spans != lat_spans or memo.ranges is None:
+            ranges = DeviceRanges.of(list(memo.ring_ranges) + [transfer.device_range(t) for t in target.latents]
+                                     + list(self.link.value_ranges))
+            memo = attrs.evolve(memo, lat_spans=lat_spans, ranges=ranges)
+        self._ring = memo
+        return memo
 
     # -- one latent, one layer, a probe ---------------------------------------------------------
     def get_latent(self, locator: str, like: Any, size: Optional[int]) -> Any:
