@@ -32,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import operator
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, Optional
@@ -75,6 +76,10 @@ class _Value:
     length: int
     readers: int = 0
     retired: bool = False
+
+
+_OFFSET = operator.attrgetter("offset")
+_LENGTH = operator.attrgetter("length")
 
 
 @attrs.define(eq=False)
@@ -304,14 +309,15 @@ class EmbeddedPlanClient(InProcessPlanClient):
             self._ensure_segment()
             if self.faults.fire("get_start"):
                 raise PlanError(f"injected fault: get_start of {len(keys)} keys")
-            held: list[_Value] = []
-            pos = 0
-            for g in lens:
-                group = [self._index.get(k) for k in keys[pos : pos + g]]
-                if any(v is None for v in group):
-                    break
-                held.extend(group)  # type: ignore[arg-type]
-                pos += g
+            found = list(map(self._index.get, keys))  # C loops: a 480p restore is 240+ keys
+            held: list[_Value] = found
+            if None in found:  # the transferable prefix ends before the first group with a gap
+                pos = 0
+                for g in lens:
+                    if None in found[pos : pos + g]:
+                        break
+                    pos += g
+                held = found[:pos]
             for v in held:
                 v.readers += 1
             plan = GetPlan(keys, owner=self, native=_GetRecord(held), atomic_group_lens=lens)
@@ -321,11 +327,11 @@ class EmbeddedPlanClient(InProcessPlanClient):
     def _transfer_pointers(self, record: _GetRecord) -> list[int]:
         if self.faults.fire("get_transfer"):
             raise PlanError("injected fault: get_transfer")
-        seg = self._ensure_segment()
-        return [seg.ptr + v.offset for v in record.held]
+        base = self._ensure_segment().ptr
+        return [base + off for off in map(_OFFSET, record.held)]
 
     def _lengths(self, record: _GetRecord) -> tuple[int, ...]:
-        return tuple(v.length for v in record.held)
+        return tuple(map(_LENGTH, record.held))
 
     def _release_held(self, record: _GetRecord) -> None:
         for v in record.held:

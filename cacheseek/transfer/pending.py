@@ -17,8 +17,12 @@ Asynchronous batch lifecycle (capability `AsyncTransfer`, offered by `TransferRu
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any, Optional, Protocol
 
 import attrs
@@ -35,6 +39,35 @@ _FIRST_POLL_S = 2e-5
 _FINE_POLL_S = 1e-4
 _FINE_PHASE_S = 0.05
 _COARSE_POLL_S = 1e-3
+
+
+_PR_SET_TIMERSLACK, _PR_GET_TIMERSLACK = 29, 30
+_FINE_SLACK_NS = 1000
+_prctl: Any = None
+
+
+@contextlib.contextmanager
+def fine_sleeps() -> Iterator[None]:
+    """The calling thread's sleeps end within a microsecond of their time for the block (Linux:
+    the thread's timer slack, 50 us by default, is set to 1 us and restored after; elsewhere
+    nothing changes). A poll every 20 us would otherwise wake every 70 us."""
+    global _prctl
+    if _prctl is None:
+        try:
+            _prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else False
+        except (OSError, AttributeError):
+            _prctl = False
+    if not _prctl:
+        yield
+        return
+    before = _prctl(_PR_GET_TIMERSLACK, 0, 0, 0, 0)
+    if before <= _FINE_SLACK_NS or _prctl(_PR_SET_TIMERSLACK, _FINE_SLACK_NS, 0, 0, 0) != 0:
+        yield
+        return
+    try:
+        yield
+    finally:
+        _prctl(_PR_SET_TIMERSLACK, before, 0, 0, 0)
 
 
 @attrs.define(eq=False)
@@ -103,22 +136,8 @@ class PendingBatch:
             if self.completed_at is not None:
                 return
             try:
-                deadline = time.monotonic() + bound
-                if expected_s > 0:
-                    time.sleep(min(expected_s, bound))
-                fine_until = time.monotonic() + _FINE_PHASE_S
-                interval = poll_s if poll_s is not None else _FIRST_POLL_S
-                fine_cap = poll_s if poll_s is not None else _FINE_POLL_S
-                while not self._runtime._event_query(self.event):
-                    now = time.monotonic()
-                    if now >= deadline:
-                        raise TransferTimeoutError(
-                            f"a batch of {self.copies} copies ({self.nbytes} bytes) has not landed after "
-                            f"{bound} s; its buffers are still in use (raise the transfer runtime's "
-                            "wait_timeout_s if the device is that slow)")
-                    time.sleep(interval)
-                    cap = fine_cap if now < fine_until else max(_COARSE_POLL_S, fine_cap)
-                    interval = min(interval * 2, cap)
+                with fine_sleeps():
+                    self._poll(bound, poll_s, expected_s)
                 self._runtime._event_synchronize(self.event)
             except TransferTimeoutError:
                 raise
@@ -129,6 +148,26 @@ class PendingBatch:
             self.completed_at = time.perf_counter()
             self._runtime.release_event(self.event)
             self._runtime._record_dirs(self._per_dir, self.completed_at - self.submitted_at)
+
+    def _poll(self, bound: float, poll_s: Optional[float], expected_s: float) -> None:
+        """Sleep ``expected_s``, then query the event on the schedule of `wait` until it has
+        completed; `TransferTimeoutError` past ``bound`` seconds."""
+        deadline = time.monotonic() + bound
+        if expected_s > 0:
+            time.sleep(min(expected_s, bound))
+        fine_until = time.monotonic() + _FINE_PHASE_S
+        interval = poll_s if poll_s is not None else _FIRST_POLL_S
+        fine_cap = poll_s if poll_s is not None else _FINE_POLL_S
+        while not self._runtime._event_query(self.event):
+            now = time.monotonic()
+            if now >= deadline:
+                raise TransferTimeoutError(
+                    f"a batch of {self.copies} copies ({self.nbytes} bytes) has not landed after "
+                    f"{bound} s; its buffers are still in use (raise the transfer runtime's "
+                    "wait_timeout_s if the device is that slow)")
+            time.sleep(interval)
+            cap = fine_cap if now < fine_until else max(_COARSE_POLL_S, fine_cap)
+            interval = min(interval * 2, cap)
 
     @property
     def seconds(self) -> Optional[float]:

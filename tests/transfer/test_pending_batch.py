@@ -3,6 +3,8 @@ raising every time. No device, no copies."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from cacheseek.errors import TransferError, TransferTimeoutError
@@ -103,3 +105,20 @@ def test_a_young_wait_polls_finely_and_an_old_one_backs_off(monkeypatch):
     assert young and max(young) <= 1e-4
     assert old and max(old) == pytest.approx(1e-3)
     assert clock[0] - 0.2 <= 1e-3  # it noticed within one poll of landing
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="timer slack is a Linux thread setting")
+def test_fine_sleeps_sets_the_threads_timer_slack_and_restores_it():
+    import ctypes
+
+    from cacheseek.transfer.pending import fine_sleeps
+
+    prctl = ctypes.CDLL(None).prctl
+    before = prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK
+    with fine_sleeps():
+        assert prctl(30, 0, 0, 0, 0) == min(before, 1000)
+    assert prctl(30, 0, 0, 0, 0) == before
+    with pytest.raises(RuntimeError):
+        with fine_sleeps():
+            raise RuntimeError("the block fails")
+    assert prctl(30, 0, 0, 0, 0) == before
