@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 _LEGACY_STREAMS = (0, 1)  # the NULL stream and cudaStreamLegacy
 _BATCH_UNSUPPORTED = ("cudaErrorNotSupported", "cudaErrorCallRequiresNewerDriver")
+_IDLE_EVENTS = 16  # released events kept per device for reuse (`CudaTransferRuntime.idle_events`)
 _LEAD_COPIES = 32  # the first batched call of a batch (`CudaTransferRuntime._calls`)
 _BATCH_13_PARAMS = ("dsts", "srcs", "sizes", "count", "attrs", "attrsIdxs", "numAttrs", "stream")
 
@@ -196,6 +197,8 @@ class CudaTransferRuntime(TransferRuntimeBase):
         self._kind_by_code = [self._kinds[d] for d in DIRECTIONS]  # indexed by Direction.code
         self._stream_flags = getattr(self._rt, "cudaStreamNonBlocking", 1)
         self._event_flags = getattr(self._rt, "cudaEventDisableTiming", 2)
+        self._idle: dict[int, list[Any]] = {}  # device -> events kept for reuse (`idle_events`)
+        self._event_device: dict[int, int] = {}  # id(event) -> its device, for events made here
         for name, value, least in (("kernel_min_copies", kernel_min_copies, 1), ("kernel_h2d_max_mean_bytes", kernel_h2d_max_mean_bytes, 0)):
             if not isinstance(value, int) or value < least:
                 raise TransferError(f"{name} must be an int >= {least}, got {value!r}")
@@ -432,10 +435,33 @@ class CudaTransferRuntime(TransferRuntimeBase):
         self._check(self._rt.cudaStreamDestroy(stream)[0], "cudaStreamDestroy")
 
     def _new_event(self) -> Any:
+        """An idle event of the current device (see `idle_events`), else a new one."""
         self.bind_thread()
+        device = self._current_device()
+        idle = self._idle.get(device)
+        if idle:
+            try:
+                return idle.pop()
+            except IndexError:  # another thread took the last one
+                pass
         err, event = self._rt.cudaEventCreateWithFlags(self._event_flags)[:2]
         self._check(err, "cudaEventCreateWithFlags(cudaEventDisableTiming)")
+        self._event_device[id(event)] = device
         return event
+
+    def _current_device(self) -> int:
+        if self.device_index is not None:
+            return self.device_index
+        err, device = self._rt.cudaGetDevice()[:2]
+        self._check(err, "cudaGetDevice")
+        return int(device)
+
+    @property
+    def idle_events(self) -> int:
+        """Events kept for reuse (at most `_IDLE_EVENTS` a device): creating one costs the
+        driver tens of microseconds, twice per restore. A released event may still be pending;
+        recording it again is allowed (waits already queued keep the earlier record)."""
+        return sum(len(v) for v in self._idle.values())
 
     def _record(self, event: Any, stream: Any) -> None:
         self._check(self._rt.cudaEventRecord(event, stream)[0], "cudaEventRecord")
@@ -460,9 +486,25 @@ class CudaTransferRuntime(TransferRuntimeBase):
         self._check(self._rt.cudaEventSynchronize(event.handle)[0], "cudaEventSynchronize")
 
     def _destroy_event(self, event: Any) -> None:
+        device = self._event_device.get(id(event))
+        idle = self._idle.setdefault(device, []) if device is not None else None
+        if idle is not None and not self._closed and len(idle) < _IDLE_EVENTS:
+            idle.append(event)
+            return
+        self._event_device.pop(id(event), None)
         err = self._rt.cudaEventDestroy(event)[0]
         if err != self._ok:
             self._clear_last_error()
+
+    def close(self) -> None:
+        """Destroy the idle events, then what every runtime does (`TransferRuntimeBase.close`)."""
+        idle, self._idle = self._idle, {}
+        for events in idle.values():
+            for event in events:
+                self._event_device.pop(id(event), None)
+                if self._rt.cudaEventDestroy(event)[0] != self._ok:
+                    self._clear_last_error()
+        super().close()
 
     def _synchronize(self, stream: int) -> None:
         (err,) = self._rt.cudaStreamSynchronize(stream)[:1]

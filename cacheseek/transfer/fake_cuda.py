@@ -148,6 +148,11 @@ class FakeCudart:
             self.call_log.set_device(device)
         return (self._call("cudaSetDevice", device),)
 
+    def cudaGetDevice(self) -> tuple[cudaError_t, int]:
+        with self.mutex:
+            device = self.call_log.device()
+        return self._call("cudaGetDevice"), device
+
     def cudaGetLastError(self) -> tuple[cudaError_t]:
         self.calls.append(FakeCall("cudaGetLastError", ()))
         err, self.last_error = self.last_error, _OK

@@ -53,6 +53,10 @@ class CallLog:
         """The calling thread's device from now on (``cudaSetDevice``: per thread)."""
         self._thread_device[threading.get_ident()] = int(device)
 
+    def device(self) -> int:
+        """The calling thread's device (0 until it calls ``cudaSetDevice``)."""
+        return self._thread_device.get(threading.get_ident(), 0)
+
     def record(self, name: str, args: tuple[Any, ...]) -> Optional[cudaError_t]:
         """Log one call; the error of the fault armed for it, or None."""
         self.calls.append(FakeCall(name, args))

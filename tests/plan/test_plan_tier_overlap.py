@@ -65,7 +65,7 @@ def test_pending_until_the_copies_land_and_the_snapshot_survives_ring_writes(mak
     s = store.stats
     assert s.puts == 1 and s.snapshot_bytes == handle.nbytes and s.plans_committed == 1
     assert s.inflight_bytes == 0 and s.peak_inflight_bytes == handle.nbytes
-    assert parts["fake"].live_events() == 0 and parts["client"].live_handles() == (0, 0)
+    assert parts["fake"].live_events() == parts["runtime"].idle_events and parts["client"].live_handles() == (0, 0)
 
 
 def test_snapshot_on_the_producer_stream_then_d2h_on_the_write_stream(make_store):
@@ -176,7 +176,7 @@ def test_copy_failure_found_by_the_completion_thread_aborts_every_plan(make_stor
     store.flush()
     assert isinstance(handle.error, StoreError) and "cudaErrorIllegalAddress" in str(handle.error)
     assert store.stats.plans_aborted == 2 and parts["client"].live_handles() == (0, 0)
-    assert parts["client"].usage().used_bytes == 0 and parts["fake"].live_events() == 0
+    assert parts["client"].usage().used_bytes == 0 and parts["fake"].live_events() == parts["runtime"].idle_events
 
 
 def test_submission_failure_raises_in_put_async_and_rolls_back(make_store):
@@ -185,7 +185,7 @@ def test_submission_failure_raises_in_put_async_and_rolls_back(make_store):
     fake.fail("cudaMemcpyBatchAsync", cudaError_t.cudaErrorInvalidValue, nth=2)  # the D2H, after the snapshot
     with pytest.raises(StoreError, match="cudaMemcpyBatchAsync"):
         store.put_async("sx:kv", ring_tail_payload()[0], tier=TIER)
-    assert fake.pending() == 0 and fake.live_events() == 0
+    assert fake.pending() == 0 and fake.live_events() == parts["runtime"].idle_events
     s = store.stats
     assert s.plans_aborted == 1 and s.put_failures == 1 and s.inflight_bytes == 0 and s.pending_writes == 0
     assert parts["client"].live_handles() == (0, 0) and parts["client"].usage().used_bytes == 0
@@ -280,7 +280,7 @@ def test_pieces_trickle_at_most_n_in_flight_and_land_intact(make_store):
     gate.open()
     store.flush()
     assert handle.ready and [store.get_layer(handle, i) for i in range(3)] == want
-    assert store.stats.write_pieces == 12 and fake.live_events() == 0
+    assert store.stats.write_pieces == 12 and fake.live_events() == parts["runtime"].idle_events
 
 
 def test_a_piece_that_fails_on_the_completion_thread_rolls_back(make_store):
@@ -290,7 +290,7 @@ def test_a_piece_that_fails_on_the_completion_thread_rolls_back(make_store):
     handle = store.put_async("pf:kv", ring_tail_payload(tokens=4)[0], tier=TIER)
     store.flush()
     assert isinstance(handle.error, StoreError) and "cudaMemcpyBatchAsync" in str(handle.error)
-    assert fake.pending() == 0 and fake.live_events() == 0
+    assert fake.pending() == 0 and fake.live_events() == parts["runtime"].idle_events
     assert parts["client"].live_handles() == (0, 0) and parts["client"].usage().used_bytes == 0
     s = store.stats
     assert s.put_failures == 1 and s.plans_aborted == 1 and s.inflight_bytes == 0
