@@ -35,7 +35,8 @@ import numpy as np
 
 from cacheseek.reuse.exact_prefix.keys import sha256_of_parts
 
-__all__ = ["NO_CONTROL", "QUANTUM", "MAX_KEY_THREADS", "action_bytes", "action_keys", "quantized_values"]
+__all__ = ["NO_CONTROL", "QUANTUM", "MAX_KEY_THREADS", "action_bytes", "action_keys", "chunk_action_key",
+           "quantized_values"]
 
 NO_CONTROL = b"noctrl"
 QUANTUM = 1e-6
@@ -90,6 +91,13 @@ def action_keys(controls: Iterable[Any]) -> list[bytes]:
                 raise
             futures.append(pool.submit(_chunk_key, i, staged))
         return [f.result() for f in futures]
+
+
+def chunk_action_key(index: int, control: Any) -> bytes:
+    """`action_bytes` of chunk ``index``'s control, in this thread (a CUDA tensor is quantized on
+    this thread's current stream); a control that has no key raises ValueError naming the chunk,
+    as `action_keys` does."""
+    return _chunk_key(index, _staged(index, control))
 
 
 def quantized_values(control: Any) -> np.ndarray:
