@@ -153,3 +153,22 @@ def test_the_lookup_reads_an_action_only_while_the_node_reached_has_children():
     other = Reads([b"x", b"b"])
     assert forest.lookup(root, other).matched_len == 0 and other.read == [0]  # a miss at depth 0
     assert forest.lookup(root, [b"a", b"b", b"c"]).matched_len == 2  # a plain list walks as before
+
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_controls_keyed_on_a_side_stream_in_the_background_match_action_keys():
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    host = [torch.randn(1, 384, 3, 60, 104, generator=gen) for _ in range(3)]  # the 480p control's shape
+    cuda = [t.cuda() for t in host]
+    torch.cuda.synchronize()
+    main = torch.cuda.current_stream()
+    torch.cuda._sleep(200_000_000)  # the caller's stream is busy ...
+    cuda[2].add_(1.0)  # ... then writes a control: the side stream must wait for it
+    keys = LazyActionKeys(cuda)
+    keys.compute_rest_in_background()
+    keys._keys.thread.join(60)
+    assert keys.computed == 3 and no_key_thread_alive()  # all on the thread
+    assert torch.cuda.current_stream() == main
+    assert list(keys) == action_keys(host[:2] + [host[2] + 1.0])

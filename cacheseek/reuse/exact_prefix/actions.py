@@ -16,7 +16,9 @@ control ``[1, 384, 3, 60, 104]`` float32, 7.19 M values). Its key must be
   CPU takes 2-3x as long: it widens the whole tensor at once) and 5 ms for the min/max that picks
   the integer width. A CUDA tensor is quantized on its GPU and only the integers cross to the
   host, which leaves the hash; `action_keys` hashes a session's chunks on a small thread pool
-  (sha256 and numpy release the GIL). `experiments/action_keys` measures every path.
+  (sha256 and numpy release the GIL). `experiments/action_keys` measures every path. The binding
+  does not key a session up front: `lazy_keys.LazyActionKeys` computes each chunk's key
+  (`chunk_action_key`) when the lookup reads it, and the rest off the request path.
 
     key = H("action", "q1e-6", dtype tag, shape, quantized values)
 

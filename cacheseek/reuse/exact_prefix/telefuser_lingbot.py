@@ -2,12 +2,24 @@
 
 One `LingBotWorldKVBinding` per session. The runtime calls:
 
-- ``on_runtime_created(runtime, session_config)`` once: the binding derives the namespace root
-  and one action key per chunk, restores the longest cached prefix K into the runtime, and sets
-  ``last_fast_forward = K`` (0 = cold);
+- ``on_runtime_created(runtime, session_config)`` once: the binding derives the namespace root,
+  restores the longest cached prefix K into the runtime, and sets ``last_fast_forward = K``
+  (0 = cold). Action keys (`LazyActionKeys`) are computed only as the trie walk needs them (none
+  at a fresh namespace, at most key 0 on a cold miss, keys 0..K on a hit); the others on one
+  background thread started after the lookup. A store that cannot serve yet (``ready`` False: a
+  background warm-up) is bypassed: no namespace, no keys, no lookup, nothing ingested for the
+  session (``sessions_bypassed_warming``), so the session costs what it costs with no cache;
 - ``on_chunk_finalized(runtime, idx, denoised)`` after each denoised chunk: the binding ingests
   the chunk's KV from the ring tail ``[local_end - c*ft, local_end)`` and its latent (a call for
-  a restored chunk, which TeleFuser main makes for its decode-only chunks, is ignored).
+  a restored chunk, which TeleFuser main makes for its decode-only chunks, is ignored). Chunk
+  ``idx``'s key comes from the background thread (waited for if not done); a control without a
+  key fails that chunk's ingest (``action_key_errors``) and the session ingests no further;
+- ``close()`` (optional): the keys' thread stopped and joined; it also ends by itself once every
+  key is computed, and is joined when the last chunk is ingested.
+
+Start-up: from its creation until ``on_runtime_created`` returns the binding holds the store's
+``session_starting()`` token, where the store offers one, so a background warm-up registers no
+segment piece while the runtime makes its allocations (`cacheseek.stores.startup`).
 
 The binding touches the runtime only through its layout adapter (`cacheseek.layout`): the ring
 and cursors, geometry, controls, timesteps, RNG, latent spec and cached latents. The default,
@@ -130,7 +142,7 @@ class LingBotWorldKVBinding:
         self._keys: Optional[LazyActionKeys] = None
         # A background warm-up yields to this session's start-up (the runtime's allocations)
         # until on_runtime_created returns; a token never released expires in the store.
-        starting = getattr(manager.store, "session_starting", None)
+        starting = getattr(getattr(manager, "store", None), "session_starting", None)
         self._start_token: Any = starting() if starting is not None else None
 
     # -- hooks --------------------------------------------------------------------------------

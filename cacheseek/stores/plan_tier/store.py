@@ -12,6 +12,7 @@ Lifecycle::
                                                             the `Completion` thread)
     read_path / get_skeleton / get_layer / contains      -> `Reader`
     usage / free / free_skeleton                         -> `SegmentCapacity`
+    ready / wait_ready / session_starting                -> `Warmup`, `SessionStarts`
     stats                                                -> `PlanTierStats` (`Counters`)
     flush()   every pending write ended (bounded)
     close()   flush; the completion thread stopped; staging dropped; streams destroyed;

@@ -28,6 +28,8 @@ down, or evicted from the lowest level: ``evict_copy``, or ``free`` for a sole c
 level as ``evictions_for_demotion``. ``usage()`` is the
 last level's (the store of record, which the manager's ordinary eviction bounds); `tier_usages`
 gives every level's. ``free`` removes a blob from every level; ``free_skeleton`` a latent.
+``ready`` is True while any level can serve (a level without a warm-up always can), and
+``session_starting`` holds every level warming in the background (`cacheseek.stores.startup`).
 Blobs known only from a forest snapshot (plain `BlobHandle`) are located on first use by asking
 each level's ``contains``. Checksums are the levels' own (a disk level checks what it reads).
 """
