@@ -8,6 +8,9 @@ Who records what:
   seconds from ``put_async`` to the store's completion callback), dropped writes (store full after
   eviction and one retry, or a write error), evictions and invalidations, and store usage after
   every write and eviction pass (``timeline``);
+- the bindings: their hooks' failures, the sessions run uncached because the store was still
+  warming up (``sessions_bypassed_warming``) and the chunks whose control had no key
+  (``action_key_errors``);
 - the store, read when the metrics are rendered (`as_dict`): its current usage (``usage()``),
   failed and pending writes and its registration seconds (``stats``), where it offers them; a
   tiered store's levels under ``tiers`` (usage, capacity, blobs, hits, writes, promotions,
@@ -66,6 +69,8 @@ class CacheMetrics:
     skeletons_freed: int = 0
     invalidations: int = 0
     hook_failures: int = 0
+    sessions_bypassed_warming: int = 0  # sessions run as with no cache: the store was still warming
+    action_key_errors: int = 0  # a later chunk's control had no key: the session ingested no further
     hook_failures_by_hook: dict[str, int] = attrs.field(factory=dict)
     peak_used_bytes: int = 0
     timeline: list[tuple[float, int, Optional[int], str]] = attrs.field(factory=list)

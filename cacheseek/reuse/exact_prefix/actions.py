@@ -16,7 +16,9 @@ control ``[1, 384, 3, 60, 104]`` float32, 7.19 M values). Its key must be
   CPU takes 2-3x as long: it widens the whole tensor at once) and 5 ms for the min/max that picks
   the integer width. A CUDA tensor is quantized on its GPU and only the integers cross to the
   host, which leaves the hash; `action_keys` hashes a session's chunks on a small thread pool
-  (sha256 and numpy release the GIL). `experiments/action_keys` measures every path.
+  (sha256 and numpy release the GIL). `experiments/action_keys` measures every path. The binding
+  does not key a session up front: `lazy_keys.LazyActionKeys` computes each chunk's key
+  (`chunk_action_key`) when the lookup reads it, and the rest off the request path.
 
     key = H("action", "q1e-6", dtype tag, shape, quantized values)
 
@@ -35,7 +37,8 @@ import numpy as np
 
 from cacheseek.reuse.exact_prefix.keys import sha256_of_parts
 
-__all__ = ["NO_CONTROL", "QUANTUM", "MAX_KEY_THREADS", "action_bytes", "action_keys", "quantized_values"]
+__all__ = ["NO_CONTROL", "QUANTUM", "MAX_KEY_THREADS", "action_bytes", "action_keys", "chunk_action_key",
+           "quantized_values"]
 
 NO_CONTROL = b"noctrl"
 QUANTUM = 1e-6
@@ -90,6 +93,13 @@ def action_keys(controls: Iterable[Any]) -> list[bytes]:
                 raise
             futures.append(pool.submit(_chunk_key, i, staged))
         return [f.result() for f in futures]
+
+
+def chunk_action_key(index: int, control: Any) -> bytes:
+    """`action_bytes` of chunk ``index``'s control, in this thread (a CUDA tensor is quantized on
+    this thread's current stream); a control that has no key raises ValueError naming the chunk,
+    as `action_keys` does."""
+    return _chunk_key(index, _staged(index, control))
 
 
 def quantized_values(control: Any) -> np.ndarray:

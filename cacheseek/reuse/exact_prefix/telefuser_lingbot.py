@@ -2,12 +2,24 @@
 
 One `LingBotWorldKVBinding` per session. The runtime calls:
 
-- ``on_runtime_created(runtime, session_config)`` once: the binding derives the namespace root
-  and one action key per chunk, restores the longest cached prefix K into the runtime, and sets
-  ``last_fast_forward = K`` (0 = cold);
+- ``on_runtime_created(runtime, session_config)`` once: the binding derives the namespace root,
+  restores the longest cached prefix K into the runtime, and sets ``last_fast_forward = K``
+  (0 = cold). Action keys (`LazyActionKeys`) are computed only as the trie walk needs them (none
+  at a fresh namespace, at most key 0 on a cold miss, keys 0..K on a hit); the others on one
+  background thread started after the lookup. A store that cannot serve yet (``ready`` False: a
+  background warm-up) is bypassed: no namespace, no keys, no lookup, nothing ingested for the
+  session (``sessions_bypassed_warming``), so the session costs what it costs with no cache;
 - ``on_chunk_finalized(runtime, idx, denoised)`` after each denoised chunk: the binding ingests
   the chunk's KV from the ring tail ``[local_end - c*ft, local_end)`` and its latent (a call for
-  a restored chunk, which TeleFuser main makes for its decode-only chunks, is ignored).
+  a restored chunk, which TeleFuser main makes for its decode-only chunks, is ignored). Chunk
+  ``idx``'s key comes from the background thread (waited for if not done); a control without a
+  key fails that chunk's ingest (``action_key_errors``) and the session ingests no further;
+- ``close()`` (optional): the keys' thread stopped and joined; it also ends by itself once every
+  key is computed, and is joined when the last chunk is ingested.
+
+Start-up: from its creation until ``on_runtime_created`` returns the binding holds the store's
+``session_starting()`` token, where the store offers one, so a background warm-up registers no
+segment piece while the runtime makes its allocations (`cacheseek.stores.startup`).
 
 The binding touches the runtime only through its layout adapter (`cacheseek.layout`): the ring
 and cursors, geometry, controls, timesteps, RNG, latent spec and cached latents. The default,
@@ -35,9 +47,10 @@ from cacheseek import namespace, weights
 from cacheseek.errors import CacheSeekError, ConfigError, GeometryError, LayoutMismatchError, StoreWarmingError
 from cacheseek.kv.payload import RestoreTarget
 from cacheseek.layout.bshd import BshdLayout
-from cacheseek.reuse.exact_prefix.actions import action_bytes, action_keys
+from cacheseek.reuse.exact_prefix.actions import action_bytes
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
 from cacheseek.reuse.exact_prefix.keys import canonical_json_bytes, config_blob_hash, node_key, root_hash, sha256
+from cacheseek.reuse.exact_prefix.lazy_keys import LazyActionKeys
 from cacheseek.reuse.exact_prefix.manager import WorldKVManager
 from cacheseek.kv.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.trie import NamespaceForest, load_forest_snapshot, save_forest_snapshot
@@ -50,6 +63,7 @@ __all__ = ["make_full_kv_config", "make_rolling_config", "LingBotWorldKVBinding"
 
 _DEFAULT_MODEL_FINGERPRINT = b"lingbot-world-fast"
 _warned_weights: list[bool] = []
+_logged_bypass: list[bool] = []
 
 
 def _warn_no_weights_fingerprint() -> None:
@@ -122,8 +136,14 @@ class LingBotWorldKVBinding:
         self.logged_failures: set[tuple[str, str]] = set()
         self.bytes_written = 0
         self.bytes_restored = 0
+        self.bypassed_warming = False
         self._ns = None
         self._cursor: Optional[TrieNode] = None
+        self._keys: Optional[LazyActionKeys] = None
+        # A background warm-up yields to this session's start-up (the runtime's allocations)
+        # until on_runtime_created returns; a token never released expires in the store.
+        starting = getattr(getattr(manager, "store", None), "session_starting", None)
+        self._start_token: Any = starting() if starting is not None else None
 
     # -- hooks --------------------------------------------------------------------------------
     # TeleFuser catches every exception of a hook, logs a warning and runs cold: a failing binding
@@ -131,14 +151,38 @@ class LingBotWorldKVBinding:
     # failure of each kind with its cause, then re-raises for the runtime's fallback.
 
     def on_runtime_created(self, runtime: Any, session_config: Any) -> None:
-        with _counted_failures(self, "on_runtime_created"):
-            self._on_runtime_created(runtime, session_config)
+        try:
+            with _counted_failures(self, "on_runtime_created"):
+                self._on_runtime_created(runtime, session_config)
+        finally:
+            self._end_start_up()
 
     def on_chunk_finalized(self, runtime: Any, idx: int, denoised: Any) -> None:
         with _counted_failures(self, "on_chunk_finalized"):
             self._on_chunk_finalized(runtime, idx, denoised)
 
+    def close(self, timeout_s: float = 30.0) -> None:
+        """End the session's use of the binding: the action keys' background thread is stopped
+        and joined (bounded), a start-up token still held is released. Idempotent; the runtime
+        need not call it (the thread ends by itself once every key is computed)."""
+        self._end_start_up()
+        if self._keys is not None and not self._keys.close(timeout_s):
+            log.warning("the action keys' thread is still running after %.0f s", timeout_s)
+
+    def _end_start_up(self) -> None:
+        token, self._start_token = self._start_token, None
+        if token is not None:
+            token.release()
+
     def _on_runtime_created(self, runtime: Any, session_config: Any) -> None:
+        if self._keys is not None:  # a binding used for a second session
+            self._keys.close()
+        self._ns, self._cursor, self._keys, self.actions = None, None, None, []
+        self.root, self.last_fast_forward = None, 0
+        self.bypassed_warming = not getattr(self.manager.store, "ready", True)
+        if self.bypassed_warming:
+            self._bypass_warming()
+            return
         self.ring = self._validate_geometry(runtime)
         ctx = namespace.FingerprintContext(session_config, runtime, self.layout, self.manager.store)
         cfg = namespace.config_blob(self.fields, ctx)
@@ -151,12 +195,10 @@ class LingBotWorldKVBinding:
                               config_blob_hash=cbh)
         controls = self.layout.controls(runtime)
         n_chunks = self.layout.n_chunks(runtime)
-        if controls is None:
-            self.actions = [b"noctrl"] * n_chunks
-        else:
-            self.actions = action_keys(list(controls)[:n_chunks])
+        self._keys = keys = LazyActionKeys([None] * n_chunks if controls is None else list(controls)[:n_chunks])
+        self.actions = keys
         window = _RuntimeWindow(self, runtime)
-        result = self.manager.try_fast_forward(self.root, self.actions, window)
+        result = self.manager.try_fast_forward(self.root, keys, window)  # keys only as the walk needs them
         self._ns = self.forest.get_or_create_namespace(self.root, cbh)
         if result.start_chunk > 0:
             self._cursor = result.node
@@ -164,6 +206,19 @@ class LingBotWorldKVBinding:
         else:
             self._cursor = self._ns.root
         self.last_fast_forward = result.start_chunk
+        if self.ingest_enabled:
+            keys.compute_rest_in_background()  # each chunk's ingest takes its key from there
+
+    def _bypass_warming(self) -> None:
+        """The store cannot serve yet (a background warm-up): the session runs as with no cache,
+        without a namespace, keys or a lookup, and ingests nothing."""
+        metrics = getattr(self.manager, "metrics", None)
+        if metrics is not None:
+            metrics.add(sessions_bypassed_warming=1)
+        if not _logged_bypass:
+            _logged_bypass.append(True)
+            log.info("the store is still warming up: sessions run uncached (no keys, no lookup, no "
+                     "writes) until it is ready; counted as sessions_bypassed_warming")
 
     def _on_chunk_finalized(self, runtime: Any, idx: int, denoised: Any) -> None:
         if not self.ingest_enabled or self._ns is None or self._cursor is None:
@@ -173,7 +228,19 @@ class LingBotWorldKVBinding:
         parent = self._cursor
         if parent.depth != idx - 1:
             raise CacheSeekError(f"chunk {idx} finalized but the trie cursor is at depth {parent.depth}")
-        action = self.actions[idx]
+        try:
+            action = self.actions[idx]  # computed in the background by now, else waited for
+        except ValueError as exc:  # a control without a key: nothing from here on can be keyed
+            self.ingest_errors += 1
+            self._cursor = None
+            metrics = getattr(self.manager, "metrics", None)
+            if metrics is not None:
+                metrics.add(action_key_errors=1)
+            log.warning("ingest of chunk %d failed (the run goes on uncached from here): %s", idx, exc)
+            return
+        finally:
+            if self._keys is not None and idx == len(self._keys) - 1:
+                self._keys.close()  # the session's last key: the thread is done
         key = node_key(parent.node_key, action)
         views = self.layout.tail_views(runtime, self.ring.chunk_size * self.ring.frame_tokens)
         latent = self._stored_latent(runtime, idx, denoised)

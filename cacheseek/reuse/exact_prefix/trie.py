@@ -41,6 +41,7 @@ __all__ = [
 ]
 
 SNAPSHOT_VERSION = snapshot_format.SNAPSHOT_VERSION
+_END = object()  # the end of a lookup's actions
 
 
 @dataclass(eq=False)
@@ -115,19 +116,29 @@ class NamespaceForest:
             return self._namespaces.get(root_hash)
 
     def lookup(self, root_hash: bytes, actions: Sequence[ActionKey]) -> PrefixMatch:
+        """The longest prefix of ``actions`` whose nodes hold ready KV. The next action is read
+        only while the node reached has children, and outside the lock: ``actions`` may compute
+        each key when read (`LazyActionKeys`), so a fresh namespace reads none."""
         with self.lock:
             ns = self._namespaces.get(root_hash)
             if ns is None:
                 return PrefixMatch(None, None, 0)
             node = ns.root
-            matched = 0
-            for action in actions:
+            more = bool(node.children)
+        matched = 0
+        remaining = iter(actions)
+        while more:
+            action = next(remaining, _END)
+            if action is _END:
+                break
+            with self.lock:
                 child = node.children.get(action)
                 if child is None or not child.has_kv:
                     break
                 node = child
                 matched += 1
-            return PrefixMatch(ns, node, matched)
+                more = bool(node.children)
+        return PrefixMatch(ns, node, matched)
 
     def commit(
         self, ns: Namespace, parent: TrieNode, action: ActionKey, node_key: bytes, depth: int

@@ -16,7 +16,11 @@ driver's and the mmap locks for long (one ``cudaHostRegister`` of 24 GiB holds t
 0.4 s, and the runtime's own ``cudaMalloc`` calls wait behind it). With a client that offers
 `PlanSegmentPieces` the loop interleaves: fault a piece, register it, pause ``piece_pause_s``
 (a background warm-up: the request's allocations get the locks), the next piece; so registration
-starts at once instead of after the whole fault. Copies that span two pieces are cut by the
+starts at once instead of after the whole fault. Before each piece ``yield_to`` (a background
+warm-up's `SessionStarts.wait_clear`) holds the loop while a session is starting, so the new
+runtime's allocations never queue behind a registration (``warmup_yields``,
+``warmup_yield_seconds``; not part of ``register_seconds``). A registration in one call, or a
+fault by ``wait_local_segments_ready``, has no such point. Copies that span two pieces are cut by the
 transfer runtime (`cacheseek.transfer.joints`).
 
 Lifecycle::
@@ -82,10 +86,12 @@ class TransferLink:
         on_attach: Callable[[Any], None],
         piece_bytes: int = 0,
         piece_pause_s: float = 0.0,
+        yield_to: Optional[Callable[[], float]] = None,
     ) -> None:
         self.client = client
         self.piece_bytes = piece_bytes
         self.piece_pause_s = piece_pause_s
+        self._yield_to = yield_to  # blocks while sessions start; seconds waited
         self._fault_range: Optional[Callable[[int, int], None]] = None  # set while faulting piece by piece
         self.transfer_kind = transfer_kind
         self._transfer = transfer
@@ -216,10 +222,17 @@ class TransferLink:
         faulting = [0.0]  # seconds spent faulting pieces inside the registration loop
         fault_range = self._fault_range
 
-        def fault_piece(piece: HostMapping) -> None:
-            t = time.perf_counter()
-            fault_range(piece.ptr, piece.length)  # type: ignore[misc]
-            faulting[0] += time.perf_counter() - t
+        yield_to = self._yield_to
+
+        def before_piece(piece: HostMapping) -> None:
+            if yield_to is not None:
+                waited = yield_to()  # a session starting: its allocations go first
+                if waited > 0:
+                    self._counters.count(warmup_yields=1, warmup_yield_seconds=waited)
+            if fault_range is not None:
+                t = time.perf_counter()
+                fault_range(piece.ptr, piece.length)
+                faulting[0] += time.perf_counter() - t
 
         def pause(_piece: HostMapping) -> None:
             time.sleep(self.piece_pause_s)  # sleeps without the GIL: the request thread's allocations go first
@@ -228,9 +241,11 @@ class TransferLink:
         # it registered at close, and a shared runtime keeps what another user still holds
         for m in self._mappings:
             t0, faulted_before = time.perf_counter(), faulting[0]
+            yielded_before = self._counters.get("warmup_yield_seconds", 0.0)
             if self._in_pieces():
                 transfer.register_in_pieces(  # type: ignore[attr-defined]
-                    m, self.piece_bytes, before_piece=fault_piece if fault_range is not None else None,
+                    m, self.piece_bytes,
+                    before_piece=before_piece if fault_range is not None or yield_to is not None else None,
                     after_piece=pause if self.piece_pause_s > 0 else None)
                 pieces = len(transfer.registered_pieces(m))  # type: ignore[attr-defined]
             else:
@@ -239,6 +254,7 @@ class TransferLink:
             self._registered_here.append(m)
             fault_s = faulting[0] - faulted_before
             seconds = time.perf_counter() - t0 - fault_s
+            seconds -= self._counters.get("warmup_yield_seconds", 0.0) - yielded_before
             self._counters.count(register_seconds=seconds, segment_ready_seconds=fault_s, register_pieces=pieces)
             entries.append(dict(ptr=m.ptr, length=m.length, generation=m.generation,
                                 writable=m.writable, register_seconds=seconds, pieces=pieces))

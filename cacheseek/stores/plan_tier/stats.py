@@ -26,7 +26,8 @@ class PlanTierStats:
     spent inside put_async (the request path), ``backpressure_*`` waits for a staging slot,
     ``pending_writes`` and ``inflight_bytes`` now, ``peak_inflight_bytes``. Background warm-up
     (``warmup``): ``ready``, the reads served as misses and the writes refused meanwhile, and
-    ``warmup_error`` when it failed."""
+    ``warmup_error`` when it failed; ``warmup_yields`` (pauses between pieces while a session was
+    starting) and ``warmup_yield_seconds``."""
 
     put_bytes: int = 0
     put_seconds: float = 0.0
@@ -66,6 +67,8 @@ class PlanTierStats:
     huge_page_bytes: int = -1
     register_seconds: float = 0.0
     register_pieces: int = 0
+    warmup_yields: int = 0
+    warmup_yield_seconds: float = 0.0
     warmup: str = "foreground"
     ready: bool = True
     reads_while_warming: int = 0

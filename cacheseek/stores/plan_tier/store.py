@@ -12,6 +12,7 @@ Lifecycle::
                                                             the `Completion` thread)
     read_path / get_skeleton / get_layer / contains      -> `Reader`
     usage / free / free_skeleton                         -> `SegmentCapacity`
+    ready / wait_ready / session_starting                -> `Warmup`, `SessionStarts`
     stats                                                -> `PlanTierStats` (`Counters`)
     flush()   every pending write ended (bounded)
     close()   flush; the completion thread stopped; staging dropped; streams destroyed;
@@ -50,6 +51,7 @@ from cacheseek.stores.plan_tier.read import Reader
 from cacheseek.stores.plan_tier.stats import Counters, PlanTierStats, collect
 from cacheseek.stores.plan_tier.warmup import Warmup
 from cacheseek.stores.plan_tier.write import Writer
+from cacheseek.stores.startup import NO_TOKEN, SessionStarts, StartToken
 from cacheseek.transfer.protocol import TransferRuntime
 
 __all__ = ["PlanTierSchema", "PlanTierStore"]
@@ -97,6 +99,9 @@ class PlanTierSchema:
     # registered, piece by piece), so no driver call holds the locks for long; 0 or null: one
     # call; auto: 16 MiB pieces in a background warm-up, one call in the foreground
     register_piece_bytes: Any = "auto"
+    # a background warm-up pauses between pieces while a session starts (its binding made, until
+    # its on_runtime_created returns), at most this long per session start; 0: never pauses
+    warmup_yield_s: float = 2.0
     client_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -122,7 +127,8 @@ class PlanTierStore:
     host mapping is faulted and registered in pieces of this size (rounded up to 2 MiB; 0 or None:
     one registration call; ``"auto"``, the default: 16 MiB pieces in a background warm-up, one call
     in the foreground), so no single driver call holds the driver's and the mmap locks for long; a
-    background warm-up pauses 1 ms between pieces (`TransferLink`).
+    background warm-up pauses 1 ms between pieces (`TransferLink`), and longer while a session is
+    starting (`session_starting`), at most ``warmup_yield_s`` per session start.
     """
 
     __module__ = "cacheseek.stores.plan_tier"  # its public path: configs and results name it there
@@ -150,6 +156,7 @@ class PlanTierStore:
         client_options: Optional[dict[str, Any]] = None,
         warmup: str = "foreground",
         register_piece_bytes: Union[Size, str, None] = "auto",
+        warmup_yield_s: float = 2.0,
         *,
         transfer: Optional[TransferRuntime] = None,
         plan_client: Optional[PlanClient] = None,
@@ -165,9 +172,13 @@ class PlanTierStore:
             register_piece_bytes = _BACKGROUND_PIECE_BYTES if warmup == "background" else 0
         piece_bytes = parse_size(register_piece_bytes, "store.register_piece_bytes", allow_none=True) or 0
         piece_bytes = -(-piece_bytes // _PIECE_ROUND) * _PIECE_ROUND
+        if isinstance(warmup_yield_s, bool) or not isinstance(warmup_yield_s, (int, float)) or warmup_yield_s < 0:
+            raise ConfigError("store.warmup_yield_s", f"must be seconds >= 0, got {warmup_yield_s!r}",
+                              "0 never pauses the warm-up for a starting session")
         self.commit_timeout_s = commit_timeout_s
         self.transfer_kind = transfer_kind
         self._closed = False
+        self._starts = SessionStarts(warmup_yield_s)
         if warmup == "background" and prefault_threads == 0:
             prefault_threads = _BACKGROUND_FAULT_THREADS  # leave the memory system to the requests
         if plan_client is None:
@@ -185,7 +196,8 @@ class PlanTierStore:
         self._link = TransferLink(plan_client, transfer, transfer_kind=transfer_kind, device=device,
                                   overlap=overlap, counters=self._counters, on_attach=self._attached,
                                   piece_bytes=piece_bytes,
-                                  piece_pause_s=_BACKGROUND_PIECE_PAUSE_S if warmup == "background" else 0.0)
+                                  piece_pause_s=_BACKGROUND_PIECE_PAUSE_S if warmup == "background" else 0.0,
+                                  yield_to=self._starts.wait_clear if warmup == "background" else None)
         self._slots = StagingSlots(staging_slots, staging_slot_bytes, max_inflight_bytes,
                                    timeout_s=commit_timeout_s, allocate=self._link.staging_tensor,
                                    counters=self._counters, pending_writes=lambda: self._completion.pending)
@@ -257,6 +269,14 @@ class PlanTierStore:
     def wait_ready(self, timeout_s: Optional[float] = None) -> bool:
         """Block until a background warm-up ended, at most ``timeout_s``; whether it is ready."""
         return self._warmup.wait(timeout_s)
+
+    def session_starting(self) -> StartToken:
+        """A session is starting (`SessionStarts`): while the token is held, and at most
+        ``warmup_yield_s``, a background warm-up registers no further piece. A store whose
+        warm-up ended hands out `NO_TOKEN`."""
+        if self._warmup.ended:
+            return NO_TOKEN
+        return self._starts.begin()
 
     def _warming(self, reads: int = 0, writes: int = 0) -> bool:
         """True (counting the call) while the segment is not ready to serve."""

@@ -6,8 +6,13 @@ streams and the staging slots: about 0.2 s/GiB on an H200 host, so
 5 s for a 24 GiB segment and 13 s for 64 GiB before the first request. ``foreground`` (the default)
 runs it in the constructor: a store that returns is ready, and a failure raises there.
 ``background`` returns at once; until the warm-up ends the store serves every read as a miss and
-refuses every write with `StoreWarmingError` (the manager counts a dropped write; the session
-runs uncached), so the first request is served as soon as with no cache at all.
+refuses every write with `StoreWarmingError`; the binding, seeing ``ready`` False, runs such a
+session as with no cache (no keys, no lookup, no writes), so the first request is served as soon
+as with no cache at all. A background warm-up also yields to session start-up: between pieces it
+waits while a session holds a `SessionStarts` token (`PlanTierStore.session_starting`, taken by
+the binding from its creation until its ``on_runtime_created`` returns), at most
+``warmup_yield_s`` per session start, so the runtime's allocations never queue behind a
+registration.
 
 Lifecycle::
 

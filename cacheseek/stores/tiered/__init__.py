@@ -28,6 +28,8 @@ down, or evicted from the lowest level: ``evict_copy``, or ``free`` for a sole c
 level as ``evictions_for_demotion``. ``usage()`` is the
 last level's (the store of record, which the manager's ordinary eviction bounds); `tier_usages`
 gives every level's. ``free`` removes a blob from every level; ``free_skeleton`` a latent.
+``ready`` is True while any level can serve (a level without a warm-up always can), and
+``session_starting`` holds every level warming in the background (`cacheseek.stores.startup`).
 Blobs known only from a forest snapshot (plain `BlobHandle`) are located on first use by asking
 each level's ``contains``. Checksums are the levels' own (a disk level checks what it reads).
 """
@@ -46,6 +48,7 @@ from cacheseek.eviction.base import StoreUsage, store_usage
 from cacheseek.kv.handles import BlobHandle, ChunkNode, Tier
 from cacheseek.registry import STORES
 from cacheseek.stores.base import RestoreTarget
+from cacheseek.stores.startup import StartToken, combine
 from cacheseek.stores.tiered import demotion, read, removal, write
 from cacheseek.stores.tiered.levels import (
     TIER_OF,
@@ -137,6 +140,19 @@ class TieredStore:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError("tiered store used after close()")
+
+    # -- warm-up --------------------------------------------------------------------------------
+    @property
+    def ready(self) -> bool:
+        """Some level can serve (a level without a notion of readiness always can): False only
+        while every level is still warming up in the background."""
+        return any(getattr(lv.store, "ready", True) for lv in self._levels)
+
+    def session_starting(self) -> StartToken:
+        """A session is starting: every level warming in the background yields to it until the
+        token is released (`cacheseek.stores.startup`)."""
+        return combine(fn() for lv in self._levels
+                       if (fn := getattr(lv.store, "session_starting", None)) is not None)
 
     # -- residency ------------------------------------------------------------------------------
     def levels_of(self, handle: BlobHandle) -> tuple[int, ...]:
