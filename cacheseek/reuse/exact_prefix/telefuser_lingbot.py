@@ -179,14 +179,14 @@ class LingBotWorldKVBinding:
             self._keys.close()
         self._ns, self._cursor, self._keys, self.actions = None, None, None, []
         self.root, self.last_fast_forward = None, 0
+        self.ring = self._validate_geometry(runtime)  # a misconfiguration is refused even while warming
+        runtime_weights = self._runtime_weights(runtime)
         self.bypassed_warming = not getattr(self.manager.store, "ready", True)
         if self.bypassed_warming:
             self._bypass_warming()
             return
-        self.ring = self._validate_geometry(runtime)
         ctx = namespace.FingerprintContext(session_config, runtime, self.layout, self.manager.store)
         cfg = namespace.config_blob(self.fields, ctx)
-        runtime_weights = self._runtime_weights(runtime)
         weights = sha256(b"weights", self.model_fingerprint, runtime_weights)
         cbh = config_blob_hash(cfg, weights_fingerprint=weights)
         prompt = _get(session_config, "prompt") or ""
