@@ -1,7 +1,9 @@
-"""A background warm-up yields to session start-up (issue 14): while a session is starting
-(`session_starting`, taken by the binding) the warm-up registers no further piece; it resumes once
-the token is released, and a token never released holds it at most ``warmup_yield_s``. A tiered
-store is ready while any level is, and its token holds every warming level."""
+"""A background warm-up yields to session start-up (issue 14): it begins by waiting for the first
+session's start-up (ended by that session, `wait_ready`, `close`, or after ``warmup_yield_s``);
+while a session is starting (`session_starting`, taken by the binding) the warm-up registers no
+further piece; it resumes once the token is released, and a token never released holds it at most
+``warmup_yield_s``. A tiered store is ready while any level is, and its token holds every warming
+level."""
 
 from __future__ import annotations
 
@@ -91,7 +93,9 @@ def test_the_warm_up_registers_no_piece_while_a_session_is_starting_then_resumes
     store, parts = make_store("fake_cuda", segment_bytes=12 * MiB, register_piece_bytes="2MiB",
                               warmup="background", warmup_yield_s=30)
     fake = parts["fake"]
+    store.session_starting().release()  # the first session's start-up: the warm-up begins
     assert reached.wait(10)
+    yields = store.stats.warmup_yields
     token = store.session_starting()  # a session starts while piece 0 is being faulted
     go.set()
     assert eventually(lambda: store._starts.waiting == 1)  # the warm-up waits before piece 1
@@ -100,7 +104,7 @@ def test_the_warm_up_registers_no_piece_while_a_session_is_starting_then_resumes
     assert store.wait_ready(30)
     assert len(fake.calls_named("cudaHostRegister")) == 6
     stats = store.stats
-    assert stats.warmup_yields == 1 and stats.warmup_yield_seconds > 0 and stats.register_pieces == 6
+    assert stats.warmup_yields == yields + 1 and stats.warmup_yield_seconds > 0 and stats.register_pieces == 6
     assert store.session_starting() is NO_TOKEN  # warm: nothing to yield any more
 
 
@@ -108,11 +112,37 @@ def test_a_token_never_released_holds_the_warm_up_at_most_warmup_yield_s(make_st
     reached, go = held_fault
     store, _ = make_store("fake_cuda", segment_bytes=6 * MiB, register_piece_bytes="2MiB",
                           warmup="background", warmup_yield_s=0.3)
-    assert reached.wait(10)
+    assert reached.wait(10)  # no session came: the first-start wait expired after 0.3 s
+    before = store.stats
+    assert before.warmup_yields == 1 and 0.25 <= before.warmup_yield_seconds < 5
     store.session_starting()  # a binding made and never used
     go.set()
-    assert store.wait_ready(10)
-    assert store.stats.warmup_yields == 1 and 0.25 <= store.stats.warmup_yield_seconds < 5
+    assert eventually(lambda: store.ready, 10)
+    after = store.stats
+    assert after.warmup_yields == 2 and 0.25 <= after.warmup_yield_seconds - before.warmup_yield_seconds < 5
+
+
+def test_a_background_warm_up_begins_after_the_first_session_start_up(make_store, monkeypatch):
+    """Nothing of the warm-up (not even its transfer runtime or its segment) runs while the first
+    session starts; the session's release starts it, and `wait_ready` does too."""
+    from cacheseek.stores.plan_tier.link import TransferLink
+
+    started = threading.Event()
+    original = TransferLink.warm_up
+    monkeypatch.setattr(TransferLink, "warm_up", lambda self, device: (started.set(), original(self, device))[1])
+    store, parts = make_store("fake_cuda", segment_bytes=4 * MiB, register_piece_bytes="2MiB",
+                              warmup="background", warmup_yield_s=30)
+    assert started.wait(10)  # the thread runs, and waits at the first step
+    assert eventually(lambda: store._starts.waiting == 1)
+    token = store.session_starting()  # the first session: its start-up ends the first wait too
+    time.sleep(0.05)
+    assert parts["fake"].calls_named("cudaHostRegister") == [] and not store.ready
+    token.release()
+    assert store.wait_ready(10) and len(parts["fake"].calls_named("cudaHostRegister")) == 2
+    idle, _ = make_store("fake_cuda", segment_bytes=4 * MiB, register_piece_bytes="2MiB",
+                         warmup="background", warmup_yield_s=30)
+    t0 = time.monotonic()
+    assert idle.wait_ready(10) and time.monotonic() - t0 < 5  # wait_ready: no session to wait for
 
 
 def test_a_foreground_store_hands_out_no_token_and_a_bad_yield_is_refused():
@@ -147,8 +177,9 @@ def test_a_tiered_store_is_ready_while_any_level_is_and_its_token_holds_every_wa
         alone = TieredStore(stores=[("fluxon_plan", plan)])
         both = TieredStore(stores=[("memory", memory), ("fluxon_plan", plan)])
         assert not plan.ready and not alone.ready and both.ready  # memory has no warm-up: it serves
+        assert plan._starts.starting == 1  # the wait for a first session
         with both.session_starting():
-            assert plan._starts.starting == 1
+            assert plan._starts.starting == 2
         assert plan._starts.starting == 0
         client.gate.set()
         assert plan.wait_ready(10) and alone.ready and alone.session_starting() is NO_TOKEN

@@ -141,6 +141,7 @@ class TransferLink:
     def warm_up(self, device: Optional[str]) -> None:
         """Segments ready, registered (faulted piece by piece where the client and the runtime
         allow: module docstring), streams made, staging allocated; every stage timed."""
+        self._yield_now()  # a session starting (the first one, normally) goes first
         t0 = time.perf_counter()
         if self._transfer is None and device is not None:
             self._transfer = self._build_transfer(device)
@@ -171,6 +172,13 @@ class TransferLink:
             timers.fault_method if timers else "?", self._counters.get("register_seconds", 0.0),
             self._overlap,
         )
+
+    def _yield_now(self) -> None:
+        """Wait while a session is starting (a background warm-up's ``yield_to``), counted."""
+        if self._yield_to is not None:
+            waited = self._yield_to()
+            if waited > 0:
+                self._counters.count(warmup_yields=1, warmup_yield_seconds=waited)
 
     def _set_segments(self, segments: list[SegmentMapping]) -> None:
         self._mappings = [HostMapping(s.ptr, s.length, s.generation, s.writable)
@@ -222,13 +230,8 @@ class TransferLink:
         faulting = [0.0]  # seconds spent faulting pieces inside the registration loop
         fault_range = self._fault_range
 
-        yield_to = self._yield_to
-
         def before_piece(piece: HostMapping) -> None:
-            if yield_to is not None:
-                waited = yield_to()  # a session starting: its allocations go first
-                if waited > 0:
-                    self._counters.count(warmup_yields=1, warmup_yield_seconds=waited)
+            self._yield_now()  # a session starting: its allocations go first
             if fault_range is not None:
                 t = time.perf_counter()
                 fault_range(piece.ptr, piece.length)
@@ -245,7 +248,7 @@ class TransferLink:
             if self._in_pieces():
                 transfer.register_in_pieces(  # type: ignore[attr-defined]
                     m, self.piece_bytes,
-                    before_piece=before_piece if fault_range is not None or yield_to is not None else None,
+                    before_piece=before_piece if fault_range is not None or self._yield_to is not None else None,
                     after_piece=pause if self.piece_pause_s > 0 else None)
                 pieces = len(transfer.registered_pieces(m))  # type: ignore[attr-defined]
             else:

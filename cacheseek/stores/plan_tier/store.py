@@ -51,7 +51,7 @@ from cacheseek.stores.plan_tier.read import Reader
 from cacheseek.stores.plan_tier.stats import Counters, PlanTierStats, collect
 from cacheseek.stores.plan_tier.warmup import Warmup
 from cacheseek.stores.plan_tier.write import Writer
-from cacheseek.stores.startup import NO_TOKEN, SessionStarts, StartToken
+from cacheseek.stores.startup import NO_TOKEN, SessionStarts, StartToken, combine
 from cacheseek.transfer.protocol import TransferRuntime
 
 __all__ = ["PlanTierSchema", "PlanTierStore"]
@@ -179,6 +179,10 @@ class PlanTierStore:
         self.transfer_kind = transfer_kind
         self._closed = False
         self._starts = SessionStarts(warmup_yield_s)
+        # A background store is built for sessions that are about to start: the warm-up waits for
+        # the first one's start-up too (released by it, by wait_ready, by close, or after
+        # warmup_yield_s), so its own setup does not run under the first request's allocations.
+        self._first_start = self._starts.begin() if warmup == "background" else NO_TOKEN
         if warmup == "background" and prefault_threads == 0:
             prefault_threads = _BACKGROUND_FAULT_THREADS  # leave the memory system to the requests
         if plan_client is None:
@@ -267,16 +271,24 @@ class PlanTierStore:
         return self._warmup.ready
 
     def wait_ready(self, timeout_s: Optional[float] = None) -> bool:
-        """Block until a background warm-up ended, at most ``timeout_s``; whether it is ready."""
+        """Block until a background warm-up ended, at most ``timeout_s``; whether it is ready. The
+        caller wants the store warm now: the warm-up stops waiting for a first session."""
+        self._release_first_start()
         return self._warmup.wait(timeout_s)
 
     def session_starting(self) -> StartToken:
         """A session is starting (`SessionStarts`): while the token is held, and at most
-        ``warmup_yield_s``, a background warm-up registers no further piece. A store whose
-        warm-up ended hands out `NO_TOKEN`."""
+        ``warmup_yield_s``, a background warm-up does no further step (its setup, a segment
+        piece). The first session's token also ends the wait the warm-up begins with. A store
+        whose warm-up ended hands out `NO_TOKEN`."""
         if self._warmup.ended:
             return NO_TOKEN
-        return self._starts.begin()
+        first, self._first_start = self._first_start, NO_TOKEN
+        return combine([self._starts.begin(), first])
+
+    def _release_first_start(self) -> None:
+        first, self._first_start = self._first_start, NO_TOKEN
+        first.release()
 
     def _warming(self, reads: int = 0, writes: int = 0) -> bool:
         """True (counting the call) while the segment is not ready to serve."""
@@ -436,6 +448,7 @@ class PlanTierStore:
         unregister the segments, close what this store built. Idempotent."""
         if self._closed:
             return
+        self._release_first_start()
         self._warmup.join(max(60.0, self.commit_timeout_s))  # never tear down under the warm-up
         try:
             self.flush()
