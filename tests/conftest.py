@@ -24,3 +24,30 @@ def compose_cfg():
 
     yield _compose
     GlobalHydra.instance().clear()
+
+
+@pytest.fixture
+def warming_plan_store():
+    """``(store, client)``: a Plan tier store (host transfer, no overlap) whose background warm-up
+    is held: its client's segment becomes ready only once ``client.gate`` is set."""
+    import threading
+
+    from cacheseek.plan.embedded import EmbeddedPlanClient
+    from cacheseek.stores.plan_tier import PlanTierStore
+    from cacheseek.transfer.host_transfer import HostTransferRuntime
+
+    class HeldClient(EmbeddedPlanClient):
+        def __init__(self) -> None:
+            super().__init__(segment_bytes=1 << 20, prefault_threads=1)
+            self.gate = threading.Event()
+
+        def wait_local_segments_ready(self):
+            assert self.gate.wait(20)
+            return super().wait_local_segments_ready()
+
+    client = HeldClient()
+    store = PlanTierStore(plan_client=client, transfer=HostTransferRuntime(), overlap=False, warmup="background")
+    yield store, client
+    client.gate.set()
+    store.close()
+    client.close()

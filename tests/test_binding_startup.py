@@ -18,15 +18,12 @@ import pytest
 import torch
 
 from cacheseek.errors import GeometryError
-from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager, lazy_keys
 from cacheseek.reuse.exact_prefix.actions import action_keys
 from cacheseek.reuse.exact_prefix.lazy_keys import THREAD_NAME
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config, make_rolling_config
 from cacheseek.runtime.synthetic import SyntheticRuntimeFactory
 from cacheseek.stores.memory import InMemoryTierStore
-from cacheseek.stores.plan_tier import PlanTierStore
-from cacheseek.transfer.host_transfer import HostTransferRuntime
 
 N = 5
 ACTS = [[0.1 * i, -0.05 * i, 0.02, 0.3 * (i % 2)] for i in range(N)]
@@ -81,26 +78,9 @@ def calls(monkeypatch) -> Calls:
 
 # -- a store still warming up ----------------------------------------------------------------------
 
-class HeldClient(EmbeddedPlanClient):
-    """An embedded client whose segment is ready only once ``gate`` is set."""
-
-    def __init__(self) -> None:
-        super().__init__(segment_bytes=1 << 20, prefault_threads=1)
-        self.gate = threading.Event()
-
-    def wait_local_segments_ready(self):
-        assert self.gate.wait(20)
-        return super().wait_local_segments_ready()
-
-
 @pytest.fixture
-def warming():
-    client = HeldClient()
-    store = PlanTierStore(plan_client=client, transfer=HostTransferRuntime(), overlap=False, warmup="background")
-    yield store, client
-    client.gate.set()
-    store.close()
-    client.close()
+def warming(warming_plan_store):
+    return warming_plan_store
 
 
 def test_a_warming_store_is_bypassed_then_used_once_warm(warming, calls, caplog):

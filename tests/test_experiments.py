@@ -85,3 +85,24 @@ def test_copy_kernel_benchmark_smoke(tmp_path):
     assert all(r["kernel_ok"] for r in res["rows"])  # the fake kernel ran the packed tables
     assert "| d2d | 256 x 4 KiB |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "copy_kernel.png").stat().st_size > 0
+
+
+def test_warmup_benchmark_and_timeline_smoke(tmp_path, capsys):
+    args = ["device=cpu", "geometry=tiny", "segment_bytes=67108864", "reps=1", "warmup_chunks=0",
+            "register_piece_bytes=16777216", f"out_dir={tmp_path}"]
+    res = load("warmup").main(args)
+    runs = {r["mode"]: r for r in res["runs"]}
+    assert set(runs) == {"nocache", "foreground", "background", "background_onecall"}
+    assert runs["background"]["third_hit_depth"] == 2 and runs["background"]["register_pieces"] == 4
+    assert (tmp_path / "warmup.png").stat().st_size > 0
+    spec = importlib.util.spec_from_file_location("warmup_timeline", REPO / "experiments" / "warmup" / "timeline.py")
+    timeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(timeline)
+    timeline.main(["background", *args])
+    out = capsys.readouterr().out
+    # the warm-up waits for the first session from its first step: nothing registers before the
+    # binding's hook returned
+    lines = [line for line in out.splitlines() if " ms  " in line]
+    hook, registration = (next(i for i, line in enumerate(lines) if what in line)
+                          for what in ("the binding's hook ends", "registration in pieces begins"))
+    assert hook < registration

@@ -128,6 +128,22 @@ def section_peak(cfg, dev, transfer, sync) -> dict:
 
 
 # -- full hit -------------------------------------------------------------------------------------
+def bare_ring_batch(src, dst, target):
+    """The KV of a full hit as one D2D batch from the source ring ``src`` to ``dst`` (both lists
+    of ``(k, v)`` per layer), run by run as the store restores it: the copies alone, no store."""
+    import numpy as np
+
+    from cacheseek.transfer.batch import CopyBatch, Direction
+
+    tb = target.token_bytes
+    ring_src = np.array([t.data_ptr() for pair in src for t in pair], dtype=np.int64)
+    ring_dst = np.array([t.data_ptr() for pair in dst for t in pair], dtype=np.int64)
+    offs = np.array([r.dst_token * tb for r in target.runs], dtype=np.int64)
+    return CopyBatch.of((ring_dst[None, :] + offs[:, None]).ravel(), (ring_src[None, :] + offs[:, None]).ravel(),
+                        np.repeat(np.array([r.n_tokens * tb for r in target.runs], dtype=np.int64), len(ring_src)),
+                        Direction.D2D)
+
+
 def section_full_hit(cfg, dev, transfer, sync, prog) -> dict:
     import torch
 
@@ -214,17 +230,7 @@ def section_full_hit(cfg, dev, transfer, sync, prog) -> dict:
             return timed, ok
 
         # the same bytes as one bare batch between the two rings (no store): the copies alone
-        import numpy as np
-
-        from cacheseek.transfer.batch import CopyBatch, Direction
-
-        tb = target.token_bytes
-        ring_src = np.array([t.data_ptr() for pair in src for t in pair], dtype=np.int64)
-        ring_dst = np.array([t.data_ptr() for pair in dst for t in pair], dtype=np.int64)
-        offs = np.array([r.dst_token * tb for r in target.runs], dtype=np.int64)
-        bare = CopyBatch.of((ring_dst[None, :] + offs[:, None]).ravel(), (ring_src[None, :] + offs[:, None]).ravel(),
-                            np.repeat(np.array([r.n_tokens * tb for r in target.runs], dtype=np.int64), len(ring_src)),
-                            Direction.D2D)
+        bare = bare_ring_batch(src, dst, target)
         bare_ranges = [transfer.device_range(t) for pair in src + dst for t in pair]
         bare_stream = transfer.new_stream() if hasattr(transfer, "new_stream") else None
         bare_secs = []

@@ -22,12 +22,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from bench_hbm_tier import capacity  # noqa: E402
+from bench_hbm_tier import bare_ring_batch, capacity  # noqa: E402
 from benchlib import median  # noqa: E402
 
 
 def main(reads: int = 50, geometry: str = "lingbot_480p", chunks: int = 3) -> None:
-    import numpy as np
     import torch
 
     from cacheseek.kv.ring import RingGeometry
@@ -39,7 +38,6 @@ def main(reads: int = 50, geometry: str = "lingbot_480p", chunks: int = 3) -> No
     from cacheseek.stores.plan_tier import PlanTierStore
     from cacheseek.stores.tiered import TieredStore
     from cacheseek.transfer import copy_kernel
-    from cacheseek.transfer.batch import CopyBatch, Direction
     from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
 
     dev = torch.device("cuda", 0)
@@ -68,13 +66,7 @@ def main(reads: int = 50, geometry: str = "lingbot_480p", chunks: int = 3) -> No
     target = RestoreTarget(kv=tuple(dst), runs=ring.restore_runs(chunks), window_depths=tuple(range(chunks)),
                            token_bytes=g.n_heads * g.head_dim * 2, chunk_tokens=ct,
                            latents=tuple(torch.empty_like(t) for t in lats))
-    tb = target.token_bytes
-    ring_src = np.array([t.data_ptr() for p in src for t in p], dtype=np.int64)
-    ring_dst = np.array([t.data_ptr() for p in dst for t in p], dtype=np.int64)
-    offs = np.array([r.dst_token * tb for r in target.runs], dtype=np.int64)
-    bare = CopyBatch.of((ring_dst[None, :] + offs[:, None]).ravel(), (ring_src[None, :] + offs[:, None]).ravel(),
-                        np.repeat(np.array([r.n_tokens * tb for r in target.runs], dtype=np.int64), len(ring_src)),
-                        Direction.D2D)
+    bare = bare_ring_batch(src, dst, target)
     bare_ranges = [transfer.device_range(t) for p in src + dst for t in p]
     bare_stream = transfer.new_stream()
 

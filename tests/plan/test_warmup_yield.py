@@ -157,21 +157,8 @@ def test_a_foreground_store_hands_out_no_token_and_a_bad_yield_is_refused():
         client.close()
 
 
-class HeldClient(EmbeddedPlanClient):
-    """An embedded client whose segment is ready only once ``gate`` is set."""
-
-    def __init__(self) -> None:
-        super().__init__(segment_bytes=1 << 20, prefault_threads=1)
-        self.gate = threading.Event()
-
-    def wait_local_segments_ready(self):
-        assert self.gate.wait(10)
-        return super().wait_local_segments_ready()
-
-
-def test_a_tiered_store_is_ready_while_any_level_is_and_its_token_holds_every_warming_level():
-    client = HeldClient()
-    plan = PlanTierStore(plan_client=client, transfer=HostTransferRuntime(), overlap=False, warmup="background")
+def test_a_tiered_store_is_ready_while_any_level_is_and_its_token_holds_every_warming_level(warming_plan_store):
+    plan, client = warming_plan_store
     memory = InMemoryTierStore()
     try:
         alone = TieredStore(stores=[("fluxon_plan", plan)])
@@ -184,7 +171,4 @@ def test_a_tiered_store_is_ready_while_any_level_is_and_its_token_holds_every_wa
         client.gate.set()
         assert plan.wait_ready(10) and alone.ready and alone.session_starting() is NO_TOKEN
     finally:
-        client.gate.set()
-        plan.close()
         memory.close()
-        client.close()
