@@ -5,12 +5,15 @@ hook) makes CUDA calls that wait for the driver's and the mmap locks while a seg
 registered (`cudaHostRegister`, ~16 MiB a piece in a background warm-up). So a background warm-up
 asks `wait_clear` between two pieces and pauses while any session is starting. Each start is
 bounded: its token expires ``yield_s`` after it began, so a binding that is never used (or leaks
-its token) cannot stall the warm-up for longer.
+its token) cannot stall the warm-up for longer; and a warm-up yields at most ``total_s`` in all
+(default ten starts' worth), so back-to-back session starts on a busy server cannot keep the
+store cold for ever. `close` ends every wait at once (the store is being closed).
 
     starts = SessionStarts(yield_s=2.0)
     token = starts.begin()          a session is starting (counted); ``with starts.begin():`` too
     token.release()                 idempotent; ``NO_TOKEN.release()`` does nothing
     starts.wait_clear() -> float    blocks while an unexpired token is held; the seconds waited
+    starts.close()                  no more waits: wait_clear returns at once, begin hands out NO_TOKEN
     combine(tokens)                 one token releasing several (a tiered store's levels)
 """
 
@@ -73,8 +76,11 @@ def combine(tokens: Iterable[StartToken]) -> StartToken:
 class SessionStarts:
     """The sessions starting now (see the module docstring); thread-safe."""
 
-    def __init__(self, yield_s: float = 2.0) -> None:
+    def __init__(self, yield_s: float = 2.0, total_s: Optional[float] = None) -> None:
         self.yield_s = float(yield_s)
+        self.total_s = 10 * self.yield_s if total_s is None else float(total_s)
+        self.waited_s = 0.0  # in all, over every wait_clear
+        self._closed = False
         self._clock = time.monotonic
         self._cond = threading.Condition()
         self._deadlines: dict[int, float] = {}  # token id -> when it expires
@@ -85,7 +91,7 @@ class SessionStarts:
     def begin(self) -> StartToken:
         """Count one session start until the token is released or ``yield_s`` has passed
         (``yield_s <= 0``: yield to nothing)."""
-        if self.yield_s <= 0:
+        if self.yield_s <= 0 or self._closed:
             return NO_TOKEN
         with self._cond:
             ident = next(self._ids)
@@ -114,17 +120,32 @@ class SessionStarts:
         return min(self._deadlines.values(), default=None)
 
     def wait_clear(self) -> float:
-        """Block while any unexpired start is held; the seconds waited (0.0 when none was)."""
+        """Block while any unexpired start is held, until ``total_s`` of waiting in all or
+        `close`; the seconds waited (0.0 when none was)."""
         with self._cond:
             t0 = self._clock()
             deadline = self._drop_expired(t0)
-            if deadline is None:
+            if deadline is None or self._closed or self.waited_s >= self.total_s:
                 return 0.0
             self.waiting += 1
             try:
-                while deadline is not None:
-                    self._cond.wait(max(deadline - self._clock(), 0.0))
+                while deadline is not None and not self._closed:
+                    budget = self.total_s - self.waited_s - (self._clock() - t0)
+                    if budget <= 0:
+                        log.info("the warm-up has yielded %.1f s to session starts in all; it goes on",
+                                 self.total_s)
+                        break
+                    self._cond.wait(max(min(deadline - self._clock(), budget), 0.0))
                     deadline = self._drop_expired(self._clock())
             finally:
                 self.waiting -= 1
-            return self._clock() - t0
+            waited = self._clock() - t0
+            self.waited_s += waited
+            return waited
+
+    def close(self) -> None:
+        """End every wait now and take no more starts (idempotent)."""
+        with self._cond:
+            self._closed = True
+            self._deadlines.clear()
+            self._cond.notify_all()

@@ -198,6 +198,7 @@ class CudaTransferRuntime(TransferRuntimeBase):
         self._stream_flags = getattr(self._rt, "cudaStreamNonBlocking", 1)
         self._event_flags = getattr(self._rt, "cudaEventDisableTiming", 2)
         self._idle: dict[int, list[Any]] = {}  # device -> events kept for reuse (`idle_events`)
+        self._closing = False
         self._event_device: dict[int, int] = {}  # id(event) -> its device, for events made here
         for name, value, least in (("kernel_min_copies", kernel_min_copies, 1), ("kernel_h2d_max_mean_bytes", kernel_h2d_max_mean_bytes, 0)):
             if not isinstance(value, int) or value < least:
@@ -488,7 +489,7 @@ class CudaTransferRuntime(TransferRuntimeBase):
     def _destroy_event(self, event: Any) -> None:
         device = self._event_device.get(id(event))
         idle = self._idle.setdefault(device, []) if device is not None else None
-        if idle is not None and not self._closed and len(idle) < _IDLE_EVENTS:
+        if idle is not None and not self._closing and len(idle) < _IDLE_EVENTS:
             idle.append(event)
             return
         self._event_device.pop(id(event), None)
@@ -498,6 +499,7 @@ class CudaTransferRuntime(TransferRuntimeBase):
 
     def close(self) -> None:
         """Destroy the idle events, then what every runtime does (`TransferRuntimeBase.close`)."""
+        self._closing = True  # events released from now on are destroyed, not kept
         idle, self._idle = self._idle, {}
         for events in idle.values():
             for event in events:

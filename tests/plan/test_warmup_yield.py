@@ -172,3 +172,50 @@ def test_a_tiered_store_is_ready_while_any_level_is_and_its_token_holds_every_wa
         assert plan.wait_ready(10) and alone.ready and alone.session_starting() is NO_TOKEN
     finally:
         memory.close()
+
+
+def test_the_warm_up_yields_at_most_total_s_in_all_and_close_ends_every_wait():
+    starts = SessionStarts(yield_s=30, total_s=0.2)
+    starts.begin()  # back-to-back starts would each hold it; the total bounds them
+    assert 0.15 <= starts.wait_clear() < 5
+    starts.begin()
+    assert starts.wait_clear() == 0.0  # its budget is spent
+    closing = SessionStarts(yield_s=30)
+    closing.begin()
+    waited: list[float] = []
+    t = threading.Thread(target=lambda: waited.append(closing.wait_clear()))
+    t.start()
+    assert eventually(lambda: closing.waiting == 1)
+    closing.close()
+    t.join(5)
+    assert not t.is_alive() and waited[0] < 5
+    assert closing.begin() is NO_TOKEN and closing.wait_clear() == 0.0
+
+
+def test_close_does_not_wait_for_a_session_token_never_released(warming_plan_store):
+    store, client = warming_plan_store
+    store.session_starting()  # a binding made and never used (the store yields up to 2 s to it)
+    client.gate.set()
+    t0 = time.monotonic()
+    store.close()
+    assert time.monotonic() - t0 < 1.5
+
+
+def test_a_tiered_store_waits_for_every_level_and_releases_taken_tokens_on_failure(warming_plan_store):
+    plan, client = warming_plan_store
+
+    class Failing(InMemoryTierStore):
+        def session_starting(self):
+            raise RuntimeError("no token")
+
+    failing = Failing()
+    try:
+        tiered = TieredStore(stores=[("fluxon_plan", plan), ("memory", failing)])
+        with pytest.raises(RuntimeError, match="no token"):
+            tiered.session_starting()
+        assert plan._starts.starting == 0  # the plan level's token (and the first-start one) released
+        assert not tiered.wait_ready(0.05)
+        client.gate.set()
+        assert tiered.wait_ready(10) and plan.ready
+    finally:
+        failing.close()

@@ -156,9 +156,9 @@ def check_path(
 @functools.lru_cache(maxsize=64)
 def _runs_as_arrays(runs: tuple, window_depths: tuple, token_bytes: int) -> tuple:
     slot = {depth: j for j, depth in enumerate(window_depths)}
+    tokens = np.array([(r.src_token, r.dst_token, r.n_tokens) for r in runs], dtype=np.int64).reshape(-1, 3)
     arrays = [np.array([slot[r.chunk_depth] for r in runs], dtype=np.int64)]
-    arrays += [np.array(col, dtype=np.int64) * token_bytes
-               for col in zip(*[(r.src_token, r.dst_token, r.n_tokens) for r in runs])]
+    arrays += [np.ascontiguousarray(tokens[:, i]) * token_bytes for i in range(3)]
     for a in arrays:
         a.flags.writeable = False  # shared by every restore of this shape
     return tuple(arrays)
@@ -281,7 +281,8 @@ class Reader:
         would take for its bytes, then polling every `_RESTORE_POLL_S` (a restore lands in
         milliseconds: the default schedule's coarser polls would add a tenth of one to it)."""
         expected = _SLEEP_FRACTION * pending.nbytes / self._best_rate if self._best_rate else 0.0
-        pending.wait(poll_s=_RESTORE_POLL_S, expected_s=expected)
+        expected -= time.perf_counter() - pending.submitted_at  # the submission itself took that long
+        pending.wait(poll_s=_RESTORE_POLL_S, expected_s=max(expected, 0.0))
         if pending.seconds:
             self._best_rate = max(self._best_rate, pending.nbytes / pending.seconds)
 

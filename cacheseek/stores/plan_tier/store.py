@@ -448,7 +448,7 @@ class PlanTierStore:
         unregister the segments, close what this store built. Idempotent."""
         if self._closed:
             return
-        self._release_first_start()
+        self._starts.close()  # no session start holds the warm-up any more (nor the first one)
         self._warmup.join(max(60.0, self.commit_timeout_s))  # never tear down under the warm-up
         try:
             self.flush()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -151,8 +152,27 @@ class TieredStore:
     def session_starting(self) -> StartToken:
         """A session is starting: every level warming in the background yields to it until the
         token is released (`cacheseek.stores.startup`)."""
-        return combine(fn() for lv in self._levels
-                       if (fn := getattr(lv.store, "session_starting", None)) is not None)
+        taken: list[StartToken] = []
+        try:
+            for lv in self._levels:
+                fn = getattr(lv.store, "session_starting", None)
+                if fn is not None:
+                    taken.append(fn())
+        except BaseException:
+            combine(taken).release()  # what was taken before the failure
+            raise
+        return combine(taken)
+
+    def wait_ready(self, timeout_s: Optional[float] = None) -> bool:
+        """Block until every level warming in the background is ready (at most ``timeout_s`` in
+        all); whether every level is."""
+        end = None if timeout_s is None else time.monotonic() + timeout_s
+        ok = True
+        for lv in self._levels:
+            fn = getattr(lv.store, "wait_ready", None)
+            if fn is not None:
+                ok = fn(None if end is None else max(end - time.monotonic(), 0.0)) and ok
+        return ok
 
     # -- residency ------------------------------------------------------------------------------
     def levels_of(self, handle: BlobHandle) -> tuple[int, ...]:
