@@ -333,6 +333,16 @@ class CudaTransferRuntime(TransferRuntimeBase):
             return None
         return kernel
 
+    def fast_on(self, batch: CopyBatch, stream: Any = None) -> bool:
+        """Whether ``batch`` submitted on ``stream`` (None: the caller's current stream) runs as
+        fast as on a stream of the runtime's own: the range-copy kernel takes it, or the batch
+        API is offered there (the legacy default stream refuses it). A restore then goes straight
+        on the producer stream, ordered by the stream itself, with no events to make and wait
+        for."""
+        if self._kernel_for(batch) is not None:
+            return True
+        return self._batch_fn is not None and self._resolve_stream(stream) not in _LEGACY_STREAMS
+
     def _submit(self, batch: CopyBatch, stream: int) -> None:
         self.bind_thread()
         kernel = self._kernel_for(batch)

@@ -72,31 +72,48 @@ def test_a_rolled_restore_is_three_runs_per_tensor(make_store):
         assert d.nbytes == target.runs[run].n_tokens * TOKEN_BYTES
 
 
-def test_read_order_one_get_one_batch_one_sync_then_views_released(make_store):
+READ_CALLS = ("get_start", "get_transfer", "copy_batch", "cudaStreamWaitEvent", "cudaEventSynchronize",
+              "release_views", "cancel_get_transfer", "cudaStreamSynchronize")
+
+
+def test_read_order_on_the_producer_stream_one_get_one_batch_one_sync_then_views_released(make_store):
+    """Where the runtime moves the batch as fast on the producer stream (the batch API is offered
+    on stream 7), the read goes there: the stream orders it, no event is waited for."""
     geom, _ = GEOMETRIES["full_length"]
     store, parts = make_store("fake_cuda")
     nodes, _, _, kv_size = ingest(store, geom, 2)
-    log = parts["log"]
+    log, fake = parts["log"], parts["fake"]
     log.clear()
+    waits_before = len(fake.calls_named("cudaStreamWaitEvent"))
     assert store.read_path(nodes, nodes, target_for(geom, 2, kv_size))
-    wanted = ("get_start", "get_transfer", "copy_batch", "cudaStreamWaitEvent", "cudaEventSynchronize",
-              "release_views", "cancel_get_transfer", "cudaStreamSynchronize")
-    seq = [e[1] for e in log if e[1] in wanted]
-    # the batch waits for the producer stream; the producer waits for the batch; the host waits
-    # once and only then are the views released
-    assert seq == ["get_start", "get_transfer", "copy_batch", "cudaStreamWaitEvent", "cudaStreamWaitEvent",
-                   "cudaEventSynchronize", "release_views"]
+    seq = [e[1] for e in log if e[1] in READ_CALLS]
+    assert seq == ["get_start", "get_transfer", "copy_batch", "cudaEventSynchronize", "release_views"]
     (keys,) = [e[2] for e in log if e[1] == "get_start"]
     h0, h1 = nodes[0].blob.locator, nodes[1].blob.locator
     assert keys == [n.skeleton.latent_locator for n in nodes] + [
         f"{h}:L{i}:{x}" for h in (h0, h1) for i in range(N_LAYERS) for x in "kv"]
-    fake = parts["fake"]
+    assert fake.calls_named("cudaMemcpyBatchAsync")[-1].args[-1] == 7  # the producer stream itself
+    assert len(fake.calls_named("cudaStreamWaitEvent")) == waits_before
+    assert fake.live_events() == parts["runtime"].idle_events
+
+
+def test_read_order_on_the_read_stream_after_the_producer_and_before_it(make_store):
+    """On the legacy default stream the batch API is refused: the read goes on the store's read
+    stream, after an event of the producer stream, and the producer waits for its completion."""
+    geom, _ = GEOMETRIES["full_length"]
+    store, parts = make_store("fake_cuda", stream=0)
+    nodes, _, _, kv_size = ingest(store, geom, 2)
+    log, fake = parts["log"], parts["fake"]
+    log.clear()
+    assert store.read_path(nodes, nodes, target_for(geom, 2, kv_size))
+    seq = [e[1] for e in log if e[1] in READ_CALLS]
+    assert seq == ["get_start", "get_transfer", "copy_batch", "cudaStreamWaitEvent", "cudaStreamWaitEvent",
+                   "cudaEventSynchronize", "release_views"]
     read_stream = parts["transfer"].streams[-1]
     assert read_stream not in (0, 1, 7)
-    (batch,) = fake.calls_named("cudaMemcpyBatchAsync")[-1:]
-    assert batch.args[-1] == read_stream  # the batch API, on the read stream
+    assert fake.calls_named("cudaMemcpyBatchAsync")[-1].args[-1] == read_stream  # the batch API, on the read stream
     waits = fake.calls_named("cudaStreamWaitEvent")[-2:]
-    assert waits[0].args[0] == read_stream and waits[1].args[0] == 7  # producer -> read -> producer
+    assert waits[0].args[0] == read_stream and waits[1].args[0] == 0  # producer -> read -> producer
     assert fake.live_events() == parts["runtime"].idle_events
 
 

@@ -95,6 +95,17 @@ def test_runtime_sends_many_device_copies_to_the_kernel_and_bytes_arrive_in_stre
     assert rt.kernel_batches == 1
 
 
+def test_fast_on_the_producer_stream_where_the_kernel_or_the_batch_api_takes_the_batch(fake):
+    """`fast_on` says whether a restore may go straight on the caller's stream: the kernel takes
+    its batch on any stream; the copy engines' batch API only off the legacy default stream."""
+    d2d = CopyBatch.of((1 << 20) + np.arange(8) * 4096, (1 << 40) + np.arange(8) * 4096, 4096, Direction.D2D)
+    h2d = CopyBatch.of((1 << 20) + np.arange(8) * 4096, (1 << 40) + np.arange(8) * 4096, 4096, Direction.H2D)
+    legacy = CudaTransferRuntime(cudart=fake, current_stream=lambda: 0, tensor_device_type="cpu",
+                                 range_kernel=FakeRangeKernel(fake), kernel_min_copies=4)
+    assert legacy.fast_on(d2d) and not legacy.fast_on(h2d) and legacy.fast_on(h2d, stream=7)
+    assert not _runtime(fake, None, copy_kernel=False, use_batch_api=False).fast_on(d2d, stream=7)
+
+
 def test_policy_keeps_few_copies_large_host_reads_and_unaligned_batches_on_the_copy_engines(fake):
     kernel = FakeRangeKernel(fake)
     rt = _runtime(fake, kernel, kernel_min_copies=4, kernel_h2d_max_mean_bytes=8192)

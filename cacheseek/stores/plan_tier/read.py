@@ -15,10 +15,12 @@ get of the path's latents (``{hex}:lat``, one all-or-nothing group) and the wind
 (``atomic_group_lens = [K, 2 * n_layers, 2 * n_layers, ...]``: a partial transferable prefix is a
 miss and nothing is copied); then every copy run of every layer, K and V, followed by the latents,
 in one batch (one validation, one submission: the engine starts on the KV while nothing else is
-queued). The batch goes on the read stream after an event on the producer stream (so the ring's
-zeroing and earlier work land first); the producer stream then waits for the read's completion
-event (the runtime cannot read the ring before the copies land) and the host synchronizes once
-before the views are released.
+queued). The batch goes on the producer stream itself where the runtime moves it as fast there
+(`fast_on`: the range-copy kernel takes it, or the stream is not the legacy one): the stream
+orders it after the ring's zeroing and before the runtime's next read of the ring. Otherwise it
+goes on the read stream after an event on the producer stream, and the producer stream waits for
+the read's completion event. Either way the host synchronizes once before the views are
+released.
 """
 
 from __future__ import annotations
@@ -182,6 +184,7 @@ class Reader:
         self._latent_sizes = latent_sizes
         self._ring: Optional[_Declared] = None
         self._best_rate = 0.0  # bytes/s of the fastest restore so far (submission to landing)
+        self._dests: Optional[tuple] = None  # (declared, runs key, (dsts, sizes, codes)) of the last shape
 
     def _start(self, keys: list[str], group_lens: list[int]) -> GetRead:
         read = GetRead(self.client, self._counters, self._latent_sizes, self.client.get_start(keys, group_lens))
@@ -234,9 +237,9 @@ class Reader:
     def _read_window(
         self, latent_keys: list[str], blobs: list[BlobHandle], target: RestoreTarget, transfer: Any
     ) -> Optional[int]:
-        """One get of the path's latents and the window's KV, then one batch on the read stream
-        (every copy run of every layer into the ring, then the latents), one synchronize, the
-        producer stream made to wait for the copies, the views released. Bytes moved, or None on a
+        """One get of the path's latents and the window's KV, then one batch (every copy run of
+        every layer into the ring, then the latents) ordered after the producer stream's work and
+        before its next (module docstring), one synchronize, the views released. Bytes moved, or None on a
         miss (a missing latent or a partial transferable prefix: nothing is copied)."""
         link = self.link
         width = 2 * target.n_layers
@@ -252,10 +255,15 @@ class Reader:
                 return None
             values = np.array(decode_plan_table(table, n, arena=table_arena(self.client)), dtype=np.int64)
             declared = self._declared(transfer, target)
-            batch = self._window_batch(values, len(latent_keys), lat_sizes, len(blobs), target, declared.ring_ptrs)
+            batch = self._window_batch(values, len(latent_keys), len(blobs), target, declared)
             ranges = declared.ranges
             if link.read_stream is None:  # a runtime without streams: synchronous, on the caller's stream
                 transfer.copy_batch(batch.descriptors(), device_ranges=ranges)
+                return batch.nbytes
+            fast_on = getattr(transfer, "fast_on", None)
+            if fast_on is not None and fast_on(batch):  # the producer stream orders it: no events
+                pending = transfer.submit_batch(batch, stream=None, device_ranges=ranges)
+                self._wait(pending)
                 return batch.nbytes
             producer = transfer.record_event(None)  # the ring's zeroing and earlier work land first
             pending = transfer.submit_batch(batch, stream=link.read_stream, device_ranges=ranges, after=[producer])
@@ -286,20 +294,38 @@ class Reader:
         if pending.seconds:
             self._best_rate = max(self._best_rate, pending.nbytes / pending.seconds)
 
-    def _window_batch(self, values: Any, n_latents: int, lat_sizes: list[int], n_chunks: int,
-                      target: RestoreTarget, ring_ptrs: Any) -> CopyBatch:
+    def _window_batch(self, values: Any, n_latents: int, n_chunks: int, target: RestoreTarget,
+                      declared: _Declared) -> CopyBatch:
         """The restore's copies from the value pointers of one get (``n_latents`` latents, then
         ``n_chunks`` chunks of ``2 * n_layers`` values): every copy run, chunk-major, then layer,
-        K before V, into the ring (``ring_ptrs``: int64 ``[2 * n_layers]``, layer-major, K before
-        V); then each latent into its target. The bulk goes first, so the engine starts on it."""
-        width = 2 * target.n_layers
-        kv = values[n_latents:].reshape(n_chunks, width)
-        run_slot, src_off, dst_off, run_bytes = _run_arrays(target)
-        dsts = np.concatenate([(ring_ptrs[None, :] + dst_off[:, None]).ravel(),
-                               np.array([t.data_ptr() for t in target.latents], dtype=np.int64)])
+        K before V, into the ring; then each latent into its target. The bulk goes first, so the
+        engine starts on it. Only the sources change between restores into the same ring and
+        latent targets: the destinations, sizes and directions are kept (`_destinations`)."""
+        kv = values[n_latents:].reshape(n_chunks, 2 * target.n_layers)
+        run_slot, src_off, _, _ = _run_arrays(target)
+        dsts, sizes, codes = self._destinations(target, declared)
         srcs = np.concatenate([(kv[run_slot] + src_off[:, None]).ravel(), values[:n_latents]])
-        sizes = np.concatenate([np.repeat(run_bytes, width), np.array(lat_sizes, dtype=np.int64)])
-        return CopyBatch.of(dsts, srcs, sizes, self.link.from_values)
+        return CopyBatch(dsts, srcs, sizes, codes)
+
+    def _destinations(self, target: RestoreTarget, declared: _Declared) -> tuple:
+        """``(dsts, sizes, codes)`` of a restore into ``declared``'s ring and latent targets with
+        ``target``'s runs, int64/int8 ``[runs * 2 * n_layers + latents]``, read-only; kept for the
+        next restore of the same shape."""
+        key = (tuple(target.runs), tuple(target.window_depths), int(target.token_bytes))
+        kept = self._dests
+        if kept is not None and kept[0] is declared and kept[1] == key:
+            return kept[2]
+        _, _, dst_off, run_bytes = _run_arrays(target)
+        width = 2 * target.n_layers
+        dsts = np.concatenate([(declared.ring_ptrs[None, :] + dst_off[:, None]).ravel(),
+                               np.array([p for p, _ in declared.lat_spans], dtype=np.int64)])
+        sizes = np.concatenate([np.repeat(run_bytes, width),
+                                np.array([n for _, n in declared.lat_spans], dtype=np.int64)])
+        codes = np.full(len(dsts), self.link.from_values.code, dtype=np.int8)
+        for a in (dsts, sizes, codes):
+            a.flags.writeable = False
+        self._dests = (declared, key, (dsts, sizes, codes))
+        return dsts, sizes, codes
 
     def _declared(self, transfer: Any, target: RestoreTarget) -> _Declared:
         """The device ranges a restore declares (the ring's tensors, the latent targets, the value
