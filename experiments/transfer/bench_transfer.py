@@ -213,7 +213,7 @@ def main(argv: list[str]) -> dict:
     for label, st_ in variants:
         assert st_.read_path(rnodes, window, rtarget)
         secs = timed(lambda: st_.read_path(rnodes, window, rtarget), reps, sync=sync)
-        row("rolled", f"restore depth {depth}: {n_desc} runs, {label}", "h2d", run_bytes + sum(x.numel() * 2 for x in rlat),
+        row("rolled", f"restore depth {int(rc.depth)}: {n_desc} runs, {label}", "h2d", run_bytes + sum(x.numel() * 2 for x in rlat),
             secs, descriptors=n_desc, mean_run_bytes=run_bytes / n_desc)
     for _, st_ in variants[1:]:
         st_.close()
