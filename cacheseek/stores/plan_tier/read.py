@@ -239,8 +239,8 @@ class Reader:
     ) -> Optional[int]:
         """One get of the path's latents and the window's KV, then one batch (every copy run of
         every layer into the ring, then the latents) ordered after the producer stream's work and
-        before its next (module docstring), one synchronize, the views released. Bytes moved, or None on a
-        miss (a missing latent or a partial transferable prefix: nothing is copied)."""
+        before its next (module docstring), one synchronize, the views released. Bytes moved, or
+        None on a miss (a missing latent or a partial transferable prefix: nothing is copied)."""
         link = self.link
         width = 2 * target.n_layers
         keys = latent_keys + [k for blob in blobs for k in blob_keys(blob.locator, target.n_layers)]
