@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -39,6 +38,14 @@ from cacheseek.registry import TRANSFERS
 from cacheseek.transfer.base import SubmitFailed, TransferRuntimeBase
 from cacheseek.transfer.batch import DIRECTIONS, CopyBatch, Direction
 from cacheseek.transfer.copy_kernel import CudaRangeKernel, RangeKernel, aligned, range_tables
+from cacheseek.transfer.cuda_bindings import (
+    coerce_stream,
+    device_index,
+    import_cudart,
+    parameter_names,
+    torch_current_stream,
+)
+from cacheseek.transfer.idle_events import IdleEvents
 from cacheseek.transfer.memory import HostMapping
 from cacheseek.transfer.pending import Event
 from cacheseek.transfer.registrations import Registration
@@ -49,7 +56,6 @@ log = logging.getLogger(__name__)
 
 _LEGACY_STREAMS = (0, 1)  # the NULL stream and cudaStreamLegacy
 _BATCH_UNSUPPORTED = ("cudaErrorNotSupported", "cudaErrorCallRequiresNewerDriver")
-_IDLE_EVENTS = 16  # released events kept per device for reuse (`CudaTransferRuntime.idle_events`)
 _LEAD_COPIES = 32  # the first batched call of a batch (`CudaTransferRuntime._calls`)
 _BATCH_13_PARAMS = ("dsts", "srcs", "sizes", "count", "attrs", "attrsIdxs", "numAttrs", "stream")
 
@@ -62,80 +68,6 @@ class CudaTransferSchema:
     copy_kernel: Optional[bool] = None
     kernel_min_copies: int = 8
     kernel_h2d_max_mean_bytes: int = 0
-
-
-def _import_cudart() -> Any:
-    try:
-        from cuda.bindings import runtime as cudart
-    except ImportError:
-        try:
-            from cuda import cudart  # cuda-python < 12.6
-        except ImportError as exc:
-            raise TransferError(
-                "the CUDA transfer runtime needs cuda-bindings, which is not installed: pip install "
-                "-e '.[fluxon]' on a CUDA machine; on a CPU, transfer=auto (the default) picks host"
-            ) from exc
-    return cudart
-
-
-def _device_index(device: Any) -> Optional[int]:
-    """``"cuda:N"`` or ``N`` -> N; anything else (``"cuda"``, None) -> None: the thread's current
-    device."""
-    if device is None or isinstance(device, bool):
-        return None
-    if isinstance(device, int):
-        return device
-    text = str(device)
-    if text.startswith("cuda:") and text[5:].isdigit():
-        return int(text[5:])
-    if text.startswith("cuda:"):
-        raise TransferError(f"transfer device must be 'cuda', 'cuda:N' or an index, got {device!r}")
-    return None  # "cuda", or a CPU device of tests that run the fake cudart over CPU memory
-
-
-def coerce_stream(stream: Optional[Any]) -> Optional[int]:
-    """A raw stream handle from None, an int, or an object with ``cuda_stream`` (a torch stream)."""
-    if stream is None:
-        return None
-    if isinstance(stream, int):
-        return stream
-    handle = getattr(stream, "cuda_stream", None)
-    if isinstance(handle, int):
-        return handle
-    raise TypeError(
-        f"stream must be None, an int handle or a torch stream, got {type(stream).__name__}"
-    )
-
-
-def _torch_current_stream() -> int:
-    import torch
-
-    return int(torch.cuda.current_stream().cuda_stream)
-
-
-def _parameter_names(fn: Callable) -> list[str]:
-    """Parameter names from a Cython function's embedded signature line (``name(a: T, size_t b)``)."""
-    first = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-    m = re.match(r"^\w+\((.*)\)", first)
-    if not m:
-        return []
-    parts, depth, cur = [], 0, ""
-    for ch in m.group(1):
-        if ch in "[(":
-            depth += 1
-        elif ch in "])":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    parts.append(cur)
-    names = []
-    for part in parts:
-        part = part.split("=")[0].strip()
-        names.append(part.split(":")[0].strip() if ":" in part else part.split()[-1] if part else "")
-    return names
 
 
 @TRANSFERS.register("cuda", CudaTransferSchema)
@@ -171,12 +103,12 @@ class CudaTransferRuntime(TransferRuntimeBase):
         range_kernel: Optional[RangeKernel] = None,
     ) -> None:
         super().__init__()
-        self.device_index = _device_index(device)
+        self.device_index = device_index(device)
         if not isinstance(max_batch, int) or max_batch < 1:
             raise TransferError(f"max_batch must be an int >= 1, got {max_batch!r}")
         self.max_batch = max_batch
-        self._rt = cudart if cudart is not None else _import_cudart()
-        self._current_stream = current_stream or _torch_current_stream
+        self._rt = cudart if cudart is not None else import_cudart()
+        self._current_stream = current_stream or torch_current_stream
         self.tensor_device_type = tensor_device_type
         err = self._rt.cudaError_t
         self._ok = err.cudaSuccess
@@ -187,7 +119,7 @@ class CudaTransferRuntime(TransferRuntimeBase):
         if use_batch_api and batch_fn is None:
             raise TransferError("use_batch_api=True but these cuda bindings lack cudaMemcpyBatchAsync")
         self._batch_fn = batch_fn
-        self._batch_params = _parameter_names(batch_fn) if batch_fn is not None else []
+        self._batch_params = parameter_names(batch_fn) if batch_fn is not None else []
         self._kinds = {
             Direction.H2D: self._rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
             Direction.D2H: self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost,
@@ -197,9 +129,7 @@ class CudaTransferRuntime(TransferRuntimeBase):
         self._kind_by_code = [self._kinds[d] for d in DIRECTIONS]  # indexed by Direction.code
         self._stream_flags = getattr(self._rt, "cudaStreamNonBlocking", 1)
         self._event_flags = getattr(self._rt, "cudaEventDisableTiming", 2)
-        self._idle: dict[int, list[Any]] = {}  # device -> events kept for reuse (`idle_events`)
-        self._closing = False
-        self._event_device: dict[int, int] = {}  # id(event) -> its device, for events made here
+        self._idle = IdleEvents()  # released events kept for reuse
         for name, value, least in (("kernel_min_copies", kernel_min_copies, 1), ("kernel_h2d_max_mean_bytes", kernel_h2d_max_mean_bytes, 0)):
             if not isinstance(value, int) or value < least:
                 raise TransferError(f"{name} must be an int >= {least}, got {value!r}")
@@ -446,18 +376,15 @@ class CudaTransferRuntime(TransferRuntimeBase):
         self._check(self._rt.cudaStreamDestroy(stream)[0], "cudaStreamDestroy")
 
     def _new_event(self) -> Any:
-        """An idle event of the current device (see `idle_events`), else a new one."""
+        """A kept event of the current device (`IdleEvents`), else a new one."""
         self.bind_thread()
         device = self._current_device()
-        idle = self._idle.get(device)
-        if idle:
-            try:
-                return idle.pop()
-            except IndexError:  # another thread took the last one
-                pass
+        event = self._idle.take(device)
+        if event is not None:
+            return event
         err, event = self._rt.cudaEventCreateWithFlags(self._event_flags)[:2]
         self._check(err, "cudaEventCreateWithFlags(cudaEventDisableTiming)")
-        self._event_device[id(event)] = device
+        self._idle.made(event, device)
         return event
 
     def _current_device(self) -> int:
@@ -469,10 +396,8 @@ class CudaTransferRuntime(TransferRuntimeBase):
 
     @property
     def idle_events(self) -> int:
-        """Events kept for reuse (at most `_IDLE_EVENTS` a device): creating one costs the
-        driver tens of microseconds, twice per restore. A released event may still be pending;
-        recording it again is allowed (waits already queued keep the earlier record)."""
-        return sum(len(v) for v in self._idle.values())
+        """Released events kept for reuse now (`cacheseek.transfer.idle_events`)."""
+        return len(self._idle)
 
     def _record(self, event: Any, stream: Any) -> None:
         self._check(self._rt.cudaEventRecord(event, stream)[0], "cudaEventRecord")
@@ -497,25 +422,14 @@ class CudaTransferRuntime(TransferRuntimeBase):
         self._check(self._rt.cudaEventSynchronize(event.handle)[0], "cudaEventSynchronize")
 
     def _destroy_event(self, event: Any) -> None:
-        device = self._event_device.get(id(event))
-        idle = self._idle.setdefault(device, []) if device is not None else None
-        if idle is not None and not self._closing and len(idle) < _IDLE_EVENTS:
-            idle.append(event)
-            return
-        self._event_device.pop(id(event), None)
-        err = self._rt.cudaEventDestroy(event)[0]
-        if err != self._ok:
+        if not self._idle.give(event) and self._rt.cudaEventDestroy(event)[0] != self._ok:
             self._clear_last_error()
 
     def close(self) -> None:
-        """Destroy the idle events, then what every runtime does (`TransferRuntimeBase.close`)."""
-        self._closing = True  # events released from now on are destroyed, not kept
-        idle, self._idle = self._idle, {}
-        for events in idle.values():
-            for event in events:
-                self._event_device.pop(id(event), None)
-                if self._rt.cudaEventDestroy(event)[0] != self._ok:
-                    self._clear_last_error()
+        """Destroy the kept events, then what every runtime does (`TransferRuntimeBase.close`)."""
+        for event in self._idle.drain():  # events released from now on are destroyed at once
+            if self._rt.cudaEventDestroy(event)[0] != self._ok:
+                self._clear_last_error()
         super().close()
 
     def _synchronize(self, stream: int) -> None:

@@ -137,14 +137,14 @@ def _sweep(cfg, run, dst_dev, src_dev, results: dict, prog) -> list[dict]:
     from cacheseek.transfer.batch import CopyBatch, Direction
     from cacheseek.transfer.copy_kernel import CudaRangeKernel, KernelShape
     from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
-    from cacheseek.transfer.cuda_transfer import _import_cudart
+    from cacheseek.transfer.cuda_bindings import import_cudart
 
     peak = results["peak"]["d2d"]["peak_gib_s"]
     out = []
     for threads, per_sm, unroll, hint in cfg.sweep:
         shape = KernelShape(int(threads), int(per_sm), int(unroll), str(hint))
         rt = CudaTransferRuntime(copy_kernel=True, kernel_min_copies=1,
-                                 range_kernel=CudaRangeKernel(_import_cudart(), 0, shape))
+                                 range_kernel=CudaRangeKernel(import_cudart(), 0, shape))
         row = {"shape": [shape.threads, shape.blocks_per_sm, shape.unroll, shape.hint], "cases": []}
         for _, size, count in cfg.sweep_cases:
             size, count = int(size), int(count)

@@ -8,7 +8,8 @@ import torch
 
 from cacheseek.errors import RegistrationError, TransferError
 from cacheseek.transfer.batch import CopyDescriptor, Direction
-from cacheseek.transfer.cuda_transfer import CudaTransferRuntime, _parameter_names
+from cacheseek.transfer.cuda_bindings import parameter_names
+from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
 from cacheseek.transfer.fake_cuda import FakeCudart
 from cacheseek.transfer.fake_cudart_types import cudaError_t, cudaMemcpyKind
 from plan_testkit import HostBuffer
@@ -237,14 +238,14 @@ def test_use_batch_api_true_requires_the_call():
 
 def test_batch_signature_read_from_the_binding_docstring():
     fake = FakeCudart()
-    assert _parameter_names(fake.cudaMemcpyBatchAsync) == [
+    assert parameter_names(fake.cudaMemcpyBatchAsync) == [
         "dsts", "srcs", "sizes", "count", "attrs", "attrsIdxs", "numAttrs", "stream",
     ]
 
     def with_fail_idx():
         """cudaMemcpyBatchAsync(dsts: list[Any], srcs: list[Any], sizes: list[int], size_t count, attrs: Optional[tuple[A] | list[A]], attrsIdxs: list[int], size_t numAttrs, failIdx, hStream)"""
 
-    assert _parameter_names(with_fail_idx)[-2:] == ["failIdx", "hStream"]
+    assert parameter_names(with_fail_idx)[-2:] == ["failIdx", "hStream"]
 
 
 # -- cuda:N (issue 12): CUDA state is made on the runtime's device, on every thread ------------

@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 from cacheseek.transfer.batch import CopyBatch, Direction
-from cacheseek.transfer.cuda_transfer import _IDLE_EVENTS, CudaTransferRuntime
+from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
+from cacheseek.transfer.idle_events import IDLE_EVENTS
 from cacheseek.transfer.fake_cuda import FakeCudart
 
 
@@ -42,10 +43,10 @@ def test_released_events_are_reused_and_every_copy_still_lands():
 def test_idle_events_are_bounded_and_kept_per_device():
     fake = FakeCudart(unknown_is_device=True)
     rt = _runtime(fake)
-    many = [rt.record_event(None) for _ in range(_IDLE_EVENTS + 5)]
+    many = [rt.record_event(None) for _ in range(IDLE_EVENTS + 5)]
     for ev in many:
         rt.release_event(ev)
-    assert rt.idle_events == _IDLE_EVENTS and fake.live_events() == _IDLE_EVENTS  # the rest destroyed
+    assert rt.idle_events == IDLE_EVENTS and fake.live_events() == IDLE_EVENTS  # the rest destroyed
     fake.cudaSetDevice(1)
     made = len(fake.calls_named("cudaEventCreateWithFlags"))
     other = rt.record_event(None)  # device 1 gets none of device 0's events
