@@ -27,9 +27,10 @@ def compose_cfg():
 
 
 @pytest.fixture
-def warming_plan_store():
-    """``(store, client)``: a Plan tier store (host transfer, no overlap) whose background warm-up
-    is held: its client's segment becomes ready only once ``client.gate`` is set."""
+def held_plan_store():
+    """``make(segment_bytes=1 MiB) -> (store, client)``: a Plan tier store (host transfer, no
+    overlap) whose background warm-up is held: its client's segment becomes ready only once
+    ``client.gate`` is set. Everything made is closed after the test."""
     import threading
 
     from cacheseek.plan.embedded import EmbeddedPlanClient
@@ -37,17 +38,30 @@ def warming_plan_store():
     from cacheseek.transfer.host_transfer import HostTransferRuntime
 
     class HeldClient(EmbeddedPlanClient):
-        def __init__(self) -> None:
-            super().__init__(segment_bytes=1 << 20, prefault_threads=1)
+        def __init__(self, segment_bytes: int) -> None:
+            super().__init__(segment_bytes=segment_bytes, prefault_threads=1)
             self.gate = threading.Event()
 
         def wait_local_segments_ready(self):
             assert self.gate.wait(20)
             return super().wait_local_segments_ready()
 
-    client = HeldClient()
-    store = PlanTierStore(plan_client=client, transfer=HostTransferRuntime(), overlap=False, warmup="background")
-    yield store, client
-    client.gate.set()
-    store.close()
-    client.close()
+    made = []
+
+    def make(segment_bytes: int = 1 << 20):
+        client = HeldClient(segment_bytes)
+        store = PlanTierStore(plan_client=client, transfer=HostTransferRuntime(), overlap=False, warmup="background")
+        made.append((store, client))
+        return store, client
+
+    yield make
+    for store, client in made:
+        client.gate.set()
+        store.close()
+        client.close()
+
+
+@pytest.fixture
+def warming_plan_store(held_plan_store):
+    """``(store, client)`` of `held_plan_store` with a 1 MiB segment."""
+    return held_plan_store()

@@ -148,3 +148,37 @@ def test_layouts_are_told_apart_by_their_fields():
     assert detect_layout(_fake_telefuser(ring, ["prompt"])) is TeleFuserLayout.RELEASED
     with pytest.raises(UnsupportedTeleFuserError, match="only part of the world_kv hooks"):
         detect_layout(_fake_telefuser(ring + hooks[:2], ["prompt"]))
+
+
+def test_a_warming_store_is_bypassed_then_keys_are_lazy_on_the_real_pipeline(factory, held_plan_store):
+    """On TeleFuser's loop: a session that starts while the Plan tier warms in the background runs
+    as with no cache (no keys, nothing read or written, the same frames); once warm, a session
+    writes every chunk with keys computed off the request path, equal to `action_keys`, and the
+    next one restores its whole prefix."""
+    from cacheseek.reuse.exact_prefix.actions import action_keys
+
+    store, client = held_plan_store(64 << 20)
+    cfg = make_rolling_config(local_attn_size=7, sink_size=3)
+    manager = WorldKVManager(NamespaceForest(), store, cfg)
+    baseline = factory.make(ACTIONS)
+    baseline.generate()
+    warming = _binding(manager, factory)
+    run = factory.make(ACTIONS, hooks=warming)
+    run.generate()
+    assert warming.bypassed_warming and warming.root is None and list(warming.actions) == []
+    assert run.frame_hashes == baseline.frame_hashes and len(manager.forest) == 0
+    assert store._starts.starting == 0  # the session's start-up released the warm-up
+    client.gate.set()
+    assert store.wait_ready(30)
+    writer = _binding(manager, factory)
+    cold = factory.make(ACTIONS, hooks=writer)
+    cold.generate()
+    store.flush()
+    assert not writer.bypassed_warming and writer.last_fast_forward == 0
+    controls = writer.layout.controls(cold.runtime)
+    assert list(writer.actions) == action_keys(list(controls)[: len(ACTIONS)])
+    hit = _binding(manager, factory)
+    again = factory.make(ACTIONS, hooks=hit)
+    again.generate()
+    assert hit.last_fast_forward == len(ACTIONS) and again.frame_hashes == baseline.frame_hashes
+    assert store.stats.read_hits >= 1
