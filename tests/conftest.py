@@ -27,29 +27,36 @@ def compose_cfg():
 
 
 @pytest.fixture
-def held_plan_store():
-    """``make(segment_bytes=1 MiB) -> (store, client)``: a Plan tier store (host transfer, no
-    overlap) whose background warm-up is held: its client's segment becomes ready only once
-    ``client.gate`` is set. Everything made is closed after the test."""
+def gated():
+    """``make(segment_bytes=1 MiB, fail=False) -> (store, client)``: a Plan tier store (host
+    transfer, no overlap) warming in the background over an embedded client whose segment is
+    ready only once ``client.gate`` is set (``client.asked``: the warm-up asked for it; ``fail``:
+    it then fails). The warm-up first waits for a first session's start-up, as every background
+    warm-up does: ``store.session_starting().release()`` lets it go on. Closed after the test."""
     import threading
 
     from cacheseek.plan.embedded import EmbeddedPlanClient
     from cacheseek.stores.plan_tier import PlanTierStore
     from cacheseek.transfer.host_transfer import HostTransferRuntime
 
-    class HeldClient(EmbeddedPlanClient):
-        def __init__(self, segment_bytes: int) -> None:
+    class GatedClient(EmbeddedPlanClient):
+        def __init__(self, segment_bytes: int, fail: bool) -> None:
             super().__init__(segment_bytes=segment_bytes, prefault_threads=1)
             self.gate = threading.Event()
+            self.fail = fail
+            self.asked = threading.Event()
 
         def wait_local_segments_ready(self):
+            self.asked.set()
             assert self.gate.wait(20)
+            if self.fail:
+                raise OSError(12, "Cannot allocate memory")
             return super().wait_local_segments_ready()
 
     made = []
 
-    def make(segment_bytes: int = 1 << 20):
-        client = HeldClient(segment_bytes)
+    def make(segment_bytes: int = 1 << 20, fail: bool = False):
+        client = GatedClient(segment_bytes, fail)
         store = PlanTierStore(plan_client=client, transfer=HostTransferRuntime(), overlap=False, warmup="background")
         made.append((store, client))
         return store, client
@@ -59,9 +66,3 @@ def held_plan_store():
         client.gate.set()
         store.close()
         client.close()
-
-
-@pytest.fixture
-def warming_plan_store(held_plan_store):
-    """``(store, client)`` of `held_plan_store` with a 1 MiB segment."""
-    return held_plan_store()

@@ -79,8 +79,8 @@ def calls(monkeypatch) -> Calls:
 # -- a store still warming up ----------------------------------------------------------------------
 
 @pytest.fixture
-def warming(warming_plan_store):
-    return warming_plan_store
+def warming(gated):
+    return gated()
 
 
 def test_a_warming_store_is_bypassed_then_used_once_warm(warming, calls, caplog):

@@ -172,3 +172,15 @@ def restore_target(geom: RingGeometry, k: int, kv_size: int, *, n_layers: int = 
         chunk_tokens=geom.chunk_size * geom.frame_tokens,
         latents=tuple(zeros(LATENT_SHAPE) for _ in range(k)),
     )
+
+
+def assert_restores_match(store: Any, geom: RingGeometry, nodes: list, states: list, kv_size: int,
+                          depths: tuple[int, ...], **ring_kw: Any) -> None:
+    """Restore each depth in ``depths`` of an `ingest` path into a fresh target and assert its
+    ring equals the cold session's ring at that depth, up to ``local_end``."""
+    for k in depths:
+        target = restore_target(geom, k, kv_size, **ring_kw)
+        assert store.read_path(nodes[:k], [nodes[d] for d in geom.window_depths(k)], target)
+        cold, local_end, _ = states[k - 1]
+        for (rk, rv), (ck, cv) in zip(target.kv, cold):
+            assert torch.equal(rk[:, :local_end], ck[:, :local_end]) and torch.equal(rv[:, :local_end], cv[:, :local_end])

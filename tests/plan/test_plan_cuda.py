@@ -19,7 +19,7 @@ from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.batch import CopyDescriptor, Direction
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
 from cacheseek.transfer.memory import HostMapping
-from plan_testkit import ingest, restore_target
+from plan_testkit import assert_restores_match, ingest, restore_target
 
 pytestmark = [
     pytest.mark.cuda,
@@ -211,10 +211,5 @@ def test_plan_tier_in_pieces_round_trips_on_cuda(warmup):
     assert store.wait_ready(60) and store.stats.register_pieces == 16
     ring_kw = dict(n_layers=3, heads=32, dim=128, dtype=torch.bfloat16, device="cuda")  # 96 KiB values
     nodes, states, latents, kv_size = ingest(store, geom, 5, **ring_kw)
-    for k in (3, 5):
-        target = restore_target(geom, k, kv_size, **ring_kw)
-        assert store.read_path(nodes[:k], [nodes[d] for d in geom.window_depths(k)], target)
-        cold, local_end, _ = states[k - 1]
-        for (rk, rv), (ck, cv) in zip(target.kv, cold):
-            assert torch.equal(rk[:, :local_end], ck[:, :local_end]) and torch.equal(rv[:, :local_end], cv[:, :local_end])
+    assert_restores_match(store, geom, nodes, states, kv_size, (3, 5), **ring_kw)
     store.close()

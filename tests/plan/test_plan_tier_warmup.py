@@ -23,42 +23,9 @@ from plan_testkit import ingest, restore_target
 GEOM = RingGeometry(chunk_size=3, frame_tokens=2, local_attn_size=7, sink_size=3)
 
 
-class GatedClient(EmbeddedPlanClient):
-    """An embedded client whose segment is ready only once ``gate`` is set (or that fails)."""
-
-    def __init__(self, *, fail: bool = False) -> None:
-        super().__init__(segment_bytes=1 << 20, prefault_threads=1)
-        self.gate = threading.Event()
-        self.fail = fail
-        self.asked = threading.Event()
-
-    def wait_local_segments_ready(self):
-        self.asked.set()
-        assert self.gate.wait(10)
-        if self.fail:
-            raise OSError(12, "Cannot allocate memory")
-        return super().wait_local_segments_ready()
-
-
-@pytest.fixture
-def gated():
-    made = []
-
-    def _make(**kw):
-        client = GatedClient(**kw)
-        store = PlanTierStore(plan_client=client, transfer=HostTransferRuntime(), overlap=False, warmup="background")
-        made.append((store, client))
-        return store, client
-
-    yield _make
-    for store, client in made:
-        client.gate.set()
-        store.close()
-        client.close()
-
-
 def test_a_warming_store_serves_misses_and_drops_writes_then_serves_everything(gated):
     store, client = gated()
+    store.session_starting().release()  # the first session's start-up came and went: the warm-up goes on
     assert client.asked.wait(5) and not store.ready  # the constructor returned while the segment waits
     with pytest.raises(StoreWarmingError, match="still warming up"):
         ingest(store, GEOM, 1)
@@ -93,6 +60,7 @@ def test_a_failed_background_warm_up_refuses_writes_naming_the_cause(gated):
 
 def test_close_waits_for_the_warm_up_before_tearing_down(gated):
     store, client = gated()
+    store.session_starting().release()
     assert client.asked.wait(5)
     threading.Timer(0.3, client.gate.set).start()
     t0 = time.perf_counter()

@@ -18,7 +18,7 @@ from cacheseek.transfer.fake_cudart_types import cudaError_t, cudaMemcpyKind
 from cacheseek.transfer.host_transfer import HostTransferRuntime
 from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.stores.plan_tier import PlanTierStore
-from plan_testkit import HostBuffer, fake_cuda_runtime, ingest, restore_target
+from plan_testkit import assert_restores_match, HostBuffer, fake_cuda_runtime, ingest
 
 P = 4096
 STREAM = 5
@@ -149,12 +149,7 @@ def test_the_plan_tier_faults_and_registers_piece_by_piece_and_round_trips_over_
     assert stats.register_pieces == 6 and stats.mappings[0]["pieces"] == 6
     assert stats.transfer["registered_pieces"] == 6 and stats.transfer["n_registered"] == 1
     nodes, states, _, kv_size = ingest(store, GEOM, 5, **RING)
-    for k in (3, 5):
-        target = restore_target(GEOM, k, kv_size, **RING)
-        assert store.read_path(nodes[:k], [nodes[d] for d in GEOM.window_depths(k)], target)
-        cold, local_end, _ = states[k - 1]
-        for (rk, rv), (ck, cv) in zip(target.kv, cold):
-            assert torch.equal(rk[:, :local_end], ck[:, :local_end]) and torch.equal(rv[:, :local_end], cv[:, :local_end])
+    assert_restores_match(store, GEOM, nodes, states, kv_size, (3, 5), **RING)
     joints = [seg.ptr + i * 2 * MiB for i in range(1, 6)]
     assert _crossing(parts["transfer"].batches, joints) > 0  # the data path did hand over copies to cut
     runtime = parts["runtime"]

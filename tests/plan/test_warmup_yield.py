@@ -157,8 +157,8 @@ def test_a_foreground_store_hands_out_no_token_and_a_bad_yield_is_refused():
         client.close()
 
 
-def test_a_tiered_store_is_ready_while_any_level_is_and_its_token_holds_every_warming_level(warming_plan_store):
-    plan, client = warming_plan_store
+def test_a_tiered_store_is_ready_while_any_level_is_and_its_token_holds_every_warming_level(gated):
+    plan, client = gated()
     memory = InMemoryTierStore()
     try:
         alone = TieredStore(stores=[("fluxon_plan", plan)])
@@ -192,8 +192,8 @@ def test_the_warm_up_yields_at_most_total_s_in_all_and_close_ends_every_wait():
     assert closing.begin() is NO_TOKEN and closing.wait_clear() == 0.0
 
 
-def test_close_does_not_wait_for_a_session_token_never_released(warming_plan_store):
-    store, client = warming_plan_store
+def test_close_does_not_wait_for_a_session_token_never_released(gated):
+    store, client = gated()
     store.session_starting()  # a binding made and never used (the store yields up to 2 s to it)
     client.gate.set()
     t0 = time.monotonic()
@@ -201,8 +201,8 @@ def test_close_does_not_wait_for_a_session_token_never_released(warming_plan_sto
     assert time.monotonic() - t0 < 1.5
 
 
-def test_a_tiered_store_waits_for_every_level_and_releases_taken_tokens_on_failure(warming_plan_store):
-    plan, client = warming_plan_store
+def test_a_tiered_store_waits_for_every_level_and_releases_taken_tokens_on_failure(gated):
+    plan, client = gated()
 
     class Failing(InMemoryTierStore):
         def session_starting(self):

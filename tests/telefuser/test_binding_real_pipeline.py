@@ -150,14 +150,14 @@ def test_layouts_are_told_apart_by_their_fields():
         detect_layout(_fake_telefuser(ring + hooks[:2], ["prompt"]))
 
 
-def test_a_warming_store_is_bypassed_then_keys_are_lazy_on_the_real_pipeline(factory, held_plan_store):
+def test_a_warming_store_is_bypassed_then_keys_are_lazy_on_the_real_pipeline(factory, gated):
     """On TeleFuser's loop: a session that starts while the Plan tier warms in the background runs
     as with no cache (no keys, nothing read or written, the same frames); once warm, a session
     writes every chunk with keys computed off the request path, equal to `action_keys`, and the
     next one restores its whole prefix."""
     from cacheseek.reuse.exact_prefix.actions import action_keys
 
-    store, client = held_plan_store(64 << 20)
+    store, client = gated(64 << 20)
     cfg = make_rolling_config(local_attn_size=7, sink_size=3)
     manager = WorldKVManager(NamespaceForest(), store, cfg)
     baseline = factory.make(ACTIONS)
