@@ -65,6 +65,11 @@ class LayoutMismatchError(CacheSeekError):
     """Stored bytes do not match the active runtime's layout (sizes, layer count)."""
 
 
+class ControlMismatchError(CacheSeekError):
+    """A chunk restored for the control its session planned is run with another control (an
+    override that differs): its restored frames would belong to the planned control."""
+
+
 class PlanTableError(CacheSeekError):
     """A Plan pointer table failed validation (null address, wrong magic, wrong count)."""
 

@@ -9,8 +9,9 @@ Who records what:
   eviction and one retry, or a write error), evictions and invalidations, and store usage after
   every write and eviction pass (``timeline``);
 - the bindings: their hooks' failures, the sessions run uncached because the store was still
-  warming up (``sessions_bypassed_warming``) and the chunks whose control had no key
-  (``action_key_errors``);
+  warming up (``sessions_bypassed_warming``), the chunks whose control had no key
+  (``action_key_errors``) and the chunks not cached because no control was known for them or an
+  earlier chunk (``chunks_unkeyed``: never keyed by a placeholder);
 - the store, read when the metrics are rendered (`as_dict`): its current usage (``usage()``),
   failed and pending writes and its registration seconds (``stats``), where it offers them; a
   tiered store's levels under ``tiers`` (usage, capacity, blobs, hits, writes, promotions,
@@ -71,6 +72,7 @@ class CacheMetrics:
     hook_failures: int = 0
     sessions_bypassed_warming: int = 0  # sessions run as with no cache: the store was still warming
     action_key_errors: int = 0  # a later chunk's control had no key: the session ingested no further
+    chunks_unkeyed: int = 0  # chunks not cached: their control (or an earlier chunk's) was never known
     hook_failures_by_hook: dict[str, int] = attrs.field(factory=dict)
     peak_used_bytes: int = 0
     timeline: list[tuple[float, int, Optional[int], str]] = attrs.field(factory=list)

@@ -18,8 +18,10 @@ in-process denoise stage, in ``denoise_stage._cache_registry[session.cache_handl
 
 The window (L, S) is the pipeline config's ``local_attn_size`` / ``sink_size``. The DiT returns
 float32 and x0 keeps it, so a chunk's latent is float32 ``noise_shape``. The session holds no
-controls: they are passed chunk by chunk to the streaming scheduler, so the binding gets the whole
-sequence from `plan_controls` (the integration's ``generate_video`` does it).
+controls: they are passed chunk by chunk to the streaming scheduler (``try_submit_chunk``), where
+the integration reports each to the binding as it is submitted; a caller that knows the whole
+sequence up front may plan it (`plan_controls`; the integration's ``generate_video`` does), so
+the binding can restore a cached prefix when the session is created.
 
 The session does not name its pipeline. `creating(pipeline)` marks the pipeline that is creating
 sessions in this thread (the integration wraps ``_create_initialized_session``, which calls
@@ -174,17 +176,10 @@ class TeleFuserMainLayout(RingLayout):
     def n_chunks(self, runtime: Any) -> int:
         return int(runtime.chunk_count)
 
-    def controls(self, runtime: Any) -> list[Any]:
-        controls = planned_controls(runtime.config)
-        if controls is None:
-            raise LayoutMismatchError(
-                "TeleFuser main's session holds no controls (they stream in chunk by chunk): give the "
-                "whole sequence first with cacheseek.integrations.telefuser.plan_controls(session_config, "
-                "controls), or run generate_video on an attached pipeline"
-            )
-        if len(controls) < self.n_chunks(runtime):
-            raise LayoutMismatchError(f"{len(controls)} planned controls for {self.n_chunks(runtime)} chunks")
-        return controls
+    def controls(self, runtime: Any) -> list[Any] | None:
+        """The controls planned for the session (`plan_controls`), None for a live session whose
+        controls stream in chunk by chunk (each reaches the binding as it is submitted)."""
+        return planned_controls(runtime.config)
 
     def timesteps(self, runtime: Any) -> Any:
         return self.cache_state(runtime).timesteps

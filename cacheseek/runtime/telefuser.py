@@ -12,6 +12,12 @@ A session runs chunk by chunk: on the release and the hooked commit with ``creat
 ``generate_next_chunk``; on TeleFuser main as its service does, with
 ``_create_initialized_session`` and the pipeline's streaming scheduler, one chunk submitted when
 the previous one's frames are out (encode, denoise with the hook, decode, in TeleFuser's actors).
+A session is *planned* (the default: its controls are known when it is created, camera poses in
+the session config on the release, `plan_controls` on main) or *streamed* (``make(...,
+streamed=True)``), as TeleFuser's services run live sessions: the session config holds no poses
+and each chunk's control arrives as the chunk starts (the release and hooked:
+``generate_next_chunk(runtime, control_override=pipeline.build_control_override(runtime,
+chunk))`` with the chunk's latent-frame poses; main: ``submit_chunk(session, i, control)``).
 
 A workload's action per chunk is a small vector (``[a0, a1, a2, ...]`` in [-1, 1]); here it is a
 camera move, turned into the inputs a TeleFuser user passes: per video frame a camera-to-world
@@ -190,18 +196,20 @@ class TeleFuserRuntimeFactory:
                 "device": self._device}
 
     def make(self, actions: Sequence[Sequence[float]], hooks: Any = None, total_chunks: Optional[int] = None,
-             *, image: Any = None) -> "TeleFuserSession":
+             *, image: Any = None, streamed: bool = False) -> "TeleFuserSession":
+        """A session of ``actions``; ``streamed``: its controls arrive chunk by chunk (see above)."""
         actions = list(actions)[: total_chunks or len(actions)]
         if not actions:
             raise ConfigError("runtime.actions", "a session needs at least one chunk's action")
-        return TeleFuserSession(self, actions, hooks, image)
+        return TeleFuserSession(self, actions, hooks, image, streamed=streamed)
 
-    def session_config(self, actions: Sequence[Sequence[float]], image: Any = None) -> Any:
+    def session_config(self, actions: Sequence[Sequence[float]], image: Any = None, *,
+                       streamed: bool = False) -> Any:
         from telefuser.pipelines.lingbot_world_fast.session import LingBotWorldFastSessionConfig
 
         c = self._geometry.chunk_size
         poses, intrinsics = camera_path(actions, chunk_size=c, width=self.width, height=self.height)
-        camera = {} if self.streaming else {"poses": poses, "intrinsics": intrinsics}
+        camera = {} if self.streaming or streamed else {"poses": poses, "intrinsics": intrinsics}
         return LingBotWorldFastSessionConfig(
             prompt=self.prompt, image=_pil_image(image, self.width, self.height), control_mode="cam",
             chunk_size=c, frame_num=len(poses), seed=self.seed, **camera,
@@ -212,6 +220,16 @@ class TeleFuserRuntimeFactory:
         """TeleFuser main's layout: sessions streamed through the pipeline's scheduler."""
         self.pipeline
         return self.layout is TeleFuserLayout.MAIN
+
+    def chunk_override(self, runtime: Any, actions: Sequence[Sequence[float]], k: int) -> Any:
+        """The release's (and the hooked commit's) control override of chunk ``k``, built by
+        TeleFuser's ``build_control_override`` from the chunk's latent-frame poses, as its
+        service builds one per streamed chunk."""
+        c = self._geometry.chunk_size
+        poses, intrinsics = camera_path(actions, chunk_size=c, width=self.width, height=self.height)
+        latent_poses = poses[::VIDEO_PER_LATENT]
+        chunk = {"poses": latent_poses[k * c:(k + 1) * c], "intrinsics": intrinsics[0]}
+        return self.pipeline.build_control_override(runtime, chunk)
 
     def chunk_controls(self, session_config: Any, actions: Sequence[Sequence[float]]) -> list[Any]:
         """TeleFuser main's control tensor of each chunk, built by TeleFuser from the chunk's
@@ -235,10 +253,13 @@ class TeleFuserSession:
     """One session on the real pipeline. ``hooks`` (a binding or None) is set as
     ``session_config.world_kv_binding``; TeleFuser (or the installed hooks) calls it."""
 
-    def __init__(self, factory: TeleFuserRuntimeFactory, actions: list, hooks: Any, image: Any) -> None:
+    def __init__(self, factory: TeleFuserRuntimeFactory, actions: list, hooks: Any, image: Any, *,
+                 streamed: bool = False) -> None:
         self.factory = factory
         self.pipeline = factory.pipeline
-        self.session_config = factory.session_config(actions, image)
+        self.actions = actions
+        self.streamed = streamed
+        self.session_config = factory.session_config(actions, image, streamed=streamed)
         self.session_config.world_kv_binding = hooks
         self.total_chunks = len(actions)
         self.runtime: Any = None
@@ -248,7 +269,8 @@ class TeleFuserSession:
         self._stream: Optional[_StreamedChunks] = None
         if factory.streaming:
             self._controls = factory.chunk_controls(self.session_config, actions)
-            plan_controls(self.session_config, self._controls)
+            if not streamed:
+                plan_controls(self.session_config, self._controls)
 
     def generate(self, stop_after: Optional[int] = None) -> list[bytes]:
         """Create the runtime (the binding restores here) and run chunks until ``stop_after`` are
@@ -260,7 +282,10 @@ class TeleFuserSession:
         self._start()
         vae = self.pipeline.vae
         while self.next_chunk < stop:
-            if self._stream is None:
+            if self._stream is None and self.streamed:
+                override = self.factory.chunk_override(self.runtime, self.actions, self.next_chunk)
+                self.pipeline.generate_next_chunk(self.runtime, control_override=override)
+            elif self._stream is None:
                 self.pipeline.generate_next_chunk(self.runtime)
             else:
                 self._stream.run(self.next_chunk, self._controls[self.next_chunk])

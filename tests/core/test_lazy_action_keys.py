@@ -172,3 +172,45 @@ def test_cuda_controls_keyed_on_a_side_stream_in_the_background_match_action_key
     assert keys.computed == 3 and no_key_thread_alive()  # all on the thread
     assert torch.cuda.current_stream() == main
     assert list(keys) == action_keys(host[:2] + [host[2] + 1.0])
+
+
+# -- controls that arrive chunk by chunk (live sessions) ----------------------------------------
+
+
+def test_an_unknown_control_has_no_key_until_it_is_supplied():
+    keys = LazyActionKeys([CONTROLS[0], lazy_keys.UNKNOWN, lazy_keys.UNKNOWN])
+    assert keys.known_prefix() == 1 and keys.pending == 1
+    assert keys[0] == action_keys([CONTROLS[0]])[0]
+    with pytest.raises(lazy_keys.ControlUnknownError, match="chunk 1's control is not known"):
+        keys[1]
+    keys.supply(1, None)  # a chunk that runs without control is a known control
+    assert keys.known_prefix() == 2 and keys[1] == NO_CONTROL
+    with pytest.raises(lazy_keys.ControlUnknownError):
+        keys[2]  # not kept as an error: it can still arrive
+    keys.supply(2, CONTROLS[2])
+    assert list(keys) == action_keys([CONTROLS[0], None, CONTROLS[2]])
+
+
+def test_a_supplied_control_replaces_the_planned_key():
+    keys = LazyActionKeys(CONTROLS[:2])
+    planned = keys[0]
+    keys.supply(0, CONTROLS[0])  # the same object: the key stays
+    assert keys.computed == 1
+    keys.supply(0, CONTROLS[3])
+    assert keys.computed == 0 and keys[0] == action_keys([CONTROLS[3]])[0] != planned
+
+
+def test_the_background_thread_starts_again_for_controls_supplied_later():
+    keys = LazyActionKeys([CONTROLS[0], lazy_keys.UNKNOWN])
+    keys.compute_rest_in_background()
+    assert keys._keys.thread is not None
+    keys._keys.thread.join(10)
+    assert keys.computed == 1 and keys.pending == 0
+    keys.supply(1, CONTROLS[4])
+    keys.compute_rest_in_background()
+    keys._keys.thread.join(10)
+    assert keys.computed == 2 and keys[1] == action_keys([CONTROLS[4]])[0]
+    keys.close()
+    keys.supply(1, CONTROLS[2])
+    keys.compute_rest_in_background()  # closed: the asking thread computes it
+    assert keys.computed == 1 and keys[1] == action_keys([CONTROLS[2]])[0]

@@ -23,6 +23,10 @@ What it reproduces:
   running every chunk in one other thread (the denoise actor): a cached chunk pops its latent,
   advances the noise RNG, is cast to the pipeline's bf16 and reported to ``on_chunk_finalized``;
   a computed chunk is denoised and reported; then the decode worker gets the latent;
+- ``_get_streaming_runtime()``: one streaming runtime per pipeline whose ``create_session`` /
+  ``submit_chunk`` / ``try_submit_chunk(session, i, control)`` / ``poll_frames`` are how main's
+  service streams a live session (its controls unknown when the session is created); a
+  submitted chunk runs at once in the actor thread;
 - a VAE decode worker that, like an fp32 Wan VAE, refuses a latent of another dtype.
 
 The model's K/V and x0 depend on the whole attended ring bit for bit (an exact int64 checksum of
@@ -356,6 +360,11 @@ class LingBotWorldFastPipeline:
         session.current_chunk_index = index + 1
         return out["frames"]
 
+    def _get_streaming_runtime(self) -> "StreamingRuntime":
+        if self._streaming_runtime is None:
+            self._streaming_runtime = StreamingRuntime(self)
+        return self._streaming_runtime
+
     @torch.inference_mode()
     def generate_video(self, session_config, controls, progress_callback=None, timeout=300.0):
         session = self._create_initialized_session(session_config, progress_callback)
@@ -363,6 +372,40 @@ class LingBotWorldFastPipeline:
         frames = [self.run_chunk(session, i, controls[i]) for i in range(session.chunk_count)]
         self.last_session = session
         return frames
+
+
+@dataclasses.dataclass
+class StreamingSession:
+    session_id: str
+    cache_handle: int
+
+
+class StreamingRuntime:
+    """Main's streaming runtime as its service drives it: a control per submitted chunk."""
+
+    def __init__(self, pipeline: LingBotWorldFastPipeline) -> None:
+        self.pipeline = pipeline
+        self._runtimes: dict[int, Any] = {}
+        self._frames: dict[int, list] = {}
+
+    def create_session(self, runtime, progress_callback=None) -> StreamingSession:
+        self._runtimes[runtime.cache_handle] = runtime
+        self._frames[runtime.cache_handle] = []
+        return StreamingSession(f"lingbot-{runtime.cache_handle}", runtime.cache_handle)
+
+    def submit_chunk(self, session: StreamingSession, chunk_index: int, control) -> None:
+        if not self.try_submit_chunk(session, chunk_index, control):
+            raise RuntimeError("LingBot streaming ingress is full")
+
+    def try_submit_chunk(self, session: StreamingSession, chunk_index: int, control) -> bool:
+        runtime = self._runtimes[session.cache_handle]
+        frames = self.pipeline.run_chunk(runtime, chunk_index, control)
+        self._frames[session.cache_handle].append((chunk_index, frames))
+        return True
+
+    def poll_frames(self, session: StreamingSession) -> list:
+        out, self._frames[session.cache_handle] = self._frames[session.cache_handle], []
+        return out
 
 
 def controls_for(actions, *, chunk_size: int = 3, height: int = 32, width: int = 32) -> list[torch.Tensor]:

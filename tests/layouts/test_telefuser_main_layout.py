@@ -124,8 +124,7 @@ def test_what_the_adapter_cannot_find_is_named():
 
     attached = pipeline_for("full")
     session = attached._create_initialized_session(tm.session_config(N))
-    with pytest.raises(LayoutMismatchError, match="plan_controls"):
-        LAYOUT.controls(session)
+    assert LAYOUT.controls(session) is None  # a live session: its controls stream in per chunk
     attached.denoise_stage.release_cache(session.cache_handle)
     with pytest.raises(LayoutMismatchError, match="not registered"):
         LAYOUT.ring_layers(session)
@@ -290,3 +289,47 @@ def test_generate_video_plans_the_controls_it_was_given_even_deferred():
     pipeline.generate_video(tm.session_config(N, binding=second), controls)
     assert (first.last_fast_forward, second.last_fast_forward) == (0, N)
     assert threading.current_thread().name not in pipeline.hook_threads
+
+
+# -- live sessions: controls submitted chunk by chunk, as main's service does --------------------
+
+
+def stream(pipeline, actions, binding=None):
+    """A live session on the double's streaming runtime: created with no controls, then one
+    ``submit_chunk(session, i, control)`` per chunk. The frames, in chunk order."""
+    session = pipeline._create_initialized_session(tm.session_config(len(actions), binding=binding))
+    streaming = pipeline._get_streaming_runtime()
+    handle = streaming.create_session(session)
+    frames = []
+    for i, control in enumerate(tm.controls_for(actions)):
+        streaming.submit_chunk(handle, i, control)
+        frames += [f for _, f in streaming.poll_frames(handle)]
+    return frames, session
+
+
+@pytest.mark.parametrize("ring", sorted(RINGS))
+def test_live_sessions_are_keyed_by_each_submitted_control(ring):
+    """Two live sessions with other actions never restore each other's chunks; each chunk's node
+    is keyed by the control submitted for it, and no binding without ``layout=`` fails."""
+    from cacheseek.reuse.exact_prefix.actions import action_keys
+    from cacheseek.reuse.exact_prefix.keys import build_action_chain
+
+    pipeline = pipeline_for(ring)
+    manager = manager_for(ring)
+    cold_y, _ = stream(pipeline, ACTIONS_Y)
+    x = LingBotWorldKVBinding(manager, manager.forest)  # the layout is told from the session
+    stream(pipeline, ACTIONS_X, x)
+    y = LingBotWorldKVBinding(manager, manager.forest)
+    frames_y, _ = stream(pipeline, ACTIONS_Y, y)
+    assert manager.metrics.hook_failures == 0 and manager.metrics.chunks_unkeyed == 0
+    assert x.last_fast_forward == y.last_fast_forward == 0
+    assert same_frames(frames_y, cold_y)
+    for binding, actions in ((x, ACTIONS_X), (y, ACTIONS_Y)):
+        assert list(binding.actions) == action_keys(tm.controls_for(actions))
+        chain = build_action_chain(binding.root, list(binding.actions))
+        node = manager.forest.resolve(binding.root).root
+        for key, expected in zip(binding.actions, chain):
+            node = node.children[key]
+            assert node.node_key == expected and node.has_kv
+    ns = manager.forest.resolve(x.root)
+    assert len(ns.root.children) == 1  # P shared: one branch point at chunk P

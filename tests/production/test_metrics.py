@@ -31,7 +31,7 @@ KEYS = {
     "eviction_passes", "eviction_errors", "demotions", "demoted_bytes", "demotion_passes", "demotion_errors",
     "evictions_for_demotion", "demotion_no_room",
     "skeletons_freed", "invalidations", "hook_failures", "hook_failures_by_hook", "registration_seconds",
-    "sessions_bypassed_warming", "action_key_errors",
+    "sessions_bypassed_warming", "action_key_errors", "chunks_unkeyed",
     "store_used_bytes", "store_capacity_bytes", "store_peak_bytes", "peak_used_bytes",
 }
 

@@ -1,8 +1,10 @@
-"""The hooked TeleFuser (the commit that calls the binding itself): attach only marks the model.
+"""The hooked TeleFuser (the commit that calls the binding itself): attach marks the model and
+reports each chunk's control.
 
 TeleFuser calls ``on_runtime_created`` inside its own ``create_runtime``; wrapping that call in
 `cacheseek.weights.of_model` lets the binding fingerprint the DiT that built the runtime, as the
-released and main shims do around their own calls.
+released and main shims do around their own calls. TeleFuser passes the binding no control, so
+``generate_next_chunk`` reports the one each chunk runs with (`chunk_controls.NextChunkSeam`).
 """
 
 from __future__ import annotations
@@ -10,26 +12,31 @@ from __future__ import annotations
 from typing import Any
 
 from cacheseek import weights
+from cacheseek.integrations.telefuser.chunk_controls import NextChunkSeam
 
 __all__ = ["HookedHooks"]
 
 
 class HookedHooks:
-    """The one seam of a hooked pipeline instance; made by `cacheseek.integrations.telefuser.attach`."""
+    """The seams of a hooked pipeline instance; made by `cacheseek.integrations.telefuser.attach`."""
 
     def __init__(self, pipeline: Any) -> None:
         self.pipeline = pipeline
         self._create_runtime = pipeline.create_runtime
+        self._generate_next_chunk = pipeline.generate_next_chunk
         self.installed = False
 
     def install(self) -> None:
         self.pipeline.create_runtime = self.create_runtime
+        self.pipeline.generate_next_chunk = NextChunkSeam(self._generate_next_chunk)
         self.installed = True
 
     def remove(self) -> None:
-        """Give the pipeline its own create_runtime back (idempotent)."""
-        if self.installed and "create_runtime" in vars(self.pipeline):
-            del self.pipeline.create_runtime
+        """Give the pipeline its own create_runtime and generate_next_chunk back (idempotent)."""
+        if self.installed:
+            for name in ("create_runtime", "generate_next_chunk"):
+                if name in vars(self.pipeline):
+                    delattr(self.pipeline, name)
         self.installed = False
 
     def create_runtime(self, *args: Any, **kwargs: Any) -> Any:

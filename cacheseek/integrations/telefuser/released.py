@@ -11,6 +11,8 @@ behaviour is added at its seams, on one pipeline instance, without touching Tele
 - ``denoise_stage.denoise_chunk``: a chunk whose latent the binding restored is not denoised:
   the cached latent, cast to the pipeline's device and dtype, is returned (no DiT call, no RNG
   draw);
+- ``generate_next_chunk``: the control the chunk runs with (the override, else the planned one)
+  reaches the binding first (`chunk_controls.NextChunkSeam`): it keys the chunk;
 - ``dit`` as called by ``generate_next_chunk`` (only the clean-KV rewrite forward; the denoise
   stage holds the DiT itself): skipped for a restored chunk; for a computed chunk it runs, then
   the binding's ``on_chunk_finalized(runtime, idx, denoised)`` (a failure is logged, the run goes
@@ -29,6 +31,7 @@ import weakref
 from typing import Any, Optional
 
 from cacheseek import weights
+from cacheseek.integrations.telefuser.chunk_controls import NextChunkSeam
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ class ReleasedHooks:
         self._create_runtime = pipeline.create_runtime
         self._stage = pipeline.denoise_stage
         self._dit = pipeline.dit
+        self._generate_next_chunk = pipeline.generate_next_chunk
         self._lock = threading.Lock()
         self._runtimes: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self._pending: dict[int, tuple[int, Optional[Any]]] = {}  # ring id -> (chunk, denoised | None if cached)
@@ -53,15 +57,18 @@ class ReleasedHooks:
         p.create_runtime = self.create_runtime
         p.denoise_stage = _DenoiseStage(self, self._stage)
         p.dit = _RewriteForward(self, self._dit)
+        p.generate_next_chunk = NextChunkSeam(self._generate_next_chunk)
         self.installed = True
 
     def remove(self) -> None:
-        """Give the pipeline its own create_runtime, denoise stage and DiT back (idempotent)."""
+        """Give the pipeline its own create_runtime, generate_next_chunk, denoise stage and DiT
+        back (idempotent)."""
         if not self.installed:
             return
         p = self.pipeline
-        if "create_runtime" in vars(p):
-            del p.create_runtime
+        for name in ("create_runtime", "generate_next_chunk"):
+            if name in vars(p):
+                delattr(p, name)
         p.denoise_stage = self._stage
         p.dit = self._dit
         self.installed = False

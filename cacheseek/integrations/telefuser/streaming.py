@@ -8,9 +8,11 @@ pipeline's seams, on one pipeline instance, without touching TeleFuser's code:
 - whose ring: ``_create_initialized_session`` (called by ``generate_video`` and by TeleFuser's
   service) runs inside `cacheseek.layout.telefuser_main.creating`, so the layout adapter learns
   which pipeline's denoise stage holds the session's cache handle;
-- which controls: ``generate_video(session_config, controls)`` materializes deferred controls
-  first and plans them for the session (`plan_controls`); a caller that drives the streaming
-  scheduler itself plans them before creating the session;
+- which controls: the streaming runtime's ``try_submit_chunk(session, i, control)`` (TeleFuser's
+  service submits each control as it arrives, up to two chunks ahead) reports chunk ``i``'s
+  control to the binding first (`chunk_controls.report`), which keys the chunk by it;
+  ``generate_video(session_config, controls)`` materializes deferred controls first and plans them
+  for the session (`plan_controls`), so a cached prefix is restored when the session is created;
 - the decoded latent of a restored chunk: TeleFuser casts a cached latent to the pipeline's
   dtype (bf16) before decoding it, while a computed chunk's x0 is decoded as the DiT returned it
   (float32). That rounds the restored chunks' frames, and an fp32 Wan VAE (TeleFuser's default
@@ -30,9 +32,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import Any
 
 from cacheseek import weights
+from cacheseek.integrations.telefuser.chunk_controls import report
 from cacheseek.integrations.telefuser.layouts import UnsupportedTeleFuserError
 from cacheseek.integrations.telefuser.released import _Proxy
 from cacheseek.layout.telefuser_main import creating, forget_controls, own, plan_controls
@@ -61,6 +65,8 @@ class StreamingHooks:
         self._create = pipeline._create_initialized_session
         self._generate_video = pipeline.generate_video
         self._decode_worker = pipeline.vae_decode_worker
+        self._get_streaming_runtime = pipeline._get_streaming_runtime
+        self._sessions: "weakref.WeakValueDictionary[Any, Any]" = weakref.WeakValueDictionary()  # by cache handle
         self._lock = threading.Lock()
         self._restored: dict[int, dict[int, Any]] = {}  # cache handle -> chunk -> latent as stored
         self._next_decode: dict[int, int] = {}
@@ -72,6 +78,7 @@ class StreamingHooks:
         p._create_initialized_session = self.create_session
         p.generate_video = self.generate_video
         p.vae_decode_worker = _ExactDecode(self, self._decode_worker)
+        p._get_streaming_runtime = self.streaming_runtime
         self.installed = True
 
     def remove(self) -> None:
@@ -79,10 +86,13 @@ class StreamingHooks:
         if not self.installed:
             return
         p = self.pipeline
-        for name in ("_create_initialized_session", "generate_video"):
+        for name in ("_create_initialized_session", "generate_video", "_get_streaming_runtime"):
             if name in vars(p):
                 delattr(p, name)
         p.vae_decode_worker = self._decode_worker
+        runtime = getattr(p, "_streaming_runtime", None)
+        if runtime is not None and "try_submit_chunk" in vars(runtime):
+            del runtime.try_submit_chunk
         self.installed = False
 
     # -- sessions -------------------------------------------------------------------------------
@@ -93,6 +103,7 @@ class StreamingHooks:
         own(session, self.pipeline)
         restored = dict(session.world_kv_cached_latents or {})
         with self._lock:
+            self._sessions[session.cache_handle] = session
             if restored:
                 self._restored[session.cache_handle] = restored
                 self._next_decode[session.cache_handle] = 0
@@ -107,6 +118,29 @@ class StreamingHooks:
             return self._generate_video(session_config, resolved, *args, **kwargs)
         finally:
             forget_controls(session_config)
+
+    # -- controls -------------------------------------------------------------------------------
+
+    def streaming_runtime(self) -> Any:
+        """The pipeline's one streaming runtime, whose ``try_submit_chunk`` reports each control."""
+        runtime = self._get_streaming_runtime()
+        if "try_submit_chunk" not in vars(runtime):
+            submit = runtime.try_submit_chunk
+
+            def try_submit_chunk(session: Any, chunk_index: int, control: Any, *args: Any, **kwargs: Any) -> Any:
+                self.submitted(session, chunk_index, control)
+                return submit(session, chunk_index, control, *args, **kwargs)
+
+            runtime.try_submit_chunk = try_submit_chunk
+        return runtime
+
+    def submitted(self, streaming_session: Any, chunk_index: int, control: Any) -> None:
+        """Chunk ``chunk_index`` of the session will run with ``control``: tell its binding."""
+        with self._lock:
+            session = self._sessions.get(getattr(streaming_session, "cache_handle", None))
+        binding = getattr(session, "world_kv_binding", None)
+        if binding is not None and 0 <= int(chunk_index) < int(session.chunk_count):
+            report(binding, session, int(chunk_index), control)
 
     # -- decode ---------------------------------------------------------------------------------
 

@@ -13,9 +13,18 @@ on one thread, and chunk ``i``'s ingest takes key ``i`` from it.
                                         while the background thread computes it; a control with
                                         no key raises its ValueError ("chunk i's control: ...")
     keys.compute_rest_in_background()   one daemon thread ("cacheseek-action-keys") keys every
-                                        index not computed yet, in order; an error is kept for
-                                        its index and raised where that key is asked for
+                                        known index not computed yet, in order; an error is kept
+                                        for its index and raised where that key is asked for;
+                                        called again after `supply`, it starts a new thread
+                                        when the last one has ended
+    keys.supply(i, control)             chunk i runs with ``control`` (a streamed control, or an
+                                        override of the planned one): its key is that control's
+    keys.known_prefix()                 how many leading chunks have a known control
     keys.close(timeout_s)               the thread stops after the key under way and is joined
+
+A chunk whose control is not known yet (`UNKNOWN`: a live session's controls arrive one chunk
+at a time) has no key: asking for it raises `ControlUnknownError` until `supply` names the
+control. ``None`` is a known control, the chunk without one (``b"noctrl"``).
 
 Keys are those of `action_keys`, byte for byte. A CUDA control is quantized on the asking thread's
 current stream; the background thread uses a side stream of the controls' device, made to wait on
@@ -35,9 +44,23 @@ from cacheseek.reuse.exact_prefix.actions import chunk_action_key
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LazyActionKeys", "THREAD_NAME"]
+__all__ = ["ControlUnknownError", "LazyActionKeys", "THREAD_NAME", "UNKNOWN"]
 
 THREAD_NAME = "cacheseek-action-keys"
+
+
+class _Unknown:
+    """The control of a chunk that has not arrived yet (see `UNKNOWN`)."""
+
+    def __repr__(self) -> str:
+        return "UNKNOWN"
+
+
+UNKNOWN: Any = _Unknown()
+
+
+class ControlUnknownError(ValueError):
+    """A key was asked for a chunk whose control is not known (never supplied, never planned)."""
 
 
 class _Keys:
@@ -45,6 +68,7 @@ class _Keys:
 
     def __init__(self, controls: list[Any]) -> None:
         self.controls = controls
+        self.ready: dict[int, Any] = {}  # index -> (CUDA event, device): its supplied control is written
         self.keys: list[Optional[bytes]] = [None] * len(controls)
         self.errors: dict[int, BaseException] = {}
         self.busy: set[int] = set()  # being computed by some thread
@@ -61,6 +85,9 @@ class _Keys:
                     return found
                 if i in self.errors:
                     raise self.errors[i]
+                if self.controls[i] is UNKNOWN:
+                    raise ControlUnknownError(f"chunk {i}'s control is not known (a live session supplies "
+                                              "each control as its chunk starts)")
                 if i not in self.busy:
                     self.busy.add(i)
                     break
@@ -71,6 +98,7 @@ class _Keys:
         """Key ``i`` (claimed in ``busy``), published under the lock; a failure of a ``keep``
         type is kept for ``i`` (raised to whoever asks for it), any failure is re-raised."""
         try:
+            _wait_ready(self.ready.get(i))
             key = chunk_action_key(i, self.controls[i])
         except BaseException as exc:
             with self.cond:
@@ -92,10 +120,37 @@ class _Keys:
             if self.stop:
                 return None
             for i, key in enumerate(self.keys):
-                if key is None and i not in self.errors and i not in self.busy:
+                if key is None and i not in self.errors and i not in self.busy and self.controls[i] is not UNKNOWN:
                     self.busy.add(i)
                     return i
             return None
+
+    def supply(self, i: int, control: Any) -> None:
+        """Chunk ``i``'s control is ``control`` from now on; a key of another control is dropped
+        (after a computation of it under way has ended)."""
+        with self.cond:
+            while i in self.busy:
+                self.cond.wait()
+            if self.controls[i] is control:
+                return
+            self.controls[i] = control
+            self.ready.pop(i, None)
+            if self.keys[i] is not None:
+                self.keys[i] = None
+                self.computed -= 1
+            self.errors.pop(i, None)
+            self.ready_event(i, control)
+            self.cond.notify_all()
+
+    def ready_event(self, i: int, control: Any) -> None:
+        """For a CUDA control: an event on the supplying thread's current stream, which whoever
+        keys it waits for first (it may be a thread whose stream did not produce it)."""
+        if getattr(getattr(control, "device", None), "type", None) == "cuda":
+            import torch
+
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(control.device))
+            self.ready[i] = (event, control.device)
 
     def run(self, stream: Any) -> None:
         """The background thread: every key left, in order, on ``stream`` (CUDA) if any."""
@@ -146,18 +201,42 @@ class LazyActionKeys(Sequence):
 
     @property
     def pending(self) -> int:
-        """How many keys are neither computed nor failed (of the whole session)."""
+        """How many keys of known controls are neither computed nor failed (whole session)."""
         k = self._keys
         with k.cond:
-            return sum(1 for i, key in enumerate(k.keys) if key is None and i not in k.errors)
+            return sum(1 for i, key in enumerate(k.keys)
+                       if key is None and i not in k.errors and k.controls[i] is not UNKNOWN)
+
+    def known_prefix(self) -> int:
+        """The number of leading chunks (of this view) whose control is known."""
+        k = self._keys
+        with k.cond:
+            for n, j in enumerate(self._range):
+                if k.controls[j] is UNKNOWN:
+                    return n
+            return len(self._range)
+
+    def control(self, i: int) -> Any:
+        """Chunk ``i``'s control as known now (`UNKNOWN` when it is not)."""
+        k = self._keys
+        with k.cond:
+            return k.controls[self._range[i]]
+
+    def supply(self, i: int, control: Any) -> None:
+        """Chunk ``i`` runs with ``control``: its key is that control's (see `_Keys.supply`)."""
+        self._keys.supply(self._range[i], control)
 
     def compute_rest_in_background(self) -> None:
-        """Start the thread that keys every index not computed yet (once; nothing when none is
-        left). Call it from the thread whose current CUDA stream produced the controls."""
+        """Start the thread that keys every known index not computed yet (nothing when none is
+        left, while one runs, or after `close`). Call it from the thread whose current CUDA
+        stream produced the controls."""
         k = self._keys
-        if k.thread is not None or not self.pending:
+        with k.cond:
+            if k.stop or (k.thread is not None and k.thread.is_alive()):
+                return
+        if not self.pending:
             return
-        stream = _side_stream(k.controls)
+        stream = _side_stream([c for c in k.controls if c is not UNKNOWN])
         k.thread = threading.Thread(target=k.run, args=(stream,), name=THREAD_NAME, daemon=True)
         k.thread.start()
 
@@ -186,6 +265,15 @@ def _side_stream(controls: list[Any]) -> Any:
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
     return stream
+
+
+def _wait_ready(ready: Any) -> None:
+    """The asking thread's current stream waits for a supplied CUDA control's event."""
+    if ready is not None:
+        import torch
+
+        event, device = ready
+        torch.cuda.current_stream(device).wait_event(event)
 
 
 def _on_stream(stream: Any) -> Any:

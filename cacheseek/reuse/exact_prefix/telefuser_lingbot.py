@@ -3,17 +3,27 @@
 One `LingBotWorldKVBinding` per session. The runtime calls:
 
 - ``on_runtime_created(runtime, session_config)`` once: the binding derives the namespace root,
-  restores the longest cached prefix K into the runtime, and sets ``last_fast_forward = K``
-  (0 = cold). Action keys (`LazyActionKeys`) are computed only as the trie walk needs them (none
-  at a fresh namespace, at most key 0 on a cold miss, keys 0..K on a hit); the others on one
-  background thread started after the lookup. A store that cannot serve yet (``ready`` False: a
-  background warm-up) is bypassed: no namespace, no keys, no lookup, nothing ingested for the
-  session (``sessions_bypassed_warming``), so the session costs what it costs with no cache;
+  restores the longest cached prefix K of the chunks whose controls the session *planned*
+  (``runtime.control_chunks``, TeleFuser main's `plan_controls`) into the runtime, and sets
+  ``last_fast_forward = K`` (0 = cold). A live session that streams its controls one chunk at a
+  time plans none: nothing is looked up here. Action keys (`LazyActionKeys`) are computed only as
+  the trie walk needs them (none at a fresh namespace, at most key 0 on a cold miss, keys 0..K on
+  a hit); the others on one background thread started after the lookup. A store that cannot
+  serve yet (``ready`` False: a background warm-up) is bypassed: no namespace, no keys, no
+  lookup, nothing ingested for the session (``sessions_bypassed_warming``), so the session costs
+  what it costs with no cache;
+- ``on_chunk_control(runtime, idx, control)`` as chunk ``idx`` starts, from the integration's
+  per-chunk seam (`cacheseek.integrations.telefuser`): the control the model gets for that
+  chunk, an override or the planned one (None for none). That control keys the chunk. For a chunk
+  restored at creation it must be the planned control (same key), else `ControlMismatchError`:
+  the restored frames belong to the planned control;
 - ``on_chunk_finalized(runtime, idx, denoised)`` after each denoised chunk: the binding ingests
   the chunk's KV from the ring tail ``[local_end - c*ft, local_end)`` and its latent (a call for
   a restored chunk, which TeleFuser main makes for its decode-only chunks, is ignored). Chunk
-  ``idx``'s key comes from the background thread (waited for if not done); a control without a
-  key fails that chunk's ingest (``action_key_errors``) and the session ingests no further;
+  ``idx`` is keyed by the control it ran with: the one `on_chunk_control` named, else the
+  planned one. A chunk with neither is not cached, nor is any later chunk of the session
+  (``chunks_unkeyed``, logged once): never keyed by a placeholder. A control without a key fails
+  that chunk's ingest (``action_key_errors``) and the session ingests no further;
 - ``close()`` (optional): the keys' thread stopped and joined; it also ends by itself once every
   key is computed, and is joined when the last chunk is ingested.
 
@@ -44,13 +54,22 @@ import logging
 from typing import Any, Optional, Sequence
 
 from cacheseek import namespace, weights
-from cacheseek.errors import CacheSeekError, ConfigError, GeometryError, LayoutMismatchError, StoreWarmingError
+from cacheseek.errors import (
+    CacheSeekError,
+    ConfigError,
+    ControlMismatchError,
+    GeometryError,
+    LayoutMismatchError,
+    StoreWarmingError,
+)
 from cacheseek.kv.payload import RestoreTarget
+from cacheseek.layout.auto import layout_name_of_runtime
 from cacheseek.layout.bshd import BshdLayout
-from cacheseek.reuse.exact_prefix.actions import action_bytes
+from cacheseek.registry import LAYOUTS, import_backends
+from cacheseek.reuse.exact_prefix.actions import action_bytes, chunk_action_key
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
 from cacheseek.reuse.exact_prefix.keys import canonical_json_bytes, config_blob_hash, node_key, root_hash, sha256
-from cacheseek.reuse.exact_prefix.lazy_keys import LazyActionKeys
+from cacheseek.reuse.exact_prefix.lazy_keys import UNKNOWN, ControlUnknownError, LazyActionKeys
 from cacheseek.reuse.exact_prefix.manager import WorldKVManager
 from cacheseek.kv.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.trie import NamespaceForest, load_forest_snapshot, save_forest_snapshot
@@ -64,6 +83,7 @@ __all__ = ["make_full_kv_config", "make_rolling_config", "LingBotWorldKVBinding"
 _DEFAULT_MODEL_FINGERPRINT = b"lingbot-world-fast"
 _warned_weights: list[bool] = []
 _logged_bypass: list[bool] = []
+_logged_unkeyed: list[bool] = []
 
 
 def _warn_no_weights_fingerprint() -> None:
@@ -115,6 +135,7 @@ class LingBotWorldKVBinding:
         fingerprint_fields: Optional[Sequence[Any]] = None,
         require_weights_fingerprint: Optional[bool] = None,
     ) -> None:
+        self._auto_layout = layout is None  # told from the runtime (`layout_name_of_runtime`)
         if layout is None:
             layout = BshdLayout()
         self.manager = manager
@@ -127,6 +148,7 @@ class LingBotWorldKVBinding:
         self.layout = layout
         self.fields = list(fingerprint_fields) if fingerprint_fields is not None else namespace.resolve_fields(None)
         self.last_fast_forward = 0
+        self._unkeyed_from: Optional[int] = None  # the first chunk no control was named for
         if snapshot_path is not None and len(forest) == 0:
             load_forest_snapshot(snapshot_path, into=forest)
         self.root: Optional[bytes] = None
@@ -157,6 +179,18 @@ class LingBotWorldKVBinding:
         finally:
             self._end_start_up()
 
+    def on_chunk_control(self, runtime: Any, idx: int, control: Any) -> None:
+        """Chunk ``idx`` starts with ``control`` (what the model gets; None for none). Raises
+        `ControlMismatchError` when ``idx`` was restored for another (planned) control; any
+        other failure is counted and leaves the chunk unkeyed (not cached)."""
+        try:
+            with _counted_failures(self, "on_chunk_control"):
+                self._on_chunk_control(idx, control)
+        except ControlMismatchError:
+            raise
+        except Exception:  # counted and logged: the chunk stays as it was known
+            pass
+
     def on_chunk_finalized(self, runtime: Any, idx: int, denoised: Any) -> None:
         with _counted_failures(self, "on_chunk_finalized"):
             self._on_chunk_finalized(runtime, idx, denoised)
@@ -178,7 +212,9 @@ class LingBotWorldKVBinding:
         if self._keys is not None:  # a binding used for a second session
             self._keys.close()
         self._ns, self._cursor, self._keys, self.actions = None, None, None, []
-        self.root, self.last_fast_forward = None, 0
+        self.root, self.last_fast_forward, self._unkeyed_from = None, 0, None
+        if self._auto_layout:
+            self.layout = self._layout_of(runtime)
         self.ring = self._validate_geometry(runtime)  # a misconfiguration is refused even while warming
         runtime_weights = self._runtime_weights(runtime)
         self.bypassed_warming = not getattr(self.manager.store, "ready", True)
@@ -193,21 +229,44 @@ class LingBotWorldKVBinding:
         self.root = root_hash(image_fp=_image_fingerprint(_get(session_config, "image")),
                               prompt_fp=sha256(b"prompt", str(prompt).encode("utf-8")),
                               config_blob_hash=cbh)
-        controls = self.layout.controls(runtime)
         n_chunks = self.layout.n_chunks(runtime)
-        self._keys = keys = LazyActionKeys([None] * n_chunks if controls is None else list(controls)[:n_chunks])
+        planned = list(self.layout.controls(runtime) or ())[:n_chunks]  # a live session plans none
+        self._keys = keys = LazyActionKeys(planned + [UNKNOWN] * (n_chunks - len(planned)))
         self.actions = keys
-        window = _RuntimeWindow(self, runtime)
-        result = self.manager.try_fast_forward(self.root, keys, window)  # keys only as the walk needs them
+        known = keys.known_prefix()
+        if known:
+            window = _RuntimeWindow(self, runtime)
+            result = self.manager.try_fast_forward(self.root, keys[:known], window)  # keys as the walk needs them
         self._ns = self.forest.get_or_create_namespace(self.root, cbh)
-        if result.start_chunk > 0:
+        if not known:
+            self._cursor = self._ns.root
+        elif result.start_chunk > 0:
             self._cursor = result.node
             self.bytes_restored = window.bytes_restored
+            self.last_fast_forward = result.start_chunk
         else:
             self._cursor = self._ns.root
-        self.last_fast_forward = result.start_chunk
         if self.ingest_enabled:
             keys.compute_rest_in_background()  # each chunk's ingest takes its key from there
+
+    def _layout_of(self, runtime: Any) -> Any:
+        """The adapter for ``runtime`` when none was given: the current one if it fits."""
+        import_backends()
+        cls = LAYOUTS.get(layout_name_of_runtime(runtime))
+        return self.layout if type(self.layout) is cls else cls()
+
+    def _count_unkeyed(self, idx: int) -> None:
+        """Chunk ``idx`` is not cached: its control, or an earlier chunk's, was never named."""
+        metrics = getattr(self.manager, "metrics", None)
+        if metrics is not None:
+            metrics.add(chunks_unkeyed=1)
+        if not _logged_unkeyed:
+            _logged_unkeyed.append(True)
+            log.warning(
+                "chunk %d's control was neither planned nor named as the chunk started, so it and the "
+                "session's later chunks are not cached (counted as chunks_unkeyed); attach CacheSeek to the "
+                "pipeline (cacheseek.integrations.telefuser.attach) so each chunk's control reaches the "
+                "binding", self._unkeyed_from)
 
     def _bypass_warming(self) -> None:
         """The store cannot serve yet (a background warm-up): the session runs as with no cache,
@@ -220,16 +279,42 @@ class LingBotWorldKVBinding:
             log.info("the store is still warming up: sessions run uncached (no keys, no lookup, no "
                      "writes) until it is ready; counted as sessions_bypassed_warming")
 
+    def _on_chunk_control(self, idx: int, control: Any) -> None:
+        keys = self._keys
+        if keys is None or not 0 <= idx < len(keys):  # bypassed, or a chunk beyond the session
+            return
+        if idx < self.last_fast_forward:
+            planned = keys.control(idx)
+            if control is not planned and chunk_action_key(idx, control) != keys[idx]:
+                raise ControlMismatchError(
+                    f"chunk {idx} was restored for the control the session planned, but it is run with "
+                    "another control: plan the controls the session will be driven with, or stream them "
+                    "without planning (each chunk is then looked up as its control arrives)")
+            return
+        keys.supply(idx, control)
+        if self.ingest_enabled:
+            keys.compute_rest_in_background()
+
     def _on_chunk_finalized(self, runtime: Any, idx: int, denoised: Any) -> None:
-        if not self.ingest_enabled or self._ns is None or self._cursor is None:
+        if not self.ingest_enabled or self._ns is None:
             return
         if idx < self.last_fast_forward:  # a restored chunk (TeleFuser main reports its decode-only chunks)
+            return
+        if self._unkeyed_from is not None:
+            self._count_unkeyed(idx)
+            return
+        if self._cursor is None:
             return
         parent = self._cursor
         if parent.depth != idx - 1:
             raise CacheSeekError(f"chunk {idx} finalized but the trie cursor is at depth {parent.depth}")
         try:
             action = self.actions[idx]  # computed in the background by now, else waited for
+        except ControlUnknownError:  # no control was ever named for this chunk: not keyable
+            self._unkeyed_from = idx
+            self._cursor = None
+            self._count_unkeyed(idx)
+            return
         except ValueError as exc:  # a control without a key: nothing from here on can be keyed
             self.ingest_errors += 1
             self._cursor = None

@@ -1,0 +1,57 @@
+"""The per-chunk seam: the control each chunk actually runs with reaches the session's binding.
+
+A live TeleFuser session knows no controls when it is created: its service streams one per
+chunk. On the 0.1.0.post3 release and the hooked commit the service calls
+``pipeline.generate_next_chunk(runtime, control_override=pipeline.build_control_override(runtime,
+chunk))``, and the chunk runs with the override, else the planned ``runtime.control_chunks[idx]``,
+else none (`released_chunk_control`, TeleFuser's own rule). On TeleFuser main the service submits
+``try_submit_chunk(session, i, control)`` up to two chunks ahead, and chunk ``i`` runs with that
+control. Either way the binding is told, through ``on_chunk_control(runtime, idx, control)``,
+before the chunk runs (`report`), so that each chunk is keyed by its own control and never by a
+placeholder.
+
+`NextChunkSeam` wraps ``generate_next_chunk`` of one release or hooked pipeline instance (the
+integration's hooks install it); main's seam is in `cacheseek.integrations.telefuser.streaming`.
+A `ControlMismatchError` (a chunk restored for its planned control run with another one)
+propagates to the caller of ``generate_next_chunk`` / ``try_submit_chunk``: the run stops rather
+than show the planned control's frames. Every other failure is the binding's to count.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["NextChunkSeam", "released_chunk_control", "report"]
+
+
+def released_chunk_control(runtime: Any, control_override: Any) -> Any:
+    """The control TeleFuser's release and hooked ``generate_next_chunk`` give the current chunk."""
+    if control_override is not None:
+        return control_override
+    planned = getattr(runtime, "control_chunks", None)
+    idx = int(runtime.current_chunk_index)
+    if planned is not None and idx < len(planned):
+        return planned[idx]
+    return None
+
+
+def report(binding: Any, runtime: Any, idx: int, control: Any) -> None:
+    """Tell ``binding`` that chunk ``idx`` runs with ``control`` (a binding without the hook, e.g.
+    a caller's own, is left alone)."""
+    hook = getattr(binding, "on_chunk_control", None)
+    if hook is not None:
+        hook(runtime, idx, control)
+
+
+class NextChunkSeam:
+    """``generate_next_chunk`` of one pipeline instance, reporting each chunk's control first."""
+
+    def __init__(self, generate_next_chunk: Any) -> None:
+        self.inner = generate_next_chunk
+
+    def __call__(self, runtime: Any, *args: Any, **kwargs: Any) -> Any:
+        binding = getattr(runtime, "world_kv_binding", None)
+        if binding is not None and int(runtime.current_chunk_index) < len(runtime.noise_chunks):
+            override = kwargs.get("control_override", args[0] if args else None)
+            report(binding, runtime, int(runtime.current_chunk_index), released_chunk_control(runtime, override))
+        return self.inner(runtime, *args, **kwargs)
