@@ -33,6 +33,8 @@ once per model): two checkpoints never share a namespace. Without `attach` and w
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from typing import Any
 
 from cacheseek.integrations.telefuser.hooked import HookedHooks
@@ -46,9 +48,11 @@ from cacheseek.integrations.telefuser.streaming import StreamingHooks
 from cacheseek.layout.telefuser_main import forget_controls, plan_controls
 
 __all__ = ["TeleFuserLayout", "UnsupportedTeleFuserError", "attach", "detach", "detect_layout",
-           "forget_controls", "plan_controls"]
+           "forget_controls", "plan_controls", "unattached_release"]
 
 _ATTR = "_cacheseek_hooks"
+_RELEASE_SESSION = "telefuser.pipelines.lingbot_world_fast.session"
+_attached: list[bool] = []  # set by the first attach of this process
 
 
 def attach(pipeline: Any) -> TeleFuserLayout:
@@ -67,7 +71,18 @@ def attach(pipeline: Any) -> TeleFuserLayout:
         if hooks is not None:
             hooks.install()
             setattr(pipeline, _ATTR, hooks)
+    _attached[:] = [True]
     return layout
+
+
+def unattached_release() -> bool:
+    """Whether TeleFuser's 0.1.0.post3 release is imported and no pipeline of this process was
+    ever attached: that TeleFuser calls no binding by itself, so one would never run."""
+    session = sys.modules.get(_RELEASE_SESSION)
+    state = getattr(session, "LingBotWorldFastRuntimeState", None)
+    if _attached or state is None or not dataclasses.is_dataclass(state):
+        return False
+    return "world_kv_binding" not in {f.name for f in dataclasses.fields(state)}
 
 
 def detach(pipeline: Any) -> None:

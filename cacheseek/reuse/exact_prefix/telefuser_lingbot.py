@@ -62,6 +62,7 @@ from cacheseek.errors import (
     LayoutMismatchError,
     StoreWarmingError,
 )
+from cacheseek.integrations.telefuser import unattached_release
 from cacheseek.kv.payload import RestoreTarget
 from cacheseek.layout.auto import layout_name_of_runtime
 from cacheseek.layout.bshd import BshdLayout
@@ -135,6 +136,12 @@ class LingBotWorldKVBinding:
         fingerprint_fields: Optional[Sequence[Any]] = None,
         require_weights_fingerprint: Optional[bool] = None,
     ) -> None:
+        if unattached_release():
+            raise ConfigError(
+                "binding", "TeleFuser 0.1.0.post3 never calls a binding itself and no pipeline is attached, "
+                "so this session would run uncached without a word",
+                "call cacheseek.integrations.telefuser.attach(pipeline) after pipeline.init(), before "
+                "making bindings")
         self._auto_layout = layout is None  # told from the runtime (`layout_name_of_runtime`)
         if layout is None:
             layout = BshdLayout()
