@@ -366,7 +366,11 @@ def _check_device(device: Any) -> str:
 
 
 def _require_telefuser() -> None:
+    """Import TeleFuser's pipeline, its log lines routed to the run's log first (`telefuser_logs`)."""
+    from cacheseek.runtime.telefuser_logs import route_telefuser_logs
+
     try:
+        route_telefuser_logs()
         import telefuser.pipelines.lingbot_world_fast  # noqa: F401
     except ImportError as exc:
         raise ConfigError(
