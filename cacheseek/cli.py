@@ -28,12 +28,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 import cacheseek.schema  # noqa: F401  (registers the root schema)
+from cacheseek.cli_help import CONF_DIR
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.registry import import_backends
 
 log = logging.getLogger("cacheseek")
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_FAIL, EXIT_USAGE = 1, 2
 
 import_backends()
