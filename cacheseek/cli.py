@@ -28,12 +28,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 import cacheseek.schema  # noqa: F401  (registers the root schema)
+from cacheseek.cli_help import CONF_DIR
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.registry import import_backends
 
 log = logging.getLogger("cacheseek")
 
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 EXIT_FAIL, EXIT_USAGE = 1, 2
 
 import_backends()
@@ -58,6 +58,7 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
         results["store"] = stack.store_name
         describe = getattr(stack.runtime_factory, "describe", None)
         results["runtime"] = describe() if describe is not None else {"runtime": type(stack.runtime_factory).__name__}
+        results["layout"] = _layout_name(stack.layout)
         results["store_stats"] = _stats(stack.store)
         results["metrics"] = stack.metrics.as_dict()
         results["notes"] = stack.notes
@@ -81,6 +82,13 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
     print(f"{verdict}: {results.get('workload')} on store={stack.store_name} {runtime} "
           f"({results['wall_s']:.2f} s) -> {run_dir / 'results.json'}")
     return results
+
+
+def _layout_name(layout: Any) -> str:
+    """The registered name of the layout adapter that ran (``layout=auto`` resolved)."""
+    from cacheseek.registry import LAYOUTS
+
+    return next((n for n in LAYOUTS.names() if LAYOUTS.get(n) is type(layout)), type(layout).__name__)
 
 
 def _stats(store: Any) -> dict[str, Any]:

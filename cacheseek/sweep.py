@@ -1,4 +1,11 @@
-"""A Hydra callback that leaves one summary table for a multirun sweep."""
+"""A Hydra callback that leaves one summary table for a multirun sweep.
+
+Each row names what ran besides its verdict: the store, the runtime (for TeleFuser its version
+and how it was attached: ``released``, ``hooked``, ``main``), the layout adapter and the
+geometry (the synthetic runtime's preset, TeleFuser's model as ``layers x heads x head_dim
+height x width``), read from what the run reported (``results["runtime"]``, ``results["layout"]``),
+so that a sweep over runtimes tells its rows apart.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +17,22 @@ from hydra.experimental.callback import Callback
 
 from cacheseek.report import table
 
-COLUMNS = [("job", "job"), ("verdict", "verdict"), ("store", "store"), ("geometry", "geometry"),
+COLUMNS = [("job", "job"), ("verdict", "verdict"), ("store", "store"), ("runtime", "runtime"),
+           ("layout", "layout"), ("geometry", "geometry"), ("device", "device"),
            ("hits", "hit K (A,B,C,D)"), ("walls", "wall s (A,B,C,D)"), ("ring", "ring check"),
            ("hit_rate", "hit rate"), ("evictions", "evictions"), ("invalidations", "invalidations")]
+
+
+def what_ran(data: dict[str, Any]) -> dict[str, Any]:
+    """The runtime, layout, geometry and device cells of one job's row (its results.json)."""
+    described = dict(data.get("runtime") or {})
+    runtime = described.get("runtime")
+    if runtime == "telefuser":
+        runtime = " ".join(str(p) for p in ("telefuser", described.get("telefuser"), described.get("layout")) if p)
+    geometry = described.get("geometry") or described.get("model") \
+        or data.get("config", {}).get("runtime", {}).get("geometry")
+    return {"runtime": runtime, "layout": data.get("layout"), "geometry": geometry,
+            "device": described.get("device")}
 
 
 class SweepSummary(Callback):
@@ -28,7 +48,7 @@ class SweepSummary(Callback):
                 "job": res.parent.name,
                 "verdict": "PASS" if data.get("passed") else "FAIL",
                 "store": data.get("store"),
-                "geometry": data.get("config", {}).get("runtime", {}).get("geometry"),
+                **what_ran(data),
                 "hits": ",".join(str(r["hit_depth"]) for r in reqs),
                 "walls": ",".join(f"{r['wall_s']:.2f}" for r in reqs),
                 "ring": f"{sum(r['verdict'] == 'ok' for r in ring)}/{len(ring)}",

@@ -1,8 +1,10 @@
 """``python -m cacheseek`` in a subprocess: plain run, ``+store=localdisk``, a stress run, ``--help``,
 a table of bad inputs (each one ``error:`` line naming the field and the fix, exit 2, no
-traceback) and a multirun sweep with one summary.
+traceback), a multirun sweep with one summary, and runs on TeleFuser's real pipeline (its loguru
+lines and banner in ``cacheseek.log``, none in the piped report; the summary naming TeleFuser).
 
-Every run passes ``hydra.run.dir`` and ``hydra.sweep.dir`` under a temp folder; nothing may be
+Every run but the bare ``--help`` (which writes nothing) passes ``hydra.run.dir`` and
+``hydra.sweep.dir`` under a temp folder; nothing may be
 left under ``outputs/`` or ``multirun/`` of the repository. The subprocesses of this module are
 started by a module fixture, three at a time, and each test checks its own.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -35,10 +38,10 @@ class Proc:
     """One CLI run in a subprocess, started by ``pool`` (a few at a time: the machine is small)."""
 
     def __init__(self, args: list[str], tmp: Path, pool: ThreadPoolExecutor,
-                 pythonpath: Path | None = None) -> None:
+                 pythonpath: Path | None = None, dirs: bool = True) -> None:
         self.run_dir = tmp / "run"
         self.sweep_dir = tmp / "sweep"
-        dirs = [f"hydra.run.dir={self.run_dir}", f"hydra.sweep.dir={self.sweep_dir}"]
+        dirs = [f"hydra.run.dir={self.run_dir}", f"hydra.sweep.dir={self.sweep_dir}"] if dirs else []
         self.cmd = [sys.executable, "-m", "cacheseek", *args,
                     *(d for d in dirs if not any(a.startswith(d.split("=")[0] + "=") for a in args))]
         self.env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
@@ -140,7 +143,8 @@ def procs(tmp_path_factory):
         started["multirun"] = Proc(["-m", "+store=memory,localdisk"], base / "multirun", pool)
         started["stress"] = Proc(["+experiment=stress", "workload.sessions=8", "workload.threads=2"],
                                  base / "stress", pool)
-        started["help"] = Proc(["--help"], base / "help", pool)
+        started["help"] = Proc(["--help"], base / "help", pool, dirs=False)  # bare: Hydra is skipped
+        started["help_by_hydra"] = Proc(["--help", "hydra.job.name=cacheseek"], base / "help_by_hydra", pool)
         for name, (args, _, _) in BAD.items():
             tmp = base / name
             args = [a.replace("{NOT_A_DIR}", str(_not_a_dir(tmp))).replace("{A_FILE}", str(_a_file(tmp)))
@@ -162,6 +166,7 @@ def test_plain_run_passes(procs):
     assert "hit depth:    ok (A 0, B 4, C 2, D 0)" in out and "frame hashes: ok" in out
     assert out.splitlines()[2].startswith("store.capacity_bytes=auto -> unbounded")  # choices first
     assert err == "" and "INFO" not in out  # log lines go to the run folder's log file only
+    assert "\x1b[" not in out  # piped: no colours, no progress bar
     for req in "ABCD":
         assert any(line.startswith(req + " ") for line in out.splitlines()), req
     res = json.loads((p.run_dir / "results.json").read_text())
@@ -216,6 +221,26 @@ def test_help_teaches_the_groups_the_plus_and_the_workers(procs):
     assert "schema/" not in out and "Powered by Hydra" not in out
 
 
+def test_bare_help_is_hydras_help_byte_for_byte(procs):
+    """A bare ``--help`` skips Hydra (`cacheseek.cli_help`); with an override Hydra renders it."""
+    started, _ = procs
+    rc, out, err = started["help"].wait()
+    rc_h, out_h, err_h = started["help_by_hydra"].wait()
+    assert rc == rc_h == 0 and err == err_h == "", err + err_h
+    assert out == out_h
+
+
+def test_help_imports_neither_torch_nor_hydra_nor_a_backend():
+    code = ("import runpy, sys; sys.argv = ['cacheseek', '--help']; "
+            "runpy.run_module('cacheseek', run_name='__main__'); "
+            "loaded = [m for m in ('torch', 'hydra', 'cacheseek.cli', 'cacheseek.stores') if m in sys.modules]; "
+            "sys.exit('imported: ' + ', '.join(loaded) if loaded else 0)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                         timeout=TIMEOUT_S)
+    assert out.returncode == 0, out.stdout[-500:] + out.stderr
+    assert "+store=NAME" in out.stdout
+
+
 def test_the_stress_run_prints_its_choices_and_the_table_not_the_log(procs):
     started, _ = procs
     p = started["stress"]
@@ -243,8 +268,54 @@ def test_multirun_sweep_leaves_one_summary(procs):
     assert set(jobs) == {"+store=memory", "+store=localdisk"}, summary
     for job, cols in jobs.items():
         assert cols[1] == "PASS" and cols[2] == job.split("=")[1], summary
+        assert cols[3:7] == ["synthetic", "bshd", "tiny", "cpu"], summary  # what ran
         res = json.loads((p.sweep_dir / job / "results.json").read_text())
         assert res["passed"] is True
     assert (p.sweep_dir / "+store=localdisk" / "kvstore").is_dir()  # root: null -> run folder
     assert json.loads((p.sweep_dir / "summary.json").read_text())
     assert not p.run_dir.exists()
+
+
+LOGURU_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} \| [A-Z]+ +\|", re.M)
+
+
+@pytest.fixture(scope="module")
+def telefuser_procs(tmp_path_factory):
+    """A run and a one-job sweep on TeleFuser's real pipeline, stdout and stderr piped."""
+    pytest.importorskip("telefuser.pipelines.lingbot_world_fast", reason="needs the telefuser extra (see README)")
+    base = tmp_path_factory.mktemp("cli-telefuser")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        started = {"run": Proc(["runtime=telefuser"], base / "run", pool),
+                   "sweep": Proc(["-m", "runtime=telefuser", "+store=memory"], base / "sweep", pool)}
+        yield started
+        for p in started.values():
+            p.wait()
+
+
+@pytest.mark.telefuser
+def test_telefuser_logs_go_to_the_log_file_not_the_piped_report(telefuser_procs):
+    p = telefuser_procs["run"]
+    rc, out, err = p.wait()
+    assert rc == 0, out + err
+    assert "PASS" in out and "Traceback" not in out + err
+    assert "\x1b[" not in out + err, "ANSI codes in piped output"
+    assert not LOGURU_LINE.search(out + err) and "LingBot runtime created" not in out + err, out
+    assert err == "" and "TeleFuser Logging" not in out, err  # the banner
+    log = (p.run_dir / "cacheseek.log").read_text()
+    assert "[telefuser.pipelines.lingbot_world_fast.pipeline][INFO] - LingBot runtime created" in log
+    assert "telefuser: TeleFuser Logging  initialized" in log and "\x1b[" not in log
+
+
+@pytest.mark.telefuser
+def test_telefuser_sweep_summary_names_telefuser_its_layout_and_geometry(telefuser_procs):
+    p = telefuser_procs["sweep"]
+    rc, out, err = p.wait()
+    assert rc == 0, out + err
+    assert "\x1b[" not in out + err and not LOGURU_LINE.search(out + err), out + err
+    job = p.sweep_dir / "+store=memory,runtime=telefuser"
+    described = json.loads((job / "results.json").read_text())["runtime"]
+    assert "LingBot runtime created" in (job / "cacheseek.log").read_text()
+    [row] = json.loads((p.sweep_dir / "summary.json").read_text())
+    assert row["runtime"] == f"telefuser {described['telefuser']} {described['layout']}", row
+    assert row["layout"] in ("bshd", "telefuser_main") and row["geometry"] == "2x2x12 64x64", row
+    assert row["runtime"] in (p.sweep_dir / "summary.md").read_text()

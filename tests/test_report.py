@@ -1,9 +1,11 @@
 """The gate report keeps its verdicts apart: a cache that stored nothing reads as that in one line
-(not as a frame mismatch), a depth the ring check never restored is one line, diffs are capped."""
+(not as a frame mismatch), a depth the ring check never restored is one line, diffs are capped; a
+sweep row names what ran."""
 
 from __future__ import annotations
 
 from cacheseek.report import MAX_DIFFS, gate_verdicts, nothing_cached, request_table
+from cacheseek.sweep import what_ran
 
 
 def _req(name, hit, want, frames="ok", vs=""):
@@ -52,3 +54,14 @@ def test_nothing_cached_only_when_writes_were_tried_and_none_stored():
 def test_the_gate_table_has_a_depth_and_a_frames_column():
     header = request_table([_req("A", 0, 0), _req("B", 0, 4, vs="== A")]).splitlines()[0].split()
     assert header[:5] == ["req", "actions", "hit", "K", "want"] and "depth" in header and header[-1] == "frames"
+
+
+def test_the_sweep_row_names_what_ran():
+    telefuser = {"runtime": {"runtime": "telefuser", "layout": "released", "telefuser": "0.1.0.post3",
+                             "model": "2x2x12 64x64", "device": "cpu"}, "layout": "bshd"}
+    assert what_ran(telefuser) == {"runtime": "telefuser 0.1.0.post3 released", "layout": "bshd",
+                                   "geometry": "2x2x12 64x64", "device": "cpu"}
+    synthetic = {"runtime": {"runtime": "synthetic", "geometry": "tiny", "device": "cpu"}, "layout": "bshd"}
+    assert what_ran(synthetic) == {"runtime": "synthetic", "layout": "bshd", "geometry": "tiny", "device": "cpu"}
+    older = {"config": {"runtime": {"geometry": "small"}}}  # a results.json from before the runtime was named
+    assert what_ran(older)["geometry"] == "small"

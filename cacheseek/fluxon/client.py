@@ -104,8 +104,12 @@ class FluxonClient:
 
     ``instance_key`` is a prefix: the client registers as ``<instance_key>-<pid>-<n>``
     (`instance_key` property) so that several clients and processes never collide.
-    ``fluxon_log``: sets FLUXON_LOG for this process if it is not set yet (the native client
-    logs to stderr and to the owner's log folder; "warn" keeps stderr quiet).
+    ``fluxon_log``: sets FLUXON_LOG for this process if it is not set yet: the level of what the
+    native client prints on the terminal. It prints from its own threads at any time (a ``WARN
+    ... OTLP log exporter disabled`` seconds after attaching, a ``SystemShutdown`` warning at
+    close), past `native_output_to_log` around attach and close, so "error" keeps its warnings
+    out of the report; its own log file (under the service's ``large_file_paths``, named in
+    ``cacheseek.log`` at attach) keeps them whatever the level.
     """
 
     def __init__(
@@ -118,7 +122,7 @@ class FluxonClient:
         attach_timeout_s: float = 30.0,
         settle_s: float = 2.0,
         key_index: bool = True,
-        fluxon_log: Optional[str] = "warn",
+        fluxon_log: Optional[str] = "error",
     ) -> None:
         for field, value in (("op_timeout_s", op_timeout_s), ("attach_timeout_s", attach_timeout_s)):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -390,7 +394,8 @@ class FluxonClient:
             abandon_native_store(store)
             return
         try:
-            self._run("close", None, lambda: close_native_store(store))
+            with native_output_to_log(log):
+                self._run("close", None, lambda: close_native_store(store))
         except StoreTimeoutError as exc:
             log.warning("fluxon client %s: %s", self.instance_key, exc)
         log.debug("fluxon client %s closed", self.instance_key)

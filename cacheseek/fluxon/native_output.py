@@ -1,10 +1,11 @@
 """Native output of fluxon-py sent to the log instead of the terminal.
 
-While a client attaches, fluxon-py's native code prints its config and banners straight to file
-descriptors 1 and 2, past Python's ``sys.stdout``. `native_output_to_log` points both descriptors
-at a temporary file for the duration of a ``with`` block, restores them, and logs every non-empty
-line (ANSI colours stripped) as ``fluxon-py: <line>`` at INFO: the run's log file keeps it, the
-terminal stays quiet.
+While a client attaches or closes, fluxon-py's native code prints its config and banners
+straight to file descriptors 1 and 2, past Python's ``sys.stdout``. `native_output_to_log` points
+both descriptors at a temporary file for the duration of a ``with`` block, restores them, and logs
+every non-empty line (ANSI colours stripped) as ``fluxon-py: <line>`` at INFO: the run's log file
+keeps it, the terminal stays quiet. What the native threads print later, outside a block, is
+kept to errors by FLUXON_LOG (`cacheseek.fluxon.client.FluxonClient`).
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ from cacheseek.integrations.telefuser.tiny import TinyDiTSpec, build_tiny_pipeli
 from cacheseek.registry import RUNTIMES
 from cacheseek.runtime.geometry import Geometry, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
+from cacheseek.runtime.telefuser_logs import route_telefuser_logs
 
 __all__ = ["TeleFuserRuntimeFactory", "TeleFuserRuntimeSchema", "TeleFuserSession", "camera_path"]
 
@@ -391,7 +392,9 @@ def _check_device(device: Any) -> str:
 
 
 def _require_telefuser() -> None:
+    """Import TeleFuser's pipeline, its log lines routed to the run's log first (`telefuser_logs`)."""
     try:
+        route_telefuser_logs()
         import telefuser.pipelines.lingbot_world_fast  # noqa: F401
     except ImportError as exc:
         raise ConfigError(

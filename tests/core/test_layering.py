@@ -26,7 +26,7 @@ LAYERS = {
     "runtime": 4, "stores": 4,
     "reuse": 5,
     "workloads": 6, "orchestrator": 6,
-    "report": 7, "sweep": 8, "cli": 8, "workers": 9, "__main__": 10,
+    "report": 7, "cli_help": 7, "sweep": 8, "cli": 8, "workers": 9, "__main__": 10,
 }
 
 

@@ -91,6 +91,8 @@ def test_cli_on_the_tensor_tier_reports_the_service_capacity_and_keeps_banners_i
     assert "of 64.00 MiB" in out.stdout and "unbounded" not in out.stdout
     assert "Client config" not in out.stdout + out.stderr  # fluxon-py's attach banners ...
     assert "fluxon-py: " in (run / "cacheseek.log").read_text()  # ... are in the log file
+    # the native client's warnings, printed by its own threads at any time (FLUXON_LOG=error)
+    assert " WARN " not in out.stdout + out.stderr and "\x1b[" not in out.stdout + out.stderr
 
 
 @pytest.mark.fluxon
