@@ -1,8 +1,8 @@
 """``layout: auto`` (the default): the layout adapter the runtime names, else ``bshd``.
 
 A runtime factory that knows which layout its runtimes have says so with a ``layout_name``
-attribute (the ``telefuser`` runtime reads it off the installed TeleFuser); the synthetic runtime
-has none and gets ``bshd``.
+attribute (the ``telefuser`` runtime reads it off the installed TeleFuser, the synthetic runtime
+names ``bshd``); a runtime that names none gets ``bshd``.
 """
 
 from __future__ import annotations
