@@ -4,13 +4,15 @@ Every bad input ends in one line on stderr, ``error: FIELD: what is wrong (fix: 
 status 2, with no traceback: Hydra's compose errors (an unknown option, ``store=X`` without the
 ``+``, a typo in a key, a wrong type; `cacheseek.hydra_errors`), an output folder that cannot be
 written (`OutputDirCheck`), and CacheSeek's own `ConfigError`s, a store or transfer runtime that
-cannot start included. A failed gate prints FAIL and exits 1; in a multirun a failed job raises,
+cannot start included; a run folder that Hydra made for a run refused so is removed again
+(`forget_run_folder`). A failed gate prints FAIL and exits 1; in a multirun a failed job raises,
 the launcher finishes the batch, and the run exits 1 (2 when a job had a bad input). A bug is
 still a traceback. ``HYDRA_FULL_ERROR=1`` shows Hydra's full report instead of the one line.
 
 Output: the choices made for the user (the default store, ``transfer: auto``, each ``auto``
-size) at start, a progress bar on a terminal, then the report (`cacheseek.report`). Log lines go
-to the run folder's ``cacheseek.log``; only warnings reach the terminal (conf/config.yaml).
+size) and each size given, as read, at start, a progress bar on a terminal, then the report
+(`cacheseek.report`). Log lines go to the run folder's ``cacheseek.log``; only warnings reach
+the terminal (conf/config.yaml).
 """
 
 from __future__ import annotations
@@ -103,9 +105,15 @@ class OutputDirCheck(Callback):
     """Finds out why a run or sweep folder cannot be used before Hydra tries to use it: Hydra
     swallows a callback's exceptions, so the check records a `ConfigError` naming
     ``hydra.run.dir`` or ``hydra.sweep.dir`` in ``problem``, and `main` reports it as the cause
-    of Hydra's own failure. A probe file is written and removed; the folder stays, as Hydra's would."""
+    of Hydra's own failure. A probe file is written and removed; the folder stays, as Hydra's would.
+
+    It also records the run folder, and ``made``: the outermost folder of its path that did not
+    exist before this run, so that a bad input found after Hydra made the folder can remove what
+    this run made (`forget_run_folder`) and nothing that was there before."""
 
     problem: Optional[ConfigError] = None
+    run_dir: Optional[Path] = None
+    made: Optional[Path] = None
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
         OutputDirCheck.problem = _unwritable(config, "run")
@@ -114,12 +122,25 @@ class OutputDirCheck(Callback):
         OutputDirCheck.problem = _unwritable(config, "sweep")
 
 
+def _outermost_missing(folder: Path) -> Optional[Path]:
+    """The outermost folder on the way to ``folder`` that does not exist yet (None: it exists)."""
+    missing = None
+    for p in (folder, *folder.parents):
+        if p.exists():
+            break
+        missing = p
+    return missing
+
+
 def _unwritable(config: DictConfig, which: str) -> Optional[ConfigError]:
     field = f"hydra.{which}.dir"
     try:
         folder = Path(str(OmegaConf.select(config, field)))
     except Exception:  # noqa: BLE001 - an interpolation only Hydra can resolve: Hydra checks it
         return None
+    if which == "run":
+        here = Path(os.path.abspath(folder))  # as a FileHandler names its file
+        OutputDirCheck.run_dir, OutputDirCheck.made = here, _outermost_missing(here)
     fix = f"choose a folder you can write: {field}=/tmp/cacheseek-{which}"
     if folder.exists() and not folder.is_dir():
         return ConfigError(field, f"{folder} is a file, not a folder", fix)
@@ -131,6 +152,39 @@ def _unwritable(config: DictConfig, which: str) -> Optional[ConfigError]:
     except OSError as exc:
         return ConfigError(field, f"cannot write {folder}: {exc.strerror or exc}", fix)
     return None
+
+
+# What Hydra writes in a run folder before the task runs, besides the job's log file.
+_HYDRA_FILES = {".hydra", ".hydra/config.yaml", ".hydra/hydra.yaml", ".hydra/overrides.yaml"}
+
+
+def forget_run_folder() -> None:
+    """Remove the run folder of a run refused for a bad input, and the parents made for it, when
+    this run made it and it holds only what Hydra wrote there (``.hydra/``, the log file): a bad
+    input leaves no folder behind. Anything else in it (a store's files, another process's) keeps
+    it where it is. The log file's handlers are closed first, so that no later line recreates it."""
+    import shutil
+
+    folder, made = OutputDirCheck.run_dir, OutputDirCheck.made
+    OutputDirCheck.run_dir = OutputDirCheck.made = None
+    if folder is None or made is None or not folder.is_dir():
+        return
+    logs = {h.baseFilename: h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)}
+    ours = _HYDRA_FILES | {Path(name).name for name in logs if Path(name).parent == folder}
+    if any(str(p.relative_to(folder)) not in ours for p in folder.rglob("*")):
+        return
+    for name, handler in logs.items():
+        if Path(name).parent == folder:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+    shutil.rmtree(folder, ignore_errors=True)
+    for parent in folder.parents:  # the empty parents this run made (outputs/<date>/)
+        if not (parent == made or made in parent.parents):
+            break
+        try:
+            parent.rmdir()
+        except OSError:
+            break
 
 
 def error_line(exc: ConfigError) -> str:
@@ -170,6 +224,8 @@ def _task(cfg: DictConfig) -> None:
         if multirun:
             exc.reported = True  # type: ignore[attr-defined]
             raise
+        if "(more in the log file)" not in error_line(exc):  # else the folder keeps the log it names
+            forget_run_folder()
         sys.exit(EXIT_USAGE)
     except CacheSeekError as exc:  # a store or transfer failing in the middle of the run
         print(f"error: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}", file=sys.stderr, flush=True)
@@ -206,6 +262,7 @@ def main() -> None:
         if bad is None:
             raise
         print(error_line(bad), file=sys.stderr, flush=True)
+        forget_run_folder()
         sys.exit(EXIT_USAGE)
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -9,8 +9,16 @@ not a bad input. The cases:
 - an unknown option of a group (``+store=nope``): the field is the group, the fix lists the options;
 - ``store=localdisk`` for a group that is not in the defaults list: the fix is ``+store=localdisk``;
 - a key that is not in a schema (``store.rooot=x``): the fix names the closest fields;
-- a value of the wrong type (``runtime.local_attn_size=abc``): the fix says which type;
+- a store's key while no store is chosen (``store.capacity_bytes=1GiB``): the fix chooses a store
+  that has the key (`choose_a_store`), so that following it gives a run, not a second error;
+- a value of the wrong type (``runtime.local_attn_size=abc``, ``store.fsync=maybe``): the fix
+  says which type;
+- a comma list outside a sweep (``store.tiers=hbm,localdisk``): the fix writes the brackets;
 - a group chosen twice, an override that does not parse.
+
+Hydra adds a key with a leading ``+`` even to a typed section (``+store.rooot=x`` once a store
+is chosen), where the constructor would fail on it with a traceback; `appended_key` finds such a
+key in the composed config, for the orchestrator to refuse like a typo.
 """
 
 from __future__ import annotations
@@ -21,13 +29,18 @@ import re
 from typing import Any, Optional
 
 from cacheseek.errors import ConfigError
+from cacheseek.registry import STORES
 
-__all__ = ["APPENDED_GROUPS", "config_error_from_hydra"]
+__all__ = ["APPENDED_GROUPS", "appended_key", "choose_a_store", "config_error_from_hydra"]
 
 # Groups that are not in conf/config.yaml's defaults list: they are picked with a leading "+".
 APPENDED_GROUPS = ("store", "experiment")
 
-_TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string"}
+# Groups of conf/: ``GROUP=a,b`` outside a sweep is two choices, not a list.
+_GROUPS = ("runtime", "transfer", "layout", "workload") + APPENDED_GROUPS
+
+_TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false", "String": "a string",
+               "int": "an integer", "float": "a number", "bool": "true or false", "str": "a string"}
 
 
 def config_error_from_hydra(exc: BaseException) -> Optional[ConfigError]:
@@ -72,6 +85,9 @@ def _missing_option(exc: Any) -> ConfigError:
 def _composition(exc: BaseException) -> ConfigError:
     text = str(exc)
     cause = exc.__cause__
+    m = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", text)
+    if m:
+        return _comma_list(m.group(1), m.group(2))
     m = re.search(r"Could not override '([^']+)'\. No match in the defaults list", text)
     if m:
         group = m.group(1)
@@ -91,27 +107,48 @@ def _composition(exc: BaseException) -> ConfigError:
     from omegaconf.errors import OmegaConfBaseException
 
     if isinstance(cause, OmegaConfBaseException):
-        return _omegaconf(cause, getattr(cause, "full_key", None) or field or "config")
+        given = re.search(r"use \+[^=\s]+=(.*)", text)  # Hydra's hint repeats the override's value
+        return _omegaconf(cause, getattr(cause, "full_key", None) or field or "config",
+                          given.group(1).strip() if given else "...")
     return ConfigError(field or "config", _first_line(exc))
 
 
-def _omegaconf(exc: Any, field: str) -> ConfigError:
+def _comma_list(key: str, value: str) -> ConfigError:
+    """``KEY=a,b`` in a single run: Hydra reads it as a sweep. A group takes one choice; a field
+    that holds a list takes brackets."""
+    field = key.lstrip("+~")
+    sweep = f"a sweep over them is -m {key}={value}"
+    if field in _GROUPS:
+        first = value.split(",")[0]
+        return ConfigError(field, f"{value!r} is several choices, and a run takes one",
+                           f"choose one: {key}={first}; {sweep}")
+    return ConfigError(field, f"{value!r} is read as a sweep over several values",
+                       f"a list takes brackets: {key}=[{value}]; {sweep}")
+
+
+def _omegaconf(exc: Any, field: str, given: str = "...") -> ConfigError:
     from omegaconf.errors import ConfigKeyError, ValidationError
 
     message = _first_line(exc)
     if isinstance(exc, ValidationError):
-        m = re.search(r"Value '(.*)' of type '(\w+)' could not be converted to (\w+)", message)
+        m = re.search(r"Value '(.*)' of type '(\w+)' could not be converted to (\w+)", message) \
+            or re.search(r"Value '(.*)' is not a valid (\w+)", message)
         if m:
-            want = _TYPE_WORDS.get(m.group(3), m.group(3).lower())
-            return ConfigError(field, f"{m.group(1)!r} is not {want}", f"give {want}: {field}=...")
+            want = _TYPE_WORDS.get(m.group(m.lastindex), m.group(m.lastindex).lower())
+            value = "true" if want == "true or false" else "..."
+            return ConfigError(field, f"{m.group(1)!r} is not {want}", f"give {want}: {field}={value}")
         return ConfigError(field, message)
     if isinstance(exc, (ConfigKeyError, AttributeError)) and "not in" in message:
-        return _unknown_key(field, getattr(exc, "object_type", None))
+        return unknown_key(field, getattr(exc, "object_type", None), given)
     return ConfigError(field, message)
 
 
-def _unknown_key(field: str, object_type: Any) -> ConfigError:
+def unknown_key(field: str, object_type: Any, given: str = "...") -> ConfigError:
+    """``field`` is not a field of ``object_type`` (a schema dataclass; None: the section is open,
+    or it is ``store`` and no store is chosen). ``given``: the value the user wrote."""
     parent, _, key = field.rpartition(".")
+    if parent == "store" and not dataclasses.is_dataclass(object_type):  # store: null, an empty dict
+        return choose_a_store(field, {key: given})
     if object_type is None or not dataclasses.is_dataclass(object_type):
         return ConfigError(field, "no such field", f"a new key in an open section takes a leading +: +{field}=...")
     names = [f.name for f in dataclasses.fields(object_type) if not f.name.startswith("_")]
@@ -120,3 +157,66 @@ def _unknown_key(field: str, object_type: Any) -> ConfigError:
     hint = f"did you mean {' or '.join(prefix + c for c in close)}? " if close else ""
     return ConfigError(field, f"no such field in {object_type.__name__}",
                        f"{hint}the fields are: {', '.join(names)}")
+
+
+def choose_a_store(field: str, given: dict[str, Any], what: str = "") -> ConfigError:
+    """``store.KEY=VALUE`` overrides (``given`` by key; ``what`` names them where ``field`` does
+    not) set while no store is chosen.
+    The fix chooses a store whose schema has every key, the default store first, and repeats
+    the values, so that the command it shows runs; a key no store has gets the closest one."""
+    fields = {name: _schema_fields(STORES, name) for name in STORES.names()}
+    order = sorted(fields, key=lambda name: name != STORES.default)
+    keys = dict(given)
+    for key in list(keys):
+        if not any(key in names for names in fields.values()):
+            close = difflib.get_close_matches(key, sorted(set().union(*fields.values())), n=1)
+            if close:
+                keys[close[0]] = keys.pop(key)
+    store = next((name for name in order if set(keys) <= fields[name]), None)
+    problem = f"{what} set, but no store was chosen".strip()
+    if store is None:
+        return ConfigError(field, problem, f"choose one first: +store=NAME, NAME one of "
+                           f"{', '.join(STORES.names())}, then its fields (+store=NAME --cfg job lists them)")
+    unknown = sorted(set(given) - set(keys))
+    renamed = f" ({', '.join(unknown)}: no store has it)" if unknown else ""
+    settings = " ".join(f"store.{k}={_override_value(v)}" for k, v in keys.items())
+    return ConfigError(field, problem, f"choose a store first: +store={store} {settings}{renamed}")
+
+
+def _schema_fields(registry: Any, name: str) -> set[str]:
+    try:
+        schema = registry.schema(name)
+    except KeyError:
+        return set()
+    return {f.name for f in dataclasses.fields(schema) if not f.name.startswith("_")}
+
+
+def _override_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "..." if isinstance(value, (dict, list)) else str(value)
+
+
+def appended_key(cfg: Any) -> Optional[ConfigError]:
+    """The first key of ``cfg`` (a composed config) that its section's schema lacks, as a
+    `ConfigError` naming it and the closest fields; None when there is none. Hydra lets
+    ``+section.key=...`` add one to a typed section; the constructor would fail on it."""
+    from omegaconf import DictConfig, OmegaConf
+
+    def walk(node: Any, path: str) -> Optional[ConfigError]:
+        kind = OmegaConf.get_type(node)
+        names = {f.name for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else None
+        for key in node:
+            field = f"{path}{key}"
+            if names is not None and key not in names:
+                return unknown_key(field, kind)
+            child = node._get_node(key)
+            if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+                found = walk(child, field + ".")
+                if found is not None:
+                    return found
+        return None
+
+    return walk(cfg, "") if isinstance(cfg, DictConfig) else None

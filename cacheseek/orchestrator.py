@@ -16,7 +16,13 @@ built: ``auto`` is fitted to the workload (``workload``, else ``cfg.workload``) 
 geometry, units are read, and a size that cannot hold one chunk is a `ConfigError` with the
 numbers; after it is built, a capacity the store reports (a Fluxon service's segment) is checked
 the same way. Each choice made for the user (the default store, ``transfer: auto``, each ``auto``
-size) is one line in ``Stack.notes``, logged and passed to ``note`` (the CLI prints them).
+size) and each size given is one line in ``Stack.notes``, logged and passed to ``note`` (the CLI
+prints them).
+
+Bad input is refused before anything starts: a key that ``+section.key=...`` added to a typed
+section (`cacheseek.hydra_errors.appended_key`), a layout the runtime does not have, and a manager
+section that the runtime's ring or the eviction rules refuse are each a `ConfigError` before the
+transfer runtime and the store are built.
 
 A store or transfer runtime that cannot start (no service to attach to, a missing package) is a
 `ConfigError` naming ``store`` or ``transfer``, with the component's own message as the problem.
@@ -39,6 +45,7 @@ from omegaconf import OmegaConf
 from cacheseek import namespace, sizing
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.eviction import EvictionConfig, make_policy, store_usage
+from cacheseek.hydra_errors import appended_key, choose_a_store
 from cacheseek.metrics import CacheMetrics
 from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, import_backends, instantiate
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
@@ -66,19 +73,10 @@ class Stack:
     metrics: Any = attrs.field(factory=lambda: _new_metrics())
 
     def manager_config(self):
-        rt = self.runtime_factory
-        be = int(self.cfg.manager.break_even_k)
-        if be < 1:
-            raise ConfigError("manager.break_even_k", f"must be >= 1, got {be}")
-        if rt.local_attn_size == -1:
-            return make_full_kv_config(break_even_k=be)
-        return make_rolling_config(local_attn_size=rt.local_attn_size, sink_size=rt.sink_size,
-                                   chunk_size=rt.geometry.chunk_size, break_even_k=be)
+        return _manager_config(self.cfg, self.runtime_factory)
 
     def eviction_config(self):
-        cfg = EvictionConfig.from_conf(self.cfg.manager.get("eviction"))
-        make_policy(cfg.policy)  # an unknown name is a ConfigError now, not at the first session
-        return cfg
+        return _eviction_config(self.cfg)
 
     def new_manager(self, forest: Any = None):
         return WorldKVManager(forest if forest is not None else self.forest, self.store,
@@ -116,12 +114,17 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
         if note is not None:
             note(line)
 
+    appended = appended_key(cfg)
+    if appended is not None:
+        raise appended
     run_dir = Path(run_dir) if run_dir is not None else Path.cwd()
     runtime_factory = objects.pop("runtime_factory", None) or instantiate(cfg.runtime)
     if workload is None and cfg.get("workload") is not None:
         workload = instantiate(cfg.workload)
     need = sizing.need_for(runtime_factory, workload)
     layout = _build_layout(cfg.layout, runtime_factory)
+    _manager_config(cfg, runtime_factory)  # the manager section against the runtime, before any store
+    _eviction_config(cfg)
     fields = namespace.resolve_fields(
         None if cfg.namespace.fields is None else list(cfg.namespace.fields))
 
@@ -140,10 +143,8 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
             store_cfg = OmegaConf.structured(STORES.schema(store_name)(_target_=target)) \
                 if _has_schema(store_name) else OmegaConf.create({"_target_": target})
         elif "_target_" not in store_cfg:
-            given = ", ".join(f"store.{k}" for k in store_cfg)
-            raise ConfigError("store", f"{given} set, but no store was chosen",
-                              f"choose one first: +store=NAME {given.split(', ')[0]}=..., NAME one of "
-                              f"{', '.join(STORES.names())}")
+            given = OmegaConf.to_container(store_cfg, resolve=False)
+            raise choose_a_store("store", given, ", ".join(f"store.{k}" for k in given))
         else:
             store_name = _name_of(STORES, store_cfg["_target_"])
         store_cfg = OmegaConf.to_container(store_cfg, resolve=True)
@@ -165,12 +166,6 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
     stack = Stack(cfg=cfg, runtime_factory=runtime_factory, store=store, store_name=store_name,
                   transfer=transfer, layout=layout, fields=fields, forest=NamespaceForest(),
                   run_dir=run_dir, workload=workload, notes=notes)
-    try:
-        stack.manager_config()  # validates the manager section against the runtime before any work
-        stack.eviction_config()
-    except BaseException:
-        stack.close()
-        raise
     stack.metrics.bind_store(store)
     if callable(getattr(store, "delete_values", None)):
         # A persistent store under a fresh forest: what a previous process left is unreachable.
@@ -179,6 +174,27 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
             log.info("store %s: removed %d values of a previous run that no trie names",
                      store_name, done["orphans_removed"])
     return stack
+
+
+def _manager_config(cfg: Any, runtime_factory: Any) -> Any:
+    """The manager's window config from ``manager`` and the runtime's ring (a ConfigError when
+    they disagree). `build_stack` calls it before the store is built, so a bad manager section
+    never leaves a started store (or its files) behind."""
+    rt = runtime_factory
+    be = int(cfg.manager.break_even_k)
+    if be < 1:
+        raise ConfigError("manager.break_even_k", f"must be >= 1, got {be}",
+                          "manager.break_even_k=1 (restore any cached prefix of 1 chunk or more)")
+    if rt.local_attn_size == -1:
+        return make_full_kv_config(break_even_k=be)
+    return make_rolling_config(local_attn_size=rt.local_attn_size, sink_size=rt.sink_size,
+                               chunk_size=rt.geometry.chunk_size, break_even_k=be)
+
+
+def _eviction_config(cfg: Any) -> EvictionConfig:
+    eviction = EvictionConfig.from_conf(cfg.manager.get("eviction"))
+    make_policy(eviction.policy)  # an unknown name is a ConfigError now, not at the first session
+    return eviction
 
 
 def _geometry_bytes(runtime_factory: Any) -> Optional[tuple[int, int]]:
@@ -204,7 +220,12 @@ def _starting(component: str, build: Callable[[], Any], name: str = "") -> Any:
         raise
     except CacheSeekError as exc:
         what = f"{name} cannot start" if name else "cannot start"
-        raise ConfigError(component, f"{what}: {exc}") from exc
+        raise ConfigError(component, f"{what}: {exc}",
+                          f"what the message says, or run without it: {_NEEDS_NOTHING[component]}") from exc
+
+
+# The choice of each component that needs no service, package or device: the fix's way out.
+_NEEDS_NOTHING = {"store": "+store=memory", "transfer": "transfer=host"}
 
 
 def _check_reported_capacity(store: Any, need: Any) -> Optional[int]:

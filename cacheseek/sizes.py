@@ -1,9 +1,14 @@
 """Byte sizes as people write them, in one parser for every size CacheSeek takes.
 
 ``parse_size`` accepts an int (a byte count) or a string: ``"4096"``, ``"512MiB"``, ``"24GiB"``,
-``"1.5GiB"``, ``"64M"``, ``"16k"``. Units are binary throughout (``K``/``KB``/``KiB`` = 1024,
-``M``/``MB``/``MiB`` = 1024**2, ``G``..., ``T``...), case-insensitive, as Fluxon reads its own
-``dram`` setting, so one spelling means the same number everywhere. Two words besides numbers:
+``"1.5GiB"``, ``"64M"``, ``"16k"``. Units are binary throughout (``K``/``KiB`` = 1024,
+``M``/``MiB`` = 1024**2, ``G``..., ``T``...), case-insensitive, as Fluxon reads its own ``dram``
+setting, so one spelling means the same number everywhere. The decimal spellings (``kB``, ``MB``,
+``GB``, ``TB``) are refused, with the binary spelling and the decimal byte count as the fix: one
+reader takes ``1.5GB`` for 1.5 * 10**9 bytes and another for 1.5 * 2**30, and a store sized 7%
+off the user's intent is found only when it fills. A size is one word: ``"5 GiB"`` is refused
+too (a shell-quoted override with a space is more often two values run together than one).
+Two words besides numbers:
 
 - ``"auto"`` (where the caller allows it): the size is fitted to the workload by
   `cacheseek.sizing` before the store is built; stores built directly never see it;
@@ -29,12 +34,13 @@ Size = Union[int, str]  # what a config field holds before `parse_size`: 4096, "
 
 _UNITS = {
     "": 1, "b": 1,
-    "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10,
-    "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
-    "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30,
-    "t": 1 << 40, "tb": 1 << 40, "tib": 1 << 40,
+    "k": 1 << 10, "kib": 1 << 10,
+    "m": 1 << 20, "mib": 1 << 20,
+    "g": 1 << 30, "gib": 1 << 30,
+    "t": 1 << 40, "tib": 1 << 40,
 }
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*")
+_DECIMAL = {"kb": ("KiB", 10**3), "mb": ("MiB", 10**6), "gb": ("GiB", 10**9), "tb": ("TiB", 10**12)}
+_SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)(\s*)([A-Za-z]*)")
 _FIX = "write a byte count or a size with a binary unit, e.g. 512MiB or 24GiB"
 
 
@@ -59,15 +65,30 @@ def parse_size(value: Any, field: str, *, allow_auto: bool = False, allow_none: 
     elif isinstance(value, float) and value.is_integer():
         n = int(value)
     elif isinstance(value, str):
-        m = _SIZE_RE.fullmatch(value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ConfigError(field, f"cannot read {value!r} as a size", fix)
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+        n = _parse_text(value, field, fix)
     else:
         raise ConfigError(field, f"expected a size, got {type(value).__name__} {value!r}", fix)
     if n < minimum:
         raise ConfigError(field, f"must be at least {format_size(minimum)}, got {value!r}", fix)
     return n
+
+
+def _parse_text(value: str, field: str, fix: str) -> int:
+    """A size written as text: a number and a binary unit, in one word (see the module doc)."""
+    m = _SIZE_RE.fullmatch(value.strip())
+    if not m:
+        raise ConfigError(field, f"cannot read {value!r} as a size", fix)
+    number, space, unit = m.groups()
+    if unit.lower() in _DECIMAL:
+        binary, scale = _DECIMAL[unit.lower()]
+        raise ConfigError(field, f"{value!r} has a decimal unit, and sizes take binary units",
+                          f"write {number}{binary} (binary) or {int(float(number) * scale)} "
+                          f"(the decimal {number}{unit} in bytes)")
+    if unit.lower() not in _UNITS:
+        raise ConfigError(field, f"cannot read {value!r} as a size", fix)
+    if space:
+        raise ConfigError(field, f"{value!r} has a space inside", f"write it as one word: {number}{unit}")
+    return int(float(number) * _UNITS[unit.lower()])
 
 
 def format_size(n: Optional[float]) -> str:

@@ -19,7 +19,9 @@ Before a store is built, the orchestrator resolves every size field the store cl
 
 A size, given or resolved, that cannot hold one chunk is a `ConfigError` with the numbers and the
 fix, raised before anything is allocated; so is a segment or staging area larger than the free
-memory. Every resolution of ``auto`` is reported as one line (`resolve_sizes` returns them).
+memory. Every size is reported as one line (`resolve_sizes` returns them): an ``auto`` one with
+what it resolved to and why, a given one with the bytes it was read as, so that a unit read
+otherwise than meant shows at start instead of when the store fills.
 """
 
 from __future__ import annotations
@@ -158,16 +160,18 @@ def _auto(field: SizeField, need: Optional[CacheNeed], high_watermark: float) ->
 def resolve_sizes(cfg: MutableMapping[str, Any], fields: Sequence[SizeField], need: Optional[CacheNeed],
                   *, high_watermark: float = 0.9) -> list[str]:
     """Resolve ``auto`` and units in ``cfg`` (a store's config, changed in place) to byte counts;
-    refuse sizes that cannot hold one chunk or exceed the room. Returns one line per ``auto``."""
+    refuse sizes that cannot hold one chunk or exceed the room. Returns one line per size."""
     notes = []
     for field in fields:
         name = f"store.{field.path}"
-        value = parse_size(_get(cfg, field.path, field.default), name, allow_auto=True,
-                           allow_none=field.role == "capacity")
+        given = _get(cfg, field.path, field.default)
+        value = parse_size(given, name, allow_auto=True, allow_none=field.role == "capacity")
         auto = value == AUTO
         if auto:
             value, why = _auto(field, need, high_watermark)
             notes.append(f"{name}=auto -> {format_size(value)} ({why})")
+        else:
+            notes.append(f"{name}={'null' if given is None else given} -> {_as_read(value)} (as given)")
         if value is not None and need is not None:
             _check_holds_a_chunk(name, value, field, need, high_watermark, auto)
         if value is not None and field.role != "capacity" and field.room is not None and value > field.room:
@@ -176,6 +180,14 @@ def resolve_sizes(cfg: MutableMapping[str, Any], fields: Sequence[SizeField], ne
                               f"use {name}=auto or a size below {format_size(int(field.room * ROOM_SHARE))}")
         _set(cfg, field.path, value)
     return notes
+
+
+def _as_read(value: Optional[int]) -> str:
+    """A given size as it was read: the bytes, and the binary size when that is shorter."""
+    if value is None:
+        return "unbounded"
+    short = format_size(value)
+    return f"{value} bytes" if short.endswith(" B") else f"{short} = {value} bytes"
 
 
 def _check_holds_a_chunk(name: str, value: int, field: SizeField, need: CacheNeed, high_watermark: float,

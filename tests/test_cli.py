@@ -102,11 +102,20 @@ BAD = {
     "unknown_store": (["+store=nope"], "store", "localdisk"),
     "store_without_plus": (["store=localdisk"], "store", "+store=localdisk"),
     "store_chosen_twice": (["+store=memory", "+store=localdisk"], "store", "once"),
-    "field_without_a_store": (["+store.rooot=x"], "store", "+store=NAME"),
+    "field_without_a_store": (["+store.rooot=x"], "store", "+store=localdisk store.root=x"),
+    "store_field_without_a_store": (["store.capacity_bytes=1GiB"], "store.capacity_bytes",
+                                    "+store=memory store.capacity_bytes=1GiB"),
+    "appended_field_without_a_store": (["+store.capacity_bytes=1GiB"], "store",
+                                       "+store=memory store.capacity_bytes=1GiB"),
+    "appended_typo_key": (["+store=localdisk", "+store.rooot=x"], "store.rooot", "store.root?"),
     "typo_key": (["+store=localdisk", "store.rooot=/tmp/x"], "store.rooot", "store.root?"),
     "typo_manager": (["manager.break_even=2"], "manager.break_even", "manager.break_even_k"),
     "wrong_type": (["runtime.local_attn_size=abc"], "runtime.local_attn_size", "integer"),
     "wrong_type_float": (["workload.total_chunks=1.5"], "workload.total_chunks", "integer"),
+    "wrong_type_bool": (["+store=localdisk", "store.fsync=maybe"], "store.fsync", "true or false"),
+    "list_without_brackets": (["+store=tiered", "store.tiers=hbm,localdisk"], "store.tiers",
+                              "store.tiers=[hbm,localdisk]"),
+    "two_choices_of_a_group": (["layout=bshd,telefuser_main"], "layout", "-m layout="),
     "unparsable": (["+store=localdisk", "store.root=["], "store.root", "quote"),
     "unknown_experiment": (["+experiment=nope"], "experiment", "rolling_tiny"),
     "unwritable_root": (["+store=localdisk", "store.root=/proc/forbidden"], "store.root", "writable"),
@@ -117,6 +126,10 @@ BAD = {
     "wrong_geometry": (["runtime.geometry=huge"], "runtime.geometry", "lingbot_480p"),
     "window_too_small": (["runtime.local_attn_size=4", "runtime.sink_size=3"], "runtime.local_attn_size", ">= 6"),
     "bad_workload": (["workload.total_chunks=1"], "workload.total_chunks", ">= 2"),
+    "layout_the_runtime_lacks": (["layout=telefuser_main"], "layout", "layout=bshd"),
+    "watermark_above_one": (["manager.eviction.high_watermark=1.5"], "manager.eviction.high_watermark",
+                            "high_watermark=0.9"),
+    "break_even_below_one": (["manager.break_even_k=-1"], "manager.break_even_k", "break_even_k=1"),
     # the natural first GPU run with a segment too small for one 480p chunk: refused at start
     "segment_below_a_chunk": (["+store=fluxon_plan", "+experiment=lingbot_480p", "runtime.device=cpu",
                                "store.segment_bytes=256MiB"], "store.segment_bytes", "3.57 GiB"),
@@ -124,6 +137,8 @@ BAD = {
                              "free memory"),
     "capacity_zero": (["+store=memory", "store.capacity_bytes=0"], "store.capacity_bytes", "one chunk"),
     "capacity_not_a_size": (["+store=memory", "store.capacity_bytes=lots"], "store.capacity_bytes", "512MiB"),
+    "decimal_unit": (["+store=memory", "store.capacity_bytes=1.5GB"], "store.capacity_bytes", "1.5GiB"),
+    "size_with_a_space": (["+store=memory", "store.capacity_bytes=5 GiB"], "store.capacity_bytes", "5GiB"),
     "no_fluxon_service": (["+store=fluxon", *ABSENT_FLUXON], "store", "tools/fluxon_service.py start"),
     "no_fluxon_py": (["+store=fluxon", *ABSENT_FLUXON], "store", "pip install -e '.[fluxon]'"),
 }
@@ -191,7 +206,7 @@ def test_localdisk_run_passes(procs):
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_bad_input_is_one_error_line_naming_the_field(procs, name):
     """Exit 2, nothing on stderr but one ``error: FIELD: ... (fix: ...)`` line, which is not
-    repeated on stdout; no traceback, no PASS, no run started."""
+    repeated on stdout; no traceback, no PASS, no run started, no run folder left behind."""
     started, _ = procs
     rc, out, err = started[name].wait()
     _, field, word = BAD[name]
@@ -200,10 +215,40 @@ def test_bad_input_is_one_error_line_naming_the_field(procs, name):
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(f"error: {field}: "), err
     assert word in lines[0], lines[0]
-    assert "fix:" in lines[0] or "cannot start" in lines[0], lines[0]
+    assert "(fix: " in lines[0], lines[0]
     message = lines[0][len("error: "):]
     assert message not in out and "error" not in out.lower(), out
     assert "PASS" not in out and "hit depth" not in out
+    assert not started[name].run_dir.exists(), sorted(started[name].run_dir.rglob("*"))
+
+
+# Bad inputs whose fix is overrides to run instead: name -> (the words before them in the fix,
+# the bad case's overrides that the fix keeps). Following the fix must give a run, not an error.
+FIX_RUNS = {
+    "store_field_without_a_store": ("choose a store first: ", []),
+    "appended_field_without_a_store": ("choose a store first: ", []),
+    "list_without_brackets": ("a list takes brackets: ", ["+store=tiered"]),
+}
+
+
+def _fix_overrides(line: str, lead: str) -> list[str]:
+    """The overrides an error line's fix names: after ``lead``, up to a ``;`` or the end."""
+    fix = line.split(f"(fix: {lead}", 1)[1]
+    return fix[:-1].split(";")[0].split()
+
+
+@pytest.mark.parametrize("name", sorted(FIX_RUNS))
+def test_the_fix_of_a_bad_input_runs(procs, tmp_path, name):
+    """The fix's command line passes; a size it sets is echoed at start, as read."""
+    started, _ = procs
+    _, _, err = started[name].wait()
+    lead, kept = FIX_RUNS[name]
+    overrides = [*kept, *_fix_overrides(err.strip(), lead)]
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        rc, out, err = Proc(overrides, tmp_path, pool).wait()
+    assert rc == 0 and "PASS" in out and "Traceback" not in out + err, (overrides, out + err)
+    for size in (o for o in overrides if o.startswith("store.capacity_bytes=")):
+        assert f"{size} -> 1 GiB = 1073741824 bytes (as given)" in out.splitlines(), out
 
 
 def test_help_teaches_the_groups_the_plus_and_the_workers(procs):
@@ -319,3 +364,41 @@ def test_telefuser_sweep_summary_names_telefuser_its_layout_and_geometry(telefus
     assert row["runtime"] == f"telefuser {described['telefuser']} {described['layout']}", row
     assert row["layout"] in ("bshd", "telefuser_main") and row["geometry"] == "2x2x12 64x64", row
     assert row["runtime"] in (p.sweep_dir / "summary.md").read_text()
+
+
+def _refused_run_in(folder: Path) -> None:
+    """What a refused run leaves before `forget_run_folder`: the check's record, Hydra's files."""
+    from omegaconf import OmegaConf
+
+    from cacheseek.cli import _unwritable
+
+    assert _unwritable(OmegaConf.create({"hydra": {"run": {"dir": str(folder)}}}), "run") is None
+    (folder / ".hydra").mkdir(exist_ok=True)
+    for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
+        (folder / ".hydra" / name).write_text("{}\n")
+
+
+def test_a_refused_run_removes_the_folder_it_made_and_nothing_else(tmp_path):
+    import logging
+
+    from cacheseek.cli import forget_run_folder
+
+    made = tmp_path / "outputs" / "day" / "time"
+    _refused_run_in(made)
+    handler = logging.FileHandler(made / "cacheseek.log")
+    logging.getLogger().addHandler(handler)
+    forget_run_folder()
+    assert handler not in logging.getLogger().handlers
+    assert not (tmp_path / "outputs").exists()  # the parents it made go too
+
+    there = tmp_path / "there"
+    there.mkdir()
+    _refused_run_in(there)
+    forget_run_folder()
+    assert (there / ".hydra" / "config.yaml").exists()  # not made by this run: kept
+
+    holding = tmp_path / "holding"
+    _refused_run_in(holding)
+    (holding / "kvstore").mkdir()
+    forget_run_folder()
+    assert (holding / "kvstore").exists()  # holds what Hydra did not write: kept

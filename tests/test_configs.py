@@ -256,6 +256,13 @@ def test_typos_and_wrong_types_rejected_at_compose(compose_cfg, overrides, field
         (["namespace.fields=[seed,nope]"], "namespace.fields"),
         (["+store=localdisk", "store.root=/proc/forbidden"], "store.root"),
         (["+store=localdisk", "store.queue_depth=0"], "store.queue_depth"),
+        (["layout=telefuser_main"], "layout"),  # the synthetic runtime's sessions are bshd
+        (["+store=localdisk", "+store.rooot=x"], "store.rooot"),  # + adds a key the schema lacks
+        (["+manager.foo=1"], "manager.foo"),
+        (["+store.capacity_bytes=1GiB"], "store"),  # no store chosen
+        (["manager.break_even_k=-1"], "manager.break_even_k"),
+        (["manager.eviction.high_watermark=1.5"], "manager.eviction.high_watermark"),
+        (["+store=memory", "store.capacity_bytes=1.5GB"], "store.capacity_bytes"),
     ],
 )
 def test_bad_values_name_the_field(compose_cfg, tmp_path, overrides, field):
@@ -264,6 +271,23 @@ def test_bad_values_name_the_field(compose_cfg, tmp_path, overrides, field):
         build_stack(cfg, run_dir=tmp_path).close()
     assert ei.value.field == field
     assert str(ei.value).startswith(field)
+
+
+def test_a_bad_manager_section_is_refused_before_the_store_is_built(compose_cfg, tmp_path):
+    cfg = compose_cfg("+store=localdisk", "manager.break_even_k=0")
+    with pytest.raises(ConfigError, match=r"manager\.break_even_k=1"):
+        build_stack(cfg, run_dir=tmp_path)
+    assert not (tmp_path / "kvstore").exists()
+
+
+def test_a_store_field_without_a_store_names_a_store_that_has_it():
+    from cacheseek.hydra_errors import choose_a_store
+
+    assert choose_a_store("store", {"capacity_bytes": "1GiB"}).fix == \
+        "choose a store first: +store=memory store.capacity_bytes=1GiB"  # the default store has it
+    assert "+store=localdisk store.root=/tmp/kv" in choose_a_store("store", {"root": "/tmp/kv"}).fix
+    assert "+store=localdisk store.root=x (rooot: no store has it)" in choose_a_store("store", {"rooot": "x"}).fix
+    assert "+store=NAME" in choose_a_store("store", {"nothing_like_it": 1}).fix
 
 
 def test_disk_root_under_a_regular_file_names_store_root(compose_cfg, tmp_path):

@@ -16,7 +16,8 @@ GiB, MiB = 1 << 30, 1 << 20
 
 @pytest.mark.parametrize("text,expected", [
     ("256MiB", 256 * MiB), ("1GiB", GiB), ("24GiB", 24 * GiB), ("64M", 64 * MiB), ("1.5GiB", 3 << 29),
-    (1024, 1024), ("16 mib", 16 * MiB), ("0", 0), ("4096", 4096), ("2k", 2048), ("1TiB", 1 << 40), (8.0, 8),
+    (1024, 1024), ("16mib", 16 * MiB), (" 16MiB ", 16 * MiB), ("0", 0), ("4096", 4096), ("2k", 2048),
+    ("1TiB", 1 << 40), (8.0, 8),
 ])
 def test_parse_size_reads_binary_units(text, expected):
     assert parse_size(text, "store.x") == expected
@@ -27,6 +28,36 @@ def test_parse_size_names_the_field_and_the_spelling_that_works(bad):
     with pytest.raises(ConfigError) as ei:
         parse_size(bad, "store.segment_bytes")
     assert ei.value.field == "store.segment_bytes" and "512MiB" in ei.value.fix
+
+
+@pytest.mark.parametrize("text,binary,decimal", [
+    ("1.5GB", "1.5GiB", 1_500_000_000), ("512MB", "512MiB", 512_000_000), ("2kB", "2KiB", 2000),
+    ("1TB", "1TiB", 10**12), ("16 gb", "16GiB", 16 * 10**9),
+])
+def test_a_decimal_unit_is_refused_with_the_binary_spelling_and_the_bytes(text, binary, decimal):
+    with pytest.raises(ConfigError, match="decimal unit") as ei:
+        parse_size(text, "store.capacity_bytes")
+    assert ei.value.field == "store.capacity_bytes"
+    assert f"write {binary} (binary) or {decimal} " in ei.value.fix
+
+
+@pytest.mark.parametrize("text,word", [("5 GiB", "5GiB"), ("16 mib", "16mib"), ("64 M", "64M"), ("4096 b", "4096b")])
+def test_a_space_inside_a_size_is_refused(text, word):
+    with pytest.raises(ConfigError, match="space inside") as ei:
+        parse_size(text, "store.capacity_bytes")
+    assert ei.value.fix == f"write it as one word: {word}"
+
+
+def test_a_given_size_is_echoed_as_read_next_to_the_auto_ones():
+    fields = [SizeField("capacity_bytes", "capacity", room=400 * GiB), SizeField("staging", "staging", room=GiB)]
+    cfg = {"capacity_bytes": "1.5GiB", "staging": "auto"}
+    notes = resolve_sizes(cfg, fields, _need())
+    assert notes[0] == "store.capacity_bytes=1.5GiB -> 1.50 GiB = 1610612736 bytes (as given)"
+    assert notes[1].startswith("store.staging=auto -> ")
+    assert resolve_sizes({"capacity_bytes": 4096}, fields[:1], _need()) == \
+        ["store.capacity_bytes=4096 -> 4 KiB = 4096 bytes (as given)"]
+    assert resolve_sizes({"capacity_bytes": None}, fields[:1], _need()) == \
+        ["store.capacity_bytes=null -> unbounded (as given)"]
 
 
 def test_auto_and_null_only_where_allowed():

@@ -116,7 +116,9 @@ class SkeletonFreeStore(Protocol):
 def _fraction(name: str):
     def check(_inst: Any, _attr: attrs.Attribute, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
-            raise ConfigError(f"manager.eviction.{name}", f"must be a number in (0, 1], got {value!r}")
+            default = attrs.fields_dict(EvictionConfig)[name].default
+            raise ConfigError(f"manager.eviction.{name}", f"must be a fraction of the capacity in (0, 1], "
+                              f"got {value!r}", f"manager.eviction.{name}={default} (the default)")
 
     return check
 
@@ -139,7 +141,8 @@ class EvictionConfig:
     @live_sessions.validator
     def _check_live(self, _attr: attrs.Attribute, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ConfigError("manager.eviction.live_sessions", f"must be an integer >= 1, got {value!r}")
+            raise ConfigError("manager.eviction.live_sessions", f"must be an integer >= 1, got {value!r}",
+                              "manager.eviction.live_sessions=4 (the default)")
 
     def __attrs_post_init__(self) -> None:
         if self.low_watermark > self.high_watermark:

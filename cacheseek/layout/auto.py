@@ -1,10 +1,11 @@
 """``layout: auto`` (the default): the layout adapter the runtime names, else ``bshd``.
 
 A runtime factory that knows which layout its runtimes have says so with a ``layout_name``
-attribute (the ``telefuser`` runtime reads it off the installed TeleFuser); the synthetic runtime
-has none and gets ``bshd``. A binding made without ``layout=`` tells the layout from the runtime
-it is handed (`layout_name_of_runtime`): a ring of its own (``self_kv_cache``) is ``bshd``, a
-session whose ring sits behind a cache handle is TeleFuser main's.
+attribute (the ``telefuser`` runtime reads it off the installed TeleFuser, the synthetic runtime
+names ``bshd``); a runtime that names none gets ``bshd``. A binding made without ``layout=``
+tells the layout from the runtime it is handed (`layout_name_of_runtime`): a ring of its own
+(``self_kv_cache``) is ``bshd``, a session whose ring sits behind a cache handle is TeleFuser
+main's.
 """
 
 from __future__ import annotations

@@ -92,6 +92,10 @@ class SyntheticRuntimeSchema:
 class SyntheticRuntimeFactory:
     """Validated settings of a synthetic runtime; `make()` builds one session's runtime."""
 
+    # Its sessions hold the ring as bshd tensors: naming it lets the orchestrator refuse another
+    # layout (``layout=telefuser_main``) when the stack is built, not in the first session's hook.
+    layout_name = "bshd"
+
     def __init__(
         self,
         *,
