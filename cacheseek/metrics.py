@@ -4,7 +4,8 @@ into it); shown in the CLI report and written to ``results.json`` under ``"metri
 Who records what:
 
 - the manager: lookups and their outcome (miss, below break-even, hit of depth K, full or
-  partial), restores (bytes, seconds, retries after invalidation, failures), writes (bytes and
+  partial), a live session's chunks restored instead of computed (``live_lookups``, ``live_hits``
+  by chunk index, ``live_restore_failures``), restores (bytes, seconds, retries after invalidation, failures), writes (bytes and
   seconds from ``put_async`` to the store's completion callback), dropped writes (store full after
   eviction and one retry, or a write error), evictions and invalidations, and store usage after
   every write and eviction pass (``timeline``);
@@ -46,6 +47,10 @@ class CacheMetrics:
     partial_hits: int = 0
     hits_by_depth: dict[int, int] = attrs.field(factory=dict)
     partial_hits_by_depth: dict[int, int] = attrs.field(factory=dict)
+    live_lookups: int = 0  # a live session's chunk started on a cursor with children
+    live_hits: int = 0  # ... and was restored instead of computed
+    live_hits_by_chunk: dict[int, int] = attrs.field(factory=dict)
+    live_restore_failures: int = 0
     restores: int = 0
     restore_bytes: int = 0
     restore_seconds: float = 0.0
@@ -101,6 +106,12 @@ class CacheMetrics:
             else:
                 self.full_hits += 1
 
+    def record_live_hit(self, chunk: int) -> None:
+        """Chunk ``chunk`` of a live session was restored instead of computed."""
+        with self._lock:
+            self.live_hits += 1
+            self.live_hits_by_chunk[chunk] = self.live_hits_by_chunk.get(chunk, 0) + 1
+
     def record_hook_failure(self, hook: str, kind: str) -> bool:
         """A runtime hook of a binding raised ``kind`` (an exception type; the runtime then runs
         cold). True for the first failure of this hook and kind: the one worth a log line."""
@@ -134,6 +145,7 @@ class CacheMetrics:
             }
             out["hits_by_depth"] = dict(sorted(self.hits_by_depth.items()))
             out["partial_hits_by_depth"] = dict(sorted(self.partial_hits_by_depth.items()))
+            out["live_hits_by_chunk"] = dict(sorted(self.live_hits_by_chunk.items()))
             out["hook_failures_by_hook"] = dict(sorted(self.hook_failures_by_hook.items()))
             samples = list(self.timeline) if timeline else None
         out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0

@@ -20,7 +20,7 @@ import attrs
 
 from cacheseek.errors import GeometryError
 
-__all__ = ["RingGeometry", "CopyRun"]
+__all__ = ["RingGeometry", "CopyRun", "append_tokens", "shift_after_sink"]
 
 
 @attrs.frozen(slots=True)
@@ -114,3 +114,26 @@ class RingGeometry:
             runs.append(CopyRun(chunk, first * ft, start * ft, (end - start) * ft))
             start = end
         return tuple(runs)
+
+
+def append_tokens(local_end: int, n: int, size: int, sink_tokens: int) -> tuple[int, int]:
+    """A chunk's first write of ``n`` tokens into a ring of ``size`` tokens filled to
+    ``local_end``: ``(overflow, new local_end)``. When it would overflow, the tokens after the
+    pinned sink shift left by ``overflow`` (`shift_after_sink`) and the ring ends full; the new
+    tokens then land at ``[new local_end - n, new local_end)``. Raises `GeometryError` when the
+    chunk cannot fit after the sink."""
+    overflow = local_end + n - size
+    if overflow <= 0:
+        return 0, local_end + n
+    if local_end - overflow - sink_tokens < 0:
+        raise GeometryError("runtime.local_attn_size",
+                            f"{n} tokens do not fit after a sink of {sink_tokens} in a ring of {size}")
+    return overflow, size
+
+
+def shift_after_sink(buf, local_end: int, overflow: int, sink_tokens: int) -> None:
+    """Shift ``buf[:, sink + overflow : local_end]`` left to ``sink`` (a ``[1, size, ...]``
+    tensor; the moved tokens are cloned first: source and destination overlap)."""
+    rolled = local_end - overflow - sink_tokens
+    src = sink_tokens + overflow
+    buf[:, sink_tokens : sink_tokens + rolled] = buf[:, src : src + rolled].clone()

@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 
 from cacheseek.errors import LayoutMismatchError
+from cacheseek.kv.ring import append_tokens, shift_after_sink
 
 __all__ = ["LatentSpec", "RingLayout"]
 
@@ -138,6 +139,35 @@ class RingLayout(abc.ABC):
                 raise LayoutMismatchError(f"ring tail [{start}, {end}) starts before slot 0")
             out.append((k[:, start:end].detach(), v[:, start:end].detach()))
         return out
+
+    def append_chunk(self, runtime: Any, values: Sequence[tuple[Any, Any]]) -> None:
+        """Leave the ring as the DiT's writes of one computed chunk leave it: per layer, when the
+        ring would overflow, the tokens after the sink shift left by the overflow; the chunk's
+        ``values`` (per layer ``(k, v)`` ``[1, n, H, D]``, the ring's dtype and device) land at
+        the tail; both cursors advance by the chunk. Everything is checked before the first
+        write: a mismatch raises `LayoutMismatchError` and changes nothing."""
+        layers = self.layers(runtime)
+        cursors = set(self.cursors(runtime))
+        if len(values) != len(layers) or len(cursors) != 1:
+            raise LayoutMismatchError(f"{len(values)} layers of values for a ring of {len(layers)} layers "
+                                      f"with cursors {sorted(cursors)}")
+        (global_end, local_end), = cursors
+        ring = self.window(runtime)
+        sink = ring.sink_size * ring.frame_tokens
+        for i, ((k, _), (vk, vv)) in enumerate(zip(layers, values)):
+            want = (1, vk.shape[1], k.shape[2], k.shape[3])
+            for t in (vk, vv):
+                if tuple(t.shape) != want or t.dtype != k.dtype or t.device != k.device:
+                    raise LayoutMismatchError(f"layer {i}: a chunk value {tuple(t.shape)} {t.dtype} on {t.device}; "
+                                              f"the ring takes {want} {k.dtype} on {k.device}")
+        n = int(values[0][0].shape[1])
+        overflow, end = append_tokens(local_end, n, int(layers[0][0].shape[1]), sink)
+        for (k, v), (vk, vv) in zip(layers, values):
+            for buf, value in ((k, vk), (v, vv)):
+                if overflow:
+                    shift_after_sink(buf, local_end, overflow, sink)
+                buf[:, end - n:end].copy_(value)
+        self.set_cursors(runtime, global_end + n, end)
 
     def publish_latents(self, runtime: Any, latents: Sequence[Any]) -> None:
         """Chunk i's latent becomes the runtime's cached latent i (decode only, no denoise)."""

@@ -57,28 +57,34 @@ _DEG = math.pi / 180.0
 
 
 def camera_path(actions: Sequence[Sequence[float]], *, chunk_size: int, width: int, height: int,
-                step_degrees: float = 8.0) -> tuple[Any, Any]:
+                step_degrees: float = 8.0, translation: bool = False, step: float = 0.1) -> tuple[Any, Any]:
     """Poses ``[N, 4, 4]`` float32 and intrinsics ``[N, 4]`` float32 (``fx, fy, cx, cy``) for
     ``N = 4 * (len(actions) * chunk_size - 1) + 1`` video frames. Latent frame j (video frame 4j,
     where TeleFuser samples the path) turns by ``step_degrees * (a1, a0, a2 / 2)`` (pitch, yaw,
-    roll) of its chunk's action; the frames between two samples keep the earlier pose, so the
-    control of a chunk depends only on the actions of that chunk and the ones before it."""
+    roll) of its chunk's action; with ``translation`` it also moves ``step * a3`` along its view
+    direction (a streamed session's controls normalize translation per chunk; a planned one's
+    over the whole trajectory, so planned paths stay rotations). The frames between two samples
+    keep the earlier pose, so the control of a chunk depends only on the actions of that chunk and
+    the ones before it."""
     import numpy as np
     from scipy.spatial.transform import Rotation
 
     latent_frames = len(actions) * chunk_size
     n = VIDEO_PER_LATENT * (latent_frames - 1) + 1
     rotation = Rotation.identity()
+    position = np.zeros(3, dtype=np.float64)
     per_latent = []
     for j in range(latent_frames):
         if j:
-            a = list(actions[j // chunk_size]) + [0.0, 0.0, 0.0]
-            step = np.array([a[1], a[0], 0.5 * a[2]], dtype=np.float64) * step_degrees * _DEG
-            rotation = rotation * Rotation.from_rotvec(step)
-        per_latent.append(rotation.as_matrix())
+            a = list(actions[j // chunk_size]) + [0.0, 0.0, 0.0, 0.0]
+            turn = np.array([a[1], a[0], 0.5 * a[2]], dtype=np.float64) * step_degrees * _DEG
+            rotation = rotation * Rotation.from_rotvec(turn)
+            if translation:
+                position = position + rotation.as_matrix()[:, 2] * step * a[3]
+        per_latent.append((rotation.as_matrix(), position.copy()))
     poses = np.tile(np.eye(4, dtype=np.float32), (n, 1, 1))
     for f in range(n):
-        poses[f, :3, :3] = per_latent[f // VIDEO_PER_LATENT]
+        poses[f, :3, :3], poses[f, :3, 3] = per_latent[f // VIDEO_PER_LATENT]
     focal = float(max(width, height))
     intrinsics = np.tile(np.array([[focal, focal, width / 2.0, height / 2.0]], dtype=np.float32), (n, 1))
     return poses, intrinsics
@@ -227,18 +233,21 @@ class TeleFuserRuntimeFactory:
         TeleFuser's ``build_control_override`` from the chunk's latent-frame poses, as its
         service builds one per streamed chunk."""
         c = self._geometry.chunk_size
-        poses, intrinsics = camera_path(actions, chunk_size=c, width=self.width, height=self.height)
+        poses, intrinsics = camera_path(actions, chunk_size=c, width=self.width, height=self.height,
+                                        translation=True)
         latent_poses = poses[::VIDEO_PER_LATENT]
         chunk = {"poses": latent_poses[k * c:(k + 1) * c], "intrinsics": intrinsics[0]}
         return self.pipeline.build_control_override(runtime, chunk)
 
-    def chunk_controls(self, session_config: Any, actions: Sequence[Sequence[float]]) -> list[Any]:
+    def chunk_controls(self, session_config: Any, actions: Sequence[Sequence[float]], *,
+                       translation: bool = False) -> list[Any]:
         """TeleFuser main's control tensor of each chunk, built by TeleFuser from the chunk's
         latent-frame poses and the pose before them (as its realtime service builds them)."""
         from telefuser.pipelines.lingbot_world_fast.control import LingBotWorldFastControlBuilder
 
         c = self._geometry.chunk_size
-        poses, intrinsics = camera_path(actions, chunk_size=c, width=self.width, height=self.height)
+        poses, intrinsics = camera_path(actions, chunk_size=c, width=self.width, height=self.height,
+                                        translation=translation)
         latent_poses = poses[::VIDEO_PER_LATENT]
         builder = LingBotWorldFastControlBuilder(self.pipeline.control_context(session_config))
         controls = []
@@ -269,7 +278,7 @@ class TeleFuserSession:
         self.next_chunk = 0
         self._stream: Optional[_StreamedChunks] = None
         if factory.streaming:
-            self._controls = factory.chunk_controls(self.session_config, actions)
+            self._controls = factory.chunk_controls(self.session_config, actions, translation=streamed)
             if not streamed:
                 plan_controls(self.session_config, self._controls)
 

@@ -40,3 +40,20 @@ def test_the_live_sessions_example_runs_and_keys_each_chunk():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "A and B share 2 of 4 chunk keys; chunks written: 6; chunks not cached (unkeyed): 0; hook failures: 0" \
         in out.stdout
+
+
+def test_a_binding_made_before_any_attach_on_the_release_says_so():
+    """The release calls no binding by itself: without attach() a session would run uncached in
+    silence, so the first binding made in such a process logs the fix."""
+    if is_streaming_telefuser():
+        pytest.skip("the release's case (main calls its binding itself)")
+    code = ("import logging, telefuser.pipelines.lingbot_world_fast.session\n"
+            "logging.basicConfig(level=logging.WARNING)\n"
+            "from cacheseek.reuse.exact_prefix import InMemoryTierStore, NamespaceForest, WorldKVManager\n"
+            "from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config\n"
+            "m = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config())\n"
+            "LingBotWorldKVBinding(m, m.forest); LingBotWorldKVBinding(m, m.forest)\n")
+    out = _run(["-c", code])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stderr.count("no pipeline of this process is attached") == 1
+    assert "fix: call cacheseek.integrations.telefuser.attach(pipeline)" in out.stderr

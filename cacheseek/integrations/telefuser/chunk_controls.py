@@ -8,7 +8,9 @@ else none (`released_chunk_control`, TeleFuser's own rule). On TeleFuser main th
 ``try_submit_chunk(session, i, control)`` up to two chunks ahead, and chunk ``i`` runs with that
 control. Either way the binding is told, through ``on_chunk_control(runtime, idx, control)``,
 before the chunk runs (`report`), so that each chunk is keyed by its own control and never by a
-placeholder.
+placeholder, and so that a chunk on a cached path can be restored instead of computed (the
+binding's `ChunkWindow`): on the release and the hooked commit the chunk runs next in the same
+thread, so the seam lets the binding restore it there.
 
 `NextChunkSeam` wraps ``generate_next_chunk`` of one release or hooked pipeline instance (the
 integration's hooks install it); main's seam is in `cacheseek.integrations.telefuser.streaming`.
@@ -35,12 +37,13 @@ def released_chunk_control(runtime: Any, control_override: Any) -> Any:
     return None
 
 
-def report(binding: Any, runtime: Any, idx: int, control: Any) -> None:
+def report(binding: Any, runtime: Any, idx: int, control: Any, *, may_restore: bool = False) -> None:
     """Tell ``binding`` that chunk ``idx`` runs with ``control`` (a binding without the hook, e.g.
-    a caller's own, is left alone)."""
+    a caller's own, is left alone); ``may_restore``: the chunk runs next in this thread, so the
+    binding may restore it instead (a live session on a cached path)."""
     hook = getattr(binding, "on_chunk_control", None)
     if hook is not None:
-        hook(runtime, idx, control)
+        hook(runtime, idx, control, may_restore=may_restore)
 
 
 class NextChunkSeam:
@@ -50,8 +53,12 @@ class NextChunkSeam:
         self.inner = generate_next_chunk
 
     def __call__(self, runtime: Any, *args: Any, **kwargs: Any) -> Any:
+        import torch
+
         binding = getattr(runtime, "world_kv_binding", None)
         if binding is not None and int(runtime.current_chunk_index) < len(runtime.noise_chunks):
             override = kwargs.get("control_override", args[0] if args else None)
-            report(binding, runtime, int(runtime.current_chunk_index), released_chunk_control(runtime, override))
+            control = released_chunk_control(runtime, override)
+            with torch.inference_mode():  # the ring is an inference tensor: a restore writes it here
+                report(binding, runtime, int(runtime.current_chunk_index), control, may_restore=True)
         return self.inner(runtime, *args, **kwargs)

@@ -1,7 +1,8 @@
 """`FastForward`: decides how many chunks of a new session are restored instead of computed.
 
 It looks up the longest ready prefix of the session's actions, refuses hits below break-even,
-and restores the window path ending there (`Restorer`). When the restore finds values gone (the
+and restores the window path ending there (`Restorer`). For a live session it also restores one
+chunk at a time (`restore_chunk`) while the session follows a cached path. When the restore finds values gone (the
 stale nodes are invalidated by then) or the path changed under it, it retries the longest shorter
 prefix that ends before the first broken node, down to break-even, instead of running cold. Any
 other failure (a store error, a layout mismatch, a bug) runs the session cold and leaves the trie
@@ -70,10 +71,24 @@ class FastForward:
             log.info("restore of depth %d found %s; retrying depth <= %d", match.matched_len,
                      f"{len(outcome.missing)} stale nodes" if outcome.missing else "the path changed", limit)
 
-    def _restore(self, node: TrieNode, window: RestoreWindow, matched_len: int) -> Optional[Outcome]:
+    def restore_chunk(self, node: TrieNode, window: RestoreWindow) -> bool:
+        """Restore ``node`` alone, the next chunk of a live session on a cached path (counted as
+        a live hit by chunk index, or a live restore failure); False leaves the runtime as it
+        was, and the chunk is computed. Values found gone are invalidated, as for any restore."""
+        ctx = self.ctx
+        outcome = self._restore(node, window, node.depth + 1, chunk_only=True)
+        if outcome is not None and outcome.ok:
+            ctx.metrics.record_live_hit(node.depth)
+            self.demoter.demote_tiers(protect=node)
+            return True
+        ctx.metrics.add(live_restore_failures=1)
+        return False
+
+    def _restore(self, node: TrieNode, window: RestoreWindow, matched_len: int, *,
+                 chunk_only: bool = False) -> Optional[Outcome]:
         """The restore's outcome, or None when it raised (logged)."""
         try:
-            return self.restorer.restore(node, window)
+            return self.restorer.restore(node, window, chunk_only=chunk_only)
         except CacheSeekError as exc:
             log.warning("restore of depth %d failed, running cold: %s", matched_len, exc)
         except Exception:  # noqa: BLE001 - a cache must never take a session down

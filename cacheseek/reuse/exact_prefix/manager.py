@@ -103,6 +103,11 @@ class WorldKVManager:
     ) -> FastForwardResult:
         return self._fast_forward.try_fast_forward(root_hash, actions, window)
 
+    def restore_chunk(self, node: TrieNode, window: RestoreWindow) -> bool:
+        """Restore ``node`` alone into ``window``: a live session's next chunk, on a cached path
+        (see `FastForward.restore_chunk`). Never raises for a store's or the window's failure."""
+        return self._fast_forward.restore_chunk(node, window)
+
     def window_path(self, node: TrieNode) -> list[TrieNode]:
         return self._restorer.window_path(node)
 

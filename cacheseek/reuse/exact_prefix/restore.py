@@ -91,12 +91,13 @@ class Restorer:
         depths = set(self.ctx.cfg.window_depths(len(path)))
         return [n for n in path if n.depth in depths]
 
-    def restore(self, node: TrieNode, window: RestoreWindow) -> Outcome:
-        """Restore the window path ending at ``node`` into ``window``. Raises on store errors
-        other than missing or corrupt values."""
+    def restore(self, node: TrieNode, window: RestoreWindow, *, chunk_only: bool = False) -> Outcome:
+        """Restore the window path ending at ``node`` into ``window``; with ``chunk_only``, the
+        node alone (its latent and KV: a live session's next chunk, whose ring already holds
+        the rest). Raises on store errors other than missing or corrupt values."""
         ctx = self.ctx
-        path = node.path()
-        win = self.window_path(node)
+        path = [node] if chunk_only else node.path()
+        win = [node] if chunk_only else self.window_path(node)
         with ctx.forest.lock:
             if not all(n.has_kv for n in win) or not all(n.skeleton is not None for n in path):
                 return NOT_WHOLE

@@ -68,10 +68,12 @@ from cacheseek.layout.auto import layout_name_of_runtime
 from cacheseek.layout.bshd import BshdLayout
 from cacheseek.registry import LAYOUTS, import_backends
 from cacheseek.reuse.exact_prefix.actions import action_bytes, chunk_action_key
+from cacheseek.reuse.exact_prefix.chunk_window import STAGING, ChunkWindow, advance_rng, check_latents
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
 from cacheseek.reuse.exact_prefix.keys import canonical_json_bytes, config_blob_hash, node_key, root_hash, sha256
 from cacheseek.reuse.exact_prefix.lazy_keys import UNKNOWN, ControlUnknownError, LazyActionKeys
 from cacheseek.reuse.exact_prefix.manager import WorldKVManager
+from cacheseek.reuse.exact_prefix.restore import is_path_store
 from cacheseek.kv.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.trie import NamespaceForest, load_forest_snapshot, save_forest_snapshot
 from cacheseek.reuse.exact_prefix.types import TrieNode
@@ -85,6 +87,7 @@ _DEFAULT_MODEL_FINGERPRINT = b"lingbot-world-fast"
 _warned_weights: list[bool] = []
 _logged_bypass: list[bool] = []
 _logged_unkeyed: list[bool] = []
+_warned_unattached: list[bool] = []
 
 
 def _warn_no_weights_fingerprint() -> None:
@@ -136,12 +139,12 @@ class LingBotWorldKVBinding:
         fingerprint_fields: Optional[Sequence[Any]] = None,
         require_weights_fingerprint: Optional[bool] = None,
     ) -> None:
-        if unattached_release():
-            raise ConfigError(
-                "binding", "TeleFuser 0.1.0.post3 never calls a binding itself and no pipeline is attached, "
-                "so this session would run uncached without a word",
-                "call cacheseek.integrations.telefuser.attach(pipeline) after pipeline.init(), before "
-                "making bindings")
+        if unattached_release() and not _warned_unattached:
+            _warned_unattached.append(True)
+            log.warning("TeleFuser 0.1.0.post3 never calls a binding itself and no pipeline of this process is "
+                        "attached, so its sessions run uncached (fix: call "
+                        "cacheseek.integrations.telefuser.attach(pipeline) after pipeline.init(), before making "
+                        "bindings)")
         self._auto_layout = layout is None  # told from the runtime (`layout_name_of_runtime`)
         if layout is None:
             layout = BshdLayout()
@@ -156,6 +159,7 @@ class LingBotWorldKVBinding:
         self.fields = list(fingerprint_fields) if fingerprint_fields is not None else namespace.resolve_fields(None)
         self.last_fast_forward = 0
         self._unkeyed_from: Optional[int] = None  # the first chunk no control was named for
+        self._restored: set[int] = set()  # chunks restored mid-session (live)
         if snapshot_path is not None and len(forest) == 0:
             load_forest_snapshot(snapshot_path, into=forest)
         self.root: Optional[bytes] = None
@@ -186,13 +190,15 @@ class LingBotWorldKVBinding:
         finally:
             self._end_start_up()
 
-    def on_chunk_control(self, runtime: Any, idx: int, control: Any) -> None:
-        """Chunk ``idx`` starts with ``control`` (what the model gets; None for none). Raises
+    def on_chunk_control(self, runtime: Any, idx: int, control: Any, *, may_restore: bool = False) -> None:
+        """Chunk ``idx`` starts with ``control`` (what the model gets; None for none). With
+        ``may_restore`` (the caller runs the chunk right after, in this thread, and the ring is
+        writable here), a chunk on a cached path is restored instead (`ChunkWindow`). Raises
         `ControlMismatchError` when ``idx`` was restored for another (planned) control; any
-        other failure is counted and leaves the chunk unkeyed (not cached)."""
+        other failure is counted and leaves the chunk to be computed."""
         try:
             with _counted_failures(self, "on_chunk_control"):
-                self._on_chunk_control(idx, control)
+                self._on_chunk_control(runtime, idx, control, may_restore)
         except ControlMismatchError:
             raise
         except Exception:  # counted and logged: the chunk stays as it was known
@@ -220,6 +226,7 @@ class LingBotWorldKVBinding:
             self._keys.close()
         self._ns, self._cursor, self._keys, self.actions = None, None, None, []
         self.root, self.last_fast_forward, self._unkeyed_from = None, 0, None
+        self._restored = set()
         if self._auto_layout:
             self.layout = self._layout_of(runtime)
         self.ring = self._validate_geometry(runtime)  # a misconfiguration is refused even while warming
@@ -286,7 +293,7 @@ class LingBotWorldKVBinding:
             log.info("the store is still warming up: sessions run uncached (no keys, no lookup, no "
                      "writes) until it is ready; counted as sessions_bypassed_warming")
 
-    def _on_chunk_control(self, idx: int, control: Any) -> None:
+    def _on_chunk_control(self, runtime: Any, idx: int, control: Any, may_restore: bool) -> None:
         keys = self._keys
         if keys is None or not 0 <= idx < len(keys):  # bypassed, or a chunk beyond the session
             return
@@ -299,13 +306,42 @@ class LingBotWorldKVBinding:
                     "without planning (each chunk is then looked up as its control arrives)")
             return
         keys.supply(idx, control)
+        if may_restore and self._restore_chunk(runtime, idx):
+            return
         if self.ingest_enabled:
-            keys.compute_rest_in_background()
+            keys.compute_rest_in_background()  # the chunk is computed: its key is needed at ingest
+
+    def _restore_chunk(self, runtime: Any, idx: int) -> bool:
+        """Restore chunk ``idx`` when the cursor sits at depth ``idx - 1`` with a ready child for
+        its key (computed here only when the cursor has children); whether it was restored."""
+        parent = self._cursor
+        if self._ns is None or parent is None or parent.depth != idx - 1 or not parent.children:
+            return False
+        self.manager.metrics.add(live_lookups=1)
+        try:
+            child = parent.children.get(self._keys[idx])
+        except ValueError:  # no key: the chunk is computed, and its ingest says why
+            return False
+        if child is None or not child.has_kv:
+            return False
+        store = self.manager.store
+        k, _ = self.layout.layers(runtime)[0]
+        shape = (1, self.ring.chunk_size * self.ring.frame_tokens, int(k.shape[2]), int(k.shape[3]))
+        lease = (STAGING.lease(k.device, len(self.layout.ring_layers(runtime)), shape, k.dtype)
+                 if is_path_store(store) else contextlib.nullcontext(None))
+        with lease as staging:
+            window = ChunkWindow(self.layout, runtime, self.ring, idx, staging)
+            if not self.manager.restore_chunk(child, window) or not window.published:
+                return False
+        self._cursor = child
+        self._restored.add(idx)
+        self.bytes_restored += window.bytes_restored
+        return True
 
     def _on_chunk_finalized(self, runtime: Any, idx: int, denoised: Any) -> None:
         if not self.ingest_enabled or self._ns is None:
             return
-        if idx < self.last_fast_forward:  # a restored chunk (TeleFuser main reports its decode-only chunks)
+        if idx < self.last_fast_forward or idx in self._restored:  # TeleFuser main reports decode-only chunks
             return
         if self._unkeyed_from is not None:
             self._count_unkeyed(idx)
@@ -449,14 +485,8 @@ class _RuntimeWindow:
 
     def seed_latents(self, latents: Sequence[Any]) -> None:
         spec = self.binding.layout.latent_spec(self.runtime)
-        out = []
-        for i, lat in enumerate(latents):
-            # the dtype is as stored: the model's x0 (a runtime may keep its ring in another dtype)
-            if tuple(lat.shape) != spec.shape or not lat.dtype.is_floating_point or lat.dtype != latents[0].dtype:
-                raise LayoutMismatchError(f"latent {i}: stored {tuple(lat.shape)} {lat.dtype}, the runtime "
-                                          f"expects {spec.shape} in one floating dtype for the whole path")
-            out.append(lat.to(spec.device, copy=True))
-        self.latents = out
+        check_latents(spec, latents)  # the dtype is as stored: the model's x0, whatever the ring's
+        self.latents = [lat.to(spec.device, copy=True) for lat in latents]
 
     def seed_layer(self, layer: int, blobs: list[tuple[int, Any]], depth: int) -> None:
         k_ring, v_ring = self.binding.layout.layers(self.runtime)[layer]
@@ -504,24 +534,13 @@ class _RuntimeWindow:
 
     def set_resume_depth(self, depth: int) -> None:
         """The single publication point of a restore; ``depth`` is the deepest restored node's."""
-        import torch
-
         rt = self.runtime
         depth += 1  # from here on: K, the number of restored chunks
         if len(self.latents) != depth:
             raise CacheSeekError(f"restore of depth {depth} has {len(self.latents)} latents")
         global_end, local_end = self.ring.cursors(depth)
         layout = self.binding.layout
-        draws = max(len(layout.timesteps(rt)) - 1, 0)
-        gen = layout.generator(rt)
-        state = gen.get_state()
-        try:
-            for lat in self.latents:  # a cold chunk re-noises its x0: x0's shape and dtype
-                for _ in range(draws):
-                    torch.randn(tuple(lat.shape), generator=gen, dtype=lat.dtype, device=gen.device)
-        except BaseException:
-            gen.set_state(state)
-            raise
+        advance_rng(layout, rt, self.latents)  # a cold chunk re-noises its x0: x0's shape and dtype
         # Nothing below can fail: cursors, latents and the depth are published together.
         layout.set_cursors(rt, global_end, local_end)
         layout.publish_latents(rt, self.latents)

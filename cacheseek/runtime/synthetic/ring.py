@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cacheseek.errors import CacheSeekError
+from cacheseek.errors import CacheSeekError, GeometryError
+from cacheseek.kv.ring import append_tokens, shift_after_sink
 
 if TYPE_CHECKING:
     import torch
@@ -43,20 +44,14 @@ def ring_write(
         first = False
     elif start_token == g:
         first = True
-        overflow = le + n - size
-        if overflow > 0:
-            rolled = le - overflow - sink_tokens
-            if rolled < 0:
-                raise RingCursorError(
-                    f"{n} tokens do not fit after a sink of {sink_tokens} in a ring of {size}"
-                )
+        try:
+            overflow, new_end = append_tokens(le, n, size, sink_tokens)
+        except GeometryError as exc:
+            raise RingCursorError(str(exc)) from None
+        if overflow:
             for name in ("k", "v"):
-                buf = cache[name]
-                src = sink_tokens + overflow
-                buf[:, sink_tokens : sink_tokens + rolled] = buf[:, src : src + rolled].clone()
-            le = size
-        else:
-            le += n
+                shift_after_sink(cache[name], le, overflow, sink_tokens)
+        le = new_end
         cache["global_end_index"] = start_token + n
         cache["local_end_index"] = le
     else:
