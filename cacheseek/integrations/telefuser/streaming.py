@@ -22,6 +22,12 @@ pipeline's seams, on one pipeline instance, without touching TeleFuser's code:
   gets the restored latent as stored, i.e. what a cold run decodes. Anything else is decoded as
   TeleFuser passes it.
 
+- a live session's chunk on a cached path: the denoise stage's ``denoise_and_update_cache``
+  (the denoise actor's call for a chunk without a cached latent) restores it instead, in the
+  actor thread, where the DiT would have written it (`LingBotWorldKVBinding.restore_chunk`): the
+  KV, cursors and re-noise draws are published, the noise RNG advances as for a decode-only
+  chunk, and the stored x0 is returned as the DiT's, float32 as a computed chunk's.
+
 TeleFuser's streaming runtime takes the decode worker when it is first built, so `attach` must
 come before the pipeline's first generation (``warmup`` and ``LingBotWorldFastService.start``
 generate). A denoise stage in ``ParallelWorker`` processes (multi-GPU) keeps the ring out of
@@ -65,6 +71,7 @@ class StreamingHooks:
         self._create = pipeline._create_initialized_session
         self._generate_video = pipeline.generate_video
         self._decode_worker = pipeline.vae_decode_worker
+        self._stage = pipeline.denoise_stage
         self._get_streaming_runtime = pipeline._get_streaming_runtime
         self._sessions: "weakref.WeakValueDictionary[Any, Any]" = weakref.WeakValueDictionary()  # by cache handle
         self._lock = threading.Lock()
@@ -78,6 +85,7 @@ class StreamingHooks:
         p._create_initialized_session = self.create_session
         p.generate_video = self.generate_video
         p.vae_decode_worker = _ExactDecode(self, self._decode_worker)
+        p.denoise_stage = _LiveDenoise(self, self._stage)
         p._get_streaming_runtime = self.streaming_runtime
         self.installed = True
 
@@ -90,6 +98,7 @@ class StreamingHooks:
             if name in vars(p):
                 delattr(p, name)
         p.vae_decode_worker = self._decode_worker
+        p.denoise_stage = self._stage
         runtime = getattr(p, "_streaming_runtime", None)
         if runtime is not None and "try_submit_chunk" in vars(runtime):
             del runtime.try_submit_chunk
@@ -142,6 +151,26 @@ class StreamingHooks:
         if binding is not None and 0 <= int(chunk_index) < int(session.chunk_count):
             report(binding, session, int(chunk_index), control)
 
+    def denoise(self, kwargs: dict[str, Any], call: Any) -> Any:
+        """One ``denoise_and_update_cache`` call of the denoise actor: a chunk of a live session
+        on a cached path is restored instead (`LingBotWorldKVBinding.restore_chunk`); the noise
+        RNG then advances as for a decode-only chunk, and the stored x0 is returned as the DiT's."""
+        handle = kwargs.get("cache_handle")
+        with self._lock:
+            session = self._sessions.get(handle)
+        binding = getattr(session, "world_kv_binding", None)
+        restore = getattr(binding, "restore_chunk", None)
+        if restore is None or "current_start" not in kwargs:
+            return call()
+        idx = int(kwargs["current_start"]) // (int(session.chunk_size) * int(session.frame_tokens))
+        latent = restore(session, idx)
+        if latent is None:
+            return call()
+        advanced = self._stage.advance_noise(cache_handle=handle)
+        if callable(advanced):
+            advanced()
+        return latent
+
     # -- decode ---------------------------------------------------------------------------------
 
     def decode_input(self, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -182,6 +211,11 @@ def _cast_equals(exact: Any, latents: Any) -> bool:
     cast = exact.to(device=latents.device, dtype=latents.dtype)
     return bool(torch.equal(cast.contiguous().reshape(-1).view(torch.uint8),
                             latents.contiguous().reshape(-1).view(torch.uint8)))
+
+
+class _LiveDenoise(_Proxy):
+    def denoise_and_update_cache(self, *args: Any, **kwargs: Any) -> Any:
+        return self._hooks.denoise(kwargs, lambda: self._inner.denoise_and_update_cache(*args, **kwargs))
 
 
 class _ExactDecode(_Proxy):

@@ -10,7 +10,8 @@ computed chunk ``i`` leaves:
   and both cursors advanced (`RingLayout.append_chunk`);
 - the RNG draws of a computed chunk (`advance_rng`: ``len(timesteps) - 1`` draws of x0's shape
   and dtype on the denoiser's generator);
-- the stored latent as chunk ``i``'s cached latent: the runtime decodes it instead of denoising.
+- the stored latent as chunk ``i``'s cached latent: the runtime decodes it instead of denoising
+  (or, on TeleFuser main, the latent its denoise call returns: ``publish_latent=False``).
 
 Lifetime of one restore (the manager's `Restorer` with ``chunk_only``): the chunk's values are
 fetched into staging first, where nothing of the runtime is touched: a whole-path store copies
@@ -102,7 +103,9 @@ class ChunkWindow:
     """The restore target of chunk ``idx`` of a live session (see the module docstring).
     ``staging``: device buffers per layer ``(k, v)`` for a whole-path store, None otherwise."""
 
-    def __init__(self, layout: Any, runtime: Any, ring: Any, idx: int, staging: Any = None) -> None:
+    def __init__(self, layout: Any, runtime: Any, ring: Any, idx: int, staging: Any = None, *,
+                 publish_latent: bool = True) -> None:
+        self.publish_latent = publish_latent  # False: the caller hands the latent to the runtime itself
         self.layout = layout
         self.runtime = runtime
         self.ring = ring
@@ -164,13 +167,18 @@ class ChunkWindow:
         if depth != self.idx or self.latent is None or not self.values:
             raise CacheSeekError(f"chunk {self.idx}: publication of depth {depth} with "
                                  f"{'a' if self.latent is not None else 'no'} latent, {len(self.values)} layers")
+        import torch
+
         gen = self.layout.generator(self.runtime)
         state = gen.get_state()
         advance_rng(self.layout, self.runtime, [self.latent])
+        ring_k = self.layout.layers(self.runtime)[0][0]
         try:
-            self.layout.append_chunk(self.runtime, self.values)  # checks first; a mismatch writes nothing
+            with torch.inference_mode(ring_k.is_inference()):  # written in the mode it was made in
+                self.layout.append_chunk(self.runtime, self.values)  # checks first; a mismatch writes nothing
         except BaseException:
             gen.set_state(state)
             raise
-        self.layout.cached_latents(self.runtime)[self.idx] = self.latent
+        if self.publish_latent:
+            self.layout.cached_latents(self.runtime)[self.idx] = self.latent
         self.published = True

@@ -306,37 +306,51 @@ class LingBotWorldKVBinding:
                     "without planning (each chunk is then looked up as its control arrives)")
             return
         keys.supply(idx, control)
-        if may_restore and self._restore_chunk(runtime, idx):
+        if may_restore and self._restore_chunk(runtime, idx, publish_latent=True) is not None:
             return
         if self.ingest_enabled:
             keys.compute_rest_in_background()  # the chunk is computed: its key is needed at ingest
 
-    def _restore_chunk(self, runtime: Any, idx: int) -> bool:
+    def restore_chunk(self, runtime: Any, idx: int) -> Any:
+        """The runtime is about to compute chunk ``idx`` (its control already named): restore it
+        instead when the session is on a cached path. Returns the chunk's stored latent (its KV,
+        cursors and RNG draws are then published; the runtime hands the latent on as the
+        chunk's x0), or None: compute it. TeleFuser main's integration calls it in the denoise
+        actor. Never raises (a failure is counted; the chunk is computed)."""
+        if self._keys is None or not 0 <= idx < len(self._keys) or idx in self._restored:
+            return None
+        try:
+            with _counted_failures(self, "restore_chunk"):
+                return self._restore_chunk(runtime, idx, publish_latent=False)
+        except Exception:
+            return None
+
+    def _restore_chunk(self, runtime: Any, idx: int, *, publish_latent: bool) -> Any:
         """Restore chunk ``idx`` when the cursor sits at depth ``idx - 1`` with a ready child for
-        its key (computed here only when the cursor has children); whether it was restored."""
+        its key (computed here only when the cursor has children): its latent, or None."""
         parent = self._cursor
         if self._ns is None or parent is None or parent.depth != idx - 1 or not parent.children:
-            return False
+            return None
         self.manager.metrics.add(live_lookups=1)
         try:
             child = parent.children.get(self._keys[idx])
         except ValueError:  # no key: the chunk is computed, and its ingest says why
-            return False
+            return None
         if child is None or not child.has_kv:
-            return False
+            return None
         store = self.manager.store
         k, _ = self.layout.layers(runtime)[0]
         shape = (1, self.ring.chunk_size * self.ring.frame_tokens, int(k.shape[2]), int(k.shape[3]))
         lease = (STAGING.lease(k.device, len(self.layout.ring_layers(runtime)), shape, k.dtype)
                  if is_path_store(store) else contextlib.nullcontext(None))
         with lease as staging:
-            window = ChunkWindow(self.layout, runtime, self.ring, idx, staging)
+            window = ChunkWindow(self.layout, runtime, self.ring, idx, staging, publish_latent=publish_latent)
             if not self.manager.restore_chunk(child, window) or not window.published:
-                return False
+                return None
         self._cursor = child
         self._restored.add(idx)
         self.bytes_restored += window.bytes_restored
-        return True
+        return window.latent
 
     def _on_chunk_finalized(self, runtime: Any, idx: int, denoised: Any) -> None:
         if not self.ingest_enabled or self._ns is None:
