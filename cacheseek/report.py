@@ -120,6 +120,12 @@ def metrics_block(m: dict[str, Any]) -> str:
         f"{m['restore_retries']} retries; write: {fmt_bytes(m['write_bytes'])} in "
         f"{m['write_seconds']:.3f} s ({m['writes']}); registration {m['registration_seconds']:.3f} s",
     ]
+    if m.get("live_lookups"):
+        by_chunk = ", ".join(f"{k}: {v}" for k, v in m.get("live_hits_by_chunk", {}).items()) or "none"
+        lines.append(f"  live sessions: {m['live_lookups']} chunk lookups, {m['live_hits']} chunks restored "
+                     f"mid-session (by chunk: {by_chunk}), {m['live_restore_failures']} failed")
+    if m.get("chunks_unkeyed"):
+        lines.append(f"  {m['chunks_unkeyed']} chunks not cached: no control was known for them")
     if m.get("store_used_bytes") is not None:
         lines.append(
             f"  store: {fmt_bytes(m['store_used_bytes'])} used of {_capacity(m['store_capacity_bytes'])}, "

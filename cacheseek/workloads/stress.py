@@ -1,9 +1,9 @@
 """The ``stress`` workload: many sessions with shared prefixes, several at once, on a store far
 smaller than what they write.
 
-Sessions walk a tree of actions: at every depth a session picks one of ``branching`` actions
-(Zipf-skewed with exponent ``skew``, so some prefixes are hot), for ``depth`` chunks; ``images``
-distinct start images give as many namespaces. ``sessions`` sessions run in a pool of
+Sessions walk a tree of actions (`action_tree.ActionTree`): at every depth a session picks one
+of ``branching`` actions (Zipf-skewed with exponent ``skew``, so some prefixes are hot), for
+``depth`` chunks; ``images`` distinct start images give as many namespaces. ``sessions`` sessions run in a pool of
 ``threads`` threads that share one manager, forest and store, so restores, writes, evictions
 and invalidations interleave.
 
@@ -36,7 +36,7 @@ from cacheseek.errors import ConfigError
 from cacheseek.eviction import store_usage
 from cacheseek.progress import bar
 from cacheseek.registry import WORKLOADS
-from cacheseek.runtime.synthetic import SyntheticImage
+from cacheseek.workloads.action_tree import ActionTree, check_count
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +60,6 @@ class StressSchema:
     lose_rate: float = 0.0
 
 
-def _check(field: str, value: Any, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"workload.{field}", f"must be an integer >= {low}, got {value!r}",
-                          f"set workload.{field} to an integer >= {low}")
-
-
 @WORKLOADS.register("stress", StressSchema)
 class StressWorkload:
     def __init__(
@@ -81,32 +75,18 @@ class StressWorkload:
         action_dim: int = 4,
         lose_rate: float = 0.0,
     ) -> None:
-        _check("sessions", sessions, 1)
-        _check("depth", depth, 1)
-        _check("branching", branching, 1)
-        _check("images", images, 1)
-        _check("threads", threads, 1)
-        _check("action_dim", action_dim, 1)
+        check_count("threads", threads, 1)
         if capacity_chunks is not None:
-            _check("capacity_chunks", capacity_chunks, 1)
-        if isinstance(skew, bool) or not isinstance(skew, (int, float)) or skew < 0:
-            raise ConfigError("workload.skew", f"must be a number >= 0, got {skew!r}")
+            check_count("capacity_chunks", capacity_chunks, 1)
         if isinstance(lose_rate, bool) or not isinstance(lose_rate, (int, float)) or not 0 <= lose_rate <= 1:
             raise ConfigError("workload.lose_rate", f"must be a number in [0, 1], got {lose_rate!r}")
         self.lose_rate = float(lose_rate)
         self._loss_rng = random.Random(seed + 1)
         self.threads = threads
         self.capacity_chunks = capacity_chunks
-        rng = random.Random(seed)
-        # one action vector per (depth, choice); a session's path is a tuple of choices
-        self.choices = [[[round(rng.uniform(-1, 1), 4) for _ in range(action_dim)]
-                         for _ in range(branching)] for _ in range(depth)]
-        weights = [1.0 / (i + 1) ** skew for i in range(branching)]
-        self.plan = [
-            (rng.randrange(images), tuple(rng.choices(range(branching), weights)[0] for _ in range(depth)))
-            for _ in range(sessions)
-        ]
-        self.images = [_image(i) for i in range(images)]
+        self.tree = ActionTree(sessions=sessions, depth=depth, branching=branching, skew=skew, images=images,
+                               seed=seed, action_dim=action_dim)
+        self.plan, self.images = self.tree.plan, self.tree.images
 
     @property
     def cache_chunks(self) -> int:
@@ -114,14 +94,14 @@ class StressWorkload:
         the plan (`cacheseek.sizing` fits ``auto`` store sizes to it)."""
         if self.capacity_chunks is not None:
             return self.capacity_chunks
-        return len({(image, path[:d + 1]) for image, path in self.plan for d in range(len(path))})
+        return self.tree.distinct_prefixes()
 
     @property
     def cache_chunks_why(self) -> str:
         return "workload.capacity_chunks" if self.capacity_chunks is not None else "every distinct prefix"
 
     def actions(self, path: tuple[int, ...]) -> list[list[float]]:
-        return [self.choices[d][c] for d, c in enumerate(path)]
+        return self.tree.actions(path)
 
     # -- run ------------------------------------------------------------------------------------
     def run(self, stack: Any) -> dict[str, Any]:
@@ -250,6 +230,3 @@ class StressWorkload:
                  self.capacity_chunks, store.capacity_bytes)
         return store.capacity_bytes
 
-
-def _image(i: int) -> Any:
-    return SyntheticImage("RGB", (8, 8), bytes((j * 37 + 11 + 53 * i) % 256 for j in range(8 * 8 * 3)))

@@ -419,6 +419,12 @@ class LingBotWorldKVBinding:
             )
         return latent.contiguous()
 
+    @property
+    def restored_chunks(self) -> list[int]:
+        """The chunks of the session restored instead of computed: at creation (0..K-1) and
+        mid-session (a live session on a cached path)."""
+        return sorted(set(range(self.last_fast_forward)) | self._restored)
+
     def flush_snapshot(self) -> None:
         if self.snapshot_path:
             save_forest_snapshot(self.forest, self.snapshot_path)

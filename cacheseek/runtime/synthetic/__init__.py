@@ -159,10 +159,13 @@ class SyntheticRuntimeFactory:
         total_chunks: int | None = None,
         *,
         image: Any = None,
+        streamed: bool = False,
     ) -> SyntheticWorldRuntime:
-        """A fresh runtime for one session with these settings."""
+        """A fresh runtime for one session with these settings; ``streamed``: a live session
+        whose controls arrive one chunk at a time (none planned)."""
         return SyntheticWorldRuntime(
             self._geometry,
+            streamed=streamed,
             actions=actions,
             prompt=self.prompt,
             image=image,

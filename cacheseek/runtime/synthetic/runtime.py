@@ -69,7 +69,9 @@ class SyntheticWorldRuntime:
     chunk comes up and decoded instead of denoised), `generator`, `timesteps`, `noise_chunks`
     (float32 views `latent_shape` of one whole-video draw, see the module docstring),
     `control_chunks` (float32 `[1, 384, c, h, w]` camera-control tensors on the runtime device,
-    one per chunk, see `control_tensor`; `actions` keeps the action vectors), `chunk_size`, `frame_tokens`,
+    one per chunk, see `control_tensor`; None for a ``streamed`` session, whose chunk ``i``
+    reaches ``hooks.on_chunk_control(runtime, i, control, may_restore=True)`` as it starts, as a
+    live TeleFuser session's does; `actions` keeps the action vectors), `chunk_size`, `frame_tokens`,
     `kv_local_attn_size` (L frames or -1), `kv_sink_size` (S frames), `device`, `dtype`
     (torch dtype), `weights_fingerprint` (sha256 of the model weights) and `session_config`.
 
@@ -94,6 +96,7 @@ class SyntheticWorldRuntime:
         dtype: str = "bfloat16",
         hooks: Any = None,
         compute: dict | None = None,
+        streamed: bool = False,
     ) -> None:
         import torch
 
@@ -145,7 +148,9 @@ class SyntheticWorldRuntime:
                 raise ConfigError("runtime.image", f"image lacks {attr!r} (needs a PIL-like image)")
 
         self.actions = [list(a) for a in controls[:total_chunks]]
-        self.control_chunks = [control_tensor(g, a, device=self.device) for a in self.actions]
+        self.streamed = bool(streamed)
+        self._controls = [control_tensor(g, a, device=self.device) for a in self.actions]
+        self.control_chunks = None if self.streamed else self._controls  # a live session plans none
         self.session_config = SessionConfig(
             prompt=prompt,
             image=self.image,
@@ -229,6 +234,9 @@ class SyntheticWorldRuntime:
     # -- chunk loop ---------------------------------------------------------------------------
 
     def _run_chunk(self, i: int) -> None:
+        if self.streamed and callable(getattr(self.hooks, "on_chunk_control", None)):
+            # a live session: chunk i's control arrives now; the binding may restore the chunk
+            self.hooks.on_chunk_control(self, i, self._controls[i], may_restore=True)
         cached = self.world_kv_cached_latents.pop(i, None)
         if cached is not None:
             self._check_latent(i, cached)

@@ -1,0 +1,57 @@
+"""`ActionTree`: sessions as paths through a tree of actions, popular prefixes first.
+
+At every depth a session picks one of ``branching`` action vectors, Zipf-skewed with exponent
+``skew`` (choice ``j`` has weight ``1 / (j + 1) ** skew``), so a few prefixes are hot, as a
+popular start image and the common first moves are for a world model's users. ``images``
+distinct start images give as many namespaces. Deterministic in ``seed``. Shared by the
+``stress`` and ``interactive`` workloads.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from cacheseek.errors import ConfigError
+from cacheseek.runtime.synthetic import SyntheticImage
+
+__all__ = ["ActionTree", "check_count"]
+
+
+def check_count(field: str, value: Any, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"workload.{field}", f"must be an integer >= {low}, got {value!r}",
+                          f"set workload.{field} to an integer >= {low}")
+
+
+class ActionTree:
+    """``plan``: per session ``(image index, path)`` with ``path`` a tuple of choices per depth;
+    `actions` turns a path into one action vector (``action_dim`` values in [-1, 1]) per chunk."""
+
+    def __init__(self, *, sessions: int, depth: int, branching: int, skew: float, images: int, seed: int,
+                 action_dim: int) -> None:
+        for name, value in (("sessions", sessions), ("depth", depth), ("branching", branching),
+                            ("images", images), ("action_dim", action_dim)):
+            check_count(name, value, 1)
+        if isinstance(skew, bool) or not isinstance(skew, (int, float)) or skew < 0:
+            raise ConfigError("workload.skew", f"must be a number >= 0, got {skew!r}", "set workload.skew=1.0")
+        rng = random.Random(seed)
+        self.choices = [[[round(rng.uniform(-1, 1), 4) for _ in range(action_dim)]
+                         for _ in range(branching)] for _ in range(depth)]
+        weights = [1.0 / (i + 1) ** skew for i in range(branching)]
+        self.plan = [
+            (rng.randrange(images), tuple(rng.choices(range(branching), weights)[0] for _ in range(depth)))
+            for _ in range(sessions)
+        ]
+        self.images = [image(i) for i in range(images)]
+
+    def actions(self, path: tuple[int, ...]) -> list[list[float]]:
+        return [self.choices[d][c] for d, c in enumerate(path)]
+
+    def distinct_prefixes(self) -> int:
+        return len({(img, path[:d + 1]) for img, path in self.plan for d in range(len(path))})
+
+
+def image(i: int) -> Any:
+    """Start image ``i``: 8x8 RGB, distinct per index."""
+    return SyntheticImage("RGB", (8, 8), bytes((j * 37 + 11 + 53 * i) % 256 for j in range(8 * 8 * 3)))
