@@ -22,6 +22,7 @@ from cacheseek.reuse.exact_prefix.telefuser_lingbot import (
     make_rolling_config,
 )
 from cacheseek.runtime.synthetic import SyntheticRuntimeFactory
+from cacheseek.stores.memory import InMemoryTierStore
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.host_transfer import HostTransferRuntime
 
@@ -212,3 +213,17 @@ class PlanProxy:
     def remove(self, key: str) -> None:
         self.log.append(("remove", key))
         self._inner.remove(key)
+
+
+class OffByOneStore(InMemoryTierStore):
+    """A store that hands back one wrong K value in every layer it reads: a workload's verdict
+    must see it."""
+
+    def get_layer(self, handle, layer):
+        got = super().get_layer(handle, layer)
+        if got is None:
+            return None
+        k, v = got
+        k = k.clone()
+        k.view(-1)[0] += 1
+        return k, v

@@ -11,8 +11,9 @@ import pytest
 
 from cacheseek.cli import run
 from cacheseek.registry import WORKLOADS
-from cacheseek.stores.memory import InMemoryTierStore
 from cacheseek.workloads.interactive import InteractiveWorkload
+
+from prodkit import OffByOneStore
 
 RING = ["runtime.local_attn_size=7", "runtime.sink_size=3"]
 
@@ -40,17 +41,7 @@ def test_live_sessions_restore_their_cached_path_and_match_a_cold_run(compose_cf
 
 
 def test_interactive_fails_when_a_restored_chunk_is_wrong(compose_cfg, tmp_path):
-    class OffByOne(InMemoryTierStore):
-        def get_layer(self, handle, layer):
-            got = super().get_layer(handle, layer)
-            if got is None:
-                return None
-            k, v = got
-            k = k.clone()
-            k.view(-1)[0] += 1
-            return k, v
-
-    results = run(compose_cfg("workload=interactive", *RING), tmp_path, store=OffByOne())
+    results = run(compose_cfg("workload=interactive", *RING), tmp_path, store=OffByOneStore())
     assert not results["passed"] and results["interactive"]["mismatches"] > 0
 
 

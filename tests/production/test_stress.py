@@ -20,7 +20,7 @@ from cacheseek.reuse.exact_prefix.keys import node_key
 from cacheseek.stores.memory import InMemoryTierStore
 from cacheseek.workloads.stress import StressWorkload
 
-from prodkit import check_invariants, fake_cuda, plan_store
+from prodkit import OffByOneStore, check_invariants, fake_cuda, plan_store
 
 SMALL = ["workload.sessions=16", "workload.depth=5", "workload.threads=3", "workload.lose_rate=0.4"]
 
@@ -76,17 +76,7 @@ def test_stress_on_the_overlapped_plan_path(compose_cfg, tmp_path):
 def test_stress_fails_when_a_restore_is_wrong(compose_cfg, tmp_path):
     """Correctness is checked, not just "no crash": one flipped value in every restored K."""
 
-    class OffByOne(InMemoryTierStore):
-        def get_layer(self, handle, layer):
-            got = super().get_layer(handle, layer)
-            if got is None:
-                return None
-            k, v = got
-            k = k.clone()
-            k.view(-1)[0] += 1
-            return k, v
-
-    results = run(compose_cfg("+experiment=stress", *SMALL), tmp_path, store=OffByOne())
+    results = run(compose_cfg("+experiment=stress", *SMALL), tmp_path, store=OffByOneStore())
     assert not results["passed"] and results["stress"]["mismatches"] > 0
 
 
