@@ -26,7 +26,7 @@ Stores (``--store``): ``fluxon_plan`` (the Plan tier with ``store.client=fluxon`
 reads, staged writes) or ``fluxon`` (the generic per-layer tier, `FluxonTensorTier`).
 
 The service's master and owner advertise a non-loopback address: on a shared machine run the
-whole command inside a private network namespace (``../shared/tools/netns-run.sh``); with
+whole command inside a private network namespace (``tools/netns-run.sh``); with
 ``--start-service`` this command refuses to start a service outside one, before it creates
 anything.
 """
@@ -306,7 +306,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cacheseek.workers", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Run inside a private network namespace on a shared machine: "
-                                       "../shared/tools/netns-run.sh python -m cacheseek.workers --start-service")
+                                       "tools/netns-run.sh python -m cacheseek.workers --start-service")
     p.add_argument("--store", choices=STORES, default="fluxon_plan", help="default: fluxon_plan (store.client=fluxon)")
     p.add_argument("--cluster-name", help="the running service's cluster name")
     p.add_argument("--share-mem-path", help="the running service's segment folder root (/dev/shm/...)")

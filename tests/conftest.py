@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -11,6 +13,18 @@ from cacheseek.cli import CONF_DIR
 from cacheseek.registry import import_backends
 
 import_backends()
+
+FLUXON_PY_REASON = "needs fluxon-py (pip install -e '.[fluxon]', or bash tools/install_fluxon_deps.sh)"
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked ``fluxon_py`` skip, with the reason, where fluxon-py is not installed."""
+    if importlib.util.find_spec("fluxon_py") is not None:
+        return
+    skip = pytest.mark.skip(reason=FLUXON_PY_REASON)
+    for item in items:
+        if item.get_closest_marker("fluxon_py") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture

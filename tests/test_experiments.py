@@ -60,6 +60,7 @@ def test_action_keys_benchmark_smoke(tmp_path):
     assert (tmp_path / "action_keys.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_hbm_tier_benchmark_smoke(tmp_path):
     res = load("hbm_tier").main([
         "device=cpu", "reps=1", "peak_bytes=1048576", "full_hit.geometry=tiny", "cold_a.geometry=tiny",
@@ -87,6 +88,7 @@ def test_copy_kernel_benchmark_smoke(tmp_path):
     assert (tmp_path / "copy_kernel.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_warmup_benchmark_and_timeline_smoke(tmp_path, capsys):
     args = ["device=cpu", "geometry=tiny", "segment_bytes=67108864", "reps=1", "warmup_chunks=0",
             "register_piece_bytes=16777216", f"out_dir={tmp_path}"]

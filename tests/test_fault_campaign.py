@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -23,6 +25,7 @@ def load():
     return module
 
 
+@pytest.mark.slow
 def test_short_fault_campaign(tmp_path):
     campaign = load()
     res = campaign.main(["short=true", f"out_dir={tmp_path}"])

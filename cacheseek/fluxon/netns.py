@@ -2,7 +2,7 @@
 
 The Fluxon master and owner listen on every interface and advertise the machine's non-loopback
 address, so on a shared machine the service and its clients run in a namespace of their own
-(``../shared/tools/netns-run.sh`` makes one with only ``lo`` and a veth pair ``fx0``/``fx1``).
+(``tools/netns-run.sh`` makes one with only ``lo`` and a veth pair ``fx0``/``fx1``).
 `private_netns_problem` says why the current namespace is not such a one, or None.
 """
 
@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 __all__ = ["private_netns_problem", "NETNS_INTERFACES", "NETNS_HINT"]
 
-NETNS_INTERFACES = frozenset({"lo", "fx0", "fx1"})  # what ../shared/tools/netns-run.sh creates
-NETNS_HINT = "run it inside a private network namespace: ../shared/tools/netns-run.sh CMD..."
+NETNS_INTERFACES = frozenset({"lo", "fx0", "fx1"})  # what tools/netns-run.sh creates
+NETNS_HINT = "run it inside a private network namespace: tools/netns-run.sh CMD..."
 
 
 def _netns_interfaces(proc_net_dev: str = "/proc/self/net/dev") -> list[str]:

@@ -35,7 +35,7 @@ Lifecycle::
 Hazards (docs/design.md, "Fluxon"):
 - The master and owner listen on every interface and advertise the machine's non-loopback
   address. On a shared machine run the service and its clients inside a private network
-  namespace (``../shared/tools/netns-run.sh``); ``require_private_netns`` (default True) refuses
+  namespace (``tools/netns-run.sh``); ``require_private_netns`` (default True) refuses
   to start elsewhere. etcd itself listens on 127.0.0.1 only.
 - The master and owner bind a parent-death signal to the thread that started them: keep that
   thread (and process) alive for as long as the service should run.

@@ -24,7 +24,7 @@ against a cold run of the same request. Scenarios:
   session gets wrong frames (a restore after the kill fails within the op bound or misses, and
   the session runs cold), that the manager invalidates what died (``gone_with_owner``) and that
   nothing ready after recovery lacks its values. Needs fluxon-py, etcd and a private network
-  namespace (run the campaign under ``../shared/tools/netns-run.sh``); the rows say skipped
+  namespace (run the campaign under ``tools/netns-run.sh``); the rows say skipped
   otherwise.
 
 Per scenario: faults injected, sessions run, wrong outputs (frames differ from cold: must be 0),
@@ -43,7 +43,7 @@ Run from the repository root::
 
     python experiments/fault_campaign/campaign.py                 # full campaign
     python experiments/fault_campaign/campaign.py short=true      # the CI version (tests/)
-    ../shared/tools/netns-run.sh python experiments/fault_campaign/campaign.py   # with the Fluxon rows
+    tools/netns-run.sh python experiments/fault_campaign/campaign.py   # with the Fluxon rows
     python experiments/fault_campaign/campaign.py faults=kill9,bitflip          # some scenarios only
 """
 

@@ -17,7 +17,7 @@ Each case runs until ``--iters`` ops or ``--case-seconds`` have passed (at least
 write fresh keys (at most half the segment per case; removed after the case, then a pause while
 Fluxon frees the space asynchronously); gets rotate over 4 values written beforehand. Must run inside a private network namespace:
 
-    PYTHONPATH=. ../shared/tools/netns-run.sh python experiments/fluxon_ops/bench.py
+    PYTHONPATH=. tools/netns-run.sh python experiments/fluxon_ops/bench.py
 
 Writes results.json, results.md and fluxon_ops.png into --out (default: beside this script).
 """
@@ -203,7 +203,7 @@ def main() -> int:
         info = fluxon_runtime_info()
         client.close()
     meta = {
-        "command": "PYTHONPATH=. ../shared/tools/netns-run.sh python experiments/fluxon_ops/bench.py",
+        "command": "PYTHONPATH=. tools/netns-run.sh python experiments/fluxon_ops/bench.py",
         "machine": {"cpus": os.cpu_count(), "cpu_model": _cpu_model(),
                     "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
                     "kernel": platform.release()},

@@ -25,7 +25,7 @@ evicted before the read, its own eviction under pressure, is redone and counted)
 own service (``--dram``, default 2 GiB) and warms it up first (``--warmup-s``: a young service
 answers puts slowly). Run from the repository root inside a private network namespace:
 
-    ../shared/tools/netns-run.sh python experiments/fluxon_plan/bench.py
+    tools/netns-run.sh python experiments/fluxon_plan/bench.py
 
 Writes results.json and fluxon_plan.png beside this script (``--out``); ``--replot`` redraws
 the plot from results.json.
@@ -253,7 +253,8 @@ def main() -> int:
     svc = FluxonService(work / "svc", dram=args.dram, cluster_name=f"planbench{os.getpid()}",
                         share_mem_path=f"/dev/shm/cacheseek-planbench-{os.getpid()}")
     svc.start()
-    results: dict[str, Any] = {"command": " ".join([sys.executable, *sys.argv]), "args": vars(args), "cases": []}
+    recorded = dict(vars(args), out=os.path.relpath(out.resolve(), HERE.parents[1]))  # repo-relative
+    results: dict[str, Any] = {"command": " ".join([sys.executable, *sys.argv]), "args": recorded, "cases": []}
     try:
         fx = FluxonClient(svc.cluster_name, svc.share_mem_path, "planbench", op_timeout_s=60.0,
                           attach_timeout_s=90.0, key_index=False)

@@ -3,12 +3,12 @@
 They start a real local service (etcd + KV master + owner, `FluxonService`, the same code as
 ``tools/fluxon_service.py``) with a small segment. The master and owner advertise a non-loopback
 address, so the fixtures refuse to start (skip, with the reason) unless the whole test process
-runs inside a private network namespace made by ``../shared/tools/netns-run.sh``; they also skip
+runs inside a private network namespace made by ``tools/netns-run.sh``; they also skip
 when fluxon-py or an etcd binary is missing (``bash tools/install_fluxon_deps.sh`` installs both).
 
 CI runs them as::
 
-    ../shared/tools/netns-run.sh python -m pytest -m fluxon tests/fluxon -q
+    tools/netns-run.sh python -m pytest -m fluxon tests/fluxon -q
 
 Each Fluxon op costs ~10-20 ms on a 2-core machine and the idle master and owner busy-poll a
 core each: keep payloads small and services short-lived.
@@ -32,7 +32,7 @@ _PLAN_TESTS = str(Path(__file__).resolve().parents[1] / "plan")
 if _PLAN_TESTS not in sys.path:
     sys.path.insert(0, _PLAN_TESTS)
 
-CI_COMMAND = "../shared/tools/netns-run.sh python -m pytest -m fluxon tests/fluxon -q"
+CI_COMMAND = "tools/netns-run.sh python -m pytest -m fluxon tests/fluxon -q"
 OP_TIMEOUT_S = 10.0  # generous for a loaded 2-core CI machine; the fault test uses 5 s
 _names = itertools.count(1)
 
@@ -56,9 +56,12 @@ def make_service(base: Path, *, dram: str = "64MiB", tag: str = "") -> FluxonSer
 
 @pytest.fixture(scope="session")
 def fluxon_env() -> None:
-    """Skips the requesting test unless a real service can be started here."""
+    """Skips the requesting test unless a real service can be started here; fails it instead
+    under ``CACHESEEK_REQUIRE_FLUXON=1`` (what .ci/run sets), so CI cannot pass by skipping."""
     reason = fluxon_skip_reason()
     if reason:
+        if os.environ.get("CACHESEEK_REQUIRE_FLUXON") == "1":
+            pytest.fail(f"CACHESEEK_REQUIRE_FLUXON=1 but no real Fluxon service can start: {reason}")
         pytest.skip(reason)
 
 

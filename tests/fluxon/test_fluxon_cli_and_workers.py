@@ -50,6 +50,7 @@ def test_check_needs_full_hits_and_equal_frames():
     assert not check(first, {"requests": [b, dict(c, frame_hashes=["a0", "y1", "zz"]), d]})[0]
 
 
+@pytest.mark.fluxon_py  # the error comes from fluxon-py's client, so it must be installed
 def test_cli_without_a_service_fails_at_once_naming_it(tmp_path):
     t0 = time.monotonic()
     out = subprocess.run(plan_cli("nosuch", str(tmp_path / "shm"), tmp_path / "run"), cwd=REPO, env=_env(),

@@ -88,6 +88,7 @@ def close_store(store) -> None:
     client.close()
 
 
+@pytest.mark.fluxon_py  # the error comes from fluxon-py's client, so it must be installed
 def test_service_absent_at_start_is_a_clear_error_at_once(tmp_path):
     t0 = time.monotonic()
     expected = (r"no Fluxon owner serves cluster 'nosuch': .*shared.json does not exist; start one with: "

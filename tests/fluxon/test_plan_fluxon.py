@@ -9,7 +9,6 @@ mapping must register read-only), per-key commit codes, store full and values to
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import logging
 import time
 
@@ -32,7 +31,6 @@ from cacheseek.transfer.host_transfer import HostTransferRuntime
 from plan_testkit import fake_cuda_runtime, ingest, restore_target
 
 MiB = 1 << 20
-HAS_FLUXON_PY = importlib.util.find_spec("fluxon_py") is not None
 
 
 # -- the choice by capability (no service) ---------------------------------------------------------
@@ -65,7 +63,7 @@ def test_fluxon_choice_falls_back_to_the_emulation(monkeypatch, caplog):
     assert open_fluxon_plan_client(api="public") == "emulated"
 
 
-@pytest.mark.skipif(not HAS_FLUXON_PY, reason="fluxon-py is not installed")
+@pytest.mark.fluxon_py
 def test_the_installed_fluxon_py_has_no_plan_api():
     problem = fluxon_select.native_plan_api_problem()
     assert problem is not None and "has no Plan API (missing " in problem and "local_fast_put_start" in problem

@@ -94,12 +94,20 @@ def test_missing_calls_are_named():
     assert missing_plan_calls(FakeFluxon()) == []
 
 
-def test_installed_fluxon_py_without_plan_api_is_refused_before_connecting():
-    """fluxon-py absent: says to install it; 0.2.4 present: names the missing calls (no service
-    is contacted, so this cannot block)."""
+def test_absent_fluxon_py_is_refused_before_connecting():
+    """fluxon-py absent: says to install it (no service is contacted, so this cannot block)."""
+    if importlib.util.find_spec("fluxon_py") is not None:
+        pytest.skip("fluxon-py is installed: test_installed_fluxon_py_without_plan_api_... covers this path")
     client = FluxonNativePlanClient(config={"instance_key": "x"})
-    installed = importlib.util.find_spec("fluxon_py") is not None
-    with pytest.raises(PlanUnavailableError, match="lacks the Plan API calls: wait_local_segments_ready" if installed else "needs fluxon-py"):
+    with pytest.raises(PlanUnavailableError, match="needs fluxon-py"):
+        client.wait_local_segments_ready()
+
+
+@pytest.mark.fluxon_py
+def test_installed_fluxon_py_without_plan_api_is_refused_before_connecting():
+    """0.2.4 present: names the missing calls (no service is contacted, so this cannot block)."""
+    client = FluxonNativePlanClient(config={"instance_key": "x"})
+    with pytest.raises(PlanUnavailableError, match="lacks the Plan API calls: wait_local_segments_ready"):
         client.wait_local_segments_ready()
 
 

@@ -274,13 +274,20 @@ def test_cudart_fault_at_every_step(runtime, phase, call, nth):
         fake.fail(call, cudaError_t.cudaErrorLaunchFailure, nth=nth)
         b, rt, hashes = run_session(mgr, FULL, PLAN_ACTS, ingest=phase == "write")
         store.flush()
-        assert len(fake.calls_named(call)) >= before + nth  # the armed call was reached
+        reached = len(fake.calls_named(call)) - before
+        # With the overlapped writer, whether a kept event (IdleEvents) is back in time for the next
+        # batch depends on thread timing, so a session makes 2 or 3 events: the armed n-th creation
+        # may not come. Every other armed call must be reached.
+        timing_bound = runtime == "fake_cuda_overlap" and call == "cudaEventCreateWithFlags"
+        assert reached >= nth or timing_bound, f"the armed call was not reached ({reached} < {nth})"
         assert hashes == cold_hashes(FULL, PLAN_ACTS)
         if phase == "read":
             assert b.last_fast_forward in (0, PLAN_CHUNKS)  # all or nothing, never a torn restore
             assert mgr.stats["invalidations"] == 0
         fake.cudaGetLastError()
         plan_checks(mgr, store, client, FULL, PLAN_ACTS)
+        if reached < nth:
+            pytest.skip(f"this run made {reached} events, not {nth}: the kept events were reused in time")
     finally:
         close_plan(store, client)
 
