@@ -51,3 +51,21 @@ def test_interactive_on_telefusers_real_pipeline(compose_cfg, tmp_path):
     results = run(compose_cfg("workload=interactive", "runtime=telefuser", "workload.sessions=6", *RING), tmp_path)
     assert results["passed"] and results["interactive"]["chunks_restored"] > 0
     assert results["metrics"]["hook_failures"] == 0 and results["metrics"]["chunks_unkeyed"] == 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("store", ["memory", "fluxon_plan", "hbm", "tiered"])
+def test_live_sessions_on_a_gpu(compose_cfg, tmp_path, store):
+    """On CUDA: the ring, the staging buffers and the controls on the device; the Plan tier's H2D
+    and the HBM tier's D2D restores of one chunk; CUDA controls keyed off the request path."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None:
+        pytest.skip("needs CUDA and cuda-bindings")
+    extra = {"tiered": ["store.tiers=[hbm,fluxon_plan]"], "hbm": ["store.capacity_bytes=16MiB"]}.get(store, [])
+    results = run(compose_cfg("workload=interactive", f"+store={store}", *extra, "runtime.device=cuda", *RING),
+                  tmp_path)
+    assert results["passed"] and results["interactive"]["chunks_restored"] > 0
+    assert results["metrics"]["live_restore_failures"] == 0 and results["metrics"]["hook_failures"] == 0
