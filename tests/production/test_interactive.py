@@ -64,7 +64,7 @@ def test_live_sessions_on_a_gpu(compose_cfg, tmp_path, store):
 
     if not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None:
         pytest.skip("needs CUDA and cuda-bindings")
-    extra = {"tiered": ["store.tiers=[hbm,fluxon_plan]"], "hbm": ["store.capacity_bytes=16MiB"]}.get(store, [])
+    extra = {"tiered": ["store.tiers=[hbm,fluxon_plan]"], "hbm": ["store.capacity_bytes=16777216"]}.get(store, [])
     results = run(compose_cfg("workload=interactive", f"+store={store}", *extra, "runtime.device=cuda", *RING),
                   tmp_path)
     assert results["passed"] and results["interactive"]["chunks_restored"] > 0

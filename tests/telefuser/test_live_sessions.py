@@ -101,11 +101,14 @@ def test_a_chunk_whose_control_never_reached_the_binding_is_not_cached(factory, 
     if factory.streaming:
         pytest.skip("TeleFuser main reports every submitted control; its seam cannot be bypassed this way")
     hooks = factory.pipeline._cacheseek_hooks
+    plain = factory.make(X, streamed=True)  # overrides built for a session without a binding
+    plain._start()
+    overrides = [factory.chunk_override(plain.runtime, X, k) for k in range(len(X))]
     binding = _binding(manager, factory)
     session = factory.make(X, hooks=binding, streamed=True)
     session._start()
-    for k in range(len(X)):
-        hooks._generate_next_chunk(session.runtime, control_override=factory.chunk_override(session.runtime, X, k))
+    for override in overrides:
+        hooks._generate_next_chunk(session.runtime, control_override=override)
     manager.store.flush()
     assert manager.metrics.chunks_unkeyed == len(X) and manager.metrics.writes == 0
     ns = manager.forest.resolve(binding.root)

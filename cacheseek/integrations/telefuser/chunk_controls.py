@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["NextChunkSeam", "released_chunk_control", "report"]
+__all__ = ["NextChunkSeam", "OverrideSeam", "released_chunk_control", "report"]
 
 
 def released_chunk_control(runtime: Any, control_override: Any) -> Any:
@@ -62,3 +62,20 @@ class NextChunkSeam:
             with torch.inference_mode():  # the ring is an inference tensor: a restore writes it here
                 report(binding, runtime, int(runtime.current_chunk_index), control, may_restore=True)
         return self.inner(runtime, *args, **kwargs)
+
+
+class OverrideSeam:
+    """``build_control_override`` of one pipeline instance: the override it builds is the next
+    chunk's control as it arrives (the service builds it right before the chunk), so its key is
+    started then (``on_control_arrived``)."""
+
+    def __init__(self, build_control_override: Any) -> None:
+        self.inner = build_control_override
+
+    def __call__(self, runtime: Any, *args: Any, **kwargs: Any) -> Any:
+        override = self.inner(runtime, *args, **kwargs)
+        binding = getattr(runtime, "world_kv_binding", None)
+        arrived = getattr(binding, "on_control_arrived", None)
+        if arrived is not None and override is not None:
+            arrived(runtime, int(runtime.current_chunk_index), override)
+        return override

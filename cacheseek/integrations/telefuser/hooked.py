@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from cacheseek import weights
-from cacheseek.integrations.telefuser.chunk_controls import NextChunkSeam
+from cacheseek.integrations.telefuser.chunk_controls import NextChunkSeam, OverrideSeam
 
 __all__ = ["HookedHooks"]
 
@@ -24,17 +24,19 @@ class HookedHooks:
         self.pipeline = pipeline
         self._create_runtime = pipeline.create_runtime
         self._generate_next_chunk = pipeline.generate_next_chunk
+        self._build_control_override = pipeline.build_control_override
         self.installed = False
 
     def install(self) -> None:
         self.pipeline.create_runtime = self.create_runtime
         self.pipeline.generate_next_chunk = NextChunkSeam(self._generate_next_chunk)
+        self.pipeline.build_control_override = OverrideSeam(self._build_control_override)
         self.installed = True
 
     def remove(self) -> None:
         """Give the pipeline its own create_runtime and generate_next_chunk back (idempotent)."""
         if self.installed:
-            for name in ("create_runtime", "generate_next_chunk"):
+            for name in ("create_runtime", "generate_next_chunk", "build_control_override"):
                 if name in vars(self.pipeline):
                     delattr(self.pipeline, name)
         self.installed = False

@@ -11,8 +11,10 @@ behaviour is added at its seams, on one pipeline instance, without touching Tele
 - ``denoise_stage.denoise_chunk``: a chunk whose latent the binding restored is not denoised:
   the cached latent, cast to the pipeline's device and dtype, is returned (no DiT call, no RNG
   draw);
+- ``build_control_override``: the override it builds starts its key (`chunk_controls.OverrideSeam`);
 - ``generate_next_chunk``: the control the chunk runs with (the override, else the planned one)
-  reaches the binding first (`chunk_controls.NextChunkSeam`): it keys the chunk;
+  reaches the binding first (`chunk_controls.NextChunkSeam`): it keys the chunk, and a chunk on a
+  cached path is restored instead of computed;
 - ``dit`` as called by ``generate_next_chunk`` (only the clean-KV rewrite forward; the denoise
   stage holds the DiT itself): skipped for a restored chunk; for a computed chunk it runs, then
   the binding's ``on_chunk_finalized(runtime, idx, denoised)`` (a failure is logged, the run goes
@@ -31,7 +33,7 @@ import weakref
 from typing import Any, Optional
 
 from cacheseek import weights
-from cacheseek.integrations.telefuser.chunk_controls import NextChunkSeam
+from cacheseek.integrations.telefuser.chunk_controls import NextChunkSeam, OverrideSeam
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ class ReleasedHooks:
         self._stage = pipeline.denoise_stage
         self._dit = pipeline.dit
         self._generate_next_chunk = pipeline.generate_next_chunk
+        self._build_control_override = pipeline.build_control_override
         self._lock = threading.Lock()
         self._runtimes: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self._pending: dict[int, tuple[int, Optional[Any]]] = {}  # ring id -> (chunk, denoised | None if cached)
@@ -58,6 +61,7 @@ class ReleasedHooks:
         p.denoise_stage = _DenoiseStage(self, self._stage)
         p.dit = _RewriteForward(self, self._dit)
         p.generate_next_chunk = NextChunkSeam(self._generate_next_chunk)
+        p.build_control_override = OverrideSeam(self._build_control_override)
         self.installed = True
 
     def remove(self) -> None:
@@ -66,7 +70,7 @@ class ReleasedHooks:
         if not self.installed:
             return
         p = self.pipeline
-        for name in ("create_runtime", "generate_next_chunk"):
+        for name in ("create_runtime", "generate_next_chunk", "build_control_override"):
             if name in vars(p):
                 delattr(p, name)
         p.denoise_stage = self._stage

@@ -190,6 +190,18 @@ class LingBotWorldKVBinding:
         finally:
             self._end_start_up()
 
+    def on_control_arrived(self, runtime: Any, idx: int, control: Any) -> None:
+        """Chunk ``idx``'s control arrived ahead of the chunk (a service queues it, or builds the
+        override first): its key is computed now, off the chunk's path, on the keys' thread.
+        The chunk still reports the control it runs with through ``on_chunk_control``."""
+        keys = self._keys
+        if keys is None or not 0 <= idx < len(keys) or idx < self.last_fast_forward:
+            return
+        with contextlib.suppress(Exception):  # a key that fails is computed, and reported, at its chunk
+            with _counted_failures(self, "on_control_arrived"):
+                keys.supply(idx, control)
+                keys.compute_rest_in_background()
+
     def on_chunk_control(self, runtime: Any, idx: int, control: Any, *, may_restore: bool = False) -> None:
         """Chunk ``idx`` starts with ``control`` (what the model gets; None for none). With
         ``may_restore`` (the caller runs the chunk right after, in this thread, and the ring is

@@ -160,12 +160,14 @@ class SyntheticRuntimeFactory:
         *,
         image: Any = None,
         streamed: bool = False,
+        lookahead: int = 0,
     ) -> SyntheticWorldRuntime:
         """A fresh runtime for one session with these settings; ``streamed``: a live session
-        whose controls arrive one chunk at a time (none planned)."""
+        whose controls arrive one chunk at a time (none planned), ``lookahead`` chunks ahead."""
         return SyntheticWorldRuntime(
             self._geometry,
             streamed=streamed,
+            lookahead=lookahead,
             actions=actions,
             prompt=self.prompt,
             image=image,

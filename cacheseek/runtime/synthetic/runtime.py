@@ -71,7 +71,9 @@ class SyntheticWorldRuntime:
     `control_chunks` (float32 `[1, 384, c, h, w]` camera-control tensors on the runtime device,
     one per chunk, see `control_tensor`; None for a ``streamed`` session, whose chunk ``i``
     reaches ``hooks.on_chunk_control(runtime, i, control, may_restore=True)`` as it starts, as a
-    live TeleFuser session's does; `actions` keeps the action vectors), `chunk_size`, `frame_tokens`,
+    live TeleFuser session's does (with ``lookahead`` n, the controls of the next n chunks reach
+    ``hooks.on_control_arrived`` first, as queued actions would); `actions` keeps the action
+    vectors), `chunk_size`, `frame_tokens`,
     `kv_local_attn_size` (L frames or -1), `kv_sink_size` (S frames), `device`, `dtype`
     (torch dtype), `weights_fingerprint` (sha256 of the model weights) and `session_config`.
 
@@ -97,6 +99,7 @@ class SyntheticWorldRuntime:
         hooks: Any = None,
         compute: dict | None = None,
         streamed: bool = False,
+        lookahead: int = 0,
     ) -> None:
         import torch
 
@@ -149,6 +152,8 @@ class SyntheticWorldRuntime:
 
         self.actions = [list(a) for a in controls[:total_chunks]]
         self.streamed = bool(streamed)
+        check_int("runtime.lookahead", lookahead, 0)
+        self.lookahead = lookahead
         self._controls = [control_tensor(g, a, device=self.device) for a in self.actions]
         self.control_chunks = None if self.streamed else self._controls  # a live session plans none
         self.session_config = SessionConfig(
@@ -234,6 +239,10 @@ class SyntheticWorldRuntime:
     # -- chunk loop ---------------------------------------------------------------------------
 
     def _run_chunk(self, i: int) -> None:
+        if self.streamed and callable(getattr(self.hooks, "on_control_arrived", None)):
+            # controls queued ahead of their chunks, as a service queues its users' actions
+            for j in range(i + 1, min(i + 1 + self.lookahead, self.total_chunks)):
+                self.hooks.on_control_arrived(self, j, self._controls[j])
         if self.streamed and callable(getattr(self.hooks, "on_chunk_control", None)):
             # a live session: chunk i's control arrives now; the binding may restore the chunk
             self.hooks.on_chunk_control(self, i, self._controls[i], may_restore=True)
