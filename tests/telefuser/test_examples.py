@@ -62,3 +62,14 @@ def test_a_binding_made_before_any_attach_on_the_release_says_so():
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stderr.count("no pipeline of this process is attached") == 1
     assert "fix: call cacheseek.integrations.telefuser.attach(pipeline)" in out.stderr
+
+
+def test_the_releases_create_runtime_on_main_says_what_to_call_instead():
+    if not is_streaming_telefuser():
+        pytest.skip("TeleFuser main's case (the release has create_runtime)")
+    from cacheseek.integrations.telefuser import UnsupportedTeleFuserError
+    from cacheseek.runtime.telefuser import TeleFuserRuntimeFactory
+
+    pipeline = TeleFuserRuntimeFactory().pipeline
+    with pytest.raises(UnsupportedTeleFuserError, match="has no create_runtime.*generate_video"):
+        pipeline.create_runtime(object())

@@ -87,6 +87,8 @@ class StreamingHooks:
         p.vae_decode_worker = _ExactDecode(self, self._decode_worker)
         p.denoise_stage = _LiveDenoise(self, self._stage)
         p._get_streaming_runtime = self.streaming_runtime
+        if not hasattr(p, "create_runtime"):
+            p.create_runtime = _release_api_on_main
         self.installed = True
 
     def remove(self) -> None:
@@ -94,7 +96,7 @@ class StreamingHooks:
         if not self.installed:
             return
         p = self.pipeline
-        for name in ("_create_initialized_session", "generate_video", "_get_streaming_runtime"):
+        for name in ("_create_initialized_session", "generate_video", "_get_streaming_runtime", "create_runtime"):
             if name in vars(p):
                 delattr(p, name)
         p.vae_decode_worker = self._decode_worker
@@ -201,6 +203,16 @@ class StreamingHooks:
         with self._lock:
             self._restored.pop(handle, None)
             self._next_decode.pop(handle, None)
+
+
+def _release_api_on_main(*args: Any, **kwargs: Any) -> Any:
+    """The release's ``create_runtime`` called on TeleFuser main, which has none: say what to call."""
+    raise UnsupportedTeleFuserError(
+        "TeleFuser main's LingBotWorldFastPipeline has no create_runtime (that is the 0.1.0.post3 API): run "
+        "pipeline.generate_video(session_config, controls), or stream a live session as its service does "
+        "(session = pipeline._create_initialized_session(session_config); streaming = "
+        "pipeline._get_streaming_runtime(); streaming.submit_chunk(streaming.create_session(session), i, control)); "
+        "examples/telefuser_live_sessions.py shows both layouts")
 
 
 def _cast_equals(exact: Any, latents: Any) -> bool:
