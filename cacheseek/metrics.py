@@ -5,7 +5,8 @@ Who records what:
 
 - the manager: lookups and their outcome (miss, below break-even, hit of depth K, full or
   partial), a live session's chunks restored instead of computed (``live_lookups``, ``live_hits``
-  by chunk index, ``live_restore_failures``), restores (bytes, seconds, retries after invalidation, failures), writes (bytes and
+  by chunk index, ``live_misses``, ``live_restore_failures``; each live restore also counts in
+  ``restores`` and ``restore_bytes``), restores (bytes, seconds, retries after invalidation, failures), writes (bytes and
   seconds from ``put_async`` to the store's completion callback), dropped writes (store full after
   eviction and one retry, or a write error), evictions and invalidations, and store usage after
   every write and eviction pass (``timeline``);
@@ -50,7 +51,8 @@ class CacheMetrics:
     live_lookups: int = 0  # a live session's chunk started on a cursor with children
     live_hits: int = 0  # ... and was restored instead of computed
     live_hits_by_chunk: dict[int, int] = attrs.field(factory=dict)
-    live_restore_failures: int = 0
+    live_misses: int = 0  # ... whose values were found gone (invalidated; the chunk computed)
+    live_restore_failures: int = 0  # ... whose restore failed (the chunk computed)
     restores: int = 0
     restore_bytes: int = 0
     restore_seconds: float = 0.0

@@ -123,7 +123,7 @@ def metrics_block(m: dict[str, Any]) -> str:
     if m.get("live_lookups"):
         by_chunk = ", ".join(f"{k}: {v}" for k, v in m.get("live_hits_by_chunk", {}).items()) or "none"
         lines.append(f"  live sessions: {m['live_lookups']} chunk lookups, {m['live_hits']} chunks restored "
-                     f"mid-session (by chunk: {by_chunk}), {m['live_restore_failures']} failed")
+                     f"mid-session (by chunk: {by_chunk}), {m['live_misses']} found gone, {m['live_restore_failures']} failed")
     if m.get("chunks_unkeyed"):
         lines.append(f"  {m['chunks_unkeyed']} chunks not cached: no control was known for them")
     if m.get("store_used_bytes") is not None:

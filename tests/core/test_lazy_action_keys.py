@@ -27,6 +27,13 @@ CONTROLS = [
 ]
 
 
+def _join(keys, timeout_s):
+    """Wait for the background thread, if one is still running (it clears itself when done)."""
+    thread = keys._keys.thread
+    if thread is not None:
+        thread.join(timeout_s)
+
+
 class Calls(list):
     """(thread name, index) of every key computed; ``go`` lets the background thread start."""
 
@@ -80,7 +87,7 @@ def test_the_background_thread_keys_the_rest_and_ends(calls):
     keys.compute_rest_in_background()
     calls.go.set()
     assert keys[4] == action_keys(CONTROLS)[4]  # taken from the thread, or computed here while it works
-    keys._keys.thread.join(10)  # it ends by itself once every key is computed
+    _join(keys, 10)  # it ends by itself once every key is computed
     assert no_key_thread_alive() and keys.pending == 0 and keys.close(10)
     assert sorted(i for _, i in calls) == [0, 1, 2, 3, 4] and list(keys) == action_keys(CONTROLS)
     assert [name for name, i in calls if i in (1, 2, 3)] == [THREAD_NAME] * 3
@@ -168,7 +175,7 @@ def test_cuda_controls_keyed_on_a_side_stream_in_the_background_match_action_key
     cuda[2].add_(1.0)  # ... then writes a control: the side stream must wait for it
     keys = LazyActionKeys(cuda)
     keys.compute_rest_in_background()
-    keys._keys.thread.join(60)
+    _join(keys, 60)
     assert keys.computed == 3 and no_key_thread_alive()  # all on the thread
     assert torch.cuda.current_stream() == main
     assert list(keys) == action_keys(host[:2] + [host[2] + 1.0])
@@ -203,12 +210,11 @@ def test_a_supplied_control_replaces_the_planned_key():
 def test_the_background_thread_starts_again_for_controls_supplied_later():
     keys = LazyActionKeys([CONTROLS[0], lazy_keys.UNKNOWN])
     keys.compute_rest_in_background()
-    assert keys._keys.thread is not None
-    keys._keys.thread.join(10)
+    _join(keys, 10)
     assert keys.computed == 1 and keys.pending == 0
     keys.supply(1, CONTROLS[4])
     keys.compute_rest_in_background()
-    keys._keys.thread.join(10)
+    _join(keys, 10)
     assert keys.computed == 2 and keys[1] == action_keys([CONTROLS[4]])[0]
     keys.close()
     keys.supply(1, CONTROLS[2])

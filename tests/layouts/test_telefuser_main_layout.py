@@ -333,3 +333,40 @@ def test_live_sessions_are_keyed_by_each_submitted_control(ring):
             assert node.node_key == expected and node.has_kv
     ns = manager.forest.resolve(x.root)
     assert len(ns.root.children) == 1  # P shared: one branch point at chunk P
+
+
+def test_a_refused_or_repeated_submission_never_keys_a_chunk_by_a_control_it_did_not_take():
+    """The scheduler refuses a submission (ingress full: False) or a second one of an admitted
+    chunk (an error): the binding keys each chunk by the control the scheduler took."""
+    from cacheseek.reuse.exact_prefix.actions import action_keys
+
+    class Refusing(tm.StreamingRuntime):
+        def __init__(self, pipeline):
+            super().__init__(pipeline)
+            self.refused = False
+
+        def try_submit_chunk(self, session, chunk_index, control):
+            if not self.refused:
+                self.refused = True
+                return False
+            if chunk_index in self.taken.setdefault(session.cache_handle, set()):
+                raise ValueError(f"chunk {chunk_index} already admitted")
+            self.taken[session.cache_handle].add(chunk_index)
+            return super().try_submit_chunk(session, chunk_index, control)
+
+    pipeline = pipeline_for("rolling_L7_S3")
+    pipeline._streaming_runtime = Refusing(pipeline)
+    pipeline._streaming_runtime.taken = {}
+    manager = manager_for("rolling_L7_S3")
+    binding = LingBotWorldKVBinding(manager, manager.forest)
+    session = pipeline._create_initialized_session(tm.session_config(N, binding=binding))
+    streaming = pipeline._get_streaming_runtime()
+    handle = streaming.create_session(session)
+    right, wrong = tm.controls_for(ACTIONS_X), tm.controls_for(ACTIONS_Y[::-1])
+    assert streaming.try_submit_chunk(handle, 0, wrong[0]) is False  # refused: withdrawn
+    for i in range(N):
+        assert streaming.try_submit_chunk(handle, i, right[i])
+        with pytest.raises(ValueError, match="already admitted"):
+            streaming.try_submit_chunk(handle, i, wrong[i])  # the admitted chunk keeps its control
+    assert list(binding.actions) == action_keys(right)
+    assert manager.metrics.hook_failures == 0 and manager.metrics.chunks_unkeyed == 0

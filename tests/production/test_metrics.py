@@ -32,7 +32,7 @@ KEYS = {
     "evictions_for_demotion", "demotion_no_room",
     "skeletons_freed", "invalidations", "hook_failures", "hook_failures_by_hook", "registration_seconds",
     "sessions_bypassed_warming", "action_key_errors", "chunks_unkeyed",
-    "live_lookups", "live_hits", "live_hits_by_chunk", "live_restore_failures",
+    "live_lookups", "live_hits", "live_hits_by_chunk", "live_misses", "live_restore_failures",
     "store_used_bytes", "store_capacity_bytes", "store_peak_bytes", "peak_used_bytes",
 }
 

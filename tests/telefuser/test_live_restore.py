@@ -85,7 +85,8 @@ def test_a_missing_value_is_a_miss_the_chunk_is_computed_and_the_path_goes_on(fa
     manager.store.free(chunk1.blob)
     frames, state = _run(factory, X, manager)
     m = manager.metrics
-    assert m.live_hits_by_chunk == {0: 1, 2: 1, 3: 1} and m.live_restore_failures == 1 and m.invalidations == 1
+    assert m.live_hits_by_chunk == {0: 1, 2: 1, 3: 1} and m.live_misses == 1 and m.invalidations == 1
+    assert m.live_restore_failures == 0
     assert frames == cold_frames and snapshot_diff(state, cold_state) == []
     assert chunk1.has_kv and m.writes == len(X) + 1
 
@@ -128,3 +129,26 @@ def test_skipping_a_restored_chunks_rng_draws_is_caught(factory, monkeypatch):
     assert manager.metrics.live_hits == K
     assert frames[:K] == cold_frames[:K] and frames[K] != cold_frames[K]
     assert "generator state differs" in snapshot_diff(state, cold_state)
+
+
+def test_an_error_after_a_chunks_restore_was_published_does_not_undo_it(factory, monkeypatch):
+    """Once a chunk's restore is published (ring, cursors, RNG, latent), a later error (here in
+    releasing the restore's references) must not make the runtime compute the chunk on top of it."""
+    from cacheseek.errors import HandleStateError
+    from cacheseek.reuse.exact_prefix import restore
+
+    cold_frames, cold_state = _run(factory, FOLLOW_THEN_DIVERGE)
+    manager = _manager(factory)
+    _run(factory, X, manager)
+    real, raised = restore.Restorer.release, []
+
+    def release_then_fail(self, path, missing):
+        real(self, path, missing)
+        if not raised:
+            raised.append(True)
+            raise HandleStateError("after publication")
+
+    monkeypatch.setattr(restore.Restorer, "release", release_then_fail)
+    frames, state = _run(factory, FOLLOW_THEN_DIVERGE, manager)
+    assert raised and manager.metrics.live_hits == K
+    assert frames == cold_frames and snapshot_diff(state, cold_state) == []

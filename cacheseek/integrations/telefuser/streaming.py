@@ -74,6 +74,7 @@ class StreamingHooks:
         self._stage = pipeline.denoise_stage
         self._get_streaming_runtime = pipeline._get_streaming_runtime
         self._sessions: "weakref.WeakValueDictionary[Any, Any]" = weakref.WeakValueDictionary()  # by cache handle
+        self._admitted: dict[Any, set[int]] = {}  # cache handle -> chunks the scheduler took
         self._lock = threading.Lock()
         self._restored: dict[int, dict[int, Any]] = {}  # cache handle -> chunk -> latent as stored
         self._next_decode: dict[int, int] = {}
@@ -115,6 +116,7 @@ class StreamingHooks:
         restored = dict(session.world_kv_cached_latents or {})
         with self._lock:
             self._sessions[session.cache_handle] = session
+            self._admitted.pop(session.cache_handle, None)  # a cache handle used again
             if restored:
                 self._restored[session.cache_handle] = restored
                 self._next_decode[session.cache_handle] = 0
@@ -139,19 +141,45 @@ class StreamingHooks:
             submit = runtime.try_submit_chunk
 
             def try_submit_chunk(session: Any, chunk_index: int, control: Any, *args: Any, **kwargs: Any) -> Any:
-                self.submitted(session, chunk_index, control)
-                return submit(session, chunk_index, control, *args, **kwargs)
+                binding = self.submitting(session, chunk_index, control)
+                admitted = False
+                try:
+                    admitted = bool(submit(session, chunk_index, control, *args, **kwargs))
+                finally:
+                    if binding is not None:
+                        self.settled(session, chunk_index, binding, admitted)
+                return admitted
 
             runtime.try_submit_chunk = try_submit_chunk
         return runtime
 
-    def submitted(self, streaming_session: Any, chunk_index: int, control: Any) -> None:
-        """Chunk ``chunk_index`` of the session will run with ``control``: tell its binding."""
+    def submitting(self, streaming_session: Any, chunk_index: int, control: Any) -> Any:
+        """Chunk ``chunk_index`` of the session is being submitted with ``control``: tell its
+        binding first (the denoise actor may take the chunk as soon as it is admitted). A chunk
+        already admitted is left alone (TeleFuser refuses its second submission). Returns the
+        binding told, or None."""
+        handle = getattr(streaming_session, "cache_handle", None)
         with self._lock:
-            session = self._sessions.get(getattr(streaming_session, "cache_handle", None))
+            session = self._sessions.get(handle)
+            if chunk_index in self._admitted.get(handle, ()):
+                return None
         binding = getattr(session, "world_kv_binding", None)
-        if binding is not None and 0 <= int(chunk_index) < int(session.chunk_count):
-            report(binding, session, int(chunk_index), control)
+        if binding is None or not 0 <= int(chunk_index) < int(session.chunk_count):
+            return None
+        report(binding, session, int(chunk_index), control)
+        return binding
+
+    def settled(self, streaming_session: Any, chunk_index: int, binding: Any, admitted: bool) -> None:
+        """A submission ended: an admitted chunk runs with its control; a refused one's control is
+        withdrawn (the chunk may come again with another)."""
+        handle = getattr(streaming_session, "cache_handle", None)
+        if admitted:
+            with self._lock:
+                self._admitted.setdefault(handle, set()).add(int(chunk_index))
+            return
+        withdraw = getattr(binding, "withdraw_control", None)
+        if withdraw is not None:
+            withdraw(int(chunk_index))
 
     def denoise(self, kwargs: dict[str, Any], call: Any) -> Any:
         """One ``denoise_and_update_cache`` call of the denoise actor: a chunk of a live session
@@ -201,6 +229,7 @@ class StreamingHooks:
 
     def released(self, handle: Any) -> None:
         with self._lock:
+            self._admitted.pop(handle, None)
             self._restored.pop(handle, None)
             self._next_decode.pop(handle, None)
 

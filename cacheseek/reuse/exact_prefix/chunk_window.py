@@ -64,7 +64,11 @@ def advance_rng(layout: Any, runtime: Any, latents: Sequence[Any]) -> None:
 class StagingPool:
     """Device buffers for one chunk's KV, per (device, layers, shape, dtype), leased to one
     restore at a time (a lease waits for the one before it: restores of one chunk take
-    milliseconds, and one chunk at 480p is 3.57 GiB, too much to keep per session)."""
+    milliseconds, and one chunk at 480p is 3.57 GiB, too much to keep per session). A lease
+    ends only after the leasing thread's current stream has finished its work (the ring append
+    reads the buffers there), so the next lessee, on whatever stream, writes into idle buffers.
+    The buffers stay until `clear` (a binding's ``close`` calls it): freed, they go back to
+    torch's caching allocator."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -82,7 +86,11 @@ class StagingPool:
             if not buffers:
                 buffers.extend((torch.empty(shape, dtype=dtype, device=device),
                                 torch.empty(shape, dtype=dtype, device=device)) for _ in range(n_layers))
-            yield buffers
+            try:
+                yield buffers
+            finally:
+                if buffers[0][0].is_cuda:
+                    torch.cuda.current_stream(buffers[0][0].device).synchronize()
 
     def clear(self) -> None:
         """Free every buffer not leased now (the next lease allocates again)."""

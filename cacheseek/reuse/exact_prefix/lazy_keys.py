@@ -123,6 +123,8 @@ class _Keys:
                 if key is None and i not in self.errors and i not in self.busy and self.controls[i] is not UNKNOWN:
                     self.busy.add(i)
                     return i
+            if self.thread is threading.current_thread():
+                self.thread = None  # decided under the lock: a key supplied from now on starts a new thread
             return None
 
     def supply(self, i: int, control: Any) -> None:
@@ -152,15 +154,18 @@ class _Keys:
             event.record(torch.cuda.current_stream(control.device))
             self.ready[i] = (event, control.device)
 
-    def run(self, stream: Any) -> None:
-        """The background thread: every key left, in order, on ``stream`` (CUDA) if any."""
+    def run(self, stream: Any, first: int) -> None:
+        """The background thread: key ``first`` (claimed for it when it was started), then every
+        key left, in order, on ``stream`` (CUDA) if any."""
+        i: Optional[int] = first
         with _on_stream(stream):
-            while (i := self.claim_next()) is not None:
+            while i is not None:
                 try:
                     self._compute(i, keep=(Exception,))  # kept: the asking thread never waits in vain
                 except Exception as exc:  # kept for index i: its ingest raises it
                     if not isinstance(exc, ValueError):
                         log.warning("computing chunk %d's action key failed: %s", i, exc)
+                i = self.claim_next()
 
 
 class LazyActionKeys(Sequence):
@@ -232,13 +237,16 @@ class LazyActionKeys(Sequence):
         stream produced the controls."""
         k = self._keys
         with k.cond:
-            if k.stop or (k.thread is not None and k.thread.is_alive()):
+            if k.stop or k.thread is not None:
                 return
         if not self.pending:
             return
         stream = _side_stream([c for c in k.controls if c is not UNKNOWN])
-        k.thread = threading.Thread(target=k.run, args=(stream,), name=THREAD_NAME, daemon=True)
-        k.thread.start()
+        with k.cond:  # one thread at a time: the check, its first key's claim and the start under one hold
+            if k.stop or k.thread is not None or (first := k.claim_next()) is None:
+                return
+            k.thread = thread = threading.Thread(target=k.run, args=(stream, first), name=THREAD_NAME, daemon=True)
+            thread.start()
 
     def close(self, timeout_s: float = 30.0) -> bool:
         """Stop the background thread after the key under way and join it, at most ``timeout_s``;
@@ -246,7 +254,7 @@ class LazyActionKeys(Sequence):
         k = self._keys
         with k.cond:
             k.stop = True
-        thread = k.thread
+            thread = k.thread
         if thread is None:
             return True
         thread.join(timeout_s)

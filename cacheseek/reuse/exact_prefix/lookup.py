@@ -72,16 +72,18 @@ class FastForward:
                      f"{len(outcome.missing)} stale nodes" if outcome.missing else "the path changed", limit)
 
     def restore_chunk(self, node: TrieNode, window: RestoreWindow) -> bool:
-        """Restore ``node`` alone, the next chunk of a live session on a cached path (counted as
-        a live hit by chunk index, or a live restore failure); False leaves the runtime as it
-        was, and the chunk is computed. Values found gone are invalidated, as for any restore."""
+        """Restore ``node`` alone, the next chunk of a live session on a cached path; whether the
+        window published it (its ``published``). A miss (values found gone: invalidated, as for
+        any restore) is ``live_misses``; a failure ``live_restore_failures``; either leaves the
+        runtime as it was, and the chunk is computed. A failure after publication (releasing
+        the references, the counters) does not unpublish: the chunk counts as restored."""
         ctx = self.ctx
         outcome = self._restore(node, window, node.depth + 1, chunk_only=True)
-        if outcome is not None and outcome.ok:
+        if getattr(window, "published", outcome is not None and outcome.ok):
             ctx.metrics.record_live_hit(node.depth)
             self.demoter.demote_tiers(protect=node)
             return True
-        ctx.metrics.add(live_restore_failures=1)
+        ctx.metrics.add(**{"live_misses" if outcome is not None else "live_restore_failures": 1})
         return False
 
     def _restore(self, node: TrieNode, window: RestoreWindow, matched_len: int, *,

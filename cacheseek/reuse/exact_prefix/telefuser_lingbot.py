@@ -202,6 +202,13 @@ class LingBotWorldKVBinding:
                 keys.supply(idx, control)
                 keys.compute_rest_in_background()
 
+    def withdraw_control(self, idx: int) -> None:
+        """Chunk ``idx``'s control, named ahead of the chunk, was not taken (a scheduler refused
+        the submission): the chunk's control is unknown again until it is named anew."""
+        keys = self._keys
+        if keys is not None and 0 <= idx < len(keys) and idx >= self.last_fast_forward and idx not in self._restored:
+            keys.supply(idx, UNKNOWN)
+
     def on_chunk_control(self, runtime: Any, idx: int, control: Any, *, may_restore: bool = False) -> None:
         """Chunk ``idx`` starts with ``control`` (what the model gets; None for none). With
         ``may_restore`` (the caller runs the chunk right after, in this thread, and the ring is
@@ -222,11 +229,14 @@ class LingBotWorldKVBinding:
 
     def close(self, timeout_s: float = 30.0) -> None:
         """End the session's use of the binding: the action keys' background thread is stopped
-        and joined (bounded), a start-up token still held is released. Idempotent; the runtime
+        and joined (bounded), a start-up token still held is released, the staging buffers of
+        its live restores are freed where no other session holds them. Idempotent; the runtime
         need not call it (the thread ends by itself once every key is computed)."""
         self._end_start_up()
         if self._keys is not None and not self._keys.close(timeout_s):
             log.warning("the action keys' thread is still running after %.0f s", timeout_s)
+        if self._restored:
+            STAGING.clear()  # the live restores' staging buffers (those no other session holds)
 
     def _end_start_up(self) -> None:
         token, self._start_token = self._start_token, None
@@ -355,10 +365,18 @@ class LingBotWorldKVBinding:
         shape = (1, self.ring.chunk_size * self.ring.frame_tokens, int(k.shape[2]), int(k.shape[3]))
         lease = (STAGING.lease(k.device, len(self.layout.ring_layers(runtime)), shape, k.dtype)
                  if is_path_store(store) else contextlib.nullcontext(None))
-        with lease as staging:
-            window = ChunkWindow(self.layout, runtime, self.ring, idx, staging, publish_latent=publish_latent)
-            if not self.manager.restore_chunk(child, window) or not window.published:
-                return None
+        window: Optional[ChunkWindow] = None
+        try:
+            with lease as staging:
+                window = ChunkWindow(self.layout, runtime, self.ring, idx, staging, publish_latent=publish_latent)
+                self.manager.restore_chunk(child, window)
+        except Exception:
+            if window is None or not window.published:
+                self.manager.metrics.add(live_restore_failures=1)
+                raise
+            log.warning("chunk %d: an error after its restore was published", idx, exc_info=True)
+        if window is None or not window.published:  # the runtime is as a cold chunk finds it
+            return None
         self._cursor = child
         self._restored.add(idx)
         self.bytes_restored += window.bytes_restored
