@@ -1,9 +1,13 @@
 """Value checksums of the tiers whose media can corrupt a value (LocalDisk files, Fluxon values).
 
 A stored value is a small JSON header (kind, dtype, shape, size) and its raw bytes. `seal` adds
-the field ``xxh3``: the xxh3-64 digest (package ``xxhash``) of the canonical header (sorted keys,
-no spaces, without ``xxh3``) followed by the bytes, so a flipped bit in the header or in the
-payload is caught, and so is a header grafted onto another payload. `Sealed.verify` recomputes
+the field ``xxh3``: the xxh3-64 digest (package ``xxhash``) of the value's store key
+(length-prefixed), the canonical header (sorted keys, no spaces, without ``xxh3``) and the bytes,
+so a flipped bit in the header or in the payload is caught, a header grafted onto another payload
+is caught, and so is a whole value under another key: the K of one layer read as its V, one
+layer's value as another's, one chunk's or namespace's as another's (a store key names the chunk
+by its node key, which chains from the namespace root), as a misdirected write or a restore
+from a backup would misplace it. The key is not stored: the reader brings the key it asked for. `Sealed.verify` recomputes
 the digest over the bytes the reader actually got (after its copy out of the medium, so a value
 changing under the reader is caught too) and raises `CorruptValueError` naming the key.
 
@@ -39,9 +43,13 @@ def _canonical(meta: Mapping[str, Any]) -> bytes:
     return json.dumps(dict(meta), sort_keys=True, separators=(",", ":")).encode("utf-8")
 
 
-def digest(canonical_header: bytes, *bodies: Any) -> str:
-    """The 16-hex-digit xxh3-64 of the header bytes then every body (any bytes-like buffer)."""
+def digest(key: str, canonical_header: bytes, *bodies: Any) -> str:
+    """The 16-hex-digit xxh3-64 of the key (8-byte little-endian length, then UTF-8), the header
+    bytes, then every body (any bytes-like buffer)."""
     h = xxhash.xxh3_64()
+    k = key.encode("utf-8")
+    h.update(len(k).to_bytes(8, "little"))
+    h.update(k)
     h.update(canonical_header)
     for body in bodies:
         if memoryview(body).nbytes:
@@ -49,19 +57,21 @@ def digest(canonical_header: bytes, *bodies: Any) -> str:
     return h.hexdigest()
 
 
-def seal(meta: Mapping[str, Any], body: Any) -> bytes:
-    """The header bytes of a value: ``meta`` plus its checksum over ``meta`` and ``body``."""
+def seal(key: str, meta: Mapping[str, Any], body: Any) -> bytes:
+    """The header bytes of the value stored under ``key``: ``meta`` plus its checksum over
+    ``key``, ``meta`` and ``body``."""
     if FIELD in meta:
         raise ValueError(f"meta already carries a {FIELD!r} field")
     canon = _canonical(meta)
     sealed = dict(meta)
-    sealed[FIELD] = digest(canon, body)
+    sealed[FIELD] = digest(key, canon, body)
     return _canonical(sealed)
 
 
 @attrs.frozen(slots=True)
 class Sealed:
-    """A parsed header: ``meta`` without the checksum, the ``claimed`` digest, and what it covers."""
+    """A parsed header: ``meta`` without the checksum, the ``claimed`` digest, and what it covers
+    (``key``: the key the reader asked for, so a value stored under another key fails)."""
 
     key: str
     meta: dict
@@ -69,10 +79,12 @@ class Sealed:
     canonical: bytes
 
     def verify(self, *bodies: Any) -> None:
-        """Raise `CorruptValueError` unless the digest of the header and ``bodies`` matches."""
-        got = digest(self.canonical, *bodies)
+        """Raise `CorruptValueError` unless the digest of the key, the header and ``bodies``
+        matches (a mismatch: damaged, or a value stored under another key)."""
+        got = digest(self.key, self.canonical, *bodies)
         if got != self.claimed:
-            raise CorruptValueError(self.key, f"checksum mismatch (stored {self.claimed}, computed {got})")
+            raise CorruptValueError(self.key, f"checksum mismatch (stored {self.claimed}, computed {got} for "
+                                    "this key): damaged, or another key's value")
 
 
 def unseal(key: str, header: bytes) -> Sealed:

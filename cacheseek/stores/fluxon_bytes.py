@@ -44,7 +44,7 @@ __all__ = [
     "encode_header",
 ]
 
-_HEADER_VERSION = 1
+_HEADER_VERSION = 2  # 2: the checksum covers the value's key
 
 
 def _make_client(client: Any, *, cluster_name: str, share_mem_path: str, instance_key: str,
@@ -157,9 +157,10 @@ def _is_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def encode_header(value: Any) -> tuple[bytes, Any]:
-    """``(header, body)`` of a value: a small sealed JSON header (`cacheseek.stores.checksum`:
-    kind, dtype, shape and the xxh3 checksum of header and body) and a zero-copy bytes-like body."""
+def encode_header(key: str, value: Any) -> tuple[bytes, Any]:
+    """``(header, body)`` of the value stored under ``key``: a small sealed JSON header
+    (`cacheseek.stores.checksum`: kind, dtype, shape and the xxh3 checksum of key, header and
+    body) and a zero-copy bytes-like body."""
     if isinstance(value, str):
         body: Any = value.encode("utf-8")
         head: dict[str, Any] = {"v": _HEADER_VERSION, "kind": "str"}
@@ -175,7 +176,7 @@ def encode_header(value: Any) -> tuple[bytes, Any]:
                 "shape": list(t.shape)}
     else:
         raise StoreError(f"fluxon tier: cannot store a {type(value).__name__} (tensor, bytes or str only)")
-    return checksum.seal(head, body), body
+    return checksum.seal(key, head, body), body
 
 
 def _decode(key: str, meta: bytes, view: Any) -> Any:
@@ -216,7 +217,7 @@ class FluxonValueBackend:
         self._owns_client = owns_client
 
     def write(self, key: str, value: Any) -> None:
-        header, body = encode_header(value)
+        header, body = encode_header(key, value)
         self.client.put_bytes(key, body, meta=header)
 
     def read(self, key: str) -> Optional[Any]:

@@ -68,7 +68,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LocalDiskTierStore", "LocalDiskSchema", "DiskBackend", "encode_key", "decode_key"]
 
-MAGIC = b"CSKVAL02"  # 02: the header carries an xxh3 checksum (cacheseek.stores.checksum)
+MAGIC = b"CSKVAL03"  # 03: the header's xxh3 checksum covers the value's key (cacheseek.stores.checksum)
 _HLEN = struct.Struct("<I")
 _PREFIX = len(MAGIC) + _HLEN.size
 _MAX_NAME = 200  # escaped key length limit; leaves room for the temp-file decoration in 255
@@ -292,13 +292,13 @@ class DiskBackend:
     def _encode(self, key: str, value: Any) -> tuple[bytes, Any]:
         """``(header, body)``: the file's first bytes (magic, length, sealed JSON) and its payload."""
         meta, body = self._meta(key, value)
-        header = checksum.seal(meta, body)
+        header = checksum.seal(key, meta, body)
         return MAGIC + _HLEN.pack(len(header)) + header, body
 
     def stored_nbytes(self, key: str, value: Any) -> int:
         """The size of the file ``write(key, value)`` makes (the unit of the tier's usage)."""
         meta, body = self._meta(key, value)
-        return _PREFIX + len(checksum.seal(meta, b"")) + meta["nbytes"]
+        return _PREFIX + len(checksum.seal(key, meta, b"")) + meta["nbytes"]
 
     def _meta(self, key: str, value: Any) -> tuple[dict[str, Any], Any]:
         if isinstance(value, str):

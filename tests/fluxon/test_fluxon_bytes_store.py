@@ -58,7 +58,7 @@ class _FakeView:
     b"raw bytes", "text",
 ])
 def test_value_codec_round_trips(value):
-    header, body = encode_header(value)
+    header, body = encode_header("k", value)
     out = _decode("k", header, _FakeView(bytes(body)))
     if isinstance(value, torch.Tensor):
         assert out.dtype == value.dtype and out.shape == value.shape
@@ -67,25 +67,25 @@ def test_value_codec_round_trips(value):
         assert out == value
 
 
-@pytest.mark.parametrize("where", ["body", "header", "no-checksum"])
+@pytest.mark.parametrize("where", ["body", "header", "no-checksum", "another-key"])
 def test_value_codec_detects_corruption(where):
     from cacheseek.errors import CorruptValueError
 
-    header, body = encode_header(torch.arange(16, dtype=torch.bfloat16))
+    header, body = encode_header("j" if where == "another-key" else "k", torch.arange(16, dtype=torch.bfloat16))
     body = bytearray(bytes(body))
     if where == "body":
         body[7] ^= 0x01
     elif where == "header":
         header = header.replace(b'"shape":[16]', b'"shape":[8,2]')
-    else:
-        header = b'{"dtype":"bfloat16","kind":"tensor","shape":[16],"v":1}'
+    elif where == "no-checksum":
+        header = b'{"dtype":"bfloat16","kind":"tensor","shape":[16],"v":2}'
     with pytest.raises(CorruptValueError) as info:
         _decode("k", header, _FakeView(bytes(body)))
     assert info.value.key == "k"
 
 
 def test_value_codec_rejects_mismatched_header():
-    header, _ = encode_header(torch.zeros(4))
+    header, _ = encode_header("k", torch.zeros(4))
     with pytest.raises(Exception, match="holds 3 bytes"):
         _decode("k", header, _FakeView(b"abc"))
 

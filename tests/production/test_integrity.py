@@ -164,3 +164,36 @@ def test_two_plan_tiers_sharing_a_transfer_runtime_close_independently():
         b.close()
         client.close()
         transfer.close()
+
+
+def _swap(store, a, b):
+    pa, pb = store.disk.path_of(a), store.disk.path_of(b)
+    da, db = pa.read_bytes(), pb.read_bytes()
+    pa.write_bytes(db)
+    pb.write_bytes(da)
+
+
+@pytest.mark.parametrize("swap", ["k-and-v", "two-layers", "two-chunks", "two-latents"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_value_under_another_key_is_a_miss_never_a_wrong_restore(tmp_path, mode, swap):
+    """Two self-consistent value files swapped (a misdirected write, a restore from a backup):
+    each value's checksum covers its own key, so both read as corrupt; the session restores the
+    longest whole prefix before them and its frames equal a cold run's."""
+    mode = MODES[mode]
+    store = LocalDiskTierStore(str(tmp_path / "kv"))
+    try:
+        mgr = new_manager(store, mode)
+        run_session(mgr, mode, P_X)
+        nodes = chain(mgr.forest)
+        one, two = nodes[2], nodes[3]  # in the restore window of depth 4 in both ring modes
+        pairs = {"k-and-v": layer_keys(one.blob.locator, 0),
+                 "two-layers": (layer_keys(one.blob.locator, 0)[0], layer_keys(one.blob.locator, 1)[0]),
+                 "two-chunks": (layer_keys(one.blob.locator, 1)[0], layer_keys(two.blob.locator, 1)[0]),
+                 "two-latents": (one.skeleton.latent_locator, two.skeleton.latent_locator)}
+        _swap(store, *pairs[swap])
+        b, _, hashes = run_session(mgr, mode, P_X)
+        assert hashes == cold_hashes(mode, P_X)
+        assert store.stats.corrupt_values >= 1 and b.last_fast_forward < N
+        assert check_invariants(mgr.forest, store.keys()) == []
+    finally:
+        store.close()
