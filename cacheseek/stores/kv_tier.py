@@ -146,7 +146,9 @@ class KeyValueTier:
         self.backend = backend
         self.name = name
         self.stats = TierStats(capacity_bytes=_check_capacity(capacity_bytes))
-        self._ledger = ValueLedger(self.stats)  # bytes of every value this tier holds or is writing
+        # bytes of every value this tier holds or is writing; a backend that knows its medium's free
+        # bytes lets a full medium's cap rise again
+        self._ledger = ValueLedger(self.stats, free_bytes=getattr(backend, "free_bytes", None))
         self._lock = threading.Lock()  # guards stats and the ledger
         self._closed = False
         self._idle = threading.Condition(self._lock)  # notified when a pending write completes

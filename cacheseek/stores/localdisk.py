@@ -220,6 +220,10 @@ class DiskBackend:
                 pass
         return out
 
+    def free_bytes(self) -> Optional[int]:
+        """Bytes free on the file system under root (None when unknown)."""
+        return free_bytes(self.root)
+
     def disk_usage_bytes(self) -> int:
         """Sum of the sizes of every file under root (values and any temp file in flight)."""
         total = 0

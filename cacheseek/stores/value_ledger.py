@@ -5,7 +5,11 @@ A write reserves its values' bytes before anything is written or queued (`reserv
 capacity it is refused with `StoreFullError`, changing nothing, so usage never exceeds the
 capacity. A failed write gives its bytes back (`unreserve`), so does a removal (`forget`); a
 reopened persistent tier counts what it already holds (`seed`). A full medium that the tier
-accounts for alone lowers the capacity to the bytes held at that moment (`cap_at_used`).
+accounts for alone lowers the capacity to the bytes held at that moment (`cap_at_used`); that cap
+is not for ever: where the backend can say how much its medium has free (``free_bytes``), a write
+the lowered cap refuses first re-probes it, and the capacity rises again to what the medium can
+hold now (held plus free), at most back to the capacity it had before (another tenant freed the
+disk).
 
 The counts live in the tier's stats (``used_bytes``, ``peak_bytes``, ``capacity_bytes``,
 ``refused_full``), which the report shows. The ledger takes no lock: the tier calls every method
@@ -15,7 +19,7 @@ under its own.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 from cacheseek.errors import StoreFullError
@@ -29,9 +33,12 @@ class ValueLedger:
     """Bytes per key and their total in ``stats`` (any object with ``used_bytes``,
     ``peak_bytes``, ``capacity_bytes`` (None: unbounded) and ``refused_full``)."""
 
-    def __init__(self, stats: Any) -> None:
+    def __init__(self, stats: Any, *, free_bytes: Optional[Callable[[], Optional[int]]] = None) -> None:
         self.stats = stats
         self.sizes: dict[str, int] = {}
+        self._free_bytes = free_bytes  # the medium's free bytes now, or None when unknown
+        self._lowered = False  # the capacity is a full medium's cap (`cap_at_used`)
+        self._before: Optional[int] = None  # ... and what it was before it (None: unbounded)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -44,6 +51,8 @@ class ValueLedger:
         old = {key: self.sizes.get(key) for key, _ in sizes}
         delta = sum(n for _, n in sizes) - sum(n or 0 for n in old.values())
         used, cap = self.stats.used_bytes, self.stats.capacity_bytes
+        if cap is not None and delta > 0 and used + delta > cap and self._lowered:
+            cap = self._reprobe(name)
         if cap is not None and delta > 0 and used + delta > cap:
             self.stats.refused_full += 1
             raise StoreFullError(f"{name} store full: need {delta} more bytes, {used} of {cap} used ({fix})")
@@ -80,7 +89,25 @@ class ValueLedger:
         unless the capacity is already at or below that."""
         used, cap = self.stats.used_bytes, self.stats.capacity_bytes
         if cap is None or used < cap:
+            if not self._lowered:
+                self._lowered, self._before = True, cap
             self.stats.capacity_bytes = used
             log.warning("%s: the backend is full (%s); capacity lowered from %s to %d bytes (the bytes "
                         "held now); the manager evicts from here on", name, exc,
                         "unbounded" if cap is None else cap, used)
+
+    def _reprobe(self, name: str) -> Optional[int]:
+        """After a full medium's cap: the capacity the medium allows now (held plus free), at
+        most the one before the cap; the cap itself when the medium cannot say or has no room."""
+        cap = self.stats.capacity_bytes
+        free = self._free_bytes() if self._free_bytes is not None else None
+        if not free:
+            return cap
+        room = self.stats.used_bytes + int(free)
+        if self._before is not None and room >= self._before:
+            room, self._lowered = self._before, False
+        if cap is None or room > cap:
+            log.info("%s: the medium has %d bytes free again; capacity raised from %s to %d bytes", name,
+                     free, cap, room)
+            self.stats.capacity_bytes = cap = room
+        return cap

@@ -164,3 +164,27 @@ def test_stack_over_a_reused_root_starts_empty(compose_cfg, tmp_path):
         assert stack.store.keys() == [] and stack.store.usage().used_bytes == 0
     finally:
         stack.close()
+
+
+def test_capacity_comes_back_when_another_tenant_frees_the_disk(tiny_tmpfs):
+    """A filler file takes most of a real tmpfs: ENOSPC caps the tier at what it holds. The filler
+    goes: the next session's writes find the capacity raised again, and its chunks are stored."""
+    filler = tiny_tmpfs / "other-tenant"
+    filler.write_bytes(b"\0" * (200 << 10))
+    store = LocalDiskTierStore(str(tiny_tmpfs / "kv"))
+    try:
+        mgr = new_manager(store, FULL)
+        for i in range(3):
+            run_session(mgr, FULL, acts(3, variant=i))
+        capped = store.stats.capacity_bytes
+        assert capped is not None and capped < (56 << 10)  # learned from ENOSPC beside the filler
+        filler.unlink()
+        writes = mgr.metrics.writes
+        actions = acts(3, variant=9)
+        _, _, hashes = run_session(mgr, FULL, actions)
+        assert hashes == cold_hashes(FULL, actions)
+        assert store.stats.capacity_bytes > capped + (100 << 10)  # raised to what the disk holds now
+        assert mgr.metrics.writes == writes + 3  # every chunk of the new session stored
+        assert check_invariants(mgr.forest, store.keys()) == []
+    finally:
+        store.close()

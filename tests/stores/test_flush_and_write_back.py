@@ -156,6 +156,32 @@ def test_unreserve_restores_what_a_failed_write_did_not_remove():
     assert led.stats.peak_bytes == 85
 
 
+def test_a_full_mediums_cap_rises_again_when_the_medium_has_room():
+    """ENOSPC caps the tier at what it holds; once another tenant frees the disk, the next write
+    the cap refuses re-probes the free space and the capacity comes back (never above the one it
+    had before)."""
+    free = [0]
+    led = ValueLedger(Stats(capacity_bytes=100), free_bytes=lambda: free[0])
+    led.reserve([("a", 30)], name="t", fix="f")
+    led.cap_at_used(StoreFullError("No space left on device"), name="t")
+    assert led.stats.capacity_bytes == 30
+    with pytest.raises(StoreFullError):
+        led.reserve([("b", 10)], name="t", fix="f")  # still no room on the medium
+    free[0] = 25
+    led.reserve([("b", 10)], name="t", fix="f")  # 30 held + 25 free
+    assert led.stats.capacity_bytes == 55 and led.stats.used_bytes == 40
+    free[0] = 10**9
+    led.reserve([("c", 50)], name="t", fix="f")  # back to the configured 100, not beyond
+    assert led.stats.capacity_bytes == 100
+    with pytest.raises(StoreFullError):
+        led.reserve([("d", 11)], name="t", fix="f")
+    unbounded = ValueLedger(Stats(capacity_bytes=None), free_bytes=lambda: free[0])
+    unbounded.reserve([("a", 30)], name="t", fix="f")
+    unbounded.cap_at_used(StoreFullError("No space left on device"), name="t")
+    unbounded.reserve([("b", 10)], name="t", fix="f")
+    assert unbounded.stats.capacity_bytes == 30 + 10**9  # bounded by the medium while it was full
+
+
 def test_forget_seed_and_cap_at_used():
     led = ledger()
     led.seed({"a": 7, "b": 3})
