@@ -75,6 +75,7 @@ class _Keys:
         self.cond = threading.Condition()
         self.computed = 0
         self.thread: Optional[threading.Thread] = None
+        self.side: Any = None  # the CUDA side stream of the keys' thread, made once
         self.stop = False
 
     def key(self, i: int) -> bytes:
@@ -241,7 +242,9 @@ class LazyActionKeys(Sequence):
                 return
         if not self.pending:
             return
-        stream = _side_stream([c for c in k.controls if c is not UNKNOWN])
+        if k.side is None:  # one side stream a session (supplied controls carry their own events)
+            k.side = _side_stream([c for c in k.controls if c is not UNKNOWN])
+        stream = k.side
         with k.cond:  # one thread at a time: the check, its first key's claim and the start under one hold
             if k.stop or k.thread is not None or (first := k.claim_next()) is None:
                 return

@@ -27,6 +27,11 @@ One `LingBotWorldKVBinding` per session. The runtime calls:
 - ``close()`` (optional): the keys' thread stopped and joined; it also ends by itself once every
   key is computed, and is joined when the last chunk is ingested.
 
+A live session's hooks (``on_control_arrived``, ``withdraw_control``, ``restore_chunk``, and the
+restore of a chunk on a cached path in ``on_chunk_control``) are `live_chunks.LiveChunks`'; the
+creation-time restore target is `prefix_window.PrefixWindow`, a chunk's mid-session one
+`chunk_window.ChunkWindow`.
+
 Start-up: from its creation until ``on_runtime_created`` returns the binding holds the store's
 ``session_starting()`` token, where the store offers one, so a background warm-up registers no
 segment piece while the runtime makes its allocations (`cacheseek.stores.startup`).
@@ -38,10 +43,8 @@ and the other attributes of TeleFuser 0.1.0.post3 and the hooked commit; ``telef
 finds them behind TeleFuser main's denoise-stage cache handle.
 
 Restore publication is the window's ``set_resume_depth``, called by the manager only after every
-input was fetched and copied: then, and only then, the cursors of every layer, the cached latents,
-the RNG advance and ``last_fast_forward`` are set. Ring slots written before a failure lie beyond
-the published cursors, so the runtime's state (cursors, ``ring[:local_end]``, latents, RNG) is
-exactly as before.
+input was fetched and copied (`PrefixWindow`, `ChunkWindow`): a failure before it leaves the
+runtime's state (cursors, ``ring[:local_end]``, latents, RNG) exactly as before.
 
 What goes to the store on write depends on its capability: a `PathReadStore` gets detached views
 of the ring tail (it copies before the hook returns); a generic tier gets owned CPU snapshots.
@@ -49,32 +52,24 @@ of the ring tail (it copies before the hook returns); a generic tier gets owned 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import Any, Optional, Sequence
 
 from cacheseek import namespace, weights
-from cacheseek.errors import (
-    CacheSeekError,
-    ConfigError,
-    ControlMismatchError,
-    GeometryError,
-    LayoutMismatchError,
-    StoreWarmingError,
-)
+from cacheseek.errors import CacheSeekError, ConfigError, GeometryError, LayoutMismatchError, StoreWarmingError
 from cacheseek.integrations.telefuser import unattached_release
-from cacheseek.kv.payload import RestoreTarget
+from cacheseek.kv.ring import RingGeometry
 from cacheseek.layout.auto import layout_name_of_runtime
 from cacheseek.layout.bshd import BshdLayout
 from cacheseek.registry import LAYOUTS, import_backends
-from cacheseek.reuse.exact_prefix.actions import action_bytes, chunk_action_key
-from cacheseek.reuse.exact_prefix.chunk_window import STAGING, ChunkWindow, advance_rng, check_latents
+from cacheseek.reuse.exact_prefix.actions import action_bytes
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
+from cacheseek.reuse.exact_prefix.hook_failures import counted_failures
 from cacheseek.reuse.exact_prefix.keys import canonical_json_bytes, config_blob_hash, node_key, root_hash, sha256
 from cacheseek.reuse.exact_prefix.lazy_keys import UNKNOWN, ControlUnknownError, LazyActionKeys
+from cacheseek.reuse.exact_prefix.live_chunks import LiveChunks
 from cacheseek.reuse.exact_prefix.manager import WorldKVManager
-from cacheseek.reuse.exact_prefix.restore import is_path_store
-from cacheseek.kv.ring import RingGeometry
+from cacheseek.reuse.exact_prefix.prefix_window import PrefixWindow
 from cacheseek.reuse.exact_prefix.trie import NamespaceForest, load_forest_snapshot, save_forest_snapshot
 from cacheseek.reuse.exact_prefix.types import TrieNode
 
@@ -86,7 +81,6 @@ __all__ = ["make_full_kv_config", "make_rolling_config", "LingBotWorldKVBinding"
 _DEFAULT_MODEL_FINGERPRINT = b"lingbot-world-fast"
 _warned_weights: list[bool] = []
 _logged_bypass: list[bool] = []
-_logged_unkeyed: list[bool] = []
 _warned_unattached: list[bool] = []
 
 
@@ -125,7 +119,7 @@ def _image_fingerprint(image: Any) -> bytes:
                   bytes(image.tobytes()))
 
 
-class LingBotWorldKVBinding:
+class LingBotWorldKVBinding(LiveChunks):
     def __init__(
         self,
         manager: WorldKVManager,
@@ -158,8 +152,7 @@ class LingBotWorldKVBinding:
         self.layout = layout
         self.fields = list(fingerprint_fields) if fingerprint_fields is not None else namespace.resolve_fields(None)
         self.last_fast_forward = 0
-        self._unkeyed_from: Optional[int] = None  # the first chunk no control was named for
-        self._restored: set[int] = set()  # chunks restored mid-session (live)
+        self._reset_live()
         if snapshot_path is not None and len(forest) == 0:
             load_forest_snapshot(snapshot_path, into=forest)
         self.root: Optional[bytes] = None
@@ -178,53 +171,18 @@ class LingBotWorldKVBinding:
         starting = getattr(getattr(manager, "store", None), "session_starting", None)
         self._start_token: Any = starting() if starting is not None else None
 
-    # -- hooks --------------------------------------------------------------------------------
-    # TeleFuser catches every exception of a hook, logs a warning and runs cold: a failing binding
-    # would be invisible. So each hook counts its own failures in the metrics and logs the first
-    # failure of each kind with its cause, then re-raises for the runtime's fallback.
+    # -- hooks (each inside `counted_failures`: TeleFuser swallows a hook's exceptions) ---------
+    # the live-session hooks (on_control_arrived, on_chunk_control, restore_chunk) are `LiveChunks`'
 
     def on_runtime_created(self, runtime: Any, session_config: Any) -> None:
         try:
-            with _counted_failures(self, "on_runtime_created"):
+            with counted_failures(self, "on_runtime_created"):
                 self._on_runtime_created(runtime, session_config)
         finally:
             self._end_start_up()
 
-    def on_control_arrived(self, runtime: Any, idx: int, control: Any) -> None:
-        """Chunk ``idx``'s control arrived ahead of the chunk (a service queues it, or builds the
-        override first): its key is computed now, off the chunk's path, on the keys' thread.
-        The chunk still reports the control it runs with through ``on_chunk_control``."""
-        keys = self._keys
-        if keys is None or not 0 <= idx < len(keys) or idx < self.last_fast_forward:
-            return
-        with contextlib.suppress(Exception):  # a key that fails is computed, and reported, at its chunk
-            with _counted_failures(self, "on_control_arrived"):
-                keys.supply(idx, control)
-                keys.compute_rest_in_background()
-
-    def withdraw_control(self, idx: int) -> None:
-        """Chunk ``idx``'s control, named ahead of the chunk, was not taken (a scheduler refused
-        the submission): the chunk's control is unknown again until it is named anew."""
-        keys = self._keys
-        if keys is not None and 0 <= idx < len(keys) and idx >= self.last_fast_forward and idx not in self._restored:
-            keys.supply(idx, UNKNOWN)
-
-    def on_chunk_control(self, runtime: Any, idx: int, control: Any, *, may_restore: bool = False) -> None:
-        """Chunk ``idx`` starts with ``control`` (what the model gets; None for none). With
-        ``may_restore`` (the caller runs the chunk right after, in this thread, and the ring is
-        writable here), a chunk on a cached path is restored instead (`ChunkWindow`). Raises
-        `ControlMismatchError` when ``idx`` was restored for another (planned) control; any
-        other failure is counted and leaves the chunk to be computed."""
-        try:
-            with _counted_failures(self, "on_chunk_control"):
-                self._on_chunk_control(runtime, idx, control, may_restore)
-        except ControlMismatchError:
-            raise
-        except Exception:  # counted and logged: the chunk stays as it was known
-            pass
-
     def on_chunk_finalized(self, runtime: Any, idx: int, denoised: Any) -> None:
-        with _counted_failures(self, "on_chunk_finalized"):
+        with counted_failures(self, "on_chunk_finalized"):
             self._on_chunk_finalized(runtime, idx, denoised)
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -235,8 +193,7 @@ class LingBotWorldKVBinding:
         self._end_start_up()
         if self._keys is not None and not self._keys.close(timeout_s):
             log.warning("the action keys' thread is still running after %.0f s", timeout_s)
-        if self._restored:
-            STAGING.clear()  # the live restores' staging buffers (those no other session holds)
+        self._close_live()
 
     def _end_start_up(self) -> None:
         token, self._start_token = self._start_token, None
@@ -247,8 +204,8 @@ class LingBotWorldKVBinding:
         if self._keys is not None:  # a binding used for a second session
             self._keys.close()
         self._ns, self._cursor, self._keys, self.actions = None, None, None, []
-        self.root, self.last_fast_forward, self._unkeyed_from = None, 0, None
-        self._restored = set()
+        self.root, self.last_fast_forward = None, 0
+        self._reset_live()
         if self._auto_layout:
             self.layout = self._layout_of(runtime)
         self.ring = self._validate_geometry(runtime)  # a misconfiguration is refused even while warming
@@ -271,7 +228,7 @@ class LingBotWorldKVBinding:
         self.actions = keys
         known = keys.known_prefix()
         if known:
-            window = _RuntimeWindow(self, runtime)
+            window = PrefixWindow(self.layout, runtime, self.ring, self._published)
             result = self.manager.try_fast_forward(self.root, keys[:known], window)  # keys as the walk needs them
         self._ns = self.forest.get_or_create_namespace(self.root, cbh)
         if not known:
@@ -285,24 +242,15 @@ class LingBotWorldKVBinding:
         if self.ingest_enabled:
             keys.compute_rest_in_background()  # each chunk's ingest takes its key from there
 
+    def _published(self, restored: int) -> None:
+        """`PrefixWindow`'s publication: ``restored`` chunks are decoded only."""
+        self.last_fast_forward = restored
+
     def _layout_of(self, runtime: Any) -> Any:
         """The adapter for ``runtime`` when none was given: the current one if it fits."""
         import_backends()
         cls = LAYOUTS.get(layout_name_of_runtime(runtime))
         return self.layout if type(self.layout) is cls else cls()
-
-    def _count_unkeyed(self, idx: int) -> None:
-        """Chunk ``idx`` is not cached: its control, or an earlier chunk's, was never named."""
-        metrics = getattr(self.manager, "metrics", None)
-        if metrics is not None:
-            metrics.add(chunks_unkeyed=1)
-        if not _logged_unkeyed:
-            _logged_unkeyed.append(True)
-            log.warning(
-                "chunk %d's control was neither planned nor named as the chunk started, so it and the "
-                "session's later chunks are not cached (counted as chunks_unkeyed); attach CacheSeek to the "
-                "pipeline (cacheseek.integrations.telefuser.attach) so each chunk's control reaches the "
-                "binding", self._unkeyed_from)
 
     def _bypass_warming(self) -> None:
         """The store cannot serve yet (a background warm-up): the session runs as with no cache,
@@ -314,73 +262,6 @@ class LingBotWorldKVBinding:
             _logged_bypass.append(True)
             log.info("the store is still warming up: sessions run uncached (no keys, no lookup, no "
                      "writes) until it is ready; counted as sessions_bypassed_warming")
-
-    def _on_chunk_control(self, runtime: Any, idx: int, control: Any, may_restore: bool) -> None:
-        keys = self._keys
-        if keys is None or not 0 <= idx < len(keys):  # bypassed, or a chunk beyond the session
-            return
-        if idx < self.last_fast_forward:
-            planned = keys.control(idx)
-            if control is not planned and chunk_action_key(idx, control) != keys[idx]:
-                raise ControlMismatchError(
-                    f"chunk {idx} was restored for the control the session planned, but it is run with "
-                    "another control: plan the controls the session will be driven with, or stream them "
-                    "without planning (each chunk is then looked up as its control arrives)")
-            return
-        keys.supply(idx, control)
-        if may_restore and self._restore_chunk(runtime, idx, publish_latent=True) is not None:
-            return
-        if self.ingest_enabled:
-            keys.compute_rest_in_background()  # the chunk is computed: its key is needed at ingest
-
-    def restore_chunk(self, runtime: Any, idx: int) -> Any:
-        """The runtime is about to compute chunk ``idx`` (its control already named): restore it
-        instead when the session is on a cached path. Returns the chunk's stored latent (its KV,
-        cursors and RNG draws are then published; the runtime hands the latent on as the
-        chunk's x0), or None: compute it. TeleFuser main's integration calls it in the denoise
-        actor. Never raises (a failure is counted; the chunk is computed)."""
-        if self._keys is None or not 0 <= idx < len(self._keys) or idx in self._restored:
-            return None
-        try:
-            with _counted_failures(self, "restore_chunk"):
-                return self._restore_chunk(runtime, idx, publish_latent=False)
-        except Exception:
-            return None
-
-    def _restore_chunk(self, runtime: Any, idx: int, *, publish_latent: bool) -> Any:
-        """Restore chunk ``idx`` when the cursor sits at depth ``idx - 1`` with a ready child for
-        its key (computed here only when the cursor has children): its latent, or None."""
-        parent = self._cursor
-        if self._ns is None or parent is None or parent.depth != idx - 1 or not parent.children:
-            return None
-        self.manager.metrics.add(live_lookups=1)
-        try:
-            child = parent.children.get(self._keys[idx])
-        except ValueError:  # no key: the chunk is computed, and its ingest says why
-            return None
-        if child is None or not child.has_kv:
-            return None
-        store = self.manager.store
-        k, _ = self.layout.layers(runtime)[0]
-        shape = (1, self.ring.chunk_size * self.ring.frame_tokens, int(k.shape[2]), int(k.shape[3]))
-        lease = (STAGING.lease(k.device, len(self.layout.ring_layers(runtime)), shape, k.dtype)
-                 if is_path_store(store) else contextlib.nullcontext(None))
-        window: Optional[ChunkWindow] = None
-        try:
-            with lease as staging:
-                window = ChunkWindow(self.layout, runtime, self.ring, idx, staging, publish_latent=publish_latent)
-                self.manager.restore_chunk(child, window)
-        except Exception:
-            if window is None or not window.published:
-                self.manager.metrics.add(live_restore_failures=1)
-                raise
-            log.warning("chunk %d: an error after its restore was published", idx, exc_info=True)
-        if window is None or not window.published:  # the runtime is as a cold chunk finds it
-            return None
-        self._cursor = child
-        self._restored.add(idx)
-        self.bytes_restored += window.bytes_restored
-        return window.latent
 
     def _on_chunk_finalized(self, runtime: Any, idx: int, denoised: Any) -> None:
         if not self.ingest_enabled or self._ns is None:
@@ -449,12 +330,6 @@ class LingBotWorldKVBinding:
             )
         return latent.contiguous()
 
-    @property
-    def restored_chunks(self) -> list[int]:
-        """The chunks of the session restored instead of computed: at creation (0..K-1) and
-        mid-session (a live session on a cached path)."""
-        return sorted(set(range(self.last_fast_forward)) | self._restored)
-
     def flush_snapshot(self) -> None:
         if self.snapshot_path:
             save_forest_snapshot(self.forest, self.snapshot_path)
@@ -500,98 +375,5 @@ class LingBotWorldKVBinding:
         return ring
 
 
-@contextlib.contextmanager
-def _counted_failures(binding: LingBotWorldKVBinding, hook: str):
-    try:
-        yield
-    except Exception as exc:
-        metrics = getattr(binding.manager, "metrics", None)
-        if metrics is not None:
-            first = metrics.record_hook_failure(hook, type(exc).__name__)
-        else:
-            first = (hook, type(exc).__name__) not in binding.logged_failures
-            binding.logged_failures.add((hook, type(exc).__name__))
-        if first:
-            log.error("CacheSeek %s failed (the runtime falls back to a cold run; later failures of "
-                      "this kind are only counted): %s: %s", hook, type(exc).__name__, exc, exc_info=exc)
-        raise
-
-
 def _get(obj: Any, name: str) -> Any:
     return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
-
-
-class _RuntimeWindow:
-    """The restore target of one session: stages nothing in the runtime until publication."""
-
-    def __init__(self, binding: LingBotWorldKVBinding, runtime: Any) -> None:
-        self.binding = binding
-        self.runtime = runtime
-        self.ring = binding.ring
-        self.latents: list[Any] = []
-        self.bytes_restored = 0
-
-    # generic tiers -------------------------------------------------------------------------
-
-    def seed_latents(self, latents: Sequence[Any]) -> None:
-        spec = self.binding.layout.latent_spec(self.runtime)
-        check_latents(spec, latents)  # the dtype is as stored: the model's x0, whatever the ring's
-        self.latents = [lat.to(spec.device, copy=True) for lat in latents]
-
-    def seed_layer(self, layer: int, blobs: list[tuple[int, Any]], depth: int) -> None:
-        k_ring, v_ring = self.binding.layout.layers(self.runtime)[layer]
-        by_depth = dict(blobs)
-        expected = (1, self.ring.chunk_size * self.ring.frame_tokens, k_ring.shape[2], k_ring.shape[3])
-        for d, (k, v) in blobs:
-            for t in (k, v):
-                if tuple(t.shape) != expected or t.dtype != k_ring.dtype:
-                    raise LayoutMismatchError(f"layer {layer} chunk {d}: stored {tuple(t.shape)} "
-                                              f"{t.dtype}, ring expects {expected} {k_ring.dtype}")
-        for run in self.ring.restore_runs(depth + 1):  # depth: of the deepest restored node
-            k, v = by_depth[run.chunk_depth]
-            src = slice(run.src_token, run.src_token + run.n_tokens)
-            dst = slice(run.dst_token, run.dst_token + run.n_tokens)
-            k_ring[:, dst].copy_(k[:, src])
-            v_ring[:, dst].copy_(v[:, src])
-            self.bytes_restored += 2 * run.n_tokens * self.binding.layout.token_bytes(self.runtime)
-
-    # whole-path stores ----------------------------------------------------------------------
-
-    def restore_target(self, depth: int, window_depths: Sequence[int]):
-        import torch
-
-
-        if list(window_depths) != self.ring.window_depths(depth):
-            raise GeometryError("manager.window_chunks",
-                                f"window path {list(window_depths)} != ring window {self.ring.window_depths(depth)}")
-        rt = self.runtime
-        spec = self.binding.layout.latent_spec(rt)
-        self.latents = [torch.empty(spec.shape, dtype=spec.dtype, device=spec.device) for _ in range(depth)]
-        runs = self.ring.restore_runs(depth)
-        token_bytes = self.binding.layout.token_bytes(rt)
-        kv = tuple(self.binding.layout.layers(rt))
-        self.bytes_restored = sum(2 * r.n_tokens for r in runs) * token_bytes * len(kv)
-        return RestoreTarget(
-            kv=kv,
-            runs=runs,
-            window_depths=tuple(window_depths),
-            token_bytes=token_bytes,
-            chunk_tokens=self.ring.chunk_size * self.ring.frame_tokens,
-            latents=tuple(self.latents),
-        )
-
-    # publication ----------------------------------------------------------------------------
-
-    def set_resume_depth(self, depth: int) -> None:
-        """The single publication point of a restore; ``depth`` is the deepest restored node's."""
-        rt = self.runtime
-        depth += 1  # from here on: K, the number of restored chunks
-        if len(self.latents) != depth:
-            raise CacheSeekError(f"restore of depth {depth} has {len(self.latents)} latents")
-        global_end, local_end = self.ring.cursors(depth)
-        layout = self.binding.layout
-        advance_rng(layout, rt, self.latents)  # a cold chunk re-noises its x0: x0's shape and dtype
-        # Nothing below can fail: cursors, latents and the depth are published together.
-        layout.set_cursors(rt, global_end, local_end)
-        layout.publish_latents(rt, self.latents)
-        self.binding.last_fast_forward = depth

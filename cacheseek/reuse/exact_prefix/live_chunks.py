@@ -1,0 +1,182 @@
+"""`LiveChunks`: the binding's role in a live session, whose controls arrive one chunk at a time.
+
+A live TeleFuser session plans no controls: its service streams one per chunk, and the
+integration's per-chunk seam (`cacheseek.integrations.telefuser`) names each to the binding:
+
+- ``on_control_arrived(runtime, idx, control)``: the control arrived ahead of its chunk (a
+  service queues it, or builds the override first): its key is started on the keys' thread;
+- ``withdraw_control(idx)``: a scheduler refused the submission: the control is unknown again;
+- ``on_chunk_control(runtime, idx, control, may_restore=...)``: chunk ``idx`` starts with that
+  control, which keys it; with ``may_restore`` (the chunk runs next in this thread) a chunk on a
+  cached path is restored instead of computed;
+- ``restore_chunk(runtime, idx)``: the runtime is about to compute chunk ``idx`` (TeleFuser main's
+  denoise actor): restore it instead, returning its stored latent, or None.
+
+A chunk is restored when the trie cursor sits at depth ``idx - 1`` with a ready child for its key:
+the manager restores that node alone into a `ChunkWindow` (its values into staging first, then
+one publication point: RNG draws, ring append, latent), so a miss or a failure leaves the runtime
+as a cold chunk finds it. A restored chunk's key must be the one it runs with; a chunk restored at
+creation for a planned control and run with another raises `ControlMismatchError`. A chunk
+whose control is never named is not cached, nor are the session's later chunks
+(``chunks_unkeyed``, logged once).
+
+`LiveChunks` is a mixin of `LingBotWorldKVBinding`: it reads and moves the session's state that
+the binding keeps (``_keys``, ``_cursor``, ``_ns``, ``ring``, ``layout``, ``manager``,
+``last_fast_forward``, ``ingest_enabled``, ``bytes_restored``) and keeps its own: ``_restored``
+(chunks restored mid-session) and ``_unkeyed_from`` (the first chunk no control was named for).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Optional
+
+from cacheseek.errors import ControlMismatchError
+from cacheseek.reuse.exact_prefix.actions import chunk_action_key
+from cacheseek.reuse.exact_prefix.chunk_window import STAGING, ChunkWindow
+from cacheseek.reuse.exact_prefix.hook_failures import counted_failures
+from cacheseek.reuse.exact_prefix.lazy_keys import UNKNOWN
+from cacheseek.reuse.exact_prefix.restore import is_path_store
+
+log = logging.getLogger("cacheseek.reuse.exact_prefix.telefuser_lingbot")
+
+__all__ = ["LiveChunks"]
+
+_logged_unkeyed: list[bool] = []
+
+
+class LiveChunks:
+    """The live-session hooks of the binding (see the module docstring)."""
+
+    _restored: set[int]
+    _unkeyed_from: Optional[int]
+
+    def _reset_live(self) -> None:
+        """A new session: nothing restored mid-session, every control still to be named."""
+        self._restored = set()
+        self._unkeyed_from = None
+
+    def _close_live(self) -> None:
+        """The session's end: its live restores' staging buffers go (those no other session holds)."""
+        if self._restored:
+            STAGING.clear()
+
+    def on_control_arrived(self, runtime: Any, idx: int, control: Any) -> None:
+        """Chunk ``idx``'s control arrived ahead of the chunk (a service queues it, or builds the
+        override first): its key is computed now, off the chunk's path, on the keys' thread.
+        The chunk still reports the control it runs with through ``on_chunk_control``."""
+        keys = self._keys
+        if keys is None or not 0 <= idx < len(keys) or idx < self.last_fast_forward:
+            return
+        with contextlib.suppress(Exception):  # a key that fails is computed, and reported, at its chunk
+            with counted_failures(self, "on_control_arrived"):
+                keys.supply(idx, control)
+                keys.compute_rest_in_background()
+
+    def withdraw_control(self, idx: int) -> None:
+        """Chunk ``idx``'s control, named ahead of the chunk, was not taken (a scheduler refused
+        the submission): the chunk's control is unknown again until it is named anew."""
+        keys = self._keys
+        if keys is not None and 0 <= idx < len(keys) and idx >= self.last_fast_forward and idx not in self._restored:
+            keys.supply(idx, UNKNOWN)
+
+    def on_chunk_control(self, runtime: Any, idx: int, control: Any, *, may_restore: bool = False) -> None:
+        """Chunk ``idx`` starts with ``control`` (what the model gets; None for none). With
+        ``may_restore`` (the caller runs the chunk right after, in this thread, and the ring is
+        writable here), a chunk on a cached path is restored instead (`ChunkWindow`). Raises
+        `ControlMismatchError` when ``idx`` was restored for another (planned) control; any
+        other failure is counted and leaves the chunk to be computed."""
+        try:
+            with counted_failures(self, "on_chunk_control"):
+                self._on_chunk_control(runtime, idx, control, may_restore)
+        except ControlMismatchError:
+            raise
+        except Exception:  # counted and logged: the chunk stays as it was known
+            pass
+
+    def _count_unkeyed(self, idx: int) -> None:
+        """Chunk ``idx`` is not cached: its control, or an earlier chunk's, was never named."""
+        metrics = getattr(self.manager, "metrics", None)
+        if metrics is not None:
+            metrics.add(chunks_unkeyed=1)
+        if not _logged_unkeyed:
+            _logged_unkeyed.append(True)
+            log.warning(
+                "chunk %d's control was neither planned nor named as the chunk started, so it and the "
+                "session's later chunks are not cached (counted as chunks_unkeyed); attach CacheSeek to the "
+                "pipeline (cacheseek.integrations.telefuser.attach) so each chunk's control reaches the "
+                "binding", self._unkeyed_from)
+
+    def _on_chunk_control(self, runtime: Any, idx: int, control: Any, may_restore: bool) -> None:
+        keys = self._keys
+        if keys is None or not 0 <= idx < len(keys):  # bypassed, or a chunk beyond the session
+            return
+        if idx < self.last_fast_forward:
+            planned = keys.control(idx)
+            if control is not planned and chunk_action_key(idx, control) != keys[idx]:
+                raise ControlMismatchError(
+                    f"chunk {idx} was restored for the control the session planned, but it is run with "
+                    "another control: plan the controls the session will be driven with, or stream them "
+                    "without planning (each chunk is then looked up as its control arrives)")
+            return
+        keys.supply(idx, control)
+        if may_restore and self._restore_chunk(runtime, idx, publish_latent=True) is not None:
+            return
+        if self.ingest_enabled:
+            keys.compute_rest_in_background()  # the chunk is computed: its key is needed at ingest
+
+    def restore_chunk(self, runtime: Any, idx: int) -> Any:
+        """The runtime is about to compute chunk ``idx`` (its control already named): restore it
+        instead when the session is on a cached path. Returns the chunk's stored latent (its KV,
+        cursors and RNG draws are then published; the runtime hands the latent on as the
+        chunk's x0), or None: compute it. TeleFuser main's integration calls it in the denoise
+        actor. Never raises (a failure is counted; the chunk is computed)."""
+        if self._keys is None or not 0 <= idx < len(self._keys) or idx in self._restored:
+            return None
+        try:
+            with counted_failures(self, "restore_chunk"):
+                return self._restore_chunk(runtime, idx, publish_latent=False)
+        except Exception:
+            return None
+
+    def _restore_chunk(self, runtime: Any, idx: int, *, publish_latent: bool) -> Any:
+        """Restore chunk ``idx`` when the cursor sits at depth ``idx - 1`` with a ready child for
+        its key (computed here only when the cursor has children): its latent, or None."""
+        parent = self._cursor
+        if self._ns is None or parent is None or parent.depth != idx - 1 or not parent.children:
+            return None
+        self.manager.metrics.add(live_lookups=1)
+        try:
+            child = parent.children.get(self._keys[idx])
+        except ValueError:  # no key: the chunk is computed, and its ingest says why
+            return None
+        if child is None or not child.has_kv:
+            return None
+        store = self.manager.store
+        k, _ = self.layout.layers(runtime)[0]
+        shape = (1, self.ring.chunk_size * self.ring.frame_tokens, int(k.shape[2]), int(k.shape[3]))
+        lease = (STAGING.lease(k.device, len(self.layout.ring_layers(runtime)), shape, k.dtype)
+                 if is_path_store(store) else contextlib.nullcontext(None))
+        window: Optional[ChunkWindow] = None
+        try:
+            with lease as staging:
+                window = ChunkWindow(self.layout, runtime, self.ring, idx, staging, publish_latent=publish_latent)
+                self.manager.restore_chunk(child, window)
+        except Exception:
+            if window is None or not window.published:
+                self.manager.metrics.add(live_restore_failures=1)
+                raise
+            log.warning("chunk %d: an error after its restore was published", idx, exc_info=True)
+        if window is None or not window.published:  # the runtime is as a cold chunk finds it
+            return None
+        self._cursor = child
+        self._restored.add(idx)
+        self.bytes_restored += window.bytes_restored
+        return window.latent
+
+    @property
+    def restored_chunks(self) -> list[int]:
+        """The chunks of the session restored instead of computed: at creation (0..K-1) and
+        mid-session (a live session on a cached path)."""
+        return sorted(set(range(self.last_fast_forward)) | self._restored)
