@@ -255,7 +255,7 @@ def test_the_fix_of_a_bad_input_runs(procs, tmp_path, name):
     overrides = [*kept, *_fix_overrides(err.strip(), lead)]
     with ThreadPoolExecutor(max_workers=1) as pool:
         rc, out, err = Proc(overrides, tmp_path, pool).wait()
-    assert rc == 0 and "PASS" in out and "Traceback" not in out + err, (overrides, out + err)
+    assert rc == 0 and "PASS" in out and "Traceback" not in out + err, f"{overrides}: rc {rc}\n{out}{err}"
     for size in (o for o in overrides if o.startswith("store.capacity_bytes=")):
         assert f"{size} -> 1 GiB = 1073741824 bytes (as given)" in out.splitlines(), out
 
