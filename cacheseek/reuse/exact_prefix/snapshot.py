@@ -133,6 +133,9 @@ def decode(data: Any) -> list[NamespaceRecord]:
     roots = [rec.root_hash for rec in out]
     if len(set(roots)) != len(roots):
         raise ConfigError("snapshot.namespaces", "a namespace root appears twice", _FIX)
+    keys = [n.node_key for rec in out for n in rec.nodes]
+    if len(set(keys)) != len(keys):  # keys chain from distinct roots: two namespaces never share one
+        raise ConfigError("snapshot.namespaces", "a node key appears in two namespaces", _FIX)
     return out
 
 
