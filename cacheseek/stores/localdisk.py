@@ -219,10 +219,10 @@ class DiskBackend:
         shard, name = _place(key)
         try:
             with self.folder.shard(shard) as sfd:
-                if sfd is not None and not RootFolder.remove(sfd, name) and not _absent(sfd, name):
-                    log.warning("localdisk: %s is a folder, not a value: left alone", self.root / shard / name)
+                if sfd is not None:
+                    RootFolder.remove(sfd, name)
         except NotRegularError as exc:
-            log.warning("localdisk: %s", exc)
+            log.warning("localdisk: %s (under %s)", exc, self.root / shard)
         except OSError as exc:
             raise StoreError(f"localdisk: cannot delete {self.root / shard / name}: {exc}") from exc
 
@@ -264,65 +264,21 @@ class DiskBackend:
     # -- opening ------------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Create or check the root (`RootFolder.open`), probe it, take its lock, refuse planted
-        shards, sweep stale temp files. ConfigError naming ``store.root`` on failure, the lock
-        released."""
-        root = self.root
+        """Create or check the root, probe it, take its lock, refuse planted shards, sweep stale
+        temp files (`RootFolder`). ConfigError naming ``store.root`` on failure, the lock released."""
         self.folder.open()
         try:
-            self._probe()
-            self._take_lock()
-            planted = self.folder.planted()
-            if planted:
-                raise ConfigError("store.root", f"{root} holds {', '.join(planted)}: links or files where only "
-                                  "this store's folders go (someone else wrote them)",
-                                  f"remove them (rm {' '.join(str(root / n) for n in planted)}), or use a new store.root")
-            for shard in self.folder.shard_names():
-                with self.folder.shard(shard) as fd:
-                    for name, _ in self.folder.files(fd) if fd is not None else ():
-                        if _TEMP_NAME.match(name):
-                            log.warning("localdisk: removing temp file of an interrupted write: %s", root / shard / name)
-                            RootFolder.remove(fd, name)
+            self.folder.probe(f".probe-{os.getpid()}-{threading.get_ident()}")
+            self._lock_fd = self.folder.lock(_LOCK_NAME)
+            self.folder.refuse_planted()
+            for path in self.folder.sweep(_TEMP_NAME):
+                log.warning("localdisk: removed the temp file of an interrupted write: %s", path)
         except ConfigError:
             self.close()
             raise
         except (OSError, StoreError) as exc:
             self.close()
-            raise ConfigError("store.root", f"cannot scan {root}: {exc}", _ROOT_FIX) from None
-
-    def _probe(self) -> None:
-        name = f".probe-{os.getpid()}-{threading.get_ident()}"
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(name, flags, 0o600, dir_fd=self.folder.fd)
-            try:
-                os.write(fd, b"probe")
-            finally:
-                os.close(fd)
-            os.unlink(name, dir_fd=self.folder.fd)
-        except OSError as exc:
-            raise ConfigError("store.root", f"folder {self.root} is not writable: {exc}", _ROOT_FIX) from None
-
-    def _take_lock(self) -> None:
-        import fcntl
-
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        try:
-            fd = os.open(_LOCK_NAME, flags, 0o600, dir_fd=self.folder.fd)
-        except OSError as exc:
-            raise ConfigError("store.root", f"cannot open the lock {self.root / _LOCK_NAME}: {exc}", _ROOT_FIX) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise ConfigError(
-                    "store.root",
-                    f"{self.root} is in use by another open LocalDisk store",
-                    "close the other store, or give each store its own store.root",
-                ) from None
-            raise ConfigError("store.root", f"cannot lock {self.root}: {exc}", _ROOT_FIX) from None
-        self._lock_fd = fd
+            raise ConfigError("store.root", f"cannot scan {self.root}: {exc}", _ROOT_FIX) from None
 
     # -- format -------------------------------------------------------------------------------
 
@@ -427,14 +383,6 @@ def _is_tensor(value: Any) -> bool:
 def _place(key: str) -> tuple[str, str]:
     """``(shard folder, file name)`` of ``key``."""
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:2], encode_key(key)
-
-
-def _absent(shard_fd: int, name: str) -> bool:
-    try:
-        os.lstat(name, dir_fd=shard_fd)
-    except FileNotFoundError:
-        return True
-    return False
 
 
 @dataclasses.dataclass

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -90,6 +91,47 @@ class RootFolder:
                           f"a folder of your own that only you can write (chmod 700 {self.path}), or a new "
                           f"store.root that does not exist yet (it is created 0700)")
 
+    def probe(self, name: str) -> None:
+        """Write and remove a small file ``name``: `ConfigError` when the root is not writable."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        try:
+            fd = os.open(name, flags, 0o600, dir_fd=self.fd)
+            try:
+                os.write(fd, b"probe")
+            finally:
+                os.close(fd)
+            os.unlink(name, dir_fd=self.fd)
+        except OSError as exc:
+            raise ConfigError("store.root", f"folder {self.path} is not writable: {exc}", self.fix) from None
+
+    def lock(self, name: str) -> int:
+        """An exclusive ``flock`` on the file ``name`` (created ``0600``, never through a link),
+        held by the returned descriptor; a root another store holds is a `ConfigError`."""
+        import fcntl
+
+        try:
+            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
+        except OSError as exc:
+            raise ConfigError("store.root", f"cannot open the lock {self.path / name}: {exc}", self.fix) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise ConfigError("store.root", f"{self.path} is in use by another open LocalDisk store",
+                                  "close the other store, or give each store its own store.root") from None
+            raise ConfigError("store.root", f"cannot lock {self.path}: {exc}", self.fix) from None
+        return fd
+
+    def refuse_planted(self) -> None:
+        """`ConfigError` when entries with a shard's name are links or files (nothing a store made)."""
+        with os.scandir(self.fd) as it:
+            planted = sorted(e.name for e in it if is_shard_name(e.name) and not e.is_dir(follow_symlinks=False))
+        if planted:
+            raise ConfigError("store.root", f"{self.path} holds {', '.join(planted)}: links or files where only "
+                              "the store's folders go (someone else put them there)",
+                              f"remove them (rm {' '.join(str(self.path / n) for n in planted)}), or use a new store.root")
+
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
@@ -126,11 +168,6 @@ class RootFolder:
         """The shard folders under the root (links and files with a shard's name excluded)."""
         with os.scandir(self.fd) as it:
             return sorted(e.name for e in it if is_shard_name(e.name) and e.is_dir(follow_symlinks=False))
-
-    def planted(self) -> list[str]:
-        """Entries with a shard's name that are not folders (links, files): nothing this store made."""
-        with os.scandir(self.fd) as it:
-            return sorted(e.name for e in it if is_shard_name(e.name) and not e.is_dir(follow_symlinks=False))
 
     def files(self, shard_fd: int) -> list[tuple[str, int]]:
         """``(name, size)`` of every regular file in a shard (links, FIFOs, folders excluded)."""
@@ -179,11 +216,21 @@ class RootFolder:
 
     @staticmethod
     def remove(shard_fd: int, name: str) -> bool:
-        """Unlink ``name`` (a file or a link, never a folder); False when absent or a folder."""
+        """Unlink ``name`` (a file or a link); False when absent; a folder is `NotRegularError`."""
         try:
             if stat.S_ISDIR(os.lstat(name, dir_fd=shard_fd).st_mode):
-                return False
+                raise NotRegularError(f"{name} is a folder, not a file: left alone")
             os.unlink(name, dir_fd=shard_fd)
         except FileNotFoundError:
             return False
         return True
+
+    def sweep(self, pattern: "re.Pattern[str]") -> list[str]:
+        """Remove the regular files in every shard whose names match ``pattern``; their paths."""
+        removed = []
+        for shard in self.shard_names():
+            with self.shard(shard) as fd:
+                for name, _ in self.files(fd) if fd is not None else ():
+                    if pattern.match(name) and self.remove(fd, name):
+                        removed.append(str(self.path / shard / name))
+        return removed

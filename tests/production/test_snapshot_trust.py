@@ -284,3 +284,13 @@ def test_a_save_prunes_and_a_pruned_cursor_is_put_back(tmp_path):
     child.blob = BlobHandle(Tier.CPU, f"{child.node_key.hex()}:kv", 0, 1, ready=True)
     empty.blob = BlobHandle(Tier.CPU, f"{empty.node_key.hex()}:kv", 0, 1, ready=True)
     assert forest.lookup(ns.root_hash, [b"a", b"b"]).node is child
+
+
+@pytest.mark.parametrize("raw", [b"\xff\xfe", b'{"version": 1, "namespaces": [', b"[" * 100_000, b"[]",
+                                 b'{"version": 1, "namespaces": [], "n": 1' + b"0" * 5000 + b"}"])
+def test_any_undecodable_file_is_a_config_error_naming_it(tmp_path, raw):
+    snap = tmp_path / "forest.json"
+    snap.write_bytes(raw)
+    with pytest.raises(ConfigError) as err:
+        load_forest_snapshot(snap)
+    assert str(snap) in err.value.field

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
@@ -80,7 +81,8 @@ def _keep_previous(path: Path) -> None:
     """The current file becomes ``.prev`` where it verifies (a damaged one keeps the older .prev)."""
     try:
         _verify(path, path.read_bytes())
-    except FileNotFoundError:
+    except FileNotFoundError:  # a first save: a .prev of an earlier, removed snapshot is not its past
+        previous(path).unlink(missing_ok=True)
         return
     except (OSError, ConfigError) as exc:
         log.warning("forest snapshot %s does not verify (%s): %s keeps the older generation",
@@ -88,7 +90,10 @@ def _keep_previous(path: Path) -> None:
         return
     prev = previous(path)
     prev.unlink(missing_ok=True)
-    os.link(path, prev)
+    try:
+        os.link(path, prev)
+    except OSError:  # a file system without hard links: a copy
+        shutil.copyfile(path, prev)
 
 
 def load(path: Path) -> Loaded:
