@@ -62,7 +62,12 @@ class WriteNotCompleteError(StoreError):
 
 
 class LayoutMismatchError(CacheSeekError):
-    """Stored bytes do not match the active runtime's layout (sizes, layer count)."""
+    """Stored bytes do not match the active runtime's layout (sizes, layer count). ``depth``: the
+    chunk whose stored values do not fit, where one is to blame (its node is then invalidated)."""
+
+    def __init__(self, message: str, *, depth: "int | None" = None) -> None:
+        self.depth = depth
+        super().__init__(message)
 
 
 class ControlMismatchError(CacheSeekError):

@@ -166,13 +166,17 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
     stack = Stack(cfg=cfg, runtime_factory=runtime_factory, store=store, store_name=store_name,
                   transfer=transfer, layout=layout, fields=fields, forest=NamespaceForest(),
                   run_dir=run_dir, workload=workload, notes=notes)
-    stack.metrics.bind_store(store)
-    if callable(getattr(store, "delete_values", None)):
-        # A persistent store under a fresh forest: what a previous process left is unreachable.
-        done = stack.new_manager().reconcile()
-        if done["orphans_removed"]:
-            log.info("store %s: removed %d values of a previous run that no trie names",
-                     store_name, done["orphans_removed"])
+    try:
+        stack.metrics.bind_store(store)
+        if callable(getattr(store, "delete_values", None)):
+            # A persistent store under a fresh forest: what a previous process left is unreachable.
+            done = stack.new_manager().reconcile()
+            if done["orphans_removed"]:
+                log.info("store %s: removed %d values of a previous run that no trie names",
+                         store_name, done["orphans_removed"])
+    except BaseException:
+        stack.close()  # never a failed build holding the store (a LocalDisk root's lock)
+        raise
     return stack
 
 

@@ -96,7 +96,7 @@ def run_worker(role: str, overrides: list[str], snapshot: Path, out: Path, run_d
     from cacheseek.errors import ConfigError
     from cacheseek.orchestrator import build_stack, instantiate
     from cacheseek.reuse.exact_prefix import NamespaceForest
-    from cacheseek.reuse.exact_prefix.trie import save_forest_snapshot
+    from cacheseek.reuse.exact_prefix.trie import load_forest_snapshot, save_forest_snapshot
     from cacheseek.workloads.abcd import AbcdGate
 
     cfg = _compose(overrides)
@@ -114,8 +114,8 @@ def run_worker(role: str, overrides: list[str], snapshot: Path, out: Path, run_d
             save_forest_snapshot(stack.forest, snapshot)
             result["snapshot_nodes"] = sum(len(ns["nodes"]) for ns in stack.forest.snapshot()["namespaces"])
         else:
-            result["loaded_ready_nodes"] = stack.forest.load_snapshot(json.loads(snapshot.read_bytes())) \
-                if snapshot.exists() else 0
+            load_forest_snapshot(snapshot, into=stack.forest)  # checked, the previous generation as fallback
+            result["loaded_ready_nodes"] = sum(n.has_kv for ns in stack.forest.namespaces() for n in ns.iter_nodes())
             b = _request(stack, "B", gate.P + gate.X, "P+X", n)
             c = _request(stack, "C", gate.P + gate.Y, "P+Y", n)
             fresh = stack.new_manager(forest=NamespaceForest())

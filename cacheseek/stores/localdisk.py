@@ -39,6 +39,12 @@ gives its disk space back at once.
 
 One open store owns a root at a time (an ``flock`` on ``{root}/.lock``, released by `close`);
 a second store on the same root is a `ConfigError` naming ``store.root``.
+
+Links and other files nobody here wrote (`cacheseek.stores.root_files`): the root is created
+``0700`` and must be this user's and writable by nobody else; every file is reached through the
+root's descriptor without following links (a shard folder that is a link is refused, at open a
+`ConfigError`; a value file that is a link, a FIFO or a folder reads as corrupt, never blocks and
+is not counted in usage); only value and temp names this store writes are ever removed.
 """
 
 from __future__ import annotations
@@ -51,8 +57,9 @@ import logging
 import math
 import os
 import struct
+import re
+import secrets
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from typing import Any, Optional
@@ -60,6 +67,7 @@ from typing import Any, Optional
 from cacheseek.errors import ConfigError, CorruptValueError, StoreError, StoreFullError
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum
+from cacheseek.stores.root_files import NotRegularError, RootFolder
 from cacheseek.sizes import Size, free_bytes
 from cacheseek.sizing import SizeField
 from cacheseek.stores.kv_tier import KeyValueTier
@@ -106,9 +114,7 @@ def _is_value_name(name: str) -> bool:
     return "." not in name
 
 
-def _is_shard(folder: Path) -> bool:
-    """A value folder: two lowercase hex digits (anything else under root is left alone)."""
-    return len(folder.name) == 2 and all(c in "0123456789abcdef" for c in folder.name) and folder.is_dir()
+_TEMP_NAME = re.compile(r"\A\.[A-Za-z0-9_%-]+\.[A-Za-z0-9_]{6,32}\.tmp\Z")  # .{value}.{token}.tmp
 
 
 def _tensor_bytes(t: Any) -> memoryview:
@@ -130,62 +136,75 @@ class DiskBackend:
     def __init__(self, root: Path, *, fsync: bool = True) -> None:
         self.root = root
         self.fsync = fsync
+        self.folder = RootFolder(root, _ROOT_FIX)
         self._lock_fd: Optional[int] = None
         self._close_lock = threading.Lock()
 
     # -- paths --------------------------------------------------------------------------------
 
     def path_of(self, key: str) -> Path:
-        name = encode_key(key)
-        folder = hashlib.sha256(key.encode("utf-8")).hexdigest()[:2]
-        return self.root / folder / name
+        """Where ``key``'s file is (for messages and tests; every access goes through `RootFolder`)."""
+        shard, name = _place(key)
+        return self.root / shard / name
 
-    def _value_files(self) -> list[Path]:
+    def _stored(self) -> list[tuple[str, int]]:
+        """``(key, file size)`` of every value file (regular files with a value's name)."""
         out = []
-        for folder in self.root.iterdir():
-            if _is_shard(folder):
-                out.extend(p for p in folder.iterdir() if _is_value_name(p.name))
+        for shard in self.folder.shard_names():
+            with self.folder.shard(shard) as fd:
+                if fd is not None:
+                    out.extend((decode_key(n), size) for n, size in self.folder.files(fd) if _is_value_name(n))
         return out
 
     # -- ValueBackend -------------------------------------------------------------------------
 
     def write(self, key: str, value: Any) -> None:
         header, body = self._encode(key, value)
-        path = self.path_of(key)
+        shard, name = _place(key)
+        path = self.root / shard / name
         tmp: Optional[str] = None
         try:
-            path.parent.mkdir(exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-            with os.fdopen(fd, "wb") as f:
-                f.write(header)
-                f.write(body)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, path)
-            tmp = None
-            if self.fsync:
-                _fsync_dir(path.parent)
+            with self.folder.shard(shard, create=True) as sfd:
+                try:
+                    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+                    with os.fdopen(RootFolder.create_file(sfd, tmp), "wb") as f:
+                        f.write(header)
+                        f.write(body)
+                        if self.fsync:
+                            f.flush()
+                            os.fsync(f.fileno())
+                    os.replace(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd)
+                    tmp = None
+                    if self.fsync:
+                        os.fsync(sfd)
+                finally:
+                    if tmp is not None:
+                        try:
+                            os.unlink(tmp, dir_fd=sfd)
+                        except FileNotFoundError:
+                            pass
+                        except OSError:
+                            log.warning("localdisk: could not remove temp file %s", path.parent / tmp)
         except OSError as exc:
             if exc.errno in _FULL_ERRNOS:
                 raise StoreFullError(f"localdisk: disk full writing {path}: {exc}") from exc
             raise StoreError(f"localdisk: cannot write {path}: {exc}") from exc
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    log.warning("localdisk: could not remove temp file %s", tmp)
+        except NotRegularError as exc:
+            raise StoreError(f"localdisk: cannot write {path}: {exc}") from exc
 
     def read(self, key: str) -> Optional[Any]:
-        path = self.path_of(key)
+        shard, name = _place(key)
+        path = self.root / shard / name
         try:
-            f = open(path, "rb")
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
+            with self.folder.shard(shard) as sfd:
+                fd = None if sfd is None else RootFolder.open_file(sfd, name)
+        except NotRegularError as exc:
+            raise CorruptValueError(key, f"file {path}: {exc}") from None
+        except (OSError, StoreError) as exc:
             raise StoreError(f"localdisk: cannot read {path}: {exc}") from exc
-        with f:
+        if fd is None:
+            return None
+        with os.fdopen(fd, "rb") as f:
             try:
                 return self._decode(key, path, f)
             except CorruptValueError as exc:
@@ -196,44 +215,43 @@ class DiskBackend:
                 raise StoreError(f"localdisk: cannot read {path}: {exc}") from exc
 
     def delete(self, key: str) -> None:
-        path = self.path_of(key)
+        """Remove ``key``'s file (or a link or FIFO in its place; a folder there is left alone)."""
+        shard, name = _place(key)
         try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
+            with self.folder.shard(shard) as sfd:
+                if sfd is not None:
+                    RootFolder.remove(sfd, name)
+        except NotRegularError as exc:
+            log.warning("localdisk: %s (under %s)", exc, self.root / shard)
         except OSError as exc:
-            raise StoreError(f"localdisk: cannot delete {path}: {exc}") from exc
+            raise StoreError(f"localdisk: cannot delete {self.root / shard / name}: {exc}") from exc
 
     def keys(self) -> list[str]:
-        return sorted(decode_key(p.name) for p in self._value_files())
+        return sorted(key for key, _ in self._stored())
 
     def exists(self, key: str) -> bool:
-        return self.path_of(key).is_file()
+        shard, name = _place(key)
+        try:
+            with self.folder.shard(shard) as sfd:
+                return sfd is not None and RootFolder.is_regular(sfd, name)
+        except NotRegularError:
+            return False
 
     def key_sizes(self) -> dict[str, int]:
         """Every stored key with its file size (bytes on disk, header included)."""
-        out = {}
-        for p in self._value_files():
-            try:
-                out[decode_key(p.name)] = p.stat().st_size
-            except FileNotFoundError:  # deleted meanwhile
-                pass
-        return out
+        return dict(self._stored())
 
     def free_bytes(self) -> Optional[int]:
         """Bytes free on the file system under root (None when unknown)."""
         return free_bytes(self.root)
 
     def disk_usage_bytes(self) -> int:
-        """Sum of the sizes of every file under root (values and any temp file in flight)."""
+        """Sum of the sizes of every regular file in the shards (values and temp files in flight)."""
         total = 0
-        for folder in self.root.iterdir():
-            if _is_shard(folder):
-                for p in folder.iterdir():
-                    try:
-                        total += p.stat().st_size
-                    except FileNotFoundError:  # deleted or renamed meanwhile
-                        pass
+        for shard in self.folder.shard_names():
+            with self.folder.shard(shard) as fd:
+                if fd is not None:
+                    total += sum(size for _, size in self.folder.files(fd))
         return total
 
     def close(self) -> None:
@@ -241,55 +259,26 @@ class DiskBackend:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)  # releases the flock
                 self._lock_fd = None
+            self.folder.close()
 
     # -- opening ------------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Create and probe the root, take its lock, sweep stale temp files. ConfigError on failure."""
-        root = self.root
-        if root.exists() and not root.is_dir():
-            raise ConfigError("store.root", f"{root} is a file, not a folder", _ROOT_FIX)
+        """Create or check the root, probe it, take its lock, refuse planted shards, sweep stale
+        temp files (`RootFolder`). ConfigError naming ``store.root`` on failure, the lock released."""
+        self.folder.open()
         try:
-            root.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError("store.root", f"cannot create folder {root}: {exc}", _ROOT_FIX) from None
-        if not root.is_dir():
-            raise ConfigError("store.root", f"{root} is not a folder", _ROOT_FIX)
-        probe = root / f".probe-{os.getpid()}-{threading.get_ident()}"
-        try:
-            with open(probe, "wb") as f:
-                f.write(b"probe")
-            os.unlink(probe)
-        except OSError as exc:
-            raise ConfigError("store.root", f"folder {root} is not writable: {exc}", _ROOT_FIX) from None
-        self._take_lock()
-        try:
-            for folder in root.iterdir():
-                if _is_shard(folder):
-                    for p in folder.iterdir():
-                        if p.name.startswith(".") and p.name.endswith(".tmp"):
-                            log.warning("localdisk: removing temp file of an interrupted write: %s", p)
-                            p.unlink(missing_ok=True)
-        except OSError as exc:
+            self.folder.probe(f".probe-{os.getpid()}-{threading.get_ident()}")
+            self._lock_fd = self.folder.lock(_LOCK_NAME)
+            self.folder.refuse_planted()
+            for path in self.folder.sweep(_TEMP_NAME):
+                log.warning("localdisk: removed the temp file of an interrupted write: %s", path)
+        except ConfigError:
             self.close()
-            raise ConfigError("store.root", f"cannot scan {root}: {exc}", _ROOT_FIX) from None
-
-    def _take_lock(self) -> None:
-        import fcntl
-
-        fd = os.open(self.root / _LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise ConfigError(
-                    "store.root",
-                    f"{self.root} is in use by another open LocalDisk store",
-                    "close the other store, or give each store its own store.root",
-                ) from None
-            raise ConfigError("store.root", f"cannot lock {self.root}: {exc}", _ROOT_FIX) from None
-        self._lock_fd = fd
+            raise
+        except (OSError, StoreError) as exc:
+            self.close()
+            raise ConfigError("store.root", f"cannot scan {self.root}: {exc}", _ROOT_FIX) from None
 
     # -- format -------------------------------------------------------------------------------
 
@@ -391,12 +380,9 @@ def _is_tensor(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.Tensor)
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _place(key: str) -> tuple[str, str]:
+    """``(shard folder, file name)`` of ``key``."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:2], encode_key(key)
 
 
 @dataclasses.dataclass

@@ -48,7 +48,7 @@ def test_enospc_is_store_full_from_the_real_write_path(tmp_path, monkeypatch):
     try:
         real_replace = os.replace
 
-        def replace(src, dst):
+        def replace(src, dst, **dir_fds):
             raise OSError(errno.ENOSPC, "No space left on device")
 
         monkeypatch.setattr(os, "replace", replace)

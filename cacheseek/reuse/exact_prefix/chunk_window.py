@@ -27,13 +27,35 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, Optional
 
 from cacheseek.errors import CacheSeekError, GeometryError, LayoutMismatchError
 from cacheseek.kv.payload import RestoreTarget
 from cacheseek.kv.ring import CopyRun
+from cacheseek.reuse.exact_prefix.keys import node_key
 
-__all__ = ["ChunkWindow", "StagingPool", "STAGING", "advance_rng", "check_latents"]
+__all__ = ["ChunkWindow", "StagingPool", "STAGING", "advance_rng", "check_latents", "node_problem"]
+
+
+def node_problem(layout: Any, runtime: Any, ring: Any, node: Any, in_window: bool) -> Optional[str]:
+    """Why the binding cannot restore ``node`` (None: it can): its key is not the binding's
+    ``node_key(parent, action)``, or (a window node) its blob does not fit the runtime: layer
+    count, (K, V) pairs, a chunk's bytes (0: not recorded)."""
+    parent = node.parent
+    if parent is None or not isinstance(node.action, bytes) or node.node_key != node_key(parent.node_key, node.action):
+        return "its key is not node_key(parent, action)"
+    if not in_window:
+        return None
+    blob = node.blob
+    n_layers = len(layout.layers(runtime))
+    if blob.n_layers != n_layers:
+        return f"its blob has {blob.n_layers} layers, the runtime {n_layers}"
+    if not blob.pairs:
+        return "its blob's layers are not (K, V) pairs"
+    want = n_layers * 2 * ring.chunk_size * ring.frame_tokens * layout.token_bytes(runtime)
+    if blob.nbytes not in (0, want):
+        return f"its blob has {blob.nbytes} bytes, a chunk of the runtime {want}"
+    return None
 
 
 def check_latents(spec: Any, latents: Sequence[Any]) -> None:
@@ -128,6 +150,9 @@ class ChunkWindow:
             raise GeometryError("runtime", f"chunk {idx}: the ring's cursors {layout.cursors(runtime)[0]} are "
                                 f"not those of {idx} chunks {ring.cursors(idx)}")
 
+    def node_problem(self, node: Any, in_window: bool) -> Optional[str]:
+        return node_problem(self.layout, self.runtime, self.ring, node, in_window)
+
     # generic tiers -------------------------------------------------------------------------
 
     def seed_latents(self, latents: Sequence[Any]) -> None:
@@ -147,7 +172,7 @@ class ChunkWindow:
         for t in (k, v):
             if tuple(t.shape) != want or t.dtype != k_ring.dtype:
                 raise LayoutMismatchError(f"layer {layer} chunk {self.idx}: stored {tuple(t.shape)} {t.dtype}, "
-                                          f"the ring takes {want} {k_ring.dtype}")
+                                          f"the ring takes {want} {k_ring.dtype}", depth=self.idx)
         self.values.append((k.to(k_ring.device), v.to(k_ring.device)))
         self.bytes_restored += 2 * int(k.numel() * k.element_size())
 

@@ -11,7 +11,8 @@ the store.
 
 Lifetime of one eviction: under the forest lock the blob is detached from its node and the node
 claimed (``evicting``); the store frees it outside the lock; a free that fails puts the blob
-back. One pass runs at a time (the context's ``evict_lock``).
+back. One pass runs at a time (the context's ``evict_lock``). A pass that evicted ends with
+`NamespaceForest.prune`: nodes left holding no value and namespaces nobody uses leave the trie.
 """
 
 from __future__ import annotations
@@ -99,6 +100,8 @@ class Evictor:
                     parent = self.candidate(cand.node.parent)
                     if parent is not None:
                         queue = ctx.policy.order(queue + [parent])
+            if evicted:
+                ctx.forest.prune(ctx.eviction.live_sessions)  # the nodes left holding nothing
         u = store_usage(ctx.store)
         if u is not None:
             ctx.metrics.observe_usage(ctx.clock(), u.used_bytes, u.capacity_bytes, "evict")

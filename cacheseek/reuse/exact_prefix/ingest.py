@@ -53,9 +53,9 @@ class Ingestor:
     ) -> TrieNode:
         ctx = self.ctx
         forest = ctx.forest
-        node = forest.commit(ns, parent, action, node_key, depth)
-        forest.touch(ns)
-        with forest.lock:
+        with forest.lock:  # one hold from commit to placeholder: a prune never takes the node between
+            node = forest.commit(ns, parent, action, node_key, depth)
+            forest.touch(ns)
             if node.has_kv or (node.blob is not None and node.blob.in_flight) or node.evicting:
                 ctx.count("reingest_kept")
                 ctx.metrics.add(reingest_kept=1)

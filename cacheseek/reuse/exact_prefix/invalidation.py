@@ -9,7 +9,8 @@ touches it) and its blob is freed by the last reader's release (`free_invalidate
 
 Which nodes are gone: the one a fetch met, plus every node the store's optional
 ``contains(keys)`` reports (`find_missing`). `audit` checks every ready node that way;
-`reconcile` first removes the values no node names (a previous process's leftovers).
+`reconcile` first removes the values no node names (a previous process's leftovers), unless the
+forest's snapshot did not load whole (then the unnamed values may be committed chunks: kept).
 """
 
 from __future__ import annotations
@@ -141,14 +142,19 @@ class Invalidator:
 
     def reconcile(self) -> dict[str, int]:
         """Remove every value no node names (where the store offers ``keys()`` and
-        ``delete_values(keys)``), then `audit`. Returns ``{"orphans_removed": n,
+        ``delete_values(keys)``; nothing when the forest's snapshot did not load whole, its
+        ``incomplete``: committed values are never taken for orphans of a damaged index), then `audit`. Returns ``{"orphans_removed": n,
         "invalidated": m}``. Not while sessions write: a value written but not yet named by its
         node would be taken for an orphan."""
         ctx = self.ctx
         keys_of = getattr(ctx.store, "keys", None)
         delete = getattr(ctx.store, "delete_values", None)
         removed = 0
-        if callable(keys_of) and callable(delete):
+        incomplete = getattr(ctx.forest, "incomplete", None)
+        if incomplete and callable(keys_of):
+            log.warning("reconcile removes nothing: the forest snapshot did not load whole (%s); the "
+                        "values it named stay until a snapshot that names them, or none, is loaded", incomplete)
+        elif callable(keys_of) and callable(delete):
             with ctx.forest.lock:
                 named: set[str] = set()
                 for ns in ctx.forest.namespaces():

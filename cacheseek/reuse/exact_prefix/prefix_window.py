@@ -15,11 +15,11 @@ A live session's chunks, restored one at a time mid-session, use `chunk_window.C
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 from cacheseek.errors import CacheSeekError, GeometryError, LayoutMismatchError
 from cacheseek.kv.payload import RestoreTarget
-from cacheseek.reuse.exact_prefix.chunk_window import advance_rng, check_latents
+from cacheseek.reuse.exact_prefix.chunk_window import advance_rng, check_latents, node_problem
 
 __all__ = ["PrefixWindow"]
 
@@ -37,6 +37,10 @@ class PrefixWindow:
         self.latents: list[Any] = []
         self.bytes_restored = 0
 
+    def node_problem(self, node: Any, in_window: bool) -> Optional[str]:
+        """Why ``node`` cannot be restored here (`chunk_window.node_problem`); None: it can."""
+        return node_problem(self.layout, self.runtime, self.ring, node, in_window)
+
     # generic tiers -------------------------------------------------------------------------
 
     def seed_latents(self, latents: Sequence[Any]) -> None:
@@ -52,7 +56,7 @@ class PrefixWindow:
             for t in (k, v):
                 if tuple(t.shape) != expected or t.dtype != k_ring.dtype:
                     raise LayoutMismatchError(f"layer {layer} chunk {d}: stored {tuple(t.shape)} "
-                                              f"{t.dtype}, ring expects {expected} {k_ring.dtype}")
+                                              f"{t.dtype}, ring expects {expected} {k_ring.dtype}", depth=d)
         for run in self.ring.restore_runs(depth + 1):  # depth: of the deepest restored node
             k, v = by_depth[run.chunk_depth]
             src = slice(run.src_token, run.src_token + run.n_tokens)

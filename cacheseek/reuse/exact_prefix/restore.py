@@ -16,7 +16,10 @@ Two store paths, chosen by capability:
   store's ``contains`` names what is gone.
 
 A corrupt value is a missing value: the generic tiers read it as None, and a store that raises
-`CorruptValueError` has the node owning that key invalidated the same way. Any other error
+`CorruptValueError` has the node owning that key invalidated the same way. So is a node the
+window refuses before anything is fetched (its ``node_problem``: a key or a blob that does not
+fit the runtime, as a crafted snapshot may name) and a chunk whose stored values do not fit the
+ring (`LayoutMismatchError` with its ``depth``): the snapshot is data, not authority. Any other error
 propagates (the lookup runs cold and leaves the trie as it was).
 """
 
@@ -29,7 +32,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from cacheseek.errors import CorruptValueError, HandleStateError
+from cacheseek.errors import CorruptValueError, HandleStateError, LayoutMismatchError
 from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.invalidation import Invalidator, owner_of
@@ -98,13 +101,22 @@ class Restorer:
         ctx = self.ctx
         path = [node] if chunk_only else node.path()
         win = [node] if chunk_only else self.window_path(node)
+        problem_of = getattr(window, "node_problem", None)
+        in_win = {id(n) for n in win}
         with ctx.forest.lock:
             if not all(n.has_kv for n in win) or not all(n.skeleton is not None for n in path):
                 return NOT_WHOLE
+            bad = [(n, why) for n in path if callable(problem_of) and (why := problem_of(n, id(n) in in_win))]
             for n in path:
                 n.ref_count += 1
         missing: tuple[TrieNode, ...] = ()
         try:
+            if bad:  # the snapshot named a node this runtime cannot restore: dropped, never met again
+                for n, why in bad:
+                    log.warning("restore of depth %d: %r cannot be restored (%s); invalidating it",
+                                len(path), n, why)
+                missing = tuple(n for n, _ in bad)
+                return Outcome(False, missing)
             t0 = time.perf_counter()
             try:
                 if is_path_store(ctx.store) and hasattr(window, "restore_target"):
@@ -119,6 +131,12 @@ class Restorer:
                         missing = fetched.missing
                         return fetched
                     nbytes = int(getattr(window, "bytes_restored", 0) or 0) or fetched
+            except LayoutMismatchError as exc:
+                if exc.depth is None:
+                    raise
+                log.warning("restore of depth %d: %s; invalidating that chunk", len(path), exc)
+                missing = tuple(n for n in win if n.depth == exc.depth)
+                return Outcome(False, missing)
             except CorruptValueError as exc:
                 # A store that raises on a corrupt value instead of reading it as missing: the same miss.
                 log.warning("restore of depth %d met %s", len(path), exc)

@@ -20,6 +20,15 @@ Read: that format, upstream's (the same fields, every node, ``nbytes`` optional)
 project's earlier version-1 layout (``root``/``cfg`` per namespace, ``key`` per node, every action
 the hex of bytes). A file is decoded and checked whole before the forest changes; a bad field is a
 `ConfigError` naming it.
+
+The snapshot is data, not authority: types are strict (an int is an int, never a bool or a float;
+``pinned`` and ``pairs`` are bools), keys are 32 bytes, depth, layers and sizes are bounded
+(`MAX_DEPTH`, `MAX_LAYERS`, `MAX_NBYTES`, so a crafted file costs O(n) and never builds 10^12
+keys), and every locator is the one derived from its node's key (a node cannot name another
+node's values). Node keys are the caller's derivation, so the file cannot check them; the binding
+checks its own (``node_key(parent, action)``) and whether each blob fits the runtime (layers,
+bytes) when it restores a node (`Restorer`, the window's ``node_problem``), and a node that fails
+is dropped, so no later session meets it again.
 """
 
 from __future__ import annotations
@@ -30,11 +39,17 @@ from typing import Any, Optional
 import attrs
 
 from cacheseek.errors import ConfigError
+from cacheseek.kv.locators import kv_locator, latent_locator
 from cacheseek.reuse.exact_prefix.types import ActionKey, BlobHandle, Tier, TrieNode, check_action
 
-__all__ = ["SNAPSHOT_VERSION", "BlobRecord", "NodeRecord", "NamespaceRecord", "encode_namespace", "decode"]
+__all__ = ["SNAPSHOT_VERSION", "MAX_DEPTH", "MAX_LAYERS", "MAX_NBYTES", "BlobRecord", "NodeRecord",
+           "NamespaceRecord", "encode_namespace", "decode"]
 
 SNAPSHOT_VERSION = 1
+MAX_DEPTH = 1 << 16  # chunks along one path (hours of video)
+MAX_LAYERS = 1 << 12  # transformer layers of one chunk's KV
+MAX_NBYTES = 1 << 40  # bytes of one chunk's KV
+_KEY_BYTES = 32  # sha256 node keys and namespace roots
 _FIX = "pass a file written by save_forest_snapshot (this project's or upstream CacheSeek's)"
 
 
@@ -118,6 +133,9 @@ def decode(data: Any) -> list[NamespaceRecord]:
     roots = [rec.root_hash for rec in out]
     if len(set(roots)) != len(roots):
         raise ConfigError("snapshot.namespaces", "a namespace root appears twice", _FIX)
+    keys = [n.node_key for rec in out for n in rec.nodes]
+    if len(set(keys)) != len(keys):  # keys chain from distinct roots: two namespaces never share one
+        raise ConfigError("snapshot.namespaces", "a node key appears in two namespaces", _FIX)
     return out
 
 
@@ -125,7 +143,7 @@ def _decode_namespace(nsd: Any, where: str) -> NamespaceRecord:
     if not isinstance(nsd, Mapping):
         raise ConfigError(where, "must be an object", _FIX)
     legacy = "root_hash" not in nsd and "root" in nsd  # this project's first layout
-    root = _hex(nsd, "root" if legacy else "root_hash", where)
+    root = _hex(nsd, "root" if legacy else "root_hash", where, _KEY_BYTES)
     cfg = _hex(nsd, "cfg" if legacy else "config_blob_hash", where)
     raw = nsd.get("nodes", [])
     if not isinstance(raw, list):
@@ -152,25 +170,23 @@ def _decode_namespace(nsd: Any, where: str) -> NamespaceRecord:
 def _decode_node(nd: Any, where: str, legacy: bool, root: bytes) -> NodeRecord:
     if not isinstance(nd, Mapping):
         raise ConfigError(where, "must be an object", _FIX)
-    key = _hex(nd, "key" if legacy else "node_key", where)
-    parent = _hex(nd, "parent", where) if nd.get("parent") is not None else None  # None: the root
-    depth = nd.get("depth")
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-        raise ConfigError(f"{where}.depth", f"must be an integer >= 0, got {depth!r}", _FIX)
+    key = _hex(nd, "key" if legacy else "node_key", where, _KEY_BYTES)
+    parent = _hex(nd, "parent", where, _KEY_BYTES) if nd.get("parent") is not None else None  # None: the root
+    depth = _int(nd, "depth", where, hi=MAX_DEPTH - 1)
     if parent is None and depth != 0:
         raise ConfigError(f"{where}.parent", f"missing on a node of depth {depth}", _FIX)
+    parent = root if parent is None else parent
     skeleton = nd.get("skeleton")
-    if skeleton is not None and not isinstance(skeleton, str):
-        raise ConfigError(f"{where}.skeleton", f"must be a locator string or null, got {skeleton!r}", _FIX)
-    return NodeRecord(
-        node_key=key,
-        parent_key=root if parent is None else parent,
-        action=_decode_action(nd, where, legacy),
-        depth=depth,
-        pinned=bool(nd.get("pinned", False)),
-        skeleton=skeleton or None,
-        blob=_decode_blob(nd.get("blob"), f"{where}.blob"),
-    )
+    if skeleton is not None and skeleton != latent_locator(key):
+        raise ConfigError(f"{where}.skeleton", f"must be null or {latent_locator(key)!r} (derived from the "
+                          f"node's key), got {skeleton!r}", _FIX)
+    action = _decode_action(nd, where, legacy)
+    blob = _decode_blob(nd.get("blob"), f"{where}.blob")
+    if blob is not None and blob.locator != kv_locator(key):
+        raise ConfigError(f"{where}.blob.locator", f"must be {kv_locator(key)!r} (derived from the node's "
+                          f"key), got {blob.locator!r}", _FIX)
+    return NodeRecord(node_key=key, parent_key=parent, action=action, depth=depth,
+                      pinned=_bool(nd, "pinned", where, False), skeleton=skeleton, blob=blob)
 
 
 def _decode_action(nd: Mapping[str, Any], where: str, legacy: bool) -> ActionKey:
@@ -193,27 +209,46 @@ def _decode_blob(b: Any, where: str) -> Optional[BlobRecord]:
         return None
     if not isinstance(b, Mapping):
         raise ConfigError(where, f"must be an object or null, got {b!r}", _FIX)
-    try:
-        tier = Tier(b["tier"])
-        locator = b["locator"]
-        nbytes = int(b.get("nbytes", 0))
-        n_layers = int(b["n_layers"])
-    except KeyError as exc:
-        raise ConfigError(f"{where}.{exc.args[0]}", "missing", _FIX) from None
-    except (ValueError, TypeError) as exc:
-        raise ConfigError(where, f"bad value: {exc}", _FIX) from None
+    tier = b.get("tier")
+    if not isinstance(tier, str) or tier not in {t.value for t in Tier}:
+        raise ConfigError(f"{where}.tier", f"must be one of {[t.value for t in Tier]}, got {tier!r}", _FIX)
+    locator = b.get("locator")
     if not isinstance(locator, str) or not locator:
         raise ConfigError(f"{where}.locator", f"must be a non-empty string, got {locator!r}", _FIX)
-    if n_layers < 0 or nbytes < 0:
-        raise ConfigError(where, f"n_layers and nbytes must be >= 0, got {n_layers}, {nbytes}", _FIX)
-    return BlobRecord(tier, locator, nbytes, n_layers, bool(b.get("pairs", True)))
+    nbytes = _int(b, "nbytes", where, hi=MAX_NBYTES, default=0)
+    n_layers = _int(b, "n_layers", where, lo=1, hi=MAX_LAYERS)
+    return BlobRecord(Tier(tier), locator, nbytes, n_layers, _bool(b, "pairs", where, True))
 
 
-def _hex(d: Mapping[str, Any], name: str, where: str) -> bytes:
+_MISSING = object()
+
+
+def _int(d: Mapping[str, Any], name: str, where: str, *, lo: int = 0, hi: int, default: Any = _MISSING) -> int:
+    """A JSON integer in ``[lo, hi]`` (a bool, a float or a string is refused)."""
+    value = d.get(name, default)
+    if value is _MISSING:
+        raise ConfigError(f"{where}.{name}", "missing", _FIX)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(f"{where}.{name}", f"must be an integer in [{lo}, {hi}], got {value!r}", _FIX)
+    return value
+
+
+def _bool(d: Mapping[str, Any], name: str, where: str, default: bool) -> bool:
+    value = d.get(name, default)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{where}.{name}", f"must be true or false, got {value!r}", _FIX)
+    return value
+
+
+def _hex(d: Mapping[str, Any], name: str, where: str, length: Optional[int] = None) -> bytes:
+    """Hex of bytes (of exactly ``length`` bytes when given; at most 256 bytes otherwise)."""
     value = d.get(name)
-    if not isinstance(value, str):
-        raise ConfigError(f"{where}.{name}", f"must be a hex string, got {value!r}", _FIX)
+    if not isinstance(value, str) or len(value) > 2 * (length or 256):
+        raise ConfigError(f"{where}.{name}", f"must be a hex string, got {value!r:.80}", _FIX)
     try:
-        return bytes.fromhex(value)
+        out = bytes.fromhex(value)
     except ValueError:
         raise ConfigError(f"{where}.{name}", f"not hex: {value!r}", _FIX) from None
+    if length is not None and len(out) != length:
+        raise ConfigError(f"{where}.{name}", f"must be {length} bytes, got {len(out)}", _FIX)
+    return out

@@ -331,8 +331,8 @@ class LingBotWorldKVBinding(LiveChunks):
         return latent.contiguous()
 
     def flush_snapshot(self) -> None:
-        if self.snapshot_path:
-            save_forest_snapshot(self.forest, self.snapshot_path)
+        if self.snapshot_path:  # pruned first: nodes holding nothing, namespaces nobody uses
+            save_forest_snapshot(self.forest, self.snapshot_path, live_sessions=getattr(getattr(self.manager, "eviction", None), "live_sessions", None))
 
     # -- geometry -----------------------------------------------------------------------------
 

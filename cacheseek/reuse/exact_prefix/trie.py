@@ -8,7 +8,14 @@ nodes whose blob is ready, so a pending or failed write is never a hit.
 Actions are ints, strings or bytes (`ActionKey`), compared exactly. The snapshot persists only
 ready blobs (plus the skeletons on their paths), so a restarted worker finds exactly what the
 store committed; its format (`cacheseek.reuse.exact_prefix.snapshot`) is the one upstream
-CacheSeek reads and writes. Saving is an atomic replace.
+CacheSeek reads and writes; on disk it is checksummed and keeps its previous generation
+(`cacheseek.reuse.exact_prefix.snapshot_file`). A forest whose newest snapshot could not be
+loaded whole says so (``incomplete``), and `WorldKVManager.reconcile` then removes no value.
+
+Pruning (`prune`): nodes that hold no value (no blob, or a failed one, and no latent) and have no
+child are dropped, and so are namespaces left without nodes that no session touched within the
+last ``live_sessions``; it runs at every save and after each eviction pass. A node a session still
+holds (the parent of its next chunk) may be pruned: `commit` under it puts its path back.
 
 Liveness (what pins protect): the forest counts sessions (`begin_session`, once per lookup of a
 session) and stamps a namespace with the session count whenever a session looks it up or writes
@@ -20,9 +27,7 @@ chunks of namespaces nobody uses any more become ordinary LRU victims. The count
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +35,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from cacheseek.errors import ConfigError
 from cacheseek.reuse.exact_prefix import snapshot as snapshot_format
+from cacheseek.reuse.exact_prefix import snapshot_file
 from cacheseek.reuse.exact_prefix.types import ActionKey, BlobState, Skeleton, TrieNode, check_action
 
 __all__ = [
@@ -55,6 +61,7 @@ class Namespace:
         self.root = TrieNode(node_key=self.root_hash, action=b"", depth=-1, parent=None)
 
     def iter_nodes(self):
+        """Every node, each parent before its children."""
         stack = list(self.root.children.values())
         while stack:
             node = stack.pop()
@@ -76,6 +83,7 @@ class NamespaceForest:
         self.lock = threading.RLock()
         self._namespaces: dict[bytes, Namespace] = {}
         self.sessions = 0
+        self.incomplete: Optional[str] = None  # why the newest snapshot did not load whole
 
     def begin_session(self, root_hash: bytes) -> int:
         """Count one session (a lookup) and touch its namespace if it exists; the new count."""
@@ -89,7 +97,7 @@ class NamespaceForest:
     def touch(self, ns: Namespace) -> None:
         """A session wrote into ``ns``: it is live from now for the next sessions."""
         with self.lock:
-            ns.last_session = self.sessions
+            self._namespaces.get(ns.root_hash, ns).last_session = self.sessions
 
     def is_live(self, ns: Namespace, n: int) -> bool:
         """Touched within the last ``n`` sessions (the current one included)."""
@@ -143,9 +151,12 @@ class NamespaceForest:
     def commit(
         self, ns: Namespace, parent: TrieNode, action: ActionKey, node_key: bytes, depth: int
     ) -> TrieNode:
-        """Get or create the child of ``parent`` for ``action`` (an int, str or bytes)."""
+        """Get or create the child of ``parent`` for ``action`` (an int, str or bytes); a pruned
+        ``parent`` (or namespace) is put back first."""
         action = check_action(action)
         with self.lock:
+            if parent.pruned:
+                parent = self._reattach(ns, parent)
             child = parent.children.get(action)
             if child is None:
                 if depth != parent.depth + 1:
@@ -159,15 +170,51 @@ class NamespaceForest:
                 )
             return child
 
+    def _reattach(self, ns: Namespace, node: TrieNode) -> TrieNode:
+        """Under ``lock``: the node at pruned ``node``'s place, its path put back where it is gone."""
+        live = self._namespaces.setdefault(ns.root_hash, ns)
+        live.root.pruned = False
+        here = live.root
+        for n in node.path():
+            child = here.children.get(n.action)
+            if child is None:
+                n.parent, n.pruned, child = here, False, n
+                here.children[n.action] = n
+            here = child
+        return here
+
+    def prune(self, live_sessions: int) -> int:
+        """Drop the nodes that hold no value and have no child, then the namespaces left without
+        nodes and not touched within the last ``live_sessions`` sessions (see the module
+        docstring). One pass, O(nodes). Returns the number of nodes and namespaces dropped."""
+        dropped = 0
+        with self.lock:
+            for ns in list(self._namespaces.values()):
+                for node in reversed(list(ns.iter_nodes())):  # children before parents
+                    if not node.children and _holds_nothing(node):
+                        del node.parent.children[node.action]
+                        node.pruned = True
+                        dropped += 1
+                if not ns.root.children and not self.is_live(ns, live_sessions):
+                    del self._namespaces[ns.root_hash]
+                    ns.root.pruned = True
+                    dropped += 1
+        return dropped
+
     # -- snapshot ---------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
         """A JSON-able dict of every namespace, with only ready blobs and their ancestors
-        (format: `cacheseek.reuse.exact_prefix.snapshot`)."""
+        (format: `cacheseek.reuse.exact_prefix.snapshot`). O(nodes)."""
         with self.lock:
             out = []
             for ns in self._namespaces.values():
-                nodes = [n for n in sorted(ns.iter_nodes(), key=lambda n: n.depth) if _subtree_has_ready(n)]
+                order = list(ns.iter_nodes())
+                ready_below: set[int] = set()
+                for n in reversed(order):  # children before parents
+                    if n.has_kv or any(id(c) in ready_below for c in n.children.values()):
+                        ready_below.add(id(n))
+                nodes = sorted((n for n in order if id(n) in ready_below), key=lambda n: n.depth)
                 if nodes:
                     out.append(snapshot_format.encode_namespace(ns.root_hash, ns.config_blob_hash, nodes))
             return {"version": snapshot_format.SNAPSHOT_VERSION, "namespaces": out}
@@ -176,7 +223,10 @@ class NamespaceForest:
         """Merge a snapshot (this project's or upstream CacheSeek's) into this forest; returns the
         number of ready blobs loaded. The whole snapshot is checked, against itself and against
         the nodes already here, before anything changes (`ConfigError` naming the field)."""
-        records = snapshot_format.decode(data)
+        return self.load_records(snapshot_format.decode(data))
+
+    def load_records(self, records: Sequence["snapshot_format.NamespaceRecord"]) -> int:
+        """`load_snapshot` of decoded records."""
         with self.lock:
             for rec in records:
                 self._check_merge(rec)
@@ -219,40 +269,38 @@ class NamespaceForest:
         return loaded
 
 
-def _subtree_has_ready(node: TrieNode) -> bool:
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if n.has_kv:
-            return True
-        stack.extend(n.children.values())
-    return False
+def _holds_nothing(node: TrieNode) -> bool:
+    """No value in the store (no latent; no blob, or a failed one) and nobody holding it."""
+    blob = node.blob
+    return (node.skeleton is None and (blob is None or blob.state is BlobState.FAILED)
+            and node.ref_count == 0 and not node.evicting and not node.invalidated)
 
 
-def save_forest_snapshot(forest: NamespaceForest, path: str | os.PathLike[str]) -> None:
-    """Write the snapshot as JSON with an atomic replace (temp file in the same folder, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.dumps(forest.snapshot(), sort_keys=True).encode()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+def save_forest_snapshot(forest: NamespaceForest, path: str | os.PathLike[str], *,
+                         live_sessions: Optional[int] = None) -> None:
+    """Write the snapshot, checksummed, keeping the previous generation (`snapshot_file.save`);
+    ``live_sessions``: prune the forest first (`NamespaceForest.prune`)."""
+    if live_sessions is not None:
+        forest.prune(live_sessions)
+    snapshot_file.save(forest.snapshot(), Path(path))
 
 
 def load_forest_snapshot(
     path: str | os.PathLike[str], *, into: Optional[NamespaceForest] = None
 ) -> NamespaceForest:
-    """Load a snapshot file into ``into`` (or a new forest); a missing file gives an empty forest."""
+    """Load a snapshot file into ``into`` (or a new forest); a missing file gives an empty forest.
+    Temp files of an interrupted save are removed first; a damaged newest generation falls back
+    to the previous one and marks the forest ``incomplete``; with neither usable, the forest is
+    marked and the newest's `ConfigError` (naming the file and the field) raised."""
     forest = into if into is not None else NamespaceForest()
     p = Path(path)
-    if p.exists():
-        forest.load_snapshot(json.loads(p.read_bytes()))
+    snapshot_file.sweep_temps(p)
+    loaded = snapshot_file.load(p)
+    if loaded.problems:
+        forest.incomplete = f"{p} did not load: {loaded.problems[0]}"
+    if loaded.records is None:
+        if loaded.problems:
+            raise loaded.problems[0]
+        return forest
+    forest.load_records(loaded.records)
     return forest

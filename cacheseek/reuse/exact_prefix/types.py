@@ -63,6 +63,7 @@ class TrieNode:
     pinned: bool = False
     evicting: bool = False
     invalidated: bool = False
+    pruned: bool = False  # dropped from its parent by `NamespaceForest.prune`
 
     @property
     def has_kv(self) -> bool:
