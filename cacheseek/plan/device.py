@@ -25,7 +25,7 @@ from cacheseek.errors import ConfigError, PlanError
 from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
 from cacheseek.registry import PLAN_CLIENTS
 
-__all__ = ["DevicePlanClient", "DevicePlanSchema", "device_pool_bytes", "resolve_device"]
+__all__ = ["DevicePlanClient", "DevicePlanSchema", "device_pool_bytes", "free_device_bytes", "resolve_device"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ def resolve_device(device: Any) -> Any:
     return dev
 
 
-def _free_bytes(device: Any) -> int:
+def free_device_bytes(device: Any) -> int:
+    """Free bytes of ``device`` (CUDA: ``mem_get_info``; CPU: ``MemAvailable``)."""
     if device.type == "cuda":
         import torch
 
@@ -81,7 +82,7 @@ def device_pool_bytes(segment_bytes: int, capacity_fraction: float, device: Any)
     if not capacity_fraction:
         raise ConfigError("store.capacity_bytes", "the HBM pool has no size",
                           "set store.capacity_bytes (bytes) or store.capacity_fraction (of free memory)")
-    return int(_free_bytes(device) * capacity_fraction)
+    return int(free_device_bytes(device) * capacity_fraction)
 
 
 class _DeviceSegment:
