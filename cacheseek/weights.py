@@ -106,7 +106,8 @@ def tensor_fingerprint(named: Any) -> bytes:
     h = xxhash.xxh3_128(b"cacheseek.tensors.v1")
     lanes, tails = [], []
     for name, tensor in named:
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        t = tensor.detach()
+        flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
         n = flat.numel()
         h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{n}|".encode())
         words = n // 8

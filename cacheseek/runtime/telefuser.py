@@ -152,6 +152,7 @@ class TeleFuserRuntimeFactory:
         self.layout: Any = None
         self._adapter: Any = None
         self._weights: Optional[bytes] = None
+        self.build_timings: dict[str, float] = {}  # the DiT's build and its fingerprint, once built
 
     # the settings the orchestrator and workloads read
     geometry = property(lambda self: self._geometry)
@@ -170,10 +171,14 @@ class TeleFuserRuntimeFactory:
             pipeline = build_tiny_pipeline(device=self._device, local_attn_size=self._local_attn_size,
                                            sink_size=self._sink_size, height=self.height,
                                            width=self.width, spec=spec)
+            _sync(self._device)
+            built = time.perf_counter()
             n = sum(p.numel() for p in pipeline.dit.parameters())
             log.info("TeleFuser's DiT %s: %.2f B random bf16 weights built on %s in %.2f s", self.describe_model(),
-                     n / 1e9, self._device, time.perf_counter() - start)
+                     n / 1e9, self._device, built - start)
             self._weights = weights.module_fingerprint(pipeline.dit)  # the module itself, before attach wraps it
+            self.build_timings = {"parameters": n, "dit_s": built - start,
+                                  "fingerprint_s": time.perf_counter() - built}
             self.layout = attach(pipeline)
             self._pipeline = pipeline
         return self._pipeline
@@ -400,6 +405,13 @@ class _StreamedChunks:
         if not self.closed:
             self.closed = True
             self.streaming.close_session(self.session)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
 
 
 def _raw(t: Any) -> bytes:
