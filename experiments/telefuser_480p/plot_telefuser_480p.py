@@ -32,8 +32,8 @@ def plot(results: dict, path: Path) -> None:
     ax.set_xticks([i + width * (len(rows) - 1) / 2 for i in range(len(names))], names)
     ax.set_ylabel("wall s (3 chunks)")
     e = results["env"]
-    ax.set_title(f"A/B/C/D on TeleFuser's real-width DiT, 480x832: {e.get('gpu', 'CPU')}, git {e.get('git_commit')}",
-                 fontsize=9)
+    model = next((r["runtime"]["model"] for r in results["stores"].values() if r.get("runtime")), "?")
+    ax.set_title(f"A/B/C/D on TeleFuser's DiT {model}: {e.get('gpu', 'CPU')}, git {e.get('git_commit')}", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

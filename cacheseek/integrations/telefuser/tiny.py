@@ -219,8 +219,9 @@ def build_tiny_pipeline(*, device: str = "cpu", local_attn_size: int = -1, sink_
 
 
 def _tiny_dit(spec: TinyDiTSpec, local_attn_size: int, sink_size: int, device: Any, dtype: Any) -> Any:
-    """TeleFuser's DiT constructed on ``device`` in ``dtype`` (its RoPE tables stay float64, as
-    TeleFuser computes them), then redrawn (`_redraw`)."""
+    """TeleFuser's DiT constructed on ``device`` in ``dtype``, then redrawn (`_redraw`). Its float64
+    RoPE tables are TeleFuser's own, computed on the CPU as ``from_pretrained`` (built on the CPU,
+    then moved) has them; its forward moves them to the input's device."""
     import torch
     from telefuser.models.lingbot_world_fast_dit import LingBotWorldFastDiT
 
@@ -236,6 +237,11 @@ def _tiny_dit(spec: TinyDiTSpec, local_attn_size: int, sink_size: int, device: A
             )
     finally:
         torch.set_default_dtype(default)
+    if torch.device(device).type != "cpu":  # its RoPE tables as a checkpoint's DiT has them: from the CPU
+        from telefuser.models import lingbot_world_fast_dit as module
+
+        cpu = module.precompute_freqs_cis_3d(spec.head_dim)
+        dit.freqs_cos, dit.freqs_sin = (torch.cat([getattr(f, part) for f in cpu], dim=-1) for part in ("real", "imag"))
     _redraw(dit, spec.weight_seed)
     return dit
 
