@@ -38,6 +38,7 @@ from typing import Any, Optional, Protocol
 import attrs
 
 from cacheseek.errors import ConfigError
+from cacheseek import sizes
 from cacheseek.sizes import AUTO, format_size, parse_size
 
 __all__ = ["CacheNeed", "SizeField", "SizedStore", "ROOM_SHARE", "STAGING_CHUNKS", "need_for",
@@ -120,12 +121,10 @@ def runtime_device_room(runtime_factory: Any, need: Optional[CacheNeed]) -> tupl
     """The free memory of the runtime's device once its weights are there, less what the runtime
     says it still needs (``device_reserve(chunks) -> [(what, bytes)]``, optional), and the words
     for the report."""
-    from cacheseek.plan.device import free_device_bytes, resolve_device
-
-    device = resolve_device(getattr(runtime_factory, "device", "cpu"))
+    device = str(getattr(runtime_factory, "device", "cpu"))
     reserve = getattr(runtime_factory, "device_reserve", None)
     parts = list(reserve(need.chunks if need is not None else 1)) if reserve is not None else []
-    free = free_device_bytes(device)  # after device_reserve: it builds the weights first
+    free = sizes.device_free_bytes(device)  # after device_reserve: it builds the weights first
     held = sum(b for _, b in parts)
     room = max(0, free - held)
     if not parts:

@@ -89,8 +89,8 @@ def test_ffn_and_text_dims_reach_the_dit_and_the_weights_stay_seeded():
 
 
 def test_hbm_auto_is_fitted_to_the_room_after_the_runtime_and_said(compose_cfg, tmp_path, monkeypatch):
+    from cacheseek import sizes
     from cacheseek.orchestrator import build_stack
-    from cacheseek.plan import device
 
     args = ("runtime=telefuser", "runtime.head_dim=14", "runtime.n_layers=1", "runtime.n_heads=1",
             "runtime.height=32", "runtime.width=32", "+store=tiered", "store.tiers=[hbm,memory]")
@@ -102,7 +102,7 @@ def test_hbm_auto_is_fitted_to_the_room_after_the_runtime_and_said(compose_cfg, 
     finally:
         stack.close()
     room = TeleFuserRuntimeFactory.ACTIVATION_HEADROOM  # less than the runtime's own needs: no room left
-    monkeypatch.setattr(device, "free_device_bytes", lambda dev: room)
+    monkeypatch.setattr(sizes, "device_free_bytes", lambda dev: room)
     with pytest.raises(ConfigError) as info:
         build_stack(compose_cfg(*args), run_dir=tmp_path)
     assert info.value.field == "store.hbm.capacity_bytes" and "free memory on cpu" in str(info.value)
