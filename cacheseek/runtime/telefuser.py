@@ -167,6 +167,7 @@ class TeleFuserRuntimeFactory:
         if self._pipeline is None:
             _require_telefuser()
             spec = self._spec()
+            log.info("building TeleFuser's DiT %s on %s in bf16", self.describe_model(), self._device)
             start = time.perf_counter()
             pipeline = build_tiny_pipeline(device=self._device, local_attn_size=self._local_attn_size,
                                            sink_size=self._sink_size, height=self.height,

@@ -338,11 +338,15 @@ def _redraw(module: Any, seed: int) -> None:
     module redrawn, then cast; a CUDA generator draws other values.)"""
     import torch
 
+    from cacheseek.progress import bar
+
     params = sorted(module.named_parameters())
     device = params[0][1].device if params else torch.device("cpu")
     gen = torch.Generator(device=device).manual_seed(seed)
-    with torch.no_grad():
+    total = sum(p.numel() for _, p in params)
+    with torch.no_grad(), bar(total, f"random weights on {device}", unit="value") as progress:
         for name, p in params:
+            progress.update(p.numel())
             draw = torch.randn(p.shape, generator=gen, dtype=torch.float32, device=device)
             if p.dim() >= 2 and "modulation" not in name:
                 draw /= math.sqrt(max(1, p[0].numel()))
