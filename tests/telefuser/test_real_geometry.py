@@ -15,7 +15,7 @@ from cacheseek.runtime.telefuser import TeleFuserRuntimeFactory, _pil_image, cam
 SMALL = dict(n_layers=1, n_heads=1, height=32, width=32)
 
 
-def _teleFuser_runs(head_dim: int) -> bool:
+def _telefuser_runs(head_dim: int) -> bool:
     """One chunk of TeleFuser's pipeline at ``head_dim``, built without our check."""
     from telefuser.pipelines.lingbot_world_fast.session import LingBotWorldFastSessionConfig
 
@@ -37,7 +37,7 @@ def _teleFuser_runs(head_dim: int) -> bool:
 
 @pytest.mark.parametrize("head_dim", [8, 10, 14, 16])
 def test_head_dim_is_accepted_exactly_when_telefusers_dit_runs_it(head_dim):
-    runs = _teleFuser_runs(head_dim)
+    runs = _telefuser_runs(head_dim)
     if runs:
         TeleFuserRuntimeFactory(head_dim=head_dim, **SMALL)
     else:
@@ -52,19 +52,18 @@ def test_lingbot_world_geometry_is_accepted_without_building_anything():
                                 height=480, width=832)
     g = f.geometry
     assert (g.n_layers, g.hidden, g.chunk_tokens) == (40, 5120, 3 * 30 * 52) and f._pipeline is None
-    ring, activations = (b for _, b in f.device_reserve.__func__(_Unbuilt(f), 3))
-    assert ring == 2 * 40 * 9 * 1560 * 5120 * 2  # 3 chunks of KV in bf16, every layer
 
 
-class _Unbuilt:
-    """The factory's sizes without its pipeline (device_reserve builds it first otherwise)."""
-
-    def __init__(self, factory):
-        self.__dict__.update(factory.__dict__)
-        self._spec = factory._spec
-        self.ACTIVATION_HEADROOM = factory.ACTIVATION_HEADROOM
-
-    pipeline = None
+def test_the_runtime_reserves_its_ring_and_activations_after_building_its_weights():
+    f = TeleFuserRuntimeFactory(head_dim=14, n_layers=2, n_heads=1, height=32, width=48)
+    (ring_name, ring), (act_name, activations) = f.device_reserve(3)
+    g = f.geometry
+    assert f._pipeline is not None and (ring_name, act_name) == ("ring", "activations")
+    assert ring == 2 * 2 * 9 * g.frame_tokens * 14 * 2  # K and V of 3 chunks of 3 frames, every layer, bf16
+    assert activations > f.ACTIVATION_HEADROOM
+    rolling = TeleFuserRuntimeFactory(head_dim=14, n_layers=2, n_heads=1, height=32, width=48, local_attn_size=6,
+                                      sink_size=3)
+    assert rolling.device_reserve(5)[0][1] == 2 * 2 * 6 * g.frame_tokens * 14 * 2  # the window, not the session
 
 
 def test_the_preset_composes_to_the_real_sizes(compose_cfg):
