@@ -44,6 +44,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from cacheseek.progress import bar
+
 __all__ = ["CpuAutocast", "InProcessWorker", "TinyDiTSpec", "rope_head_dim_problem", "TinyModules", "TinyTextEncoder", "TinyTokenizer",
            "TinyVAE", "build_tiny_pipeline", "is_streaming_telefuser"]
 
@@ -337,8 +339,6 @@ def _redraw(module: Any, seed: int) -> None:
     1 + N(0, 0.05^2), other vectors ~ N(0, 0.05^2). (On the CPU the same weights as a float32
     module redrawn, then cast; a CUDA generator draws other values.)"""
     import torch
-
-    from cacheseek.progress import bar
 
     params = sorted(module.named_parameters())
     device = params[0][1].device if params else torch.device("cpu")
