@@ -155,6 +155,9 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
                 node["root"] = str(run_dir / "kvstore" / name)
         size_fields = getattr(_class_of(store_cfg["_target_"]), "size_fields", None)
         sized = size_fields(store_cfg) if size_fields is not None else []
+        if any(f.device_room for f in sized):
+            room, label = sizing.runtime_device_room(runtime_factory, need)
+            sized = [attrs.evolve(f, room=room, room_label=label) if f.device_room else f for f in sized]
         for line in sizing.resolve_sizes(store_cfg, sized, need, high_watermark=_high_watermark(cfg)):
             tell(line)
         store = _starting("store", lambda: instantiate(store_cfg, transfer=transfer,

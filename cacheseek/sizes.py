@@ -15,8 +15,8 @@ Two words besides numbers:
 - ``None`` / ``"null"`` / ``"none"`` (where the caller allows it): no bound.
 
 Every bad value raises `ConfigError` naming the field, with the spelling that works as the fix.
-`format_size` writes sizes back in the same units; `available_memory` and `free_bytes` say how
-much room there is (for ``auto`` and for refusing a size the machine cannot hold).
+`format_size` writes sizes back in the same units; `available_memory`, `free_bytes` and
+`device_free_bytes` say how much room there is (for ``auto`` and for refusing a size the machine cannot hold).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any, Optional, Union
 
 from cacheseek.errors import ConfigError
 
-__all__ = ["AUTO", "Size", "available_memory", "format_size", "free_bytes", "parse_size"]
+__all__ = ["AUTO", "Size", "available_memory", "device_free_bytes", "format_size", "free_bytes", "parse_size"]
 
 AUTO = "auto"
 Size = Union[int, str]  # what a config field holds before `parse_size`: 4096, "512MiB", "auto"
@@ -111,6 +111,20 @@ def available_memory(meminfo: str = "/proc/meminfo") -> Optional[int]:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def device_free_bytes(device: Any) -> int:
+    """Free bytes of a torch device: CUDA ``mem_get_info``, the host's ``MemAvailable`` for the
+    CPU. ConfigError naming ``store.capacity_fraction`` where the host's cannot be read."""
+    if getattr(device, "type", str(device).split(":")[0]) == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    free = available_memory()
+    if free is None:
+        raise ConfigError("store.capacity_fraction", "the free host memory cannot be read here",
+                          "give store.capacity_bytes instead")
+    return free
 
 
 def free_bytes(path: Union[str, os.PathLike[str]]) -> Optional[int]:

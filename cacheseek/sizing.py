@@ -17,6 +17,11 @@ Before a store is built, the orchestrator resolves every size field the store cl
 - ``staging`` (host memory that holds writes in flight): ``auto`` is `STAGING_CHUNKS` chunks,
   capped like a segment.
 
+A segment in the runtime's own device memory (the HBM tier's pool: `SizeField.device_room`) is
+fitted to `runtime_device_room`: the device's free memory after the runtime's weights (built
+first, so the free figure excludes them) and what it still allocates while it runs (its ring and
+activations, `device_reserve` of the runtime factory).
+
 A size, given or resolved, that cannot hold one chunk is a `ConfigError` with the numbers and the
 fix, raised before anything is allocated; so is a segment or staging area larger than the free
 memory. Every size is reported as one line (`resolve_sizes` returns them): an ``auto`` one with
@@ -33,10 +38,11 @@ from typing import Any, Optional, Protocol
 import attrs
 
 from cacheseek.errors import ConfigError
+from cacheseek import sizes
 from cacheseek.sizes import AUTO, format_size, parse_size
 
 __all__ = ["CacheNeed", "SizeField", "SizedStore", "ROOM_SHARE", "STAGING_CHUNKS", "need_for",
-           "resolve_sizes", "check_capacity"]
+           "resolve_sizes", "check_capacity", "runtime_device_room"]
 
 ROOM_SHARE = 0.8  # of the free memory (or disk) that ``auto`` may take
 STAGING_CHUNKS = 2  # the Plan tier keeps two writes in flight by default (staging_slots)
@@ -77,7 +83,8 @@ class SizeField:
     """One size of a store's config: ``path`` under ``store.`` (dots for nested keys), its
     ``role`` (segment, capacity or staging), the free ``room`` it must fit (None = unknown) and
     what that room is (``room_label``), the store's value ``alignment``, and ``default`` (what a
-    missing key means)."""
+    missing key means). ``device_room``: the room is the runtime device's, filled in by the
+    orchestrator (`runtime_device_room`)."""
 
     path: str
     role: str = attrs.field(validator=attrs.validators.in_(_ROLES))
@@ -85,6 +92,7 @@ class SizeField:
     room_label: str = "free memory"
     alignment: int = 1
     default: Any = AUTO
+    device_room: bool = False
 
 
 class SizedStore(Protocol):
@@ -107,6 +115,22 @@ def need_for(runtime_factory: Any, workload: Any) -> Optional[CacheNeed]:
     values = [kv] * (2 * geometry.n_layers) + [geometry.latent_nbytes(item)]
     why = getattr(workload, "cache_chunks_why", None) or type(workload).__name__
     return CacheNeed(values=values, chunks=int(chunks), geometry=geometry.name, dtype=dtype, why=why)
+
+
+def runtime_device_room(runtime_factory: Any, need: Optional[CacheNeed]) -> tuple[int, str]:
+    """The free memory of the runtime's device once its weights are there, less what the runtime
+    says it still needs (``device_reserve(chunks) -> [(what, bytes)]``, optional), and the words
+    for the report."""
+    device = str(getattr(runtime_factory, "device", "cpu"))
+    reserve = getattr(runtime_factory, "device_reserve", None)
+    parts = list(reserve(need.chunks if need is not None else 1)) if reserve is not None else []
+    free = sizes.device_free_bytes(device)  # after device_reserve: it builds the weights first
+    held = sum(b for _, b in parts)
+    room = max(0, free - held)
+    if not parts:
+        return room, f"free memory on {device}"
+    what = ", ".join(f"{name} {format_size(b)}" for name, b in parts)
+    return room, f"free memory on {device} ({format_size(free)} with the weights loaded, less the runtime's {what})"
 
 
 def _get(cfg: MutableMapping[str, Any], path: str, default: Any) -> Any:
@@ -154,6 +178,8 @@ def _auto(field: SizeField, need: Optional[CacheNeed], high_watermark: float) ->
     want = -(-want // unit) * unit
     if room is not None and want > room:
         return room, f"{why}, capped at {room_words}"
+    if field.device_room and room is not None:
+        why = f"{why}; room: {room_words}"
     return want, why
 
 

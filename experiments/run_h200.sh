@@ -2,9 +2,11 @@
 # Device calls on the H200: named steps, each a GPU test run or a benchmark, in the order given.
 #   run tool: carry [".whl"], command: bash experiments/run_h200.sh tests copy_kernel transfer
 # Steps: tests (every test marked cuda), transfer, e2e, registration, copy_kernel, action_keys,
-# warmup, hbm_tier, live_restore, interactive (workload=interactive at lingbot_480p, Plan tier). Results go to $OUT/results/<step>/ (packed into $OUT/results.tgz after every
+# warmup, hbm_tier, live_restore, telefuser_480p (the gate on TeleFuser's real-width DiT), interactive
+# (workload=interactive at lingbot_480p, Plan tier). Results go to $OUT/results/<step>/ (packed into $OUT/results.tgz after every
 # step, so a step that runs out of time still leaves the earlier ones); the log is $OUT/run.log.
-# Per step: T_<STEP>= (seconds, upper case) and ARGS_<STEP>= (overrides of its conf/*.yaml).
+# Per step: T_<STEP>= (seconds, upper case) and ARGS_<STEP>= (overrides of its conf/*.yaml; for
+# tests, the test paths: ARGS_TESTS="tests/core/test_weights_fingerprint.py ...").
 set -u
 OUT=${OUT:-/tmp/out}
 R=$OUT/results
@@ -20,14 +22,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pc
 grep -E "MemTotal|MemAvailable" /proc/meminfo; nproc
 python3 -c "import torch, cuda.bindings, sys; print(sys.version.split()[0], torch.__version__, cuda.bindings.__version__)"
 
-declare -A DEFAULT_T=([tests]=200 [transfer]=150 [e2e]=230 [registration]=140 [copy_kernel]=120 [action_keys]=120 [warmup]=200 [hbm_tier]=420 [live_restore]=240 [interactive]=240)
+declare -A DEFAULT_T=([tests]=200 [transfer]=150 [e2e]=230 [registration]=140 [copy_kernel]=120 [action_keys]=120 [warmup]=200 [hbm_tier]=420 [live_restore]=240 [interactive]=240 [telefuser_480p]=285)
 declare -A FIXED_ARGS=([action_keys]="device=cuda old_runs=1")
 for s in "$@"; do
     echo; echo "=== $s ($(date +%T))"
     t=$(var T "$s" "${DEFAULT_T[$s]:-300}")
     mkdir -p "$R/$s"
     if [ "$s" = tests ]; then
-        timeout "$t" python3 -m pytest -q -p no:cacheprovider -rs -m cuda tests 2>&1 | tail -30 | tee "$R/tests/pytest_cuda.txt"
+        timeout "$t" python3 -m pytest -q -p no:cacheprovider -rs -m cuda $(var ARGS "$s" tests) 2>&1 | tail -30 | tee "$R/tests/pytest_cuda.txt"
     elif [ "$s" = interactive ]; then
         timeout "$t" python3 -m cacheseek workload=interactive runtime.geometry=lingbot_480p runtime.device=cuda \
             runtime.compute_gemm_dim=8192 runtime.compute_gemms=8 +store=fluxon_plan store.backing=private \

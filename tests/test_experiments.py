@@ -108,3 +108,19 @@ def test_warmup_benchmark_and_timeline_smoke(tmp_path, capsys):
     hook, registration = (next(i for i, line in enumerate(lines) if what in line)
                           for what in ("the binding's hook ends", "registration in pieces begins"))
     assert hook < registration
+
+
+@pytest.mark.slow
+@pytest.mark.telefuser
+def test_telefuser_480p_benchmark_smoke(tmp_path):
+    pytest.importorskip("telefuser.pipelines.lingbot_world_fast", reason="needs the telefuser extra (see README)")
+    tiny = ["runtime.n_layers=1", "runtime.n_heads=1", "runtime.head_dim=14", "runtime.ffn_dim=32",
+            "runtime.text_dim=16", "runtime.height=32", "runtime.width=32"]
+    res = load("telefuser_480p").main(["device=cpu", "stores=[nocache,fluxon_plan]", f"out_dir={tmp_path}",
+                                       "runtime_overrides=[" + ",".join(f"'{o}'" for o in tiny) + "]"])
+    plan = res["stores"]["fluxon_plan"]
+    assert plan["returncode"] == 0 and plan["passed"] and plan["b_profiled"]["hit_depth"] == 3
+    assert res["stores"]["nocache"]["returncode"] == 0 and "requests" not in res["stores"]["nocache"]
+    row = next(r for r in res["table"] if r["store"] == "fluxon_plan")
+    assert row["B_k"] == 3 and row["B_ratio"] > 0 and (tmp_path / "telefuser_480p.png").stat().st_size > 0
+    assert "| fluxon_plan |" in (tmp_path / "results.md").read_text()

@@ -24,6 +24,7 @@ from typing import Any, Optional
 from cacheseek.errors import ConfigError, PlanError
 from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
 from cacheseek.registry import PLAN_CLIENTS
+from cacheseek.sizes import device_free_bytes
 
 __all__ = ["DevicePlanClient", "DevicePlanSchema", "device_pool_bytes", "resolve_device"]
 
@@ -50,22 +51,6 @@ def resolve_device(device: Any) -> Any:
     return dev
 
 
-def _free_bytes(device: Any) -> int:
-    if device.type == "cuda":
-        import torch
-
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    raise ConfigError("store.capacity_fraction", "the free host memory cannot be read here",
-                      "give store.capacity_bytes instead")
-
-
 def device_pool_bytes(segment_bytes: int, capacity_fraction: float, device: Any) -> int:
     """The pool size: ``segment_bytes`` when > 0, else ``capacity_fraction`` of free memory."""
     if isinstance(segment_bytes, bool) or not isinstance(segment_bytes, int) or segment_bytes < 0:
@@ -81,7 +66,7 @@ def device_pool_bytes(segment_bytes: int, capacity_fraction: float, device: Any)
     if not capacity_fraction:
         raise ConfigError("store.capacity_bytes", "the HBM pool has no size",
                           "set store.capacity_bytes (bytes) or store.capacity_fraction (of free memory)")
-    return int(_free_bytes(device) * capacity_fraction)
+    return int(device_free_bytes(device) * capacity_fraction)
 
 
 class _DeviceSegment:

@@ -1,7 +1,9 @@
-"""The ``telefuser`` runtime: TeleFuser's real LingBot-World-fast loop, with tiny random weights.
+"""The ``telefuser`` runtime: TeleFuser's real LingBot-World-fast loop, with random weights.
 
 `TeleFuserRuntimeFactory` builds one real ``LingBotWorldFastPipeline``
-(`cacheseek.integrations.telefuser.tiny`), attaches CacheSeek to it (native hooks on a hooked
+(`cacheseek.integrations.telefuser.tiny`) at any DiT size (tiny by default; LingBot-World's
+40 x 40 x 128 with ``+experiment=lingbot_world_14b``), its DiT built on the runtime's device in
+bf16 (0.3-0.7 s for 14 B parameters on an H200, logged with its time), attaches CacheSeek to it (native hooks on a hooked
 TeleFuser, installed ones on the 0.1.0.post3 release, the streaming seams on TeleFuser main) and
 hands out `TeleFuserSession` objects, which the workloads drive like the synthetic runtime:
 ``generate(stop_after)``, ``state_snapshot()``, ``latents``, ``frame_hashes``,
@@ -36,7 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 import math
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -44,13 +48,15 @@ from typing import Any, Optional
 from cacheseek import weights
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.integrations.telefuser import TeleFuserLayout, attach, plan_controls
-from cacheseek.integrations.telefuser.tiny import TinyDiTSpec, build_tiny_pipeline
+from cacheseek.integrations.telefuser.tiny import TinyDiTSpec, build_tiny_pipeline, rope_head_dim_problem
 from cacheseek.registry import RUNTIMES
 from cacheseek.runtime.geometry import Geometry, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.telefuser_logs import route_telefuser_logs
 
 __all__ = ["TeleFuserRuntimeFactory", "TeleFuserRuntimeSchema", "TeleFuserSession", "camera_path"]
+
+log = logging.getLogger(__name__)
 
 VIDEO_PER_LATENT = 4  # Wan VAE: 4 video frames per latent frame (the first latent holds one)
 _DEG = math.pi / 180.0
@@ -92,7 +98,8 @@ def camera_path(actions: Sequence[Sequence[float]], *, chunk_size: int, width: i
 
 @dataclasses.dataclass
 class TeleFuserRuntimeSchema:
-    """Hydra schema of ``runtime: telefuser`` (sizes of the tiny DiT and the video)."""
+    """Hydra schema of ``runtime: telefuser`` (sizes of the DiT and the video; ``ffn_dim`` null =
+    2 x dim)."""
 
     _target_: str = "cacheseek.runtime.telefuser.TeleFuserRuntimeFactory"
     local_attn_size: int = -1
@@ -105,28 +112,34 @@ class TeleFuserRuntimeSchema:
     n_layers: int = 2
     n_heads: int = 2
     head_dim: int = 12
+    ffn_dim: Optional[int] = None
+    text_dim: int = 32
     weight_seed: int = 0
 
 
 @RUNTIMES.register("telefuser", TeleFuserRuntimeSchema)
 class TeleFuserRuntimeFactory:
-    """One tiny real pipeline; `make()` opens one session on it."""
+    """One real pipeline with random weights; `make()` opens one session on it."""
+
+    ACTIVATION_HEADROOM = 2 << 30  # beyond the ring and the FFN's activations: allocator slack, the VAE
 
     def __init__(self, *, local_attn_size: int = -1, sink_size: int = 0, device: str = "cpu",
                  seed: int = 42, prompt: str = "a red car driving along a coast road", height: int = 64,
                  width: int = 64, n_layers: int = 2, n_heads: int = 2, head_dim: int = 12,
-                 weight_seed: int = 0) -> None:
+                 ffn_dim: Optional[int] = None, text_dim: int = 32, weight_seed: int = 0) -> None:
         for name, value, low in (("height", height, 16), ("width", width, 16), ("n_layers", n_layers, 1),
-                                 ("n_heads", n_heads, 1), ("head_dim", head_dim, 6), ("seed", seed, 0)):
+                                 ("n_heads", n_heads, 1), ("head_dim", head_dim, 2), ("seed", seed, 0),
+                                 ("ffn_dim", 1 if ffn_dim is None else ffn_dim, 1), ("text_dim", text_dim, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"runtime.{name}", f"must be an integer >= {low}, got {value!r}")
         for name, value in (("height", height), ("width", width)):
             if value % 16:
                 raise ConfigError(f"runtime.{name}", f"{value} is not a multiple of 16",
                                   "TeleFuser's VAE and patching need multiples of 16")
-        if head_dim % 6:
-            raise ConfigError("runtime.head_dim", f"{head_dim} is not divisible by 6",
-                              "TeleFuser's 3-D RoPE splits head_dim in thirds of even size: use 12, 24, ...")
+        problem = rope_head_dim_problem(head_dim)
+        if problem:
+            raise ConfigError("runtime.head_dim", f"TeleFuser's DiT cannot run it: {problem}",
+                              "use a head_dim with head_dim % 6 in (0, 2): 12, 14, 126, 128 (LingBot-World)")
         self._geometry = Geometry(name="telefuser", n_layers=n_layers, n_heads=n_heads, head_dim=head_dim,
                                   latent_channels=16, latent_h=height // 8, latent_w=width // 8, chunk_size=3)
         validate_window(self._geometry, local_attn_size, sink_size)
@@ -134,10 +147,12 @@ class TeleFuserRuntimeFactory:
         self.seed, self.prompt, self.height, self.width = seed, prompt, height, width
         self._device = _check_device(device)
         self._weight_seed = weight_seed
+        self._ffn_dim, self._text_dim = ffn_dim, text_dim
         self._pipeline: Any = None
         self.layout: Any = None
         self._adapter: Any = None
         self._weights: Optional[bytes] = None
+        self.build_timings: dict[str, float] = {}  # the DiT's build and its fingerprint, once built
 
     # the settings the orchestrator and workloads read
     geometry = property(lambda self: self._geometry)
@@ -151,16 +166,43 @@ class TeleFuserRuntimeFactory:
         """The attached pipeline, built on first use."""
         if self._pipeline is None:
             _require_telefuser()
-            g = self._geometry
-            spec = TinyDiTSpec(n_layers=g.n_layers, n_heads=g.n_heads, head_dim=g.head_dim,
-                               weight_seed=self._weight_seed)
+            spec = self._spec()
+            log.info("building TeleFuser's DiT %s on %s in bf16", self.describe_model(), self._device)
+            start = time.perf_counter()
             pipeline = build_tiny_pipeline(device=self._device, local_attn_size=self._local_attn_size,
                                            sink_size=self._sink_size, height=self.height,
                                            width=self.width, spec=spec)
+            _sync(self._device)
+            built = time.perf_counter()
+            n = sum(p.numel() for p in pipeline.dit.parameters())
+            log.info("TeleFuser's DiT %s: %.2f B random bf16 weights built on %s in %.2f s", self.describe_model(),
+                     n / 1e9, self._device, built - start)
             self._weights = weights.module_fingerprint(pipeline.dit)  # the module itself, before attach wraps it
+            self.build_timings = {"parameters": n, "dit_s": built - start,
+                                  "fingerprint_s": time.perf_counter() - built}
             self.layout = attach(pipeline)
             self._pipeline = pipeline
         return self._pipeline
+
+    def _spec(self) -> TinyDiTSpec:
+        g = self._geometry
+        return TinyDiTSpec(n_layers=g.n_layers, n_heads=g.n_heads, head_dim=g.head_dim, text_dim=self._text_dim,
+                           ffn_dim=self._ffn_dim, weight_seed=self._weight_seed)
+
+    def describe_model(self) -> str:
+        g, spec = self._geometry, self._spec()
+        return f"{g.n_layers}x{g.n_heads}x{g.head_dim} ffn {spec.ffn_dim} text {spec.text_dim} {self.height}x{self.width}"
+
+    def device_reserve(self, chunks: int) -> list[tuple[str, int]]:
+        """What a session still allocates on the runtime's device (`sizing.runtime_device_room`),
+        the weights built first: its ring of ``chunks`` chunks (or the attention window), and the
+        activations of one chunk (a few FFN-wide buffers in float32) plus `ACTIVATION_HEADROOM`."""
+        self.pipeline
+        g, spec = self._geometry, self._spec()
+        frames = self._local_attn_size if self._local_attn_size > 0 else chunks * g.chunk_size
+        ring = 2 * g.n_layers * frames * g.frame_tokens * g.hidden * 2
+        activations = 8 * g.chunk_tokens * max(spec.ffn_dim, g.hidden) * 4 + self.ACTIVATION_HEADROOM
+        return [("ring", ring), ("activations", activations)]
 
     @property
     def layout_name(self) -> str:
@@ -196,10 +238,9 @@ class TeleFuserRuntimeFactory:
             version = dist.version if installed else "a source checkout"
         except importlib.metadata.PackageNotFoundError:
             version = "a source checkout"
-        g = self._geometry
         return {"runtime": "telefuser", "layout": self.layout.value, "telefuser": version,
                 "telefuser_path": str(here),
-                "model": f"{g.n_layers}x{g.n_heads}x{g.head_dim} {self.height}x{self.width}",
+                "model": self.describe_model(),
                 "device": self._device}
 
     def make(self, actions: Sequence[Sequence[float]], hooks: Any = None, total_chunks: Optional[int] = None,
@@ -365,6 +406,13 @@ class _StreamedChunks:
         if not self.closed:
             self.closed = True
             self.streaming.close_session(self.session)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.synchronize(device)
 
 
 def _raw(t: Any) -> bytes:

@@ -9,8 +9,11 @@ the ring's tensors and a pool of the runtime device's memory (HBM on a GPU, wher
 3.57 GiB moves at device-memory speed; host memory with ``device=cpu``, so CI runs the whole path).
 
 Writes are synchronous by default (``overlap=False``): a D2D copy of a chunk takes milliseconds,
-no staging slot is worth its memory. Capacity: ``capacity_bytes``, or ``capacity_fraction`` of the
-device's free memory when the store is built (allocated at once, at warm-up). HBM does not corrupt
+no staging slot is worth its memory. Capacity: ``capacity_bytes`` (``auto``, the default: the
+workload's chunks over the eviction watermark, capped at 80% of the runtime device's free memory
+after the runtime's weights, ring and activations, `sizing.runtime_device_room`), or
+``capacity_fraction`` of the device's free memory when the store is built (allocated at once, at
+warm-up). HBM does not corrupt
 silently (ECC), so values carry no checksum here. The pool does not survive the process: a
 restarted worker finds this tier empty (a tiered store then serves from the tiers below).
 
@@ -23,9 +26,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Optional
 
+from cacheseek.errors import ConfigError
 from cacheseek.plan.device import DevicePlanClient
 from cacheseek.plan.embedded import PlanFaults
 from cacheseek.registry import STORES
+from cacheseek.sizes import AUTO
+from cacheseek.sizing import SizeField
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.protocol import TransferRuntime
 
@@ -35,7 +41,7 @@ __all__ = ["HbmTierStore", "HbmTierSchema"]
 @dataclasses.dataclass
 class HbmTierSchema:
     _target_: str = "cacheseek.stores.hbm.HbmTierStore"
-    capacity_bytes: int = 0
+    capacity_bytes: Any = AUTO
     capacity_fraction: float = 0.0
     device: Optional[str] = None
     alignment: int = 256
@@ -53,14 +59,17 @@ class HbmTierStore(PlanTierStore):
 
     @classmethod
     def size_fields(cls, config: dict) -> list:
-        """None in the config: the pool is ``capacity_bytes`` or ``capacity_fraction`` of the
-        device's free memory, resolved at start; the orchestrator checks the capacity the store
-        then reports against one chunk."""
-        return []
+        """``capacity_bytes`` against the runtime device's room (module docstring); none when
+        ``capacity_fraction`` sizes the pool at start (the orchestrator then checks the capacity
+        the store reports against one chunk)."""
+        if config.get("capacity_fraction"):
+            return []
+        return [SizeField("capacity_bytes", "segment", alignment=int(config.get("alignment", 256)),
+                          device_room=True)]
 
     def __init__(
         self,
-        capacity_bytes: int = 0,
+        capacity_bytes: Any = 0,
         capacity_fraction: float = 0.0,
         device: Optional[str] = None,
         alignment: int = 256,
@@ -70,6 +79,11 @@ class HbmTierStore(PlanTierStore):
         transfer: Optional[TransferRuntime] = None,
         faults: Optional[PlanFaults] = None,
     ) -> None:
+        if isinstance(capacity_bytes, str) and capacity_bytes.strip().lower() == AUTO:
+            if not capacity_fraction:
+                raise ConfigError("store.capacity_bytes", "auto is resolved when a stack is built (orchestrator)",
+                                  "give bytes, or store.capacity_fraction=0.3 (of free memory)")
+            capacity_bytes = 0  # the fraction sizes the pool
         if device is None:
             device = "cuda" if getattr(transfer, "device_kind", "cpu") == "cuda" else "cpu"
         client = DevicePlanClient(capacity_bytes, capacity_fraction, device, alignment, faults=faults)

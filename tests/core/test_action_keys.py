@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from cacheseek.reuse.exact_prefix import actions
 from cacheseek.reuse.exact_prefix.actions import NO_CONTROL, QUANTUM, action_bytes, action_keys, quantized_values
@@ -25,8 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 # One fixed small control (i4 encoding) and one with a value past the int32 range (i8 encoding).
 PINNED_I4 = ([[0.0, 1e-6, -0.5, 0.0078125], [1.0, -2147.0, 3.25, 0.1]],
-             "91432258a8f2149d8165ecd90d377047b8125898e5a06c7810014565ef96b260")
-PINNED_I8 = ([3000.0, -0.25], "b16f1a7a68dabebd44d0b8cd32985f7836ac47f59cf18b2e384298c58199cb72")
+             "549933810720a16a1edac1f4c216456d2d523bad0274472fca1ac9eab55d70bd")
+PINNED_I8 = ([3000.0, -0.25], "471962999ac1e9451338f4ef0ac645bcd25cec8457257a304a875df0ee0d8d0e")
 
 
 def _old_quantized(t: torch.Tensor) -> list[int]:
@@ -42,7 +43,8 @@ def _spec_key(shape: tuple[int, ...], q: np.ndarray) -> bytes:
 
     shape_bytes = np.asarray(shape, dtype="<i8").tobytes()
     data = q.astype(q.dtype.newbyteorder("<")).tobytes()
-    preimage = part(b"action") + part(b"q1e-6") + part(q.dtype.str.encode()) + part(shape_bytes) + part(data)
+    preimage = (part(b"action") + part(b"q1e-6/xxh3-128") + part(q.dtype.str.encode()) + part(shape_bytes)
+                + part(len(data).to_bytes(8, "little")) + part(xxhash.xxh3_128_digest(data)))
     return hashlib.sha256(preimage).digest()
 
 
@@ -377,9 +379,9 @@ def test_action_keys_stage_device_tensors_in_the_caller(monkeypatch, cpus):
     staged_in = set()
     quantize = actions._quantize_on_device
 
-    def recording(t):
+    def recording(t, **kw):
         staged_in.add(threading.current_thread().name)
-        return quantize(t)
+        return quantize(t, **kw)
 
     monkeypatch.setattr(actions, "_is_cuda_tensor", lambda c: isinstance(c, torch.Tensor))
     monkeypatch.setattr(actions, "_quantize_on_device", recording)
@@ -417,13 +419,17 @@ def test_cuda_tensor_keys_like_its_cpu_copy(name, x):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_pinned_digests_and_action_keys():
+def test_cuda_pinned_digests_and_action_keys(monkeypatch):
     for values, digest in (PINNED_I4, PINNED_I8):
         for dtype in (torch.float32, torch.float64):
             assert action_bytes(torch.tensor(values, dtype=dtype, device="cuda")).hex() == digest
     g = torch.Generator().manual_seed(9)
     big = [torch.randn(1, 384, 3, 60, 104, generator=g) * 2 for _ in range(3)]  # the 480p control's shape
     assert action_keys([c.cuda() for c in big] + [None]) == [action_bytes(c) for c in big] + [NO_CONTROL]
+    monkeypatch.setattr(actions, "MAX_KEY_THREADS", 3)  # the pool: each chunk's integers in its own array
+    monkeypatch.setattr(actions, "_usable_cpus", lambda: 3)
+    assert action_keys([c.cuda() for c in big]) == [action_bytes(c) for c in big]
+    monkeypatch.undo()
     bad = big[1].cuda()
     bad[0, 5, 1, 2, 3] = float("nan")
     with pytest.raises(ValueError, match=r"chunk 1's control: .*non-finite"):

@@ -35,8 +35,10 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from pathlib import Path
 from typing import Any
 
+from cacheseek import weights
 from cacheseek.integrations.telefuser.hooked import HookedHooks
 from cacheseek.integrations.telefuser.layouts import (
     TeleFuserLayout,
@@ -58,8 +60,12 @@ _attached: list[bool] = []  # set by the first attach of this process
 def attach(pipeline: Any) -> TeleFuserLayout:
     """Make ``pipeline`` call ``session_config.world_kv_binding`` as the hooked TeleFuser does,
     with what the layout adapter needs. Idempotent; returns the detected layout (its
-    ``adapter()`` is the binding's ``layout``)."""
+    ``adapter()`` is the binding's ``layout``). A pipeline that ``init()`` loaded from
+    ``config.checkpoint_dir`` has its DiT identified by its files (`weights.from_files`)."""
     layout = detect_layout(pipeline)
+    dit_files = _dit_checkpoint(pipeline)
+    if dit_files is not None:
+        weights.from_files(pipeline.dit, dit_files)
     if getattr(pipeline, _ATTR, None) is None:
         hooks: Any = None
         if layout is TeleFuserLayout.RELEASED:
@@ -73,6 +79,17 @@ def attach(pipeline: Any) -> TeleFuserLayout:
             setattr(pipeline, _ATTR, hooks)
     _attached[:] = [True]
     return layout
+
+
+def _dit_checkpoint(pipeline: Any) -> Any:
+    """The DiT's checkpoint directory of a pipeline that ``init()`` loaded (it records
+    ``_model_info``), or None (a pipeline built in code: its tensors identify it)."""
+    cfg = getattr(pipeline, "config", None)
+    root, sub = getattr(cfg, "checkpoint_dir", ""), getattr(cfg, "fast_checkpoint_subdir", "")
+    if not (getattr(pipeline, "_model_info", None) and root and sub):
+        return None
+    path = Path(root).expanduser().resolve() / sub
+    return path if path.is_dir() else None
 
 
 def unattached_release() -> bool:

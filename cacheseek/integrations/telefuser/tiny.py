@@ -3,9 +3,12 @@
 `build_tiny_pipeline` constructs TeleFuser's ``LingBotWorldFastPipeline`` without ``init()``
 (which loads umt5-xxl, the Wan VAE and the 14B DiT from disk) and sets its parts:
 
-- the DiT: TeleFuser's ``LingBotWorldFastDiT`` at a tiny size (default 2 layers, 2 heads,
-  head_dim 12: divisible by 6 for the 3-D RoPE split), every weight redrawn from ``weight_seed``
-  (its ``init_weights`` zeroes the output head, which would make every chunk the same), in bf16;
+- the DiT: TeleFuser's ``LingBotWorldFastDiT`` at any size (default 2 layers, 2 heads, head_dim
+  12; `rope_head_dim_problem` says which head_dim its 3-D RoPE takes; LingBot-World 14B is 40 x 40
+  x 128, ffn 13824, text_dim 4096), built on its device in bf16 (the default dtype and device set
+  around its constructor: no float32 copy on the host), every weight redrawn from ``weight_seed``
+  with a generator on that device (its ``init_weights`` zeroes the output head, which would make
+  every chunk the same);
 - TeleFuser's ``LingBotWorldFastDenoisingStage``, ``LingBotWorldFastTimesteps`` and scheduler;
 - stand-ins with the real interfaces and shapes for the parts that need weights from disk: a VAE
   (8x spatial and 4x temporal compression, z=16; `TinyVAE`), a byte tokenizer and a seeded
@@ -41,7 +44,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["CpuAutocast", "InProcessWorker", "TinyDiTSpec", "TinyModules", "TinyTextEncoder", "TinyTokenizer",
+from cacheseek.progress import bar
+
+__all__ = ["CpuAutocast", "InProcessWorker", "TinyDiTSpec", "rope_head_dim_problem", "TinyModules", "TinyTextEncoder", "TinyTokenizer",
            "TinyVAE", "build_tiny_pipeline", "is_streaming_telefuser"]
 
 Z_DIM = 16
@@ -50,15 +55,31 @@ TEMPORAL = 4
 TEXT_LEN = 512
 
 
+def rope_head_dim_problem(head_dim: int) -> str | None:
+    """Why TeleFuser's ``LingBotWorldFastDiT`` cannot run ``head_dim``, or None when it can. Its
+    3-D RoPE (0.1.0.post3 and main) splits a head into ``d - 2*(d//3)`` (frames), ``d//3``,
+    ``d//3`` (rows, columns) and rotates pairs in each part: ``d`` and ``d//3`` must be even, i.e.
+    ``d % 6`` is 0 or 2 (12, 14, 126 and LingBot-World's 128 run; 10 and 16 do not). The DiT
+    itself checks only that ``d`` is even, and a ``d//3`` that is odd fails at the first chunk."""
+    if head_dim % 2:
+        return f"head_dim {head_dim} is odd: RoPE rotates pairs"
+    if (head_dim // 3) % 2:
+        return (f"head_dim {head_dim} splits into {head_dim - 2 * (head_dim // 3)}, {head_dim // 3}, "
+                f"{head_dim // 3} for the 3-D RoPE and {head_dim // 3} is odd (it rotates pairs)")
+    return None
+
+
 class TinyDiTSpec:
-    """Sizes of the tiny DiT; ``dim = n_heads * head_dim``."""
+    """Sizes of the DiT; ``dim = n_heads * head_dim``, ``ffn_dim`` None = ``2 * dim``."""
 
     def __init__(self, n_layers: int = 2, n_heads: int = 2, head_dim: int = 12, text_dim: int = 32,
-                 weight_seed: int = 0) -> None:
-        if head_dim % 6:
-            raise ValueError(f"head_dim {head_dim} must be divisible by 6 (TeleFuser's 3-D RoPE split)")
+                 weight_seed: int = 0, ffn_dim: int | None = None) -> None:
+        problem = rope_head_dim_problem(head_dim)
+        if problem:
+            raise ValueError(problem)
         self.n_layers, self.n_heads, self.head_dim = n_layers, n_heads, head_dim
         self.text_dim, self.weight_seed = text_dim, weight_seed
+        self.ffn_dim = 2 * self.dim if ffn_dim is None else ffn_dim
 
     @property
     def dim(self) -> int:
@@ -183,7 +204,7 @@ def build_tiny_pipeline(*, device: str = "cpu", local_attn_size: int = -1, sink_
     pipeline.vae_device = torch.device(device)
     pipeline.tokenizer = TinyTokenizer()
     pipeline.text_encoder = TinyTextEncoder(spec.text_dim, seed=spec.weight_seed, device=device, dtype=dtype)
-    dit = _tiny_dit(spec, local_attn_size, sink_size).to(device=device, dtype=dtype).eval().requires_grad_(False)
+    dit = _tiny_dit(spec, local_attn_size, sink_size, device, dtype).eval().requires_grad_(False)
     pipeline.dit = dit
     if is_streaming_telefuser():
         _set_streaming_stages(pipeline, torch.device(device), spec)
@@ -199,15 +220,30 @@ def build_tiny_pipeline(*, device: str = "cpu", local_attn_size: int = -1, sink_
     return pipeline
 
 
-def _tiny_dit(spec: TinyDiTSpec, local_attn_size: int, sink_size: int) -> Any:
+def _tiny_dit(spec: TinyDiTSpec, local_attn_size: int, sink_size: int, device: Any, dtype: Any) -> Any:
+    """TeleFuser's DiT constructed on ``device`` in ``dtype``, then redrawn (`_redraw`). Its float64
+    RoPE tables are TeleFuser's own, computed on the CPU as ``from_pretrained`` (built on the CPU,
+    then moved) has them; its forward moves them to the input's device."""
+    import torch
     from telefuser.models.lingbot_world_fast_dit import LingBotWorldFastDiT
 
-    dit = LingBotWorldFastDiT(
-        patch_size=(1, 2, 2), text_len=TEXT_LEN, in_dim=2 * Z_DIM + 4, dim=spec.dim,
-        ffn_dim=2 * spec.dim, freq_dim=256, text_dim=spec.text_dim, out_dim=Z_DIM,
-        num_heads=spec.n_heads, num_layers=spec.n_layers, local_attn_size=int(local_attn_size),
-        sink_size=int(sink_size), control_type="cam",
-    )
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            dit = LingBotWorldFastDiT(
+                patch_size=(1, 2, 2), text_len=TEXT_LEN, in_dim=2 * Z_DIM + 4, dim=spec.dim,
+                ffn_dim=spec.ffn_dim, freq_dim=256, text_dim=spec.text_dim, out_dim=Z_DIM,
+                num_heads=spec.n_heads, num_layers=spec.n_layers, local_attn_size=int(local_attn_size),
+                sink_size=int(sink_size), control_type="cam",
+            )
+    finally:
+        torch.set_default_dtype(default)
+    if torch.device(device).type != "cpu":  # its RoPE tables as a checkpoint's DiT has them: from the CPU
+        from telefuser.models import lingbot_world_fast_dit as module
+
+        cpu = module.precompute_freqs_cis_3d(spec.head_dim)
+        dit.freqs_cos, dit.freqs_sin = (torch.cat([getattr(f, part) for f in cpu], dim=-1) for part in ("real", "imag"))
     _redraw(dit, spec.weight_seed)
     return dit
 
@@ -298,14 +334,20 @@ class CpuAutocast:
 
 
 def _redraw(module: Any, seed: int) -> None:
-    """Every parameter from one seeded generator, in name order: matrices ~ N(0, 1/fan_in),
-    norm scales ~ 1 + N(0, 0.05^2), other vectors ~ N(0, 0.05^2)."""
+    """Every parameter from one seeded generator on the parameters' device, in name order, drawn
+    in float32 and rounded into the parameter's dtype: matrices ~ N(0, 1/fan_in), norm scales ~
+    1 + N(0, 0.05^2), other vectors ~ N(0, 0.05^2). (On the CPU the same weights as a float32
+    module redrawn, then cast; a CUDA generator draws other values.)"""
     import torch
 
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    with torch.no_grad():
-        for name, p in sorted(module.named_parameters()):
-            draw = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+    params = sorted(module.named_parameters())
+    device = params[0][1].device if params else torch.device("cpu")
+    gen = torch.Generator(device=device).manual_seed(seed)
+    total = sum(p.numel() for _, p in params)
+    with torch.no_grad(), bar(total, f"random weights on {device}", unit="value") as progress:
+        for name, p in params:
+            progress.update(p.numel())
+            draw = torch.randn(p.shape, generator=gen, dtype=torch.float32, device=device)
             if p.dim() >= 2 and "modulation" not in name:
                 draw /= math.sqrt(max(1, p[0].numel()))
             elif "norm" in name:

@@ -10,30 +10,34 @@ control ``[1, 384, 3, 60, 104]`` float32, 7.19 M values). Its key must be
   float64, then rounded half to even and written as little-endian integers. IEEE float64
   multiply and round-half-to-even are exactly rounded on a CPU and a CUDA GPU alike, so a
   CUDA tensor quantized on its own device keys like its CPU copy;
-- cheap: one 480p chunk costs about 32-37 ms of CPU on one core (2-core AMD EPYC VM; 45 ms wall
-  on the H200 host's Xeon): 18-20 ms of sha256 over the 28.8 MB of ``<i4`` (1.3-1.5 GB/s with
-  SHA-NI: the format's floor), about 12 ms quantizing in cache-sized numpy blocks (torch on the
-  CPU takes 2-3x as long: it widens the whole tensor at once) and 5 ms for the min/max that picks
-  the integer width. A CUDA tensor is quantized on its GPU and only the integers cross to the
-  host, which leaves the hash; `action_keys` hashes a session's chunks on a small thread pool
-  (sha256 and numpy release the GIL). `experiments/action_keys` measures every path. The binding
-  does not key a session up front: `lazy_keys.LazyActionKeys` computes each chunk's key
+- cheap: the values are hashed with xxh3-128 (a 480p chunk's 28.8 MB of ``<i4`` in about 4.5
+  ms on one core of the 2-core development VM, against 20-27 ms for sha256, the previous format's
+  floor), quantized in cache-sized numpy blocks on the CPU; a CUDA tensor is quantized on its GPU
+  and only the integers cross, into a pinned buffer of the calling thread.
+  `experiments/action_keys` measures every path against the previous format in one run. The
+  binding does not key a session up front: `lazy_keys.LazyActionKeys` computes each chunk's key
   (`chunk_action_key`) when the lookup reads it, and the rest off the request path.
 
-    key = H("action", "q1e-6", dtype tag, shape, quantized values)
+    key = H("action", "q1e-6/xxh3-128", dtype tag, shape, byte count, xxh3_128(quantized values))
 
 with H the length-prefixed sha256 of `keys` and the values as ``<i4`` when every one fits
-(|x| <= 2147.483647), else ``<i8``. ``None`` (a chunk without control) is ``b"noctrl"``.
+(|x| <= 2147.483647), else ``<i8``. ``None`` (a chunk without control) is ``b"noctrl"``. The
+previous format (``"q1e-6"``, sha256 over the values themselves, until issue 24) keyed the same
+integers; stores written with it miss once. xxh3-128 is not a cryptographic hash: like the
+weights fingerprint it guards against honest mix-ups, not against controls crafted to collide.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
+
+import xxhash
 
 from cacheseek.reuse.exact_prefix.keys import sha256_of_parts
 
@@ -50,6 +54,8 @@ _I4_RANGE = (2**31 - 1) / _SCALE  # |x| at or below this quantizes into int32
 _MAX_VALUE = 2**62 / _SCALE  # |x| above this has no int64 quantum with margin
 _BLOCK = 1 << 18  # values per pass: the float64 scratch stays in cache
 _POOL_MIN_VALUES = 1 << 18  # a control worth a thread (~1.5 ms to key); starting the pool costs ~1 ms
+_FORMAT = b"q1e-6/xxh3-128"
+_pinned = threading.local()  # each thread's pinned landing buffer for a CUDA control's integers
 
 
 class _Quantized(NamedTuple):
@@ -81,7 +87,7 @@ def action_keys(controls: Iterable[Any]) -> list[bytes]:
     large = sum(_n_values(c) >= _POOL_MIN_VALUES for c in controls)
     workers = min(large, MAX_KEY_THREADS, _usable_cpus())
     if workers <= 1:
-        return [_chunk_key(i, _staged(i, c)) for i, c in enumerate(controls)]
+        return [_chunk_key(i, _staged(i, c, pinned=True)) for i, c in enumerate(controls)]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cacheseek-action-keys") as pool:
         futures = []
         for i, c in enumerate(controls):  # chunk i hashes while chunk i + 1 quantizes on its GPU
@@ -99,7 +105,7 @@ def chunk_action_key(index: int, control: Any) -> bytes:
     """`action_bytes` of chunk ``index``'s control, in this thread (a CUDA tensor is quantized on
     this thread's current stream); a control that has no key raises ValueError naming the chunk,
     as `action_keys` does."""
-    return _chunk_key(index, _staged(index, control))
+    return _chunk_key(index, _staged(index, control, pinned=True))
 
 
 def quantized_values(control: Any) -> np.ndarray:
@@ -110,26 +116,29 @@ def quantized_values(control: Any) -> np.ndarray:
 
 def _digest(q: _Quantized) -> bytes:
     shape = np.asarray(q.shape, dtype="<i8")
-    h = sha256_of_parts(b"action", b"q1e-6", q.dtype.str.encode(), memoryview(shape))
-    h.update((q.size * q.dtype.itemsize).to_bytes(8, "little"))
+    values = xxhash.xxh3_128()
     for block in q.blocks():
-        h.update(block)
+        values.update(block)
+    h = sha256_of_parts(b"action", _FORMAT, q.dtype.str.encode(), memoryview(shape),
+                        (q.size * q.dtype.itemsize).to_bytes(8, "little"), values.digest())
     return h.digest()
 
 
 def _quantize(control: Any) -> _Quantized:
     if _is_cuda_tensor(control):
-        return _quantize_on_device(control)
+        return _quantize_on_device(control, pinned=True)
     values = _flat_values(control)
     dtype = _int_dtype(*_bounds(values), values.size)
     shape = tuple(control.shape) if hasattr(control, "shape") else np.shape(control)
     return _Quantized(tuple(int(d) for d in shape), dtype, values.size, lambda: _quantized_blocks(values, dtype))
 
 
-def _quantize_on_device(t: Any) -> _Quantized:
+def _quantize_on_device(t: Any, pinned: bool = False) -> _Quantized:
     """Quantize a torch tensor with torch on the tensor's device (float64 multiply, round half to
     even, cast) and bring only the integers to the host. Bit-identical to the numpy path; on a
-    CPU tensor it is slower (it widens the whole tensor at once), so only CUDA tensors take it."""
+    CPU tensor it is slower (it widens the whole tensor at once), so only CUDA tensors take it.
+    ``pinned``: a CUDA tensor's integers land in this thread's pinned buffer (hash them before
+    this thread quantizes again); else in a fresh host array."""
     import torch
 
     t = t.detach()
@@ -145,9 +154,25 @@ def _quantize_on_device(t: Any) -> _Quantized:
     lo, hi = torch.stack(torch.aminmax(flat)).to(torch.float64).tolist()  # NaN propagates
     dtype = _int_dtype(lo, hi, flat.numel())
     q = flat.to(torch.float64, copy=True).mul_(_SCALE).round_()  # a copy: the caller's tensor is untouched
-    host = q.to(torch.int32 if dtype.itemsize == 4 else torch.int64).cpu().numpy()
+    q = q.to(torch.int32 if dtype.itemsize == 4 else torch.int64)
+    host = _landed(q) if pinned and q.is_cuda else q.cpu().numpy()
     host = host.astype(dtype, copy=False)  # little-endian on every host
     return _Quantized(shape, dtype, host.size, lambda: iter((host,)))
+
+
+def _landed(q: Any) -> np.ndarray:
+    """``q`` (CUDA integers) copied into this thread's pinned buffer, the copy waited for on the
+    current stream; a view of the buffer."""
+    import torch
+
+    nbytes = q.numel() * q.element_size()
+    buf = getattr(_pinned, "buf", None)
+    if buf is None or buf.numel() < nbytes:
+        buf = _pinned.buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+    out = buf[:nbytes].view(q.dtype)
+    out.copy_(q, non_blocking=True)
+    torch.cuda.current_stream(q.device).synchronize()
+    return out.numpy()
 
 
 def _quantized_blocks(values: np.ndarray, dtype: np.dtype) -> Iterator[np.ndarray]:
@@ -209,12 +234,13 @@ def _is_cuda_tensor(control: Any) -> bool:
     return hasattr(control, "detach") and getattr(device, "type", None) == "cuda"
 
 
-def _staged(index: int, control: Any) -> Any:
-    """A CUDA tensor quantized now (this thread, the caller's stream); anything else as is."""
+def _staged(index: int, control: Any, pinned: bool = False) -> Any:
+    """A CUDA tensor quantized now (this thread, the caller's stream; ``pinned``: into this
+    thread's pinned buffer, to be hashed before the next); anything else as is."""
     if control is None or not _is_cuda_tensor(control):
         return control
     try:
-        return _quantize_on_device(control)
+        return _quantize_on_device(control, pinned=pinned)
     except ValueError as e:
         raise _chunk_error(index, e) from e
 

@@ -1,0 +1,265 @@
+"""The A/B/C/D gate on TeleFuser's real-width DiT at 480p, one process per store.
+
+TeleFuser 0.1.0.post3's LingBot-World-fast pipeline with the ``lingbot_world_14b`` preset (40
+layers x 40 heads x 128, ffn 13824, text_dim 4096; random bf16 weights built on the GPU), 480x832,
+3 chunks, a fork after 2 (``P`` = 2 chunks, ``X``/``Y`` = 1), the full ring. For each store in
+``stores`` a child process (``--one STORE``):
+
+1. builds the stack (the DiT, its weights fingerprint, the store with its ``auto`` sizes), timed;
+2. runs one warm-up chunk without a cache (CUDA kernels, allocator), not counted;
+3. runs the session P+X without a cache (``nocache_before``), the gate (A cold + write, B full hit,
+   C 2/3 hit, D cold fork on a fresh trie; no ring check), P+X without a cache again
+   (``nocache_after``): the no-cache reference brackets the gate in the same process;
+4. with ``profile_b``, a second full hit under cProfile: the profile of B (top functions by
+   cumulative time), written beside the results.
+
+The ``nocache`` store runs steps 1-3 without the gate. The parent writes one JSON per store as it
+finishes (a store that runs out of time leaves the others), then ``results.json`` (machine,
+versions, commit, every figure), ``results.md`` (the table: each request's wall and its ratio to
+the mean of the bracketing no-cache runs) and prints the table. ``plot_telefuser_480p.py`` draws
+the PNG from a results.json.
+
+    python experiments/telefuser_480p/bench_telefuser_480p.py [key=value ...]   # conf/telefuser_480p.yaml
+    python experiments/telefuser_480p/bench_telefuser_480p.py device=cpu stores=[nocache,fluxon_plan] \\
+        "runtime_overrides=['runtime.n_layers=2','runtime.n_heads=2','runtime.head_dim=14','runtime.ffn_dim=64','runtime.text_dim=48','runtime.height=64','runtime.width=96']"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from benchlib import REPO, compose, env_info, write_json  # noqa: E402
+
+REQUESTS = ("A", "B", "C", "D")
+
+
+def main(argv: list[str]) -> dict:
+    cfg = compose(HERE / "conf", "telefuser_480p", argv)
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else REPO / "outputs" / "experiments" / "telefuser_480p"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {
+        "what": "A/B/C/D gate on TeleFuser's real-width DiT (lingbot_world_14b), one process per store, "
+                "no-cache P+X bracketing the gate in the same process",
+        "command": " ".join(["python", "experiments/telefuser_480p/bench_telefuser_480p.py", *argv]),
+        "config": _plain(cfg), "env": {**env_info(), "git_commit": _git("rev-parse", "--short", "HEAD"),
+                                        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))},
+        "stores": {},
+    }
+    for store in cfg.stores:
+        if store not in cfg.store_overrides:
+            raise SystemExit(f"stores: {store!r} has no entry in store_overrides (known: {list(cfg.store_overrides)})")
+    t_all = time.perf_counter()
+    for i, store in enumerate(cfg.stores, 1):
+        left = float(cfg.budget_s) - (time.perf_counter() - t_all)
+        if left < float(cfg.min_store_s):
+            print(f"[{i}/{len(cfg.stores)}] {store}: skipped, {left:.0f} s of budget_s left", flush=True)
+            results["stores"][store] = {"skipped": f"{left:.0f} s of budget_s {cfg.budget_s} left"}
+            continue
+        print(f"[{i}/{len(cfg.stores)}] {store} ({time.perf_counter() - t_all:.0f} s in)", flush=True)
+        one = out_dir / f"store_{store}.json"
+        one.unlink(missing_ok=True)
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--one", store, *argv]
+        t0 = time.perf_counter()
+        try:
+            done = subprocess.run(cmd, timeout=min(float(cfg.store_timeout_s), left), cwd=REPO)
+            rc = done.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        row = json.loads(one.read_text()) if one.exists() else {}
+        row.update(returncode=rc, process_wall_s=time.perf_counter() - t0)
+        results["stores"][store] = row
+        write_json(out_dir / "results.json", results)
+    results["table"] = _table(results)
+    write_json(out_dir / "results.json", results)
+    (out_dir / "results.md").write_text(_markdown(results))
+    try:
+        from plot_telefuser_480p import plot
+
+        plot(results, out_dir / "telefuser_480p.png")
+    except Exception as exc:  # noqa: BLE001  (the figures are in results.json whatever the plot does)
+        print(f"plot failed: {exc!r}", flush=True)
+    print(_markdown(results), flush=True)
+    print(f"wrote {out_dir / 'results.json'} and results.md ({time.perf_counter() - t_all:.0f} s)", flush=True)
+    return results
+
+
+def run_one(store: str, argv: list[str]) -> None:
+    """One store's process (module docstring, steps 1-4); writes ``store_<store>.json``."""
+    import cProfile
+    import io
+    import pstats
+
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from cacheseek.cli import CONF_DIR
+    from cacheseek.orchestrator import build_stack
+
+    cfg = compose(HERE / "conf", "telefuser_480p", argv)
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else REPO / "outputs" / "experiments" / "telefuser_480p"
+    overrides = ["+experiment=lingbot_world_14b", f"runtime.device={cfg.device}", "workload.ring_check=false",
+                 *cfg.store_overrides[store], *cfg.runtime_overrides]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        hcfg = hydra_compose(config_name="config", overrides=overrides)
+    row: dict[str, Any] = {"store": store, "overrides": overrides}
+    sync = _sync(cfg.device)
+
+    t0 = time.perf_counter()
+    stack = build_stack(hcfg, run_dir=out_dir / f"run_{store}", note=lambda line: print(f"  {line}", flush=True))
+    try:
+        factory, gate = stack.runtime_factory, stack.workload
+        t1 = time.perf_counter()
+        factory.pipeline  # the DiT and its fingerprint (built already when a store sized itself on the device)
+        row["build_s"] = {"stack": t1 - t0, "pipeline_after_stack": time.perf_counter() - t1}
+        row["notes"], row["runtime"] = list(stack.notes), factory.describe()
+        row["weights"] = dict(getattr(factory, "build_timings", {}))
+        wait_ready = getattr(stack.store, "wait_ready", None)
+        if wait_ready is not None:
+            wait_ready(None)
+        row["build_s"]["ready"] = time.perf_counter() - t0
+        w = row["weights"]
+        print(f"  built in {row['build_s']['ready']:.1f} s: {row['runtime']['model']} on {row['runtime']['device']}; "
+              f"DiT {w.get('parameters', 0) / 1e9:.2f} B parameters in {w.get('dit_s', 0):.2f} s, weights "
+              f"fingerprint {w.get('fingerprint_s', 0):.3f} s", flush=True)
+
+        def nocache(actions: list, label: str) -> float:
+            sync()
+            start = time.perf_counter()
+            factory.make(actions, hooks=None).generate()
+            sync()
+            wall = time.perf_counter() - start
+            print(f"  {label}: {wall:.3f} s", flush=True)
+            return wall
+
+        px = gate.P + gate.X
+        nocache(px[:1], "warm-up (1 chunk, no cache)")
+        row["nocache_before_s"] = nocache(px, "no cache P+X (before)")
+        if store != "nocache":
+            res = gate.run(stack)
+            row["passed"] = res["passed"]
+            row["verdicts"] = res["verdicts"]
+            row["requests"] = {r["name"]: {k: r[k] for k in ("wall_s", "hit_depth", "bytes_restored", "bytes_written")
+                                           if k in r} for r in res["requests"]}
+            for name, r in row["requests"].items():
+                print(f"  {name}: {r['wall_s']:.3f} s, hit K={r['hit_depth']}", flush=True)
+            print(f"  gate {'PASS' if res['passed'] else 'FAIL'} {res['verdicts']}", flush=True)
+        row["nocache_after_s"] = nocache(px, "no cache P+X (after)")
+        if store != "nocache" and cfg.profile_b:
+            prof = cProfile.Profile()
+            sync()
+            start = time.perf_counter()
+            prof.enable()
+            again = gate._request(stack, "B2", px, "P+X")
+            sync()
+            prof.disable()
+            row["b_profiled"] = {"wall_s": time.perf_counter() - start, "hit_depth": again.hit_depth}
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
+            (out_dir / f"profile_B_{store}.txt").write_text(text.getvalue())
+            row["b_profile_top"] = _profile_rows(prof, 25)
+        row["metrics"] = stack.metrics.as_dict()
+    finally:
+        stack.close()
+    write_json(out_dir / f"store_{store}.json", row)
+
+
+def _profile_rows(prof: Any, n: int) -> list[dict]:
+    import pstats
+
+    stats = pstats.Stats(prof).stats  # (file, line, func) -> (cc, nc, tottime, cumtime, callers)
+    rows = sorted(((k, v) for k, v in stats.items()), key=lambda kv: kv[1][3], reverse=True)[:n]
+    return [{"function": f"{Path(f).name}:{line}({func})", "calls": nc, "tottime_s": tt, "cumtime_s": ct}
+            for (f, line, func), (cc, nc, tt, ct, _) in rows]
+
+
+def _table(results: dict) -> list[dict]:
+    """One row per store: the bracketing no-cache mean and each request with its ratio to it."""
+    rows = []
+    for store, r in results["stores"].items():
+        before, after = r.get("nocache_before_s"), r.get("nocache_after_s")
+        base = (before + after) / 2 if before is not None and after is not None else before
+        row = {"store": store, "nocache_before_s": before, "nocache_after_s": after, "nocache_mean_s": base,
+               "passed": r.get("passed"), "returncode": r.get("returncode"),
+               "build_s": (r.get("build_s") or {}).get("ready"),
+               "b_profiled_s": (r.get("b_profiled") or {}).get("wall_s"), "skipped": r.get("skipped"),
+               "weights_fingerprint_s": (r.get("weights") or {}).get("fingerprint_s"),
+               "dit_build_s": (r.get("weights") or {}).get("dit_s")}
+        for name in REQUESTS:
+            req = (r.get("requests") or {}).get(name)
+            row[f"{name}_s"] = req["wall_s"] if req else None
+            row[f"{name}_ratio"] = req["wall_s"] / base if req and base else None
+            row[f"{name}_k"] = req["hit_depth"] if req else None
+        rows.append(row)
+    return rows
+
+
+def _markdown(results: dict) -> str:
+    e = results["env"]
+    lines = [f"# telefuser_480p: {e.get('gpu', 'no GPU')}, torch {e.get('torch')}, git {e.get('git_commit')}"
+             f"{' (dirty)' if e.get('git_dirty') else ''}, {e.get('time')}", "",
+             "| store | no cache P+X (before / after) | A cold + write | B full hit | C 2/3 hit | D cold fork | gate "
+             "| start s (DiT, fingerprint) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in results.get("table") or _table(results):
+        def cell(name: str) -> str:
+            s, q = row[f"{name}_s"], row[f"{name}_ratio"]
+            return "-" if s is None else f"{s:.3f} s ({q:.3f}x)" if q else f"{s:.3f} s"
+        nc = "-" if row["nocache_before_s"] is None else \
+            f"{row['nocache_before_s']:.3f} / {row['nocache_after_s']:.3f} s" if row["nocache_after_s"] else \
+            f"{row['nocache_before_s']:.3f} s"
+        gate = "-" if row["passed"] is None else ("PASS" if row["passed"] else "FAIL")
+        if row.get("skipped"):
+            gate = "skipped (time)"
+        if row["returncode"] not in (0, None):
+            gate += f" (rc {row['returncode']})"
+        build = "-" if row["build_s"] is None else \
+            f"{row['build_s']:.1f} ({row['dit_build_s'] or 0:.2f}, {row['weights_fingerprint_s'] or 0:.3f})"
+        lines.append(f"| {row['store']} | {nc} | {cell('A')} | {cell('B')} | {cell('C')} | {cell('D')} | {gate} | {build} |")
+    lines += ["", "Ratios: wall over the mean of the two no-cache P+X runs of the same process."]
+    for store, r in results["stores"].items():
+        top = r.get("b_profile_top")
+        if top:
+            lines += ["", f"## Profile of B (a second full hit, cProfile), {store}: "
+                          f"{r['b_profiled']['wall_s']:.3f} s profiled", "",
+                      "| function | calls | cumulative s | own s |", "| --- | ---: | ---: | ---: |"]
+            lines += [f"| `{t['function']}` | {t['calls']} | {t['cumtime_s']:.3f} | {t['tottime_s']:.3f} |" for t in top[:15]]
+    return "\n".join(lines) + "\n"
+
+
+def _sync(device: str) -> Any:
+    import torch
+
+    return torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+
+
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _plain(cfg: Any) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--one"]:
+        os.environ.setdefault("PYTHONUNBUFFERED", "1")
+        run_one(sys.argv[2], sys.argv[3:])
+    else:
+        main(sys.argv[1:])
