@@ -38,7 +38,9 @@ values. The orchestrator runs it when it opens a persistent store on a fresh for
 gives its disk space back at once.
 
 One open store owns a root at a time (an ``flock`` on ``{root}/.lock``, released by `close`);
-a second store on the same root is a `ConfigError` naming ``store.root``.
+a second store on the same root, in this process or another, is a `ConfigError` naming
+``store.root``, the holder's pid and the fix. The root also keeps its forest snapshot
+(``snapshot_path``, ``{root}/forest.json``), which `build_stack` loads and saves under that lock.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ _PREFIX = len(MAGIC) + _HLEN.size
 _MAX_NAME = 200  # escaped key length limit; leaves room for the temp-file decoration in 255
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _LOCK_NAME = ".lock"
+SNAPSHOT_NAME = "forest.json"  # the root's forest snapshot (cacheseek.orchestrator)
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _ROOT_FIX = "set store.root to a writable folder, e.g. +store=localdisk store.root=/tmp/kv"
 
@@ -281,14 +284,19 @@ class DiskBackend:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
             os.close(fd)
             if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                 raise ConfigError(
                     "store.root",
-                    f"{self.root} is in use by another open LocalDisk store",
-                    "close the other store, or give each store its own store.root",
+                    f"{self.root} is in use by another open LocalDisk store"
+                    + (f" (process {holder})" if holder.isdigit() else ""),
+                    "wait for that run to end or close that store, or give each run its own store.root "
+                    "(one root has one forest snapshot: two writers would reconcile each other's values away)",
                 ) from None
             raise ConfigError("store.root", f"cannot lock {self.root}: {exc}", _ROOT_FIX) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)  # named in a second opener's error
         self._lock_fd = fd
 
     # -- format -------------------------------------------------------------------------------
@@ -467,6 +475,11 @@ before publishing; False is the explicit weaker mode.
     @property
     def root(self) -> Path:
         return self.disk.root
+
+    @property
+    def snapshot_path(self) -> Path:
+        """The root's forest snapshot (`build_stack` loads it at start and saves it at close)."""
+        return self.disk.root / SNAPSHOT_NAME
 
     def keys(self) -> list[str]:
         """Every stored key (values only; temp files of writes in flight are not listed)."""
