@@ -421,6 +421,9 @@ class LocalDiskSchema:
     # (512MiB, 24GiB), null = unbounded, or auto = unbounded when the workload fits on the disk
     # under root, else capped there (cacheseek.sizing).
     capacity_bytes: Any = "auto"
+    # Seconds any one file operation may take (a stalled disk or network file system): past it the
+    # session gets a miss or a dropped write and goes on (cacheseek.stores.kv_tier).
+    op_timeout_s: float = 30.0
 
 
 @STORES.register("localdisk", LocalDiskSchema)
@@ -430,7 +433,8 @@ class LocalDiskTierStore(KeyValueTier):
     ``write_back``: writes run on a background thread fed by a queue of ``queue_depth`` blobs
     (``put_async`` blocks when it is full); otherwise ``put_async`` returns after the files are
     in place. ``fsync`` (default True, durable commit): flush each file and its folder to the device
-before publishing; False is the explicit weaker mode.
+before publishing; False is the explicit weaker mode. ``op_timeout_s``: the bound of every file
+    operation (`KeyValueTier`, "Stalled media").
     A bad root raises `ConfigError` naming ``store.root`` here, not at the first write.
     """
 
@@ -442,6 +446,7 @@ before publishing; False is the explicit weaker mode.
         queue_depth: int = 4,
         fsync: bool = True,
         capacity_bytes: Optional[Size] = None,
+        op_timeout_s: float = 30.0,
     ) -> None:
         if root is None or (isinstance(root, str) and not root.strip()):
             raise ConfigError(
@@ -458,8 +463,8 @@ before publishing; False is the explicit weaker mode.
         self.disk = disk
         try:
             super().__init__(disk, write_back=bool(write_back), queue_depth=queue_depth, name="localdisk",
-                             capacity_bytes=capacity_bytes)
-            self._seed_usage(disk.key_sizes())
+                             capacity_bytes=capacity_bytes, op_timeout_s=op_timeout_s)
+            self._seed_usage(self._io("scan", disk.key_sizes))
         except BaseException:
             disk.close()
             raise
@@ -484,18 +489,18 @@ before publishing; False is the explicit weaker mode.
     def keys(self) -> list[str]:
         """Every stored key (values only; temp files of writes in flight are not listed)."""
         self._check_open()
-        return self.disk.keys()
+        return self._io("scan", self.disk.keys)
 
     def disk_usage_bytes(self) -> int:
         self._check_open()
-        return self.disk.disk_usage_bytes()
+        return self._io("scan", self.disk.disk_usage_bytes)
 
     def delete_values(self, keys: list[str]) -> None:
         """Remove these values (idempotent), giving their bytes back; `WorldKVManager.reconcile`
         uses it for files no snapshot names."""
         self._check_open()
         for key in keys:
-            self.disk.delete(key)
+            self._delete(key)
             with self._lock:
                 self._forget(key)
 
