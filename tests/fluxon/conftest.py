@@ -16,6 +16,7 @@ core each: keep payloads small and services short-lived.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import sys
@@ -45,13 +46,40 @@ def fluxon_skip_reason() -> Optional[str]:
     return None
 
 
+_made: list[FluxonService] = []  # every service of this session, stopped at its end whatever happened
+
+
 def make_service(base: Path, *, dram: str = "64MiB", tag: str = "") -> FluxonService:
-    """A service with a cluster name and /dev/shm folder unique to this test process."""
+    """A service with a cluster name and /dev/shm folder unique to this test process; stopped
+    (processes, segment and IPC folders) at the end of the session even when the test that made
+    it failed or never stopped it (`_stop_every_service`, also at exit)."""
     n = next(_names)
     name = f"cstest{os.getpid()}n{n}{tag}"
-    return FluxonService(base / name, dram=dram, cluster_name=name,
-                         share_mem_path=f"/dev/shm/cacheseek-test-{os.getpid()}-{n}",
-                         ready_timeout_s=90.0)
+    svc = FluxonService(base / name, dram=dram, cluster_name=name,
+                        share_mem_path=f"/dev/shm/cacheseek-test-{os.getpid()}-{n}",
+                        ready_timeout_s=90.0)
+    _made.append(svc)
+    return svc
+
+
+def _stop_every_service() -> None:
+    """Stop what is left (`FluxonService.stop` is idempotent). A crashed test process runs none of
+    this: tools/netns-run.sh then ends the namespace's processes and its /dev/shm and IPC files."""
+    while _made:
+        svc = _made.pop()
+        try:
+            svc.stop()
+        except Exception as exc:  # noqa: BLE001 - the next service must still be stopped
+            print(f"fluxon test cleanup: stopping {svc!r} failed: {exc!r}", file=sys.stderr)
+
+
+atexit.register(_stop_every_service)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_service_left_behind():
+    yield
+    _stop_every_service()
 
 
 @pytest.fixture(scope="session")
