@@ -624,13 +624,31 @@ def run(cfg: dict, out_dir: Optional[Path] = None, faults: Sequence[str] = FAULT
         faults=sum(r["injected"] for r in rows), sessions=sum(r["sessions"] for r in rows),
         wrong_outputs=sum(r["wrong_outputs"] for r in rows), committed_lost=sum(r["committed_lost"] for r in rows),
         hung=sum(r.get("hung", 0) for r in rows), outside_changes=sum(r.get("outside_changes", 0) for r in rows)),
-        env=benchlib.env_info(), command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
+        env={**benchlib.env_info(), **versions()}, command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         benchlib.write_json(out_dir / "results.json", res)
         (out_dir / "results.md").write_text(table(rows, res["totals"]))
         plot(rows, out_dir / "fault_campaign.png")
     return res
+
+
+def versions() -> dict[str, Any]:
+    """The commit the campaign ran at (``-dirty`` with local changes) and fluxon-py's version."""
+    import importlib.metadata
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=benchlib.REPO, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "HEAD") or None
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "-dirty"
+    try:
+        fluxon = importlib.metadata.version("fluxon-py")
+    except importlib.metadata.PackageNotFoundError:
+        fluxon = None
+    return {"commit": commit, "fluxon_py": fluxon}
 
 
 def table(rows: list[dict], totals: dict) -> str:
@@ -654,7 +672,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = [r["fault"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(15, 5))
     a.bar(names, [r["sessions"] for r in rows], label="sessions", color="#4c72b0")
     a.bar(names, [r["wrong_outputs"] for r in rows], label="wrong outputs", color="#c44e52")
     a.bar(names, [r["committed_lost"] for r in rows], bottom=[r["wrong_outputs"] for r in rows],
@@ -664,7 +682,7 @@ def plot(rows: list[dict], path: Path) -> None:
     b.bar(names, [r["recover_s"] or 0.0 for r in rows], color="#55a868")
     b.set_title("time to recover (s): fault to first correct session")
     for ax in (a, b):
-        ax.tick_params(axis="x", rotation=30)
+        ax.set_xticks(range(len(names)), names, rotation=40, ha="right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
