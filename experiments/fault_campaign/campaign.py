@@ -58,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -599,7 +600,7 @@ def run(cfg: dict, out_dir: Optional[Path] = None, faults: Sequence[str] = FAULT
     import disk_trust  # the issue-23 classes (beside this file)
 
     cfg = {"op_timeout_s": OP_TIMEOUT_S, **cfg}
-    me = sys.modules[__name__]
+    me = types.SimpleNamespace(**globals())  # this module's helpers, however it was loaded (tests/)
     rng = random.Random(cfg["seed"])
     rows = []
     with tempfile.TemporaryDirectory(prefix="fault-campaign-") as tmp:

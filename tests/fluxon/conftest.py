@@ -12,6 +12,18 @@ CI runs them as::
 
 Each Fluxon op costs ~10-20 ms on a 2-core machine and the idle master and owner busy-poll a
 core each: keep payloads small and services short-lived.
+
+Nothing is left behind: every service `make_service` made is stopped at the end of the session
+and at exit, whatever its test did; a test process that crashes runs neither, and then
+``tools/netns-run.sh`` ends it all (its PID namespace ends every process left, etcd included; its
+private /dev/shm and /tmp/fluxon_ipc mounts vanish). A fresh-clone run once crashed with SIGSEGV
+(SEGV_ACCERR, a write to a read-only mapping) after 38 tests, as test_plan_faults.py's
+test_service_stopped_mid_run began (issue 23); a full run on this branch (45 passed) and reruns of
+that module did not reproduce it. fluxon-py 0.2.4 maps the owner's segment twice in each client,
+read-only for views and read-write for puts (`cacheseek.fluxon.segment`), so a native write that
+lands in the read-only one (a put into a stale address after a mapping was replaced) would fault
+this way; the same kind of crash was seen when a client was reopened on a restarted owner while the
+old client was open (experiments/fault_campaign/README.md). The cause is not confirmed.
 """
 
 from __future__ import annotations
