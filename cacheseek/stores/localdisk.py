@@ -34,7 +34,7 @@ at write time and at reopen alike (``stored_nbytes``).
 Files that no snapshot names (a previous process's, when this process loaded no snapshot or an
 older one) are garbage: `WorldKVManager.reconcile` removes every value no node of its forest names
 (``keys`` and ``delete_values`` here), so a reopened store does not start full of unreachable
-values. The orchestrator runs it when it opens a persistent store on a fresh forest. ``delete`` unlinks the file, so freeing a blob
+values. The orchestrator runs it after loading the root's snapshot. ``delete`` unlinks the file, so freeing a blob
 gives its disk space back at once.
 
 One open store owns a root at a time (an ``flock`` on ``{root}/.lock``, released by `close`);
