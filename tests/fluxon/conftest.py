@@ -18,8 +18,8 @@ and at exit, whatever its test did; a test process that crashes runs neither, an
 ``tools/netns-run.sh`` ends it all (its PID namespace ends every process left, etcd included; its
 private /dev/shm and /tmp/fluxon_ipc mounts vanish). A fresh-clone run once crashed with SIGSEGV
 (SEGV_ACCERR, a write to a read-only mapping) after 38 tests, as test_plan_faults.py's
-test_service_stopped_mid_run began (issue 23); a full run on this branch (45 passed) and reruns of
-that module did not reproduce it. fluxon-py 0.2.4 maps the owner's segment twice in each client,
+test_service_stopped_mid_run began (issue 23); on this branch a full run (45 passed) and two runs
+of test_plan_conformance.py with test_plan_faults.py (13 passed each) did not reproduce it. fluxon-py 0.2.4 maps the owner's segment twice in each client,
 read-only for views and read-write for puts (`cacheseek.fluxon.segment`), so a native write that
 lands in the read-only one (a put into a stale address after a mapping was replaced) would fault
 this way; the same kind of crash was seen when a client was reopened on a restarted owner while the
