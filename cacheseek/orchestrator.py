@@ -7,9 +7,15 @@ backend, logged). Objects that OmegaConf cannot hold (a transfer runtime, a fake
 passed at the call site to the classes whose constructors name them: that is also how tests
 inject fakes.
 
-A store that can list and remove its values (LocalDisk) is reconciled with the stack's fresh
-forest when the stack is built (`WorldKVManager.reconcile`): values a previous process left, which
-no trie of this one names, are removed instead of counting against the capacity.
+A persistent store keeps its own forest snapshot (``snapshot_path``: LocalDisk's
+``{root}/forest.json``): the stack loads it into its forest when it is built and saves it when it
+is closed (under the root's lock, after a bounded flush), so a second run on the same root hits
+what the first committed. A store that can list and remove its values (LocalDisk) is then
+reconciled with that forest (`WorldKVManager.reconcile`): values that no node names (writes a
+killed process never committed) are removed instead of counting against the capacity; committed
+ones stay. A second process on a root in use is refused by the store's lock (a `ConfigError`
+naming ``store.root``), never given a forest of its own that would reconcile the first's values
+away.
 
 Sizes: the store's size fields (``size_fields``, `cacheseek.sizing`) are resolved before it is
 built: ``auto`` is fitted to the workload (``workload``, else ``cfg.workload``) and the runtime's
@@ -48,7 +54,7 @@ from cacheseek.eviction import EvictionConfig, make_policy, store_usage
 from cacheseek.hydra_errors import appended_key, choose_a_store
 from cacheseek.metrics import CacheMetrics
 from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, import_backends, instantiate
-from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
+from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager, load_forest_snapshot, save_forest_snapshot
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config, make_rolling_config
 from cacheseek.sizes import format_size
 
@@ -94,9 +100,21 @@ class Stack:
         )
 
     def close(self) -> None:
+        """Save the forest into a persistent store's root (after a flush: the snapshot names only
+        committed chunks either way), then close the store."""
         close = getattr(self.store, "close", None)
-        if close is not None:
-            close()
+        try:
+            path = _snapshot_path(self.store)
+            if path is not None:
+                flush = getattr(self.store, "flush", None)
+                try:
+                    if flush is not None:
+                        flush()
+                finally:
+                    save_forest_snapshot(self.forest, path)
+        finally:
+            if close is not None:
+                close()
 
 
 def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = None,
@@ -166,21 +184,46 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
             capacity = _check_reported_capacity(store, need)
             if capacity is not None:
                 tell(f"store capacity: {format_size(capacity)} (as the {store_name} store reports it)")
+    forest = _load_root_snapshot(store, store_name, tell)
     stack = Stack(cfg=cfg, runtime_factory=runtime_factory, store=store, store_name=store_name,
-                  transfer=transfer, layout=layout, fields=fields, forest=NamespaceForest(),
+                  transfer=transfer, layout=layout, fields=fields, forest=forest,
                   run_dir=run_dir, workload=workload, notes=notes)
     try:
         stack.metrics.bind_store(store)
         if callable(getattr(store, "delete_values", None)):
-            # A persistent store under a fresh forest: what a previous process left is unreachable.
+            # What no node of the root's snapshot names (a killed writer's uncommitted values) is unreachable.
             done = stack.new_manager().reconcile()
-            if done["orphans_removed"]:
-                log.info("store %s: removed %d values of a previous run that no trie names",
-                         store_name, done["orphans_removed"])
+            if done["orphans_removed"] or done["invalidated"]:
+                log.info("store %s: removed %d values no node names, invalidated %d nodes whose values are gone",
+                         store_name, done["orphans_removed"], done["invalidated"])
     except BaseException:
         stack.close()  # never a failed build holding the store (a LocalDisk root's lock)
         raise
     return stack
+
+
+def _snapshot_path(store: Any) -> Optional[Path]:
+    path = getattr(store, "snapshot_path", None)
+    return Path(path) if path is not None else None
+
+
+def _load_root_snapshot(store: Any, store_name: str, tell: Callable[[str], None]) -> NamespaceForest:
+    """The forest a persistent store's root keeps (empty for other stores, or a first run); a
+    snapshot that cannot be loaded closes the store (its lock) and raises its `ConfigError`."""
+    forest = NamespaceForest()
+    path = _snapshot_path(store)
+    if path is None or not path.exists():
+        return forest
+    try:
+        load_forest_snapshot(path, into=forest)
+    except BaseException:
+        close = getattr(store, "close", None)
+        if close is not None:
+            close()
+        raise
+    ready = sum(n.has_kv for ns in forest.namespaces() for n in ns.iter_nodes())
+    tell(f"store {store_name}: {ready} committed chunks from a previous run ({path})")
+    return forest
 
 
 def _manager_config(cfg: Any, runtime_factory: Any) -> Any:

@@ -411,3 +411,51 @@ def test_a_refused_run_removes_the_folder_it_made_and_nothing_else(tmp_path):
     (holding / "kvstore").mkdir()
     forget_run_folder()
     assert (holding / "kvstore").exists()  # holds what Hydra did not write: kept
+
+
+def _cli(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    return subprocess.run([sys.executable, "-m", "cacheseek", *args, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def _value_files(root: Path) -> set[str]:
+    return {p.name for p in root.glob("[0-9a-f][0-9a-f]/*") if "." not in p.name}
+
+
+HOLD_ROOT = ("import sys; from cacheseek.stores.localdisk import LocalDiskTierStore; "
+             "s = LocalDiskTierStore(sys.argv[1]); print('held', flush=True); sys.stdin.read(); s.close()")
+
+
+def test_a_persistent_root_hits_on_the_second_run_and_refuses_a_second_process(tmp_path):
+    """Issue 23 item 4: the root keeps its snapshot, so the second run hits what the first wrote
+    and its reconcile removes nothing committed; a run beside a process holding the root is one
+    error line naming store.root, and wipes nothing."""
+    root = tmp_path / "kv"
+    args = ["+store=localdisk", f"store.root={root}"]
+    first = _cli(args, tmp_path / "run1")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr
+    committed = _value_files(root)
+    assert committed and (root / "forest.json").is_file()
+    second = _cli(args, tmp_path / "run2")
+    assert second.returncode == 0 and "PASS" in second.stdout, second.stdout[-2000:] + second.stderr
+    assert "committed chunks from a previous run" in second.stdout
+    res = json.loads((tmp_path / "run2" / "results.json").read_text())
+    rows = {r["name"]: r for r in res["requests"]}
+    assert res["warm"] and rows["A"]["hit_depth"] == res["config"]["workload"]["total_chunks"]
+    assert rows["A"]["frames"] == "ok" and rows["R"]["hit_depth"] == 0
+    assert _value_files(root) >= committed  # nothing committed was reconciled away
+
+    before = _value_files(root)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_ROOT, str(root)], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        third = _cli(args, tmp_path / "run3")
+    finally:
+        holder.communicate("", timeout=TIMEOUT_S)
+    assert third.returncode == 2, third.stdout[-2000:] + third.stderr
+    lines = third.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: store.root:"), third.stderr
+    assert f"process {holder.pid}" in lines[0] and "fix:" in lines[0] and "Traceback" not in third.stderr
+    assert _value_files(root) == before

@@ -1,6 +1,8 @@
-"""The short fault campaign (experiments/fault_campaign, issue 12): kill -9 of a LocalDisk writer,
-bit flips, truncations, a full disk, a full store and concurrent sessions. Every session's frames
-must equal a cold run's (no wrong output) and nothing committed may be lost. The kill -9 of the
+"""The short fault campaign (experiments/fault_campaign, issues 12 and 23): kill -9 of a LocalDisk
+writer, bit flips, truncations, a full disk, a full store, concurrent sessions, swapped values,
+crafted snapshots, links, FIFOs, stalled media, ENOSPC recovery and a shared root. Every
+session's frames must equal a cold run's (no wrong output), nothing committed may be lost, no
+session may hang and nothing outside the root may change. The kill -9 of the
 Fluxon owner needs a real service in a private network namespace: its rows are skipped here and
 run by tests/fluxon/test_fault_campaign_fluxon.py."""
 
@@ -31,17 +33,24 @@ def test_short_fault_campaign(tmp_path):
     res = campaign.main(["short=true", f"out_dir={tmp_path}"])
     rows = {r["fault"]: r for r in res["rows"]}
     assert set(rows) == {"kill9", "bitflip", "truncate", "enospc", "full_store", "concurrent",
-                         "fluxon_kill9", "fluxon_plan_kill9"} == set(campaign.FAULTS)
-    assert res["totals"]["wrong_outputs"] == 0
-    assert res["totals"]["committed_lost"] == 0
+                         "swap", "crafted_snapshot", "links", "fifo", "stalled", "enospc_recovery",
+                         "shared_root", "fluxon_kill9", "fluxon_plan_kill9"} == set(campaign.FAULTS)
+    must_be_zero = ("wrong_outputs", "committed_lost", "hung", "outside_changes")
+    failing = {name: {k: r[k] for k in must_be_zero if r.get(k)} for name, r in rows.items()
+               if any(r.get(k) for k in must_be_zero)}
+    assert failing == {}, failing
+    assert all(res["totals"][k] == 0 for k in must_be_zero), res["totals"]
     for name, r in rows.items():
         if r.get("skipped"):  # no tmpfs mount allowed; no Fluxon service possible here
-            assert name in ("enospc", "fluxon_kill9", "fluxon_plan_kill9"), name
+            assert name in ("enospc", "enospc_recovery", "fluxon_kill9", "fluxon_plan_kill9"), name
             continue
         assert r["injected"] > 0 and r["sessions"] > 0, name
     assert rows["kill9"]["restarts"] == rows["kill9"]["injected"]
     assert rows["bitflip"]["corrupt_values"] + rows["truncate"]["corrupt_values"] > 0
     assert rows["full_store"]["dropped_writes"] == 0 and rows["concurrent"]["stuck_threads"] == 0
+    assert rows["shared_root"]["refused"] == rows["shared_root"]["injected"]  # one clear error each
+    assert rows["crafted_snapshot"]["not_config_errors"] == 0
+    assert rows["stalled"]["orphan_files"] == 0
     assert json.loads((tmp_path / "results.json").read_text())["totals"] == res["totals"]
     assert (tmp_path / "fault_campaign.png").stat().st_size > 0
     assert "| kill9 |" in (tmp_path / "results.md").read_text()

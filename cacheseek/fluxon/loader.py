@@ -6,6 +6,12 @@ and folder, each ``fluxon_pyo3`` extension with its SHA256, and how many native 
 bundled with it (`fluxon_runtime_info` returns the same record). A failed import is
 `FluxonImportError` naming the interpreter, what each module name resolved to, and the fix.
 `fluxon_py_problem` answers whether fluxon-py is installed without importing it.
+
+fluxon-py's loader points ``LD_LIBRARY_PATH`` at its bundled ``fluxon_pyo3.libs`` for the whole
+process; the dynamic loader of this process read that variable at start, so the change only
+reaches child processes, where the bundled libraries (an old libmount, libselinux) break system
+tools such as ``mount``. `load_fluxon` gives the variable back as it was once the extension is
+loaded (fluxon's own entry points, which the service starts, set it again themselves).
 """
 
 from __future__ import annotations
@@ -38,6 +44,19 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def _environment_kept(name: str):
+    """The environment variable ``name`` as it was before the block, after it."""
+    before = os.environ.get(name)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
 def fluxon_py_problem() -> Optional[str]:
     """None when ``fluxon_py`` resolves (without importing it); otherwise why not."""
     try:
@@ -57,7 +76,8 @@ def load_fluxon() -> Any:
         fluxon_py = importlib.import_module("fluxon_py")
         from fluxon_py.tool import import_fluxon_pyo3_local
 
-        pyo3 = import_fluxon_pyo3_local()  # the package's own loader (RTLD_LOCAL, bundled libs)
+        with _environment_kept("LD_LIBRARY_PATH"):
+            pyo3 = import_fluxon_pyo3_local()  # the package's own loader (RTLD_LOCAL, bundled libs)
     except Exception as exc:  # noqa: BLE001 - ImportError, or the loader's RuntimeError
         tried = []
         for name in ("fluxon_py", "fluxon_pyo3"):

@@ -15,7 +15,8 @@ uses. Everything lives under one work folder (``workdir``)::
     workdir/etcd/                 etcd's data (wiped at start and at stop)
 
 Outside it: the segment folder (below) and fluxon-py's local IPC files under
-``/tmp/fluxon_ipc/<sha256(segment folder)[:20]>``; `stop` removes both.
+``/tmp/fluxon_ipc/<sha256(segment folder)[:20]>``; `stop` removes both (and ``/tmp/fluxon_ipc``
+when nothing else is left in it).
 
 The owner's shared-memory segment is ``<share_mem_path>/<cluster_name>/mmap.file``; it writes
 ``shared.json`` beside it once it serves, which is what `start` waits for. Clients attach with
@@ -336,6 +337,8 @@ class FluxonService:
         if self._owns_segment:  # never another live service's folder
             shutil.rmtree(self.segment_dir, ignore_errors=True)
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rmdir(self.ipc_dir.parent)  # fluxon's shared /tmp/fluxon_ipc, only if empty
             if self._created_share_root:
                 with contextlib.suppress(OSError):
                     os.rmdir(self._share_mem_path)  # only if empty

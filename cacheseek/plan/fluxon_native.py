@@ -45,7 +45,7 @@ from typing import Any, Dict, Optional
 import attrs
 
 from cacheseek.errors import CacheSeekError, PlanError, StoreClosedError, StoreTimeoutError
-from cacheseek.fluxon.calls import BoundedCalls
+from cacheseek.bounded_calls import BoundedCalls
 from cacheseek.plan.base import (
     GetPlan,
     GetPlanState,

@@ -45,8 +45,19 @@ store that evicts by itself (Fluxon) reports the failure on the handle and caps 
 Optional capabilities for the manager: ``contains(keys)`` (which values exist, without reading
 them where the backend has ``exists``) and ``free_skeleton``.
 
+Stalled media: with ``op_timeout_s`` (LocalDisk: ``store.op_timeout_s``) every backend call
+(write, read, delete, exists, listing) runs through `BoundedCalls`: a call that does not return
+within the bound is a `StoreTimeoutError` for its caller (a read is a failed restore and the
+session runs cold; a write fails on its handle, a dropped write), and it goes on in the
+background. A write that lands after its blob was reported failed is removed again unless a
+later write holds its key. While 4 calls are stuck, new ones fail at once: sessions run uncached,
+never hang. Without ``op_timeout_s`` (an in-memory dict) calls are direct.
+
 ``flush`` and ``close`` are bounded (``flush_timeout_s``; `wait_drained`): past the bound they
-raise `StoreTimeoutError`, and ``close`` never closes the backend under a live write-back thread.
+raise `StoreTimeoutError`. Latent writes (``put_skeleton``) count as pending writes like blobs.
+``close`` waits for every write and every backend call still running, stuck ones included,
+before it closes the backend (a LocalDisk root's lock is released only then); past the bound it
+leaves the backend open under them and raises `StoreTimeoutError`.
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ from typing import Any, Optional, Protocol
 
 import attrs
 
+from cacheseek.bounded_calls import BoundedCalls
 from cacheseek.errors import (
     CorruptValueError,
     StoreClosedError,
@@ -142,19 +154,43 @@ class KeyValueTier:
         queue_depth: int = 4,
         name: str = "tier",
         capacity_bytes: Optional[int] = None,
+        op_timeout_s: Optional[float] = None,
     ) -> None:
         self.backend = backend
+        self._calls = None if op_timeout_s is None else BoundedCalls(
+            op_timeout_s, name=name, field="store.op_timeout_s", hint=" (a stalled disk or file system?)")
         self.name = name
         self.stats = TierStats(capacity_bytes=_check_capacity(capacity_bytes))
         # bytes of every value this tier holds or is writing; a backend that knows its medium's free
         # bytes lets a full medium's cap rise again
         self._ledger = ValueLedger(self.stats, free_bytes=getattr(backend, "free_bytes", None))
         self._lock = threading.Lock()  # guards stats and the ledger
-        self._closed = False
+        self._closed = False  # to callers
+        self._backend_closed = False  # once nothing runs in it any more (`close`)
         self._idle = threading.Condition(self._lock)  # notified when a pending write completes
         self._worker: Optional[WriteBackWorker] = None
         if write_back:
             self._worker = WriteBackWorker(self._run_queued, depth=queue_depth, name=name)
+
+    def _io(self, op: str, fn: Callable[[], Any], key: Optional[str] = None, on_late=None) -> Any:
+        """``fn()``, a backend call: bounded when the tier has ``op_timeout_s`` (module docstring)."""
+        if self._calls is None:
+            return fn()
+        return self._calls.run(op, fn, key=key, on_late=on_late)
+
+    def _write(self, key: str, value: Any) -> None:
+        """One bounded backend write; one that lands after its caller gave up is removed again
+        unless a later write reserved the key meanwhile."""
+        def late(_: Any, error: Optional[BaseException]) -> None:
+            if error is None:
+                with self._lock:
+                    if key not in self._ledger.sizes:
+                        self.backend.delete(key)
+
+        self._io("write", lambda: self.backend.write(key, value), key, on_late=late)
+
+    def _delete(self, key: str) -> None:
+        self._io("delete", lambda: self.backend.delete(key), key)
 
     @property
     def write_back(self) -> bool:
@@ -209,12 +245,12 @@ class KeyValueTier:
         try:
             for key, value in items:
                 touched.append(key)  # before the write: a failed write may leave part of it
-                self.backend.write(key, value)
+                self._write(key, value)
         except BaseException as exc:  # noqa: BLE001 - every failure is surfaced on the handle
             removed = []
             for key in touched:
                 try:
-                    self.backend.delete(key)
+                    self._delete(key)
                     removed.append(key)
                 except Exception:  # noqa: BLE001
                     log.exception("%s: could not remove %s after a failed write", self.name, key)
@@ -258,8 +294,9 @@ class KeyValueTier:
         size = self._value_nbytes(locator, latent)
         with self._lock:
             old = self._reserve([(locator, size)])
+            self.stats.pending_writes += 1  # close waits for it like for a blob
         try:
-            self.backend.write(locator, latent)
+            self._write(locator, latent)
         except BaseException as exc:
             with self._lock:
                 self._ledger.unreserve(old, removed=[])
@@ -268,6 +305,10 @@ class KeyValueTier:
             if isinstance(exc, StoreError) or not isinstance(exc, Exception):
                 raise
             raise StoreError(f"{self.name}: write of {locator} failed: {type(exc).__name__}: {exc}") from exc
+        finally:
+            with self._lock:
+                self.stats.pending_writes -= 1
+                self._idle.notify_all()
 
     # -- accounting ---------------------------------------------------------------------------
 
@@ -323,14 +364,14 @@ class KeyValueTier:
     def _read(self, key: str) -> Optional[Any]:
         """The backend's value, or None when it is missing or corrupt (then it is removed)."""
         try:
-            return self.backend.read(key)
+            return self._io("read", lambda: self.backend.read(key), key)
         except CorruptValueError as exc:
             log.error("%s: %s; removing it and reading it as missing", self.name, exc)
             with self._lock:
                 self.stats.corrupt_values += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
             try:
-                self.backend.delete(key)
+                self._delete(key)
             except Exception:  # noqa: BLE001 - the manager's free of the blob retries the removal
                 log.exception("%s: could not remove corrupt value %s", self.name, key)
             else:
@@ -366,7 +407,7 @@ class KeyValueTier:
         if handle.in_flight:
             raise WriteNotCompleteError(f"{handle.locator}: write still in flight; cannot free")
         for key in blob_keys(handle.locator, handle.n_layers, pairs=handle.pairs):
-            self.backend.delete(key)
+            self._delete(key)
             with self._lock:
                 self._forget(key)
         with self._lock:
@@ -375,7 +416,7 @@ class KeyValueTier:
     def free_skeleton(self, locator: str) -> None:
         """Remove a latent (idempotent); backend errors surface."""
         self._check_open()
-        self.backend.delete(locator)
+        self._delete(locator)
         with self._lock:
             self._forget(locator)
 
@@ -385,8 +426,8 @@ class KeyValueTier:
         self._check_open()
         exists = getattr(self.backend, "exists", None)
         if callable(exists):
-            return [bool(exists(key)) for key in keys]
-        return [self.backend.read(key) is not None for key in keys]
+            return self._io("exists", lambda: [bool(exists(key)) for key in keys])
+        return self._io("read", lambda: [self.backend.read(key) is not None for key in keys])
 
     def flush(self, timeout_s: Optional[float] = None) -> None:
         """Wait until every queued write has completed (successfully or not), at most
@@ -399,24 +440,33 @@ class KeyValueTier:
                                                      "(a stuck backend?)"))
 
     def close(self) -> None:
-        """Flush pending writes, stop the write-back thread, close the backend. Idempotent.
+        """Flush pending writes, stop the write-back thread, wait for backend calls still running
+        (stuck ones included), close the backend. Idempotent; after a `StoreTimeoutError` a later
+        call waits again and closes the backend once nothing runs in it.
 
-        Bounded: when the writes do not drain within ``flush_timeout_s`` or the write-back
-        thread does not stop, the store is closed to callers but the backend is left open under
-        the live thread (never torn down under it) and `StoreTimeoutError` is raised."""
-        if self._closed:
+        Bounded: when the writes do not drain within ``flush_timeout_s``, the write-back thread
+        does not stop or a backend call is still running, the store is closed to callers but the
+        backend is left open under them (never torn down under a call: a LocalDisk root stays
+        locked) and `StoreTimeoutError` is raised."""
+        if self._backend_closed:
             return
-        try:
-            self.flush()
-        except StoreTimeoutError:
+        if not self._closed:  # a close that timed out before goes on from here when called again
+            try:
+                self.flush()
+            except StoreTimeoutError:
+                self._closed = True
+                if self._worker is not None:
+                    self._worker.stop(wait_s=0.0)
+                raise
             self._closed = True
-            if self._worker is not None:
-                self._worker.stop(wait_s=0.0)
-            raise
-        self._closed = True
         if self._worker is not None and not self._worker.stop(wait_s=self.flush_timeout_s):
             raise StoreTimeoutError(f"{self.name}: the write-back thread did not stop; backend left open")
+        running = self._calls.wait_quiet(self.flush_timeout_s) if self._calls is not None else 0
+        if running:
+            raise StoreTimeoutError(f"{self.name}: {running} backend calls still running after "
+                                    f"{self.flush_timeout_s} s (a stalled medium?); backend left open")
         self.backend.close()
+        self._backend_closed = True
 
     def _check_open(self) -> None:
         if self._closed:

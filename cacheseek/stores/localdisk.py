@@ -34,11 +34,13 @@ at write time and at reopen alike (``stored_nbytes``).
 Files that no snapshot names (a previous process's, when this process loaded no snapshot or an
 older one) are garbage: `WorldKVManager.reconcile` removes every value no node of its forest names
 (``keys`` and ``delete_values`` here), so a reopened store does not start full of unreachable
-values. The orchestrator runs it when it opens a persistent store on a fresh forest. ``delete`` unlinks the file, so freeing a blob
+values. The orchestrator runs it after loading the root's snapshot. ``delete`` unlinks the file, so freeing a blob
 gives its disk space back at once.
 
 One open store owns a root at a time (an ``flock`` on ``{root}/.lock``, released by `close`);
-a second store on the same root is a `ConfigError` naming ``store.root``.
+a second store on the same root, in this process or another, is a `ConfigError` naming
+``store.root``, the holder's pid and the fix. The root also keeps its forest snapshot
+(``snapshot_path``, ``{root}/forest.json``), which `build_stack` loads and saves under that lock.
 
 Links and other files nobody here wrote (`cacheseek.stores.root_files`): the root is created
 ``0700`` and must be this user's and writable by nobody else; every file is reached through the
@@ -82,6 +84,7 @@ _PREFIX = len(MAGIC) + _HLEN.size
 _MAX_NAME = 200  # escaped key length limit; leaves room for the temp-file decoration in 255
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _LOCK_NAME = ".lock"
+SNAPSHOT_NAME = "forest.json"  # the root's forest snapshot (cacheseek.orchestrator)
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _ROOT_FIX = "set store.root to a writable folder, e.g. +store=localdisk store.root=/tmp/kv"
 
@@ -399,6 +402,9 @@ class LocalDiskSchema:
     # (512MiB, 24GiB), null = unbounded, or auto = unbounded when the workload fits on the disk
     # under root, else capped there (cacheseek.sizing).
     capacity_bytes: Any = "auto"
+    # Seconds any one file operation may take (a stalled disk or network file system): past it the
+    # session gets a miss or a dropped write and goes on (cacheseek.stores.kv_tier).
+    op_timeout_s: float = 30.0
 
 
 @STORES.register("localdisk", LocalDiskSchema)
@@ -408,7 +414,8 @@ class LocalDiskTierStore(KeyValueTier):
     ``write_back``: writes run on a background thread fed by a queue of ``queue_depth`` blobs
     (``put_async`` blocks when it is full); otherwise ``put_async`` returns after the files are
     in place. ``fsync`` (default True, durable commit): flush each file and its folder to the device
-before publishing; False is the explicit weaker mode.
+before publishing; False is the explicit weaker mode. ``op_timeout_s``: the bound of every file
+    operation (`KeyValueTier`, "Stalled media").
     A bad root raises `ConfigError` naming ``store.root`` here, not at the first write.
     """
 
@@ -420,6 +427,7 @@ before publishing; False is the explicit weaker mode.
         queue_depth: int = 4,
         fsync: bool = True,
         capacity_bytes: Optional[Size] = None,
+        op_timeout_s: float = 30.0,
     ) -> None:
         if root is None or (isinstance(root, str) and not root.strip()):
             raise ConfigError(
@@ -436,8 +444,8 @@ before publishing; False is the explicit weaker mode.
         self.disk = disk
         try:
             super().__init__(disk, write_back=bool(write_back), queue_depth=queue_depth, name="localdisk",
-                             capacity_bytes=capacity_bytes)
-            self._seed_usage(disk.key_sizes())
+                             capacity_bytes=capacity_bytes, op_timeout_s=op_timeout_s)
+            self._seed_usage(self._io("scan", disk.key_sizes))
         except BaseException:
             disk.close()
             raise
@@ -454,21 +462,26 @@ before publishing; False is the explicit weaker mode.
     def root(self) -> Path:
         return self.disk.root
 
+    @property
+    def snapshot_path(self) -> Path:
+        """The root's forest snapshot (`build_stack` loads it at start and saves it at close)."""
+        return self.disk.root / SNAPSHOT_NAME
+
     def keys(self) -> list[str]:
         """Every stored key (values only; temp files of writes in flight are not listed)."""
         self._check_open()
-        return self.disk.keys()
+        return self._io("scan", self.disk.keys)
 
     def disk_usage_bytes(self) -> int:
         self._check_open()
-        return self.disk.disk_usage_bytes()
+        return self._io("scan", self.disk.disk_usage_bytes)
 
     def delete_values(self, keys: list[str]) -> None:
         """Remove these values (idempotent), giving their bytes back; `WorldKVManager.reconcile`
         uses it for files no snapshot names."""
         self._check_open()
         for key in keys:
-            self.disk.delete(key)
+            self._delete(key)
             with self._lock:
                 self._forget(key)
 

@@ -116,11 +116,19 @@ class RootFolder:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
             os.close(fd)
             if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise ConfigError("store.root", f"{self.path} is in use by another open LocalDisk store",
-                                  "close the other store, or give each store its own store.root") from None
+                raise ConfigError(
+                    "store.root",
+                    f"{self.path} is in use by another open LocalDisk store"
+                    + (f" (process {holder})" if holder.isdigit() else ""),
+                    "wait for that run to end or close that store, or give each run its own store.root "
+                    "(one root has one forest snapshot: two writers would reconcile each other's values away)",
+                ) from None
             raise ConfigError("store.root", f"cannot lock {self.path}: {exc}", self.fix) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)  # named in a second opener's error
         return fd
 
     def refuse_planted(self) -> None:

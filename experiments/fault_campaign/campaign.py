@@ -58,12 +58,14 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import uuid
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 import benchlib  # noqa: E402  (puts the repository root on sys.path)
 
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager  # noqa: E402
@@ -76,10 +78,15 @@ from cacheseek.runtime.synthetic import SyntheticImage, SyntheticRuntimeFactory 
 
 L, S, C = 7, 3, 3
 FULL_CONF = dict(requests=4, chunks=4, rounds=3, kills=6, flips=8, truncations=6, enospc_sessions=24,
-                 full_sessions=16, threads=4, sessions_per_thread=6, owner_kills=3, fluxon_requests=2, seed=12)
+                 full_sessions=16, threads=4, sessions_per_thread=6, owner_kills=3, fluxon_requests=2, seed=12,
+                 swaps=10, snapshot_flips=6, fifos=4, shared_faults=2)
 SHORT_CONF = dict(requests=2, chunks=3, rounds=1, kills=2, flips=2, truncations=2, enospc_sessions=6,
-                  full_sessions=12, threads=2, sessions_per_thread=2, owner_kills=1, fluxon_requests=2, seed=12)
-FAULTS = ("kill9", "bitflip", "truncate", "enospc", "full_store", "concurrent", "fluxon_kill9", "fluxon_plan_kill9")
+                  full_sessions=12, threads=2, sessions_per_thread=2, owner_kills=1, fluxon_requests=2, seed=12,
+                  swaps=5, snapshot_flips=2, fifos=2, shared_faults=1)
+OP_TIMEOUT_S = 0.5  # store.op_timeout_s of the fifo and stalled rows (a stalled medium's bound)
+TRUST_FAULTS = ("swap", "crafted_snapshot", "links", "fifo", "stalled", "enospc_recovery", "shared_root")
+FAULTS = ("kill9", "bitflip", "truncate", "enospc", "full_store", "concurrent", *TRUST_FAULTS,
+          "fluxon_kill9", "fluxon_plan_kill9")
 FLUXON_OP_TIMEOUT_S = 5.0  # every Fluxon call of the stores under test; generous for a loaded 2-core VM
 
 
@@ -158,13 +165,21 @@ def sound_prefix(store: Any, nodes: list) -> int:
     (read straight from the disk backend: no side effect): what a restore must reach."""
     from cacheseek.errors import CorruptValueError
 
+    import stat
+
+    def regular(key: str) -> bool:  # never open a FIFO or follow a link to check a value
+        try:
+            return stat.S_ISREG(os.lstat(store.disk.path_of(key)).st_mode)
+        except OSError:
+            return False
+
     depth = 0
     for n in nodes:
         if not n.has_kv or n.skeleton is None:
             break
         keys = [n.skeleton.latent_locator] + [k for i in range(n.blob.n_layers) for k in layer_keys(n.blob.locator, i)]
         try:
-            if any(store.disk.read(k) is None for k in keys):
+            if not all(regular(k) for k in keys) or any(store.disk.read(k) is None for k in keys):
                 break
         except CorruptValueError:
             break
@@ -582,6 +597,10 @@ def fluxon_owner_kill9_scenario(cfg: dict, work: Path, rng: random.Random, kind:
 
 
 def run(cfg: dict, out_dir: Optional[Path] = None, faults: Sequence[str] = FAULTS) -> dict[str, Any]:
+    import disk_trust  # the issue-23 classes (beside this file)
+
+    cfg = {"op_timeout_s": OP_TIMEOUT_S, **cfg}
+    me = types.SimpleNamespace(**globals())  # this module's helpers, however it was loaded (tests/)
     rng = random.Random(cfg["seed"])
     rows = []
     with tempfile.TemporaryDirectory(prefix="fault-campaign-") as tmp:
@@ -592,6 +611,7 @@ def run(cfg: dict, out_dir: Optional[Path] = None, faults: Sequence[str] = FAULT
                      "enospc": lambda: enospc_scenario(cfg, work),
                      "full_store": lambda: full_store_scenario(cfg),
                      "concurrent": lambda: concurrent_scenario(cfg, work, rng),
+                     **{name: (lambda fn=fn: fn(me, cfg, work, rng)) for name, fn in disk_trust.SCENARIOS.items()},
                      "fluxon_kill9": lambda: fluxon_owner_kill9_scenario(cfg, work, rng, "fluxon"),
                      "fluxon_plan_kill9": lambda: fluxon_owner_kill9_scenario(cfg, work, rng, "fluxon_plan")}
         progress = benchlib.Progress(len(faults), "faults")
@@ -603,14 +623,33 @@ def run(cfg: dict, out_dir: Optional[Path] = None, faults: Sequence[str] = FAULT
             progress.step(f"{name}: {json.dumps({k: v for k, v in r.items() if k != 'fault'})}")
     res = dict(conf=cfg, rows=rows, totals=dict(
         faults=sum(r["injected"] for r in rows), sessions=sum(r["sessions"] for r in rows),
-        wrong_outputs=sum(r["wrong_outputs"] for r in rows), committed_lost=sum(r["committed_lost"] for r in rows)),
-        env=benchlib.env_info(), command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
+        wrong_outputs=sum(r["wrong_outputs"] for r in rows), committed_lost=sum(r["committed_lost"] for r in rows),
+        hung=sum(r.get("hung", 0) for r in rows), outside_changes=sum(r.get("outside_changes", 0) for r in rows)),
+        env={**benchlib.env_info(), **versions()}, command=" ".join([Path(sys.argv[0]).name] + sys.argv[1:]))
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         benchlib.write_json(out_dir / "results.json", res)
         (out_dir / "results.md").write_text(table(rows, res["totals"]))
         plot(rows, out_dir / "fault_campaign.png")
     return res
+
+
+def versions() -> dict[str, Any]:
+    """The commit the campaign ran at (``-dirty`` with local changes) and fluxon-py's version."""
+    import importlib.metadata
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=benchlib.REPO, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "HEAD") or None
+    if commit and git("status", "--porcelain", "--untracked-files=no"):
+        commit += "-dirty"
+    try:
+        fluxon = importlib.metadata.version("fluxon-py")
+    except importlib.metadata.PackageNotFoundError:
+        fluxon = None
+    return {"commit": commit, "fluxon_py": fluxon}
 
 
 def table(rows: list[dict], totals: dict) -> str:
@@ -634,7 +673,7 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     names = [r["fault"] for r in rows]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(15, 5))
     a.bar(names, [r["sessions"] for r in rows], label="sessions", color="#4c72b0")
     a.bar(names, [r["wrong_outputs"] for r in rows], label="wrong outputs", color="#c44e52")
     a.bar(names, [r["committed_lost"] for r in rows], bottom=[r["wrong_outputs"] for r in rows],
@@ -644,7 +683,7 @@ def plot(rows: list[dict], path: Path) -> None:
     b.bar(names, [r["recover_s"] or 0.0 for r in rows], color="#55a868")
     b.set_title("time to recover (s): fault to first correct session")
     for ax in (a, b):
-        ax.tick_params(axis="x", rotation=30)
+        ax.set_xticks(range(len(names)), names, rotation=40, ha="right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

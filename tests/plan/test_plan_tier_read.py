@@ -315,3 +315,44 @@ def test_run_arrays_of_a_window_without_runs_are_empty():
     assert [a.shape for a in (slot, src, dst, size)] == [(0,)] * 4
     with pytest.raises(ValueError):
         src[:] = 1  # shared by every restore of the shape: read-only
+
+
+def _stalled_restore(make_store):
+    """A restore whose copies do not land within the transfer runtime's bound (issue 23 item 6)."""
+    from cacheseek.errors import TransferTimeoutError
+
+    geom, _ = GEOMETRIES["full_length"]
+    store, parts = make_store("fake_cuda")  # the batch on the producer stream: nothing else reaches it
+    nodes, _, _, kv_size = ingest(store, geom, 2)
+    parts["runtime"].wait_timeout_s = 0.05
+    parts["fake"].not_ready_queries = 10**9  # every copy stays in flight until told
+    parts["log"].clear()
+    target = target_for(geom, 2, kv_size)  # the runtime's ring: alive while its copies may land
+    with pytest.raises(TransferTimeoutError) as err:
+        store.read_path(nodes, nodes, target)
+    assert "views stay held" in "".join(getattr(err.value, "__notes__", [])) or "views stay held" in str(err.value)
+    return store, parts, nodes, geom, kv_size, target
+
+
+def test_a_timed_out_restore_keeps_its_views_until_its_copies_land(make_store):
+    store, parts, nodes, geom, kv_size, ring = _stalled_restore(make_store)
+    released = [e for e in parts["log"] if e[1] in ("release_views", "cancel_get_transfer")]
+    assert released == [] and parts["client"].live_handles()[1] == 1  # never released under DMA
+    assert store.stats.views_held == 1
+    parts["fake"].not_ready_queries = 0  # the copies land
+    assert store.read_path(nodes, nodes, target_for(geom, 2, kv_size))  # the next read ends the late one
+    assert parts["client"].live_handles() == (0, 0)
+    assert store.stats.views_held == 0 and store.stats.views_released_late == 1 and store.stats.views_leaked == 0
+    del ring  # its late copies have landed
+
+
+def test_a_restore_still_copying_at_close_is_leaked_and_counted_not_released(make_store):
+    from cacheseek.errors import StoreTimeoutError
+
+    store, parts, *_, ring = _stalled_restore(make_store)
+    with pytest.raises(StoreTimeoutError, match="still in flight at close"):
+        store.close()
+    assert parts["client"].live_handles()[1] == 1 and not [e for e in parts["log"] if e[1] == "release_views"]
+    assert store.stats.views_leaked == 1
+    parts["fake"].streams.execute_all()  # the copies land (into the ring, still alive) before it goes
+    del ring

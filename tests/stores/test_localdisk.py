@@ -64,6 +64,7 @@ def test_registered_with_schema():
         "queue_depth": 4,
         "fsync": True,
         "capacity_bytes": "auto",
+        "op_timeout_s": 30.0,
     }
 
 

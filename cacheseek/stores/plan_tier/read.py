@@ -9,6 +9,13 @@ Lifecycle of a get plan (`GetRead`)::
                          anything is copied (`LayoutMismatchError`)
     end()                exactly once, on every path, after any copy out of its values landed:
                          ``release_views`` when transferred, else ``cancel_get_transfer``
+    held                 a restore whose copies did not land within the transfer runtime's bound
+                         (``TransferTimeoutError``) keeps its views: the copies may still read
+                         them. `Reader.release_held` ends it once its batch is known to have
+                         ended (at the next read, and at close); at close the plans still copying
+                         are leaked, never released under DMA (counted: ``views_held``,
+                         ``views_released_late``, ``views_leaked``). The ring is safe meanwhile:
+                         the runtime's stream is ordered after the batch.
 
 Read of depth K (`read_path`): the path checked against the target (`check_path`); then one
 get of the path's latents (``{hex}:lat``, one all-or-nothing group) and the window's KV, chunk-major
@@ -28,13 +35,22 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 import attrs
 
-from cacheseek.errors import CorruptValueError, LayoutMismatchError, PlanError, PlanTableError, add_note
+from cacheseek.errors import (
+    CorruptValueError,
+    LayoutMismatchError,
+    PlanError,
+    PlanTableError,
+    TransferTimeoutError,
+    add_note,
+)
 from cacheseek.kv.handles import BlobHandle, ChunkNode
 from cacheseek.kv.locators import blob_keys, layer_keys
 from cacheseek.kv.payload import LayerPayload, RestoreTarget
@@ -53,6 +69,7 @@ from cacheseek.transfer.pending import PendingBatch
 __all__ = ["GetRead", "Reader", "check_path"]
 
 np = LazyModule("numpy")
+log = logging.getLogger(__name__)
 
 _RESTORE_POLL_S = 2e-5
 _SLEEP_FRACTION = 0.8  # of the expected time, asleep before polling: the rate varies by a few percent
@@ -185,8 +202,42 @@ class Reader:
         self._ring: Optional[_Declared] = None
         self._best_rate = 0.0  # bytes/s of the fastest restore so far (submission to landing)
         self._dests: Optional[tuple] = None  # (declared, runs key, (dsts, sizes, codes)) of the last shape
+        self._held: list[tuple[GetRead, PendingBatch]] = []  # restores whose copies may still run
+        self._held_lock = threading.Lock()
+
+    def hold(self, read: GetRead, pending: PendingBatch) -> None:
+        """Keep ``read``'s views until ``pending`` is known to have ended (module docstring)."""
+        with self._held_lock:
+            self._held.append((read, pending))
+            self._counters.note(views_held=len(self._held))
+
+    def release_held(self, *, final: bool = False) -> int:
+        """End the held plans whose batches have ended; with ``final`` (the store's close) leak
+        the others, counted. Returns how many are still copying."""
+        with self._held_lock:
+            held, self._held = self._held, []
+        still = []
+        for read, pending in held:
+            if settle(pending, wait_s=0.0):
+                try:
+                    read.end()
+                except Exception:  # noqa: BLE001 - nobody waits on this read any more
+                    log.warning("plan tier: ending a late restore's get plan failed", exc_info=True)
+                self._counters.count(views_released_late=1)
+            else:
+                still.append((read, pending))
+        if final and still:
+            log.error("plan tier: %d restores' copies still in flight at close: their views are leaked, "
+                      "not released under DMA", len(still))
+            self._counters.count(views_leaked=len(still))
+        with self._held_lock:
+            self._held.extend(() if final else still)
+            self._counters.note(views_held=len(self._held))
+        return len(still)
 
     def _start(self, keys: list[str], group_lens: list[int]) -> GetRead:
+        if self._held:
+            self.release_held()
         read = GetRead(self.client, self._counters, self._latent_sizes, self.client.get_start(keys, group_lens))
         self._counters.count(gets_started=1)
         return read
@@ -274,15 +325,20 @@ class Reader:
             error = exc
             raise
         finally:
-            settle(pending, error)
+            landed = settle(pending, error, wait_s=0.0 if isinstance(error, TransferTimeoutError) else None)
             if producer is not None:
                 transfer.release_event(producer)
-            try:
-                read.end()
-            except Exception as end_error:
-                if error is None:
-                    raise
-                add_note(error, f"ending the get plan failed too: {end_error!r}")
+            if not landed:  # the copies may still read the views: keep them (module docstring)
+                self.hold(read, pending)
+                if error is not None:
+                    add_note(error, "the restore's Plan views stay held until its copies are known to have ended")
+            else:
+                try:
+                    read.end()
+                except Exception as end_error:
+                    if error is None:
+                        raise
+                    add_note(error, f"ending the get plan failed too: {end_error!r}")
 
     def _wait(self, pending: PendingBatch) -> None:
         """Wait for a restore's batch: asleep for most of the time the fastest restore so far

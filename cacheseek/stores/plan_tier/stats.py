@@ -46,6 +46,9 @@ class PlanTierStats:
     gets_transferred: int = 0
     gets_cancelled: int = 0
     values_removed: int = 0
+    views_held: int = 0  # restores whose copies outlived their wait: views kept (read.py)
+    views_released_late: int = 0
+    views_leaked: int = 0  # still copying at close: never released under DMA
     used_bytes: Optional[int] = None
     capacity_bytes: Optional[int] = None
     n_values: Optional[int] = None

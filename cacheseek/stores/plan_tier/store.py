@@ -36,7 +36,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Dict, Optional, Union
 
-from cacheseek.errors import ConfigError, StoreClosedError
+from cacheseek.errors import ConfigError, StoreClosedError, StoreTimeoutError
 from cacheseek.kv.handles import BlobHandle, ChunkNode, Tier
 from cacheseek.kv.payload import LayerPayload, RestoreTarget
 from cacheseek.plan.base import PlanClient
@@ -457,6 +457,9 @@ class PlanTierStore:
             self._slots.close()
             # Never tear streams, registrations or the client down under a live completion thread.
             self._completion.stop()
+            if self._reader.release_held(final=True):  # a late restore's copies: views leaked
+                raise StoreTimeoutError("plan tier: a restore's copies are still in flight at close; its "
+                                        "views, registrations and client are left in place (leaked)")
             try:
                 self._teardown()
             finally:
