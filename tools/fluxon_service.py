@@ -21,9 +21,9 @@ attach to without further overrides.
 Several hosts: ``--listen ADDR`` (an address of this host the others reach) starts etcd on
 ``ADDR:--etcd-port`` (default 2379), the master and this host's owner; ``--join ADDR:2379`` on
 every other host starts only an owner of the same ``--cluster-name``. Workers attach to their own
-host's owner (same overrides as one host). ``--geometry`` (default tiny) and ``--replica-room``
-check the owner's ``--dram`` first: at least 10 x the largest value's power-of-two slot plus the
-replica room (480p: 64 MiB slots, 640 MiB), or values vanish. README "One cache over several
+host's owner (same overrides as one host). ``--geometry`` (default tiny) and ``--values`` (default 8)
+check the owner's ``--dram`` first: 10 x the largest value's power-of-two slot per 8 such values
+it keeps, placed and replicas (480p: 64 MiB slots, 640 MiB per 8 values), or values vanish. README "One cache over several
 machines" says what runs where and what a crash costs.
 
 The Fluxon master and owner advertise a non-loopback address, so on a shared machine the service
@@ -79,9 +79,11 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--join", default=None, metavar="ADDR:PORT",
                        help="join the control plane whose etcd is ADDR:PORT: start only this host's owner")
         s.add_argument("--etcd-port", type=int, default=0, help="with --listen: etcd's client port (default 2379)")
+        s.add_argument("--master-port", type=int, default=0, help="with --listen: the master's port (default: free)")
         s.add_argument("--p2p-port", type=int, default=0, help="the owner's P2P port other hosts pull from (default: free)")
         s.add_argument("--geometry", default="tiny", help="the geometry the cache holds, for the dram check (default tiny)")
-        s.add_argument("--replica-room", default="0", help="dram kept for replicas of other hosts' values (default 0)")
+        s.add_argument("--values", type=int, default=8,
+                       help="largest-slot values this owner keeps at once, placed and replicas (default 8)")
         s.add_argument("-v", "--verbose", action="store_true")
 
     s = sub.add_parser("start", help="start the service in the background; print how to attach and stop")
@@ -127,12 +129,10 @@ def _started(args: argparse.Namespace) -> tuple[Any, Optional[int]]:
 
 def _new_service(args: argparse.Namespace) -> Any:
     service = _import_service()
-    from cacheseek.sizes import parse_size
-
-    sizing = service.OwnerSizing.for_geometry(args.geometry, parse_size(args.replica_room, "--replica-room"))
+    sizing = service.OwnerSizing.for_geometry(args.geometry, args.values)
     return service.FluxonService(
         args.dir, dram=args.dram, listen_host=args.listen, join=args.join, etcd_port=args.etcd_port,
-        p2p_port=args.p2p_port, sizing=sizing,
+        master_port=args.master_port, p2p_port=args.p2p_port, sizing=sizing,
         cluster_name=args.cluster_name or service.DEFAULT_CLUSTER_NAME,
         share_mem_path=args.share_mem_path or service.DEFAULT_SHARE_MEM_PATH,
         ready_timeout_s=args.ready_timeout, require_private_netns=not args.allow_host_network,
@@ -256,8 +256,9 @@ def start(args: argparse.Namespace) -> int:
            "--dram", str(args.dram), "--ready-timeout", str(args.ready_timeout), "--fluxon-log", args.fluxon_log]
     for flag, value in (("--cluster-name", args.cluster_name), ("--share-mem-path", args.share_mem_path),
                         ("--info-json", args.info_json), ("--listen", args.listen), ("--join", args.join),
-                        ("--etcd-port", args.etcd_port), ("--p2p-port", args.p2p_port),
-                        ("--geometry", args.geometry), ("--replica-room", args.replica_room)):
+                        ("--etcd-port", args.etcd_port), ("--master-port", args.master_port),
+                        ("--p2p-port", args.p2p_port),
+                        ("--geometry", args.geometry), ("--values", args.values)):
         if value:
             cmd += [flag, str(value)]
     if args.allow_host_network:

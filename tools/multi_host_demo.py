@@ -92,9 +92,9 @@ class FluxonHosts:
     ``cluster`` and ``share`` on every host: each host has its own /dev/shm."""
 
     def __init__(self, hosts: EmulatedHosts, *, dram: str = "64MiB", cluster: str = "cacheseek",
-                 share: str = "/dev/shm/cacheseek-fluxon", geometry: str = "tiny", replica_room: str = "0") -> None:
+                 share: str = "/dev/shm/cacheseek-fluxon", geometry: str = "tiny", values: int = 8) -> None:
         self.hosts, self.dram, self.cluster, self.share = hosts, dram, cluster, share
-        self.geometry, self.replica_room = geometry, replica_room
+        self.geometry, self.values = geometry, values
         self.control = hosts.names[0]
         self.etcd = f"{hosts.address(self.control)}:2379"
         self.running: set[str] = set()
@@ -114,7 +114,7 @@ class FluxonHosts:
     def start_owner(self, host: str) -> dict[str, Any]:
         role = ["--listen", self.hosts.address(host)] if host == self.control else ["--join", self.etcd]
         cmd = [*SERVICE, "start", "--dir", SVC_DIR, "--dram", self.dram, "--cluster-name", self.cluster,
-               "--share-mem-path", self.share, "--geometry", self.geometry, "--replica-room", self.replica_room,
+               "--share-mem-path", self.share, "--geometry", self.geometry, "--values", str(self.values),
                "--allow-host-network", "--fluxon-log", "warn", "--ready-timeout", "90",
                "--info-json", f"{SHARED_MOUNT}/service-{host}.json", *role]
         out = self.hosts.run(host, cmd, timeout=150, env=_env(), cwd=str(REPO))

@@ -1,11 +1,15 @@
 """How much ``dram`` an owner needs for a geometry's values to survive: the rule checked at start.
 
-fluxon-py 0.2.4's master keeps, per owner, a cache of 0.8 x dram split into 8 segments, and a
-value whose power-of-two slot does not fit one such segment is evicted at once, silently (seen:
-both 64 MiB values of a 1 GiB owner vanished; with 3 GiB they stayed). So an owner needs
-``dram >= DRAM_PER_SLOT x slot`` of the largest value the geometry writes (a 480p KV value is
-45.7 MiB of payload in a 64 MiB slot: 640 MiB), plus room for the replicas: a value another host
-put is pulled into a new slot of the reading host's own segment on its first read there.
+fluxon-py 0.2.4's master keeps, per owner, a cache of 0.8 x dram split into ``CACHE_SEGMENTS`` (8)
+segments, and a value's power-of-two slot must fit one of them: a larger one is evicted at once,
+silently (seen: both 64 MiB payloads, 128 MiB slots, vanished from a 1 GiB owner; 3 GiB kept them). So an owner
+needs ``dram >= DRAM_PER_SLOT x slot`` of the largest value the geometry writes (a 480p KV value
+is 45.7 MiB of payload in a 64 MiB slot: 640 MiB). Read as slot-sized segments, each such step
+holds 8 of those values (seen in experiments/multi_host: with 1 GiB owners a 64 MiB value read
+moments before was a miss once a dozen or so were held with their replicas; with 2 GiB, none).
+An owner holds the values placed on it and replicas: a value another host put is pulled into a
+new slot of the reading host's segment on its first read there. ``values`` is how many
+largest-slot values (placed and replicas) one owner must keep at once.
 
 `OwnerSizing` is that rule for one geometry; `check` raises `ConfigError` naming ``dram`` with
 the numbers and the size that fits.
@@ -23,25 +27,26 @@ from cacheseek.sizes import format_size
 __all__ = ["DRAM_PER_SLOT", "OwnerSizing"]
 
 DRAM_PER_SLOT = 10  # 1 / (0.8 / 8): the master's per-owner cache segment a slot must fit
+CACHE_SEGMENTS = 8
 
 
 @attrs.frozen(slots=True)
 class OwnerSizing:
     """``largest_value``: payload bytes of the largest value (one layer's K or V of a chunk, or
-    its latent); ``replica_room``: bytes kept for replicas of values other hosts put;
+    its latent); ``values``: how many of them one owner keeps at once (placed and replicas);
     ``what``: where the value size comes from, for the error ("geometry lingbot_480p, bfloat16")."""
 
     largest_value: int = attrs.field(validator=attrs.validators.ge(1))
-    replica_room: int = attrs.field(default=0, validator=attrs.validators.ge(0))
+    values: int = attrs.field(default=CACHE_SEGMENTS, validator=attrs.validators.ge(1))
     what: str = "the largest value"
 
     @classmethod
-    def for_geometry(cls, geometry_name: str, replica_room: int = 0, itemsize: int = 2) -> "OwnerSizing":
+    def for_geometry(cls, geometry_name: str, values: int = CACHE_SEGMENTS, itemsize: int = 2) -> "OwnerSizing":
         from cacheseek.runtime.geometry import get_geometry
 
         g = get_geometry(geometry_name)
         largest = max(g.kv_nbytes_per_chunk(itemsize), g.latent_nbytes(itemsize))
-        return cls(largest, replica_room, f"geometry {g.name}, {itemsize}-byte elements")
+        return cls(largest, values, f"geometry {g.name}, {itemsize}-byte elements")
 
     @property
     def slot(self) -> int:
@@ -49,7 +54,7 @@ class OwnerSizing:
 
     @property
     def required(self) -> int:
-        return DRAM_PER_SLOT * self.slot + self.replica_room
+        return DRAM_PER_SLOT * self.slot * -(-self.values // CACHE_SEGMENTS)
 
     @property
     def fitting_dram(self) -> int:
@@ -62,8 +67,8 @@ class OwnerSizing:
         raise ConfigError(
             "dram",
             f"{format_size(dram_bytes)} is too small for {self.what}: its largest value is "
-            f"{format_size(self.largest_value)} in a {format_size(self.slot)} slot, and the owner needs "
-            f"{DRAM_PER_SLOT} x {format_size(self.slot)} = {format_size(DRAM_PER_SLOT * self.slot)} "
-            f"+ {format_size(self.replica_room)} replica room = {format_size(self.required)} (a smaller "
-            "segment evicts such a value at once, silently)",
-            f"give --dram {format_size(self.fitting_dram).replace(' ', '')} or more")
+            f"{format_size(self.largest_value)} in a {format_size(self.slot)} slot; to keep {self.values} of "
+            f"them (placed and replicas) the owner needs {DRAM_PER_SLOT} x {format_size(self.slot)} x "
+            f"ceil({self.values} / {CACHE_SEGMENTS}) = {format_size(self.required)} (below that such values "
+            "are evicted, silently)",
+            f"give --dram {self.fitting_dram >> 20}MiB or more")
