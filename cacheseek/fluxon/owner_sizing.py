@@ -4,12 +4,13 @@ fluxon-py 0.2.4's master keeps, per owner, a cache of 0.8 x dram split into ``CA
 segments, and a value's power-of-two slot must fit one of them: a larger one is evicted at once,
 silently (seen: both 64 MiB payloads, 128 MiB slots, vanished from a 1 GiB owner; 3 GiB kept them). So an owner
 needs ``dram >= DRAM_PER_SLOT x slot`` of the largest value the geometry writes (a 480p KV value
-is 45.7 MiB of payload in a 64 MiB slot: 640 MiB). Read as slot-sized segments, each such step
-holds 8 of those values (seen in experiments/multi_host: with 1 GiB owners a 64 MiB value read
-moments before was a miss once a dozen or so were held with their replicas; with 2 GiB, none).
+is 45.7 MiB of payload in a 64 MiB slot: 640 MiB). Each such step holds at most 8 of those
+values (one per segment), fewer in practice: values spread unevenly over the segments, and one
+that lands in a full segment evicts another (experiments/multi_host/probe.py: a 640 MiB owner
+kept 6 of 12 such values, 1280 MiB 14 of 20; an evicted value is a miss, never other bytes).
 An owner holds the values placed on it and replicas: a value another host put is pulled into a
 new slot of the reading host's segment on its first read there. ``values`` is how many
-largest-slot values (placed and replicas) one owner must keep at once.
+largest-slot values (placed and replicas) one owner must keep at once; give it headroom.
 
 `OwnerSizing` is that rule for one geometry; `check` raises `ConfigError` naming ``dram`` with
 the numbers and the size that fits.
