@@ -104,6 +104,13 @@ def _error(message: str) -> int:
     return 2
 
 
+def _config_error(exc: Any) -> str:
+    """A ConfigError of the service as the option that caused it: ``--dram: ...``."""
+    field = exc.field.removeprefix("--")
+    flag = {"listen_host": "listen"}.get(field, field).replace("_", "-")
+    return f"--{flag}: {exc.problem}" + (f" (fix: {exc.fix})" if exc.fix else "")
+
+
 def _import_service() -> Any:
     try:
         from cacheseek.fluxon import service
@@ -121,7 +128,7 @@ def _started(args: argparse.Namespace) -> tuple[Any, Optional[int]]:
         svc = _new_service(args)
         svc.start()
     except ConfigError as exc:
-        return None, _error(f"--{exc.field}: {exc.problem}" + (f" (fix: {exc.fix})" if exc.fix else ""))
+        return None, _error(_config_error(exc))
     except CacheSeekError as exc:
         return None, _error(str(exc))
     return svc, None
@@ -148,7 +155,7 @@ def _problem(args: argparse.Namespace) -> Optional[str]:
     try:
         _new_service(args)  # every argument checked (sizes, roles, the dram rule); nothing started
     except ConfigError as exc:
-        return f"--{exc.field.removeprefix('--').replace('_', '-')}: {exc.problem}" + (f" (fix: {exc.fix})" if exc.fix else "")
+        return _config_error(exc)
     problem = service.fluxon_py_problem()
     if problem:
         return problem
