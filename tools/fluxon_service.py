@@ -134,9 +134,19 @@ def _started(args: argparse.Namespace) -> tuple[Any, Optional[int]]:
     return svc, None
 
 
+def geometry_sizing(name: str, values: int, itemsize: int = 2) -> Any:
+    """The dram rule for ``values`` of the geometry's largest value (a KV value or the latent)."""
+    from cacheseek.fluxon.owner_sizing import OwnerSizing
+    from cacheseek.runtime.geometry import get_geometry
+
+    g = get_geometry(name)
+    largest = max(g.kv_nbytes_per_chunk(itemsize), g.latent_nbytes(itemsize))
+    return OwnerSizing(largest, values, f"geometry {g.name}, {itemsize}-byte elements")
+
+
 def _new_service(args: argparse.Namespace) -> Any:
     service = _import_service()
-    sizing = service.OwnerSizing.for_geometry(args.geometry, args.values)
+    sizing = geometry_sizing(args.geometry, args.values)
     return service.FluxonService(
         args.dir, dram=args.dram, listen_host=args.listen, join=args.join, etcd_port=args.etcd_port,
         master_port=args.master_port, p2p_port=args.p2p_port, sizing=sizing,

@@ -34,20 +34,13 @@ CACHE_SEGMENTS = 8
 @attrs.frozen(slots=True)
 class OwnerSizing:
     """``largest_value``: payload bytes of the largest value (one layer's K or V of a chunk, or
-    its latent); ``values``: how many of them one owner keeps at once (placed and replicas);
-    ``what``: where the value size comes from, for the error ("geometry lingbot_480p, bfloat16")."""
+    its latent: ``tools/fluxon_service.py --geometry`` derives it); ``values``: how many of them
+    one owner keeps at once (placed and replicas); ``what``: where the value size comes from, for
+    the error ("geometry lingbot_480p, 2-byte elements")."""
 
     largest_value: int = attrs.field(validator=attrs.validators.ge(1))
     values: int = attrs.field(default=CACHE_SEGMENTS, validator=attrs.validators.ge(1))
     what: str = "the largest value"
-
-    @classmethod
-    def for_geometry(cls, geometry_name: str, values: int = CACHE_SEGMENTS, itemsize: int = 2) -> "OwnerSizing":
-        from cacheseek.runtime.geometry import get_geometry
-
-        g = get_geometry(geometry_name)
-        largest = max(g.kv_nbytes_per_chunk(itemsize), g.latent_nbytes(itemsize))
-        return cls(largest, values, f"geometry {g.name}, {itemsize}-byte elements")
 
     @property
     def slot(self) -> int:

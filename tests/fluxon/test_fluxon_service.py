@@ -255,20 +255,25 @@ def test_cli_tool_starts_prints_attach_info_and_stops_on_sigterm(fluxon_env, tmp
 # -- several hosts: roles and the dram rule (no Fluxon needed) -----------------------------------
 
 
-def test_owner_dram_rule_names_the_numbers():
-    from cacheseek.fluxon.owner_sizing import OwnerSizing
+def _sizing(geometry: str, values: int = 8):
+    sys.path.insert(0, str(REPO / "tools"))
+    from fluxon_service import geometry_sizing
 
-    s = OwnerSizing.for_geometry("lingbot_480p")
+    return geometry_sizing(geometry, values)
+
+
+def test_owner_dram_rule_names_the_numbers():
+    s = _sizing("lingbot_480p")
     assert (s.largest_value, s.slot, s.required) == (47_923_200, 64 << 20, 640 << 20)
     s.check(640 << 20)
     with pytest.raises(ConfigError, match=r"^dram: 512 MiB .* 45.70 MiB in a 64 MiB slot.*= 640 MiB") as err:
         s.check(512 << 20)
     assert err.value.fix == "give --dram 640MiB or more"
-    three = OwnerSizing.for_geometry("lingbot_480p", values=24)
+    three = _sizing("lingbot_480p", values=24)
     assert three.required == 1920 << 20 and three.fitting_dram == 1920 << 20
     with pytest.raises(ConfigError, match="dram"):
         FluxonService("/tmp/unused", dram="1GiB", sizing=three)
-    assert OwnerSizing.for_geometry("tiny").required == 10 * 512  # a 192 B value in a 512 B slot
+    assert _sizing("tiny").required == 10 * 512  # a 192 B value in a 512 B slot
 
 
 def test_multi_host_roles_are_checked_at_construction(tmp_path):
