@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""A single-node Fluxon service (etcd + KV master + owner) for CacheSeek: start, stop, or run.
+"""A Fluxon service (etcd + KV master + owner) for CacheSeek, on one host or several: start, stop, run.
 
     python tools/fluxon_service.py start [--dram 1GiB] [--dir DIR]   # returns once it serves
+    python tools/fluxon_service.py start --listen ADDR ...           # control plane + owner, host 1
+    python tools/fluxon_service.py start --join ADDR:2379 ...        # an owner on each other host
     python tools/fluxon_service.py stop [--dir DIR]
     python tools/fluxon_service.py run [--dram 1GiB] [--dir DIR] -- CMD [ARGS...]
     python tools/fluxon_service.py start --foreground ...            # stays until Ctrl-C
@@ -15,6 +17,14 @@ service, runs CMD, stops the service and exits with CMD's status: one command, o
 The defaults (cluster ``cacheseek`` at ``/dev/shm/cacheseek-fluxon``, ``--dir
 /tmp/cacheseek-fluxon``) are what ``+store=fluxon`` and ``+store=fluxon_plan store.client=fluxon``
 attach to without further overrides.
+
+Several hosts: ``--listen ADDR`` (an address of this host the others reach) starts etcd on
+``ADDR:--etcd-port`` (default 2379), the master and this host's owner; ``--join ADDR:2379`` on
+every other host starts only an owner of the same ``--cluster-name``. Workers attach to their own
+host's owner (same overrides as one host). ``--geometry`` (default tiny) and ``--values`` (default 8)
+check the owner's ``--dram`` first: 10 x the largest value's power-of-two slot per 8 such values
+it keeps, placed and replicas (480p: 64 MiB slots, 640 MiB per 8 values), or values vanish. README "One cache over several
+machines" says what runs where and what a crash costs.
 
 The Fluxon master and owner advertise a non-loopback address, so on a shared machine the service
 and every client run inside one private network namespace; the tool refuses to start outside one
@@ -64,6 +74,16 @@ def _parser() -> argparse.ArgumentParser:
         s.add_argument("--allow-host-network", action="store_true",
                        help="start even outside a private network namespace (your own machine only)")
         s.add_argument("--fluxon-log", default="info", help="FLUXON_LOG level of the master and owner")
+        s.add_argument("--listen", default=None, metavar="ADDR",
+                       help="control plane of several hosts: etcd also on ADDR (this host's address)")
+        s.add_argument("--join", default=None, metavar="ADDR:PORT",
+                       help="join the control plane whose etcd is ADDR:PORT: start only this host's owner")
+        s.add_argument("--etcd-port", type=int, default=0, help="with --listen: etcd's client port (default 2379)")
+        s.add_argument("--master-port", type=int, default=0, help="with --listen: the master's port (default: free)")
+        s.add_argument("--p2p-port", type=int, default=0, help="the owner's P2P port other hosts pull from (default: free)")
+        s.add_argument("--geometry", default="tiny", help="the geometry the cache holds, for the dram check (default tiny)")
+        s.add_argument("--values", type=int, default=8,
+                       help="largest-slot values this owner keeps at once, placed and replicas (default 8)")
         s.add_argument("-v", "--verbose", action="store_true")
 
     s = sub.add_parser("start", help="start the service in the background; print how to attach and stop")
@@ -84,6 +104,13 @@ def _error(message: str) -> int:
     return 2
 
 
+def _config_error(exc: Any) -> str:
+    """A ConfigError of the service as the option that caused it: ``--dram: ...``."""
+    field = exc.field.removeprefix("--")
+    flag = {"listen_host": "listen"}.get(field, field).replace("_", "-")
+    return f"--{flag}: {exc.problem}" + (f" (fix: {exc.fix})" if exc.fix else "")
+
+
 def _import_service() -> Any:
     try:
         from cacheseek.fluxon import service
@@ -101,16 +128,28 @@ def _started(args: argparse.Namespace) -> tuple[Any, Optional[int]]:
         svc = _new_service(args)
         svc.start()
     except ConfigError as exc:
-        return None, _error(f"--{exc.field}: {exc.problem}" + (f" (fix: {exc.fix})" if exc.fix else ""))
+        return None, _error(_config_error(exc))
     except CacheSeekError as exc:
         return None, _error(str(exc))
     return svc, None
 
 
+def geometry_sizing(name: str, values: int, itemsize: int = 2) -> Any:
+    """The dram rule for ``values`` of the geometry's largest value (a KV value or the latent)."""
+    from cacheseek.fluxon.owner_sizing import OwnerSizing
+    from cacheseek.runtime.geometry import get_geometry
+
+    g = get_geometry(name)
+    largest = max(g.kv_nbytes_per_chunk(itemsize), g.latent_nbytes(itemsize))
+    return OwnerSizing(largest, values, f"geometry {g.name}, {itemsize}-byte elements")
+
+
 def _new_service(args: argparse.Namespace) -> Any:
     service = _import_service()
+    sizing = geometry_sizing(args.geometry, args.values)
     return service.FluxonService(
-        args.dir, dram=args.dram,
+        args.dir, dram=args.dram, listen_host=args.listen, join=args.join, etcd_port=args.etcd_port,
+        master_port=args.master_port, p2p_port=args.p2p_port, sizing=sizing,
         cluster_name=args.cluster_name or service.DEFAULT_CLUSTER_NAME,
         share_mem_path=args.share_mem_path or service.DEFAULT_SHARE_MEM_PATH,
         ready_timeout_s=args.ready_timeout, require_private_netns=not args.allow_host_network,
@@ -124,9 +163,9 @@ def _problem(args: argparse.Namespace) -> Optional[str]:
     from cacheseek.sizes import parse_size
 
     try:
-        parse_size(args.dram, "--dram")
+        _new_service(args)  # every argument checked (sizes, roles, the dram rule); nothing started
     except ConfigError as exc:
-        return str(exc)
+        return _config_error(exc)
     problem = service.fluxon_py_problem()
     if problem:
         return problem
@@ -143,11 +182,15 @@ def _problem(args: argparse.Namespace) -> Optional[str]:
 
 def _attach_text(info: dict[str, Any], ready: str, stop_how: str) -> str:
     service = _import_service()
-    return f"""Fluxon service ready ({ready})
+    role = {"single": "one host", "control": "control plane + owner", "owner": "owner"}[info['role']]
+    join = (f"\n  other hosts     python tools/fluxon_service.py start --join {info['etcd_endpoints'][0]} "
+            f"--cluster-name {info['cluster_name']} --allow-host-network" if info['role'] == "control" else "")
+    return f"""Fluxon service ready ({ready}): {role} on {info['hostname']}
   cluster name    {info['cluster_name']}
   segment         {service.format_size(info['segment_bytes'])} at {info['segment_dir']}/mmap.file
   share_mem_path  {info['share_mem_path']}
-  etcd            {', '.join(info['etcd_endpoints'])} (loopback)
+  etcd            {', '.join(info['etcd_endpoints'])}
+  owner p2p port  {info['owner_p2p_port']}{join}
   logs            {info['logs_dir']}
 
 Attach from this network namespace:
@@ -229,9 +272,12 @@ def start(args: argparse.Namespace) -> int:
     cmd = [sys.executable, os.path.abspath(__file__), "start", "--foreground", "--dir", str(work),
            "--dram", str(args.dram), "--ready-timeout", str(args.ready_timeout), "--fluxon-log", args.fluxon_log]
     for flag, value in (("--cluster-name", args.cluster_name), ("--share-mem-path", args.share_mem_path),
-                        ("--info-json", args.info_json)):
+                        ("--info-json", args.info_json), ("--listen", args.listen), ("--join", args.join),
+                        ("--etcd-port", args.etcd_port), ("--master-port", args.master_port),
+                        ("--p2p-port", args.p2p_port),
+                        ("--geometry", args.geometry), ("--values", args.values)):
         if value:
-            cmd += [flag, value]
+            cmd += [flag, str(value)]
     if args.allow_host_network:
         cmd.append("--allow-host-network")
     with open(work / LOG_FILE, "ab") as log:

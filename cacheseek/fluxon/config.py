@@ -3,7 +3,7 @@ master's and owner's configs as handed to Fluxon (0.2.4 rejects unknown keys).
 
 The owner's segment is ``<share_mem_path>/<cluster_name>/mmap.file``, ``dram`` bytes aligned down
 to Fluxon's 16 MiB granule (``SEGMENT_ALIGN``). The master and owner find each other through the
-one etcd (``etcd_endpoints``, on 127.0.0.1).
+one etcd (``etcd_endpoints``: 127.0.0.1 on one host, the control plane's address across hosts).
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ def master_config(cluster_name: str, port: int, etcd_endpoints: list[str], log_d
 
 
 def owner_config(cluster_name: str, dram_bytes: int, etcd_endpoints: list[str], share_mem_path: str,
-                 large_dir: Path, p2p_port: int) -> dict[str, Any]:
+                 large_dir: Path, p2p_port: int, instance_key: str = "") -> dict[str, Any]:
     """The owner's config (``owner.yaml``): it contributes ``dram_bytes`` of ``share_mem_path``;
-    Fluxon writes the owner's and every client's log under ``large_dir``."""
+    Fluxon writes the owner's and every client's log under ``large_dir``. Owners of one cluster
+    on several hosts each need their own ``instance_key`` (default ``<cluster>-owner``)."""
     return {
-        "instance_key": f"{cluster_name}-owner",
+        "instance_key": instance_key or f"{cluster_name}-owner",
         "contribute_to_cluster_pool_size": {"dram": dram_bytes, "vram": {}},
         "fluxonkv_spec": {
             "etcd_addresses": etcd_endpoints,

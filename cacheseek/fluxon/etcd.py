@@ -1,6 +1,7 @@
 """The etcd server a local Fluxon service runs: finding its binary, its command line, its health.
 
-etcd listens on 127.0.0.1 only (client and peer ports). `endpoint_answers` is how a client or a
+etcd listens on 127.0.0.1 (a single-host service) or also on the address the control plane of
+a multi-host service was given, which every owner's host must reach. `endpoint_answers` is how a client or a
 new service tells a live service from a stale ``shared.json``: the etcd it names accepts a TCP
 connection.
 """
@@ -54,22 +55,25 @@ def resolve_etcd_binary(explicit: Optional[str] = None) -> str:
     )
 
 
-def etcd_command(etcd_bin: str, name: str, data_dir: Path, client_port: int, peer_port: int) -> list[str]:
-    """A single-member etcd on 127.0.0.1: ``client_port`` for clients, ``peer_port`` for peers."""
-    client = f"http://127.0.0.1:{client_port}"
-    peer = f"http://127.0.0.1:{peer_port}"
+def etcd_command(etcd_bin: str, name: str, data_dir: Path, client_port: int, peer_port: int,
+                 host: str = "127.0.0.1") -> list[str]:
+    """A single-member etcd: clients on ``host:client_port`` (and 127.0.0.1), peers on
+    ``host:peer_port``."""
+    client = f"http://{host}:{client_port}"
+    listen = client if host == "127.0.0.1" else f"{client},http://127.0.0.1:{client_port}"
+    peer = f"http://{host}:{peer_port}"
     return [
         etcd_bin, "--name", name, "--data-dir", str(data_dir),
-        "--listen-client-urls", client, "--advertise-client-urls", client,
+        "--listen-client-urls", listen, "--advertise-client-urls", client,
         "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
         "--initial-cluster", f"{name}={peer}", "--initial-cluster-state", "new",
     ]
 
 
-def etcd_healthy(port: int, timeout: float = 1.0) -> bool:
-    """Whether the etcd on 127.0.0.1:``port`` reports itself healthy."""
+def etcd_healthy(endpoint: str, timeout: float = 1.0) -> bool:
+    """Whether the etcd at ``host:port`` reports itself healthy."""
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=timeout) as r:
+        with urllib.request.urlopen(f"http://{endpoint}/health", timeout=timeout) as r:
             return json.loads(r.read().decode()).get("health") in ("true", True)
     except (OSError, ValueError, urllib.error.URLError):
         return False

@@ -1,4 +1,17 @@
-"""A single-node Fluxon service (etcd + KV master + owner) that this process starts and stops.
+"""A Fluxon service (etcd + KV master + owner, or an owner joining one) that this process starts
+and stops.
+
+Three roles, one class:
+
+- single host (default): etcd on 127.0.0.1, the master and one owner;
+- control plane of several hosts (``listen_host=ADDR``): the same, etcd also on ``ADDR`` (fixed
+  ``etcd_port``, default 2379) so that owners on other hosts can join;
+- joining owner (``join="ADDR:PORT"``, that etcd): only an owner, registered with the control
+  plane's master; workers on its host attach to it exactly as to a single-host service.
+
+Across hosts each owner has its own ``share_mem_path`` segment and ``p2p_port`` (other owners pull
+values from it over TCP), one cluster name, ``sub_cluster: default``. ``sizing`` (`OwnerSizing`)
+refuses a ``dram`` too small for the geometry's values before anything starts.
 
 `FluxonService` is what ``tools/fluxon_service.py`` runs and what the ``fluxon`` test fixture
 uses. Everything lives under one work folder (``workdir``)::
@@ -37,7 +50,8 @@ Hazards (docs/design.md, "Fluxon"):
 - The master and owner listen on every interface and advertise the machine's non-loopback
   address. On a shared machine run the service and its clients inside a private network
   namespace (``tools/netns-run.sh``); ``require_private_netns`` (default True) refuses
-  to start elsewhere. etcd itself listens on 127.0.0.1 only.
+  to start elsewhere (across real hosts, where that address is the point, turn it off). etcd
+  listens on 127.0.0.1, and on ``listen_host`` for a control plane.
 - The master and owner bind a parent-death signal to the thread that started them: keep that
   thread (and process) alive for as long as the service should run.
 - The idle master and owner each busy-poll about one core.
@@ -74,6 +88,7 @@ from cacheseek.fluxon.etcd import etcd_command, etcd_healthy, live_endpoints, re
 from cacheseek.fluxon.loader import fluxon_py_problem
 from cacheseek.fluxon.netns import private_netns_problem
 from cacheseek.fluxon.owner import SHARED_JSON
+from cacheseek.fluxon.owner_sizing import OwnerSizing
 from cacheseek.sizes import format_size, parse_size
 
 log = logging.getLogger(__name__)
@@ -89,9 +104,14 @@ __all__ = [
     "fluxon_py_problem",
     "local_service_problem",
     "SEGMENT_ALIGN",
+    "DEFAULT_ETCD_PORT",
+    "OwnerSizing",
     "DEFAULT_CLUSTER_NAME",
     "DEFAULT_SHARE_MEM_PATH",
 ]
+
+
+DEFAULT_ETCD_PORT = 2379  # the control plane's etcd across hosts (etcd's own default)
 
 
 def local_service_problem() -> Optional[str]:
@@ -147,6 +167,8 @@ class FluxonService:
     ``client_instance_key``: the instance key prefix suggested to clients (`attach_info`).
     ``ready_timeout_s`` bounds `start`; ``stop_timeout_s`` bounds each child's clean exit before
     SIGKILL. ``fluxon_log``: FLUXON_LOG level of the master and owner (their logs only).
+    ``listen_host``, ``join``, ``etcd_port``, ``master_port``, ``p2p_port`` (0: a free port) and
+    ``sizing``: the multi-host roles (module docstring).
     """
 
     def __init__(
@@ -162,6 +184,12 @@ class FluxonService:
         require_private_netns: bool = True,
         etcd_bin: Optional[str] = None,
         fluxon_log: str = "info",
+        listen_host: Optional[str] = None,
+        join: Optional[str] = None,
+        etcd_port: int = 0,
+        master_port: int = 0,
+        p2p_port: int = 0,
+        sizing: Optional[OwnerSizing] = None,
     ) -> None:
         dram_bytes = parse_size(dram, "dram")
         aligned = dram_bytes - dram_bytes % SEGMENT_ALIGN
@@ -171,6 +199,22 @@ class FluxonService:
             log.info("fluxon service: dram %s aligned down to %s (16 MiB granule)", dram, format_size(aligned))
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", cluster_name or ""):
             raise ConfigError("cluster_name", f"{cluster_name!r} is not a plain name", "use letters, digits, '_', '-', '.'")
+        if sizing is not None:
+            sizing.check(aligned)
+        if listen_host is not None and join is not None:
+            raise ConfigError("join", "a control plane (listen_host) does not join another one",
+                              "give listen_host on the control-plane host, join on the others")
+        if join is not None:
+            host, _, port = join.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError("join", f"{join!r} is not host:port of the control plane's etcd",
+                                  f"e.g. 10.0.0.1:{DEFAULT_ETCD_PORT}")
+        if listen_host is not None:
+            try:
+                socket.inet_aton(listen_host)
+            except OSError:
+                raise ConfigError("listen_host", f"{listen_host!r} is not an IPv4 address",
+                                  "give the address the other hosts reach this one at") from None
         if not share_mem_path or not os.path.isabs(share_mem_path):
             raise ConfigError("share_mem_path", f"{share_mem_path!r} is not an absolute path", "e.g. /dev/shm/cacheseek-fluxon")
         self.workdir = Path(workdir).expanduser().absolute()
@@ -184,6 +228,8 @@ class FluxonService:
         self._etcd_bin_arg = etcd_bin
         self.fluxon_log = fluxon_log
         self.logs_dir = self.workdir / "logs"
+        self.listen_host, self.join = listen_host, join
+        self._ports = (etcd_port or (DEFAULT_ETCD_PORT if listen_host else 0), master_port, p2p_port)
         self.etcd_port = self.etcd_peer_port = self.master_port = self.owner_port = 0
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._lock_fd: Optional[int] = None
@@ -222,6 +268,17 @@ class FluxonService:
         return self.segment_dir / SHARED_JSON
 
     @property
+    def etcd_endpoint(self) -> str:
+        """``host:port`` of the etcd the owner (and master) register with."""
+        if self.join:
+            return self.join
+        return f"{self.listen_host or '127.0.0.1'}:{self.etcd_port}" if self.etcd_port else ""
+
+    @property
+    def role(self) -> str:
+        return "owner" if self.join else "control" if self.listen_host else "single"
+
+    @property
     def running(self) -> bool:
         return self._running
 
@@ -238,7 +295,9 @@ class FluxonService:
             "segment_dir": str(self.segment_dir),
             "shared_json": str(self.shared_json),
             "segment_bytes": self.dram_bytes,
-            "etcd_endpoints": [f"127.0.0.1:{self.etcd_port}"] if self.etcd_port else [],
+            "role": self.role,
+            "hostname": socket.gethostname(),
+            "etcd_endpoints": [self.etcd_endpoint] if self.etcd_endpoint else [],
             "master_port": self.master_port,
             "owner_p2p_port": self.owner_port,
             "workdir": str(self.workdir),
@@ -284,13 +343,21 @@ class FluxonService:
         self._prepare_dirs()
         try:
             self._check_share_mem()
-            self.etcd_port, self.etcd_peer_port, self.master_port, self.owner_port = _free_ports(4)
-            self._start_etcd(etcd_bin)
-            self._wait(lambda: etcd_healthy(self.etcd_port, 0.5), "etcd /health", t0)
+            self._pick_ports()
+            if self.join:
+                if not etcd_healthy(self.join, 3.0):
+                    raise FluxonServiceError(
+                        f"the control plane's etcd at {self.join} does not answer from {socket.gethostname()}: "
+                        "start the control plane first (fluxon_service.py start --listen ADDR) and check "
+                        "that this host reaches ADDR")
+            else:
+                self._start_etcd(etcd_bin)
+                self._wait(lambda: etcd_healthy(self.etcd_endpoint, 0.5), "etcd /health", t0)
             self._write_configs()
-            self._spawn("master", [sys.executable, "-m", "fluxon_py.runtime.start_master",
-                                   "--config", str(self.workdir / "master.yaml"),
-                                   "--workdir", str(self.workdir / "master")])
+            if not self.join:
+                self._spawn("master", [sys.executable, "-m", "fluxon_py.runtime.start_master",
+                                       "--config", str(self.workdir / "master.yaml"),
+                                       "--workdir", str(self.workdir / "master")])
             self._spawn("owner", [sys.executable, "-m", "fluxon_py.runtime.start_owner_kvclient",
                                   "--config", str(self.workdir / "owner.yaml"),
                                   "--workdir", str(self.workdir / "owner")])
@@ -301,9 +368,9 @@ class FluxonService:
             raise
         self._running = True
         self.ready_seconds = time.monotonic() - t0
-        log.info("fluxon service ready in %.1f s: cluster %r, segment %s at %s, etcd 127.0.0.1:%d, "
-                 "logs %s", self.ready_seconds, self._cluster_name, format_size(self.dram_bytes),
-                 self.segment_dir, self.etcd_port, self.logs_dir)
+        log.info("fluxon service (%s) ready in %.1f s: cluster %r, segment %s at %s, etcd %s, logs %s",
+                 self.role, self.ready_seconds, self._cluster_name, format_size(self.dram_bytes),
+                 self.segment_dir, self.etcd_endpoint, self.logs_dir)
         return self
 
     def check(self) -> None:
@@ -402,21 +469,31 @@ class FluxonService:
                 f"{root} has {format_size(free)} free, less than the {format_size(self.dram_bytes)} "
                 "segment asked for: lower dram or free shared memory")
 
+    def _pick_ports(self) -> None:
+        etcd, master, p2p = self._ports
+        free = iter(_free_ports(4))
+        self.etcd_port = 0 if self.join else etcd or next(free)
+        self.etcd_peer_port = 0 if self.join else next(free)
+        self.master_port = 0 if self.join else master or next(free)
+        self.owner_port = p2p or next(free)
+
     def _start_etcd(self, etcd_bin: str) -> None:
         data = self.workdir / "etcd" / "data"
         data.parent.mkdir(parents=True, exist_ok=True)
         self._spawn("etcd", etcd_command(etcd_bin, f"{self._cluster_name}-etcd", data, self.etcd_port,
-                                         self.etcd_peer_port))
+                                         self.etcd_peer_port, self.listen_host or "127.0.0.1"))
 
     def _write_configs(self) -> None:
         import yaml  # PyYAML: a dependency of fluxon-py and of hydra-core
 
-        etcd = [f"127.0.0.1:{self.etcd_port}"]
-        master = master_config(self._cluster_name, self.master_port, etcd, self.logs_dir / "master")
+        etcd = [self.etcd_endpoint]
+        key = f"{self._cluster_name}-owner-{socket.gethostname()}" if self.role != "single" else ""
         owner = owner_config(self._cluster_name, self.dram_bytes, etcd, self._share_mem_path,
-                             self.workdir / "large", self.owner_port)
-        (self.workdir / "master.yaml").write_text(yaml.safe_dump(master, sort_keys=False))
+                             self.workdir / "large", self.owner_port, key)
         (self.workdir / "owner.yaml").write_text(yaml.safe_dump(owner, sort_keys=False))
+        if not self.join:
+            master = master_config(self._cluster_name, self.master_port, etcd, self.logs_dir / "master")
+            (self.workdir / "master.yaml").write_text(yaml.safe_dump(master, sort_keys=False))
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         env = dict(os.environ)

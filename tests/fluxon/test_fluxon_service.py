@@ -250,3 +250,46 @@ def test_cli_tool_starts_prints_attach_info_and_stops_on_sigterm(fluxon_env, tmp
     assert f"+store=fluxon_plan store.client=fluxon +store.client_options.cluster_name={name}" in out
     assert f"python -m cacheseek.workers --cluster-name {name}" in out
     assert not Path(share, name).exists() and not info_json.exists()
+
+
+# -- several hosts: roles and the dram rule (no Fluxon needed) -----------------------------------
+
+
+def _sizing(geometry: str, values: int = 8):
+    sys.path.insert(0, str(REPO / "tools"))
+    from fluxon_service import geometry_sizing
+
+    return geometry_sizing(geometry, values)
+
+
+def test_owner_dram_rule_names_the_numbers():
+    s = _sizing("lingbot_480p")
+    assert (s.largest_value, s.slot, s.required) == (47_923_200, 64 << 20, 640 << 20)
+    s.check(640 << 20)
+    with pytest.raises(ConfigError, match=r"^dram: 512 MiB .* 45.70 MiB in a 64 MiB slot.*= 640 MiB") as err:
+        s.check(512 << 20)
+    assert err.value.fix == "give --dram 640MiB or more"
+    three = _sizing("lingbot_480p", values=24)
+    assert three.required == 1920 << 20 and three.fitting_dram == 1920 << 20
+    with pytest.raises(ConfigError, match="dram"):
+        FluxonService("/tmp/unused", dram="1GiB", sizing=three)
+    assert _sizing("tiny").required == 10 * 512  # a 192 B value in a 512 B slot
+
+
+def test_multi_host_roles_are_checked_at_construction(tmp_path):
+    svc = FluxonService(tmp_path, dram="16MiB", listen_host="10.0.0.1")
+    assert svc.role == "control" and svc._ports[0] == service_mod.DEFAULT_ETCD_PORT
+    owner = FluxonService(tmp_path, dram="16MiB", join="10.0.0.1:2379")
+    assert owner.role == "owner" and owner.etcd_endpoint == "10.0.0.1:2379"
+    with pytest.raises(ConfigError, match="^join: 'nohost' is not host:port"):
+        FluxonService(tmp_path, dram="16MiB", join="nohost")
+    with pytest.raises(ConfigError, match="^listen_host: 'x' is not an IPv4"):
+        FluxonService(tmp_path, dram="16MiB", listen_host="x")
+    with pytest.raises(ConfigError, match="^join: a control plane"):
+        FluxonService(tmp_path, dram="16MiB", listen_host="10.0.0.1", join="10.0.0.1:2379")
+
+
+def test_etcd_listens_on_the_given_address_and_loopback(tmp_path):
+    cmd = etcd_mod.etcd_command("etcd", "n", tmp_path, 2379, 2380, "10.0.0.1")
+    assert cmd[cmd.index("--listen-client-urls") + 1] == "http://10.0.0.1:2379,http://127.0.0.1:2379"
+    assert cmd[cmd.index("--advertise-client-urls") + 1] == "http://10.0.0.1:2379"

@@ -70,3 +70,11 @@ def test_refuses_before_starting_anything(tmp_path):
     out = subprocess.run([*TOOL, "run", "--dir", str(tmp_path / "svc")], env=_env(), capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "no command given" in out.stderr
+
+
+def test_dram_too_small_for_the_geometry_is_refused_with_the_numbers(tmp_path):
+    out = subprocess.run([*TOOL, "start", "--listen", "10.0.0.1", "--dram", "512MiB", "--geometry", "lingbot_480p",
+                          "--dir", str(tmp_path / "svc")], env=_env(), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith("error: --dram: 512 MiB is too small for geometry lingbot_480p")
+    assert "64 MiB slot" in out.stderr and "give --dram 640MiB or more" in out.stderr
+    assert not (tmp_path / "svc").exists()
