@@ -35,11 +35,13 @@ A `Stack` hands out managers and bindings that share one forest, one store and o
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional
 
 import attrs
+import torch
+from hydra.utils import get_class
 from omegaconf import OmegaConf
 
 from cacheseek import namespace, sizing
@@ -47,7 +49,7 @@ from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.eviction import EvictionConfig, make_policy, store_usage
 from cacheseek.hydra_errors import appended_key, choose_a_store
 from cacheseek.metrics import CacheMetrics
-from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, import_backends, instantiate
+from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, instantiate
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config, make_rolling_config
 from cacheseek.sizes import format_size
@@ -105,7 +107,6 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
     ``plan_client=``, ``cudart=``) override or are injected into the configured components.
     ``workload``: the built workload (else ``cfg.workload`` is built when present); ``note``
     receives each choice made for the user, one line each (they are logged too)."""
-    import_backends()
     notes: list[str] = []
 
     def tell(line: str) -> None:
@@ -201,8 +202,6 @@ def _geometry_bytes(runtime_factory: Any) -> Optional[tuple[int, int]]:
     """``(one layer's K or V of a chunk, one chunk's KV)`` in bytes, for stores whose clients size
     their staging from it (None when the runtime does not say)."""
     try:
-        import torch
-
         g = runtime_factory.geometry
         itemsize = torch.empty((), dtype=getattr(torch, str(getattr(runtime_factory, "dtype", "bfloat16")))).element_size()
         value = int(g.chunk_tokens * g.n_heads * g.head_dim * itemsize)
@@ -258,8 +257,6 @@ def _has_schema(name: str) -> bool:
 
 
 def _class_of(target: str) -> Any:
-    from hydra.utils import get_class
-
     try:
         return get_class(target)
     except Exception:  # noqa: BLE001 - instantiate reports a bad target with its own message

@@ -7,7 +7,7 @@ calls emulated over the public fluxon-py 0.2.4 client), ``device`` (`DevicePlanC
 store with its values in a device-memory pool: the HBM tier) and ``fluxon`` (`open_fluxon_plan_client`:
 the native one when the installed fluxon-py has the Plan API, else the emulation:
 `cacheseek.plan.fluxon_select`). Handle lifecycles are documented in `cacheseek.plan.base`; the
-FXPLANV1 table format in `cacheseek.plan.table`. Importing this package needs no torch.
+FXPLANV1 table format in `cacheseek.plan.table`. Importing this package needs no torch (`device` imports it).
 
 The in-process clients (embedded, device, fluxon_public) share their mechanism: the verbs and
 handle bookkeeping (`inprocess`), host mappings (`segment`), plan-table arenas (`table_arena`)
@@ -30,7 +30,6 @@ from cacheseek.plan.base import (
     SegmentMapping,
     SegmentTimers,
 )
-from cacheseek.plan.device import DevicePlanClient
 from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
 from cacheseek.plan.fluxon_native import FluxonNativePlanClient
 from cacheseek.plan.fluxon_public import FluxonPublicPlanClient
@@ -49,7 +48,6 @@ __all__ = [
     "SegmentMapping",
     "SegmentTimers",
     "EmbeddedPlanClient",
-    "DevicePlanClient",
     "PlanFaults",
     "FluxonNativePlanClient",
     "FluxonPublicPlanClient",

@@ -21,6 +21,8 @@ import logging
 import time
 from typing import Any, Optional
 
+import torch
+
 from cacheseek.errors import ConfigError, PlanError
 from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
 from cacheseek.registry import PLAN_CLIENTS
@@ -42,8 +44,6 @@ class DevicePlanSchema:
 
 def resolve_device(device: Any) -> Any:
     """``device`` as a torch device; a bare "cuda" becomes the current CUDA device."""
-    import torch
-
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -52,8 +52,6 @@ def resolve_device(device: Any) -> Any:
 
 def _free_bytes(device: Any) -> int:
     if device.type == "cuda":
-        import torch
-
         return int(torch.cuda.mem_get_info(device)[0])
     try:
         with open("/proc/meminfo") as f:
@@ -88,8 +86,6 @@ class _DeviceSegment:
     """The value pool: one uint8 tensor on the device; the segment timers of an embedded one."""
 
     def __init__(self, length: int, device: Any) -> None:
-        import torch
-
         t0 = time.perf_counter()
         self.tensor: Any = torch.empty(length, dtype=torch.uint8, device=device)
         self.ptr = int(self.tensor.data_ptr())

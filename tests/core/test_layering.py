@@ -53,9 +53,9 @@ def _imports(tree: ast.Module) -> list[tuple[ast.stmt, str, bool]]:
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
-# Process entry points build the stack when they run, not when imported, so that ``--help`` and
-# the two-worker launcher start without numpy or torch (tests/fluxon/test_fluxon_service.py).
-LAZY_ENTRY_POINTS = {"cacheseek.cli", "cacheseek.workers"}
+# The two-worker launcher builds the stack when it runs, not when imported, so that it starts
+# without numpy or torch (tests/fluxon/test_fluxon_service.py).
+LAZY_ENTRY_POINTS = {"cacheseek.workers"}
 
 
 def _name(path: Path) -> str:

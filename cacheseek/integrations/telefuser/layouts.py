@@ -30,7 +30,7 @@ import sys
 from typing import Any
 
 from cacheseek.errors import CacheSeekError
-from cacheseek.registry import LAYOUTS, import_backends
+from cacheseek.registry import LAYOUTS
 
 __all__ = ["TeleFuserLayout", "UnsupportedTeleFuserError", "detect_layout", "RING_FIELDS", "HOOK_FIELDS",
            "SESSION_FIELDS"]
@@ -62,7 +62,6 @@ class TeleFuserLayout(str, enum.Enum):
 
     def adapter(self) -> Any:
         """A new layout adapter for this TeleFuser's sessions (``layout=`` of the binding)."""
-        import_backends()
         return LAYOUTS.get(self.layout_name)()
 
 

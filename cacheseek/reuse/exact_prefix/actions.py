@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 
 from cacheseek.reuse.exact_prefix.keys import sha256_of_parts
 
@@ -130,8 +131,6 @@ def _quantize_on_device(t: Any) -> _Quantized:
     """Quantize a torch tensor with torch on the tensor's device (float64 multiply, round half to
     even, cast) and bring only the integers to the host. Bit-identical to the numpy path; on a
     CPU tensor it is slower (it widens the whole tensor at once), so only CUDA tensors take it."""
-    import torch
-
     t = t.detach()
     if t.is_complex():
         raise ValueError(f"a control of dtype {t.dtype} has no action key")
@@ -184,8 +183,6 @@ def _int_dtype(lo: float, hi: float, size: int) -> np.dtype:
 def _flat_values(control: Any) -> np.ndarray:
     """The control's values as a flat float32 or float64 array (no copy when already one)."""
     if hasattr(control, "detach"):  # a torch tensor: move the narrow dtype, widen on the host
-        import torch
-
         t = control.detach()
         if t.is_complex():
             raise ValueError(f"a control of dtype {t.dtype} has no action key")

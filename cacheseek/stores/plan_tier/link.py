@@ -47,6 +47,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
+import torch
+
 from cacheseek.errors import ConfigError
 from cacheseek.plan.base import PlanClient, SegmentMapping
 from cacheseek.registry import TRANSFERS
@@ -281,8 +283,6 @@ class TransferLink:
 
     def staging_tensor(self, nbytes: int, like: Any) -> Any:
         """A uint8 tensor of ``nbytes`` on ``like``'s device, else on the runtime's device."""
-        import torch
-
         device = getattr(like, "device", None)
         if device is None:
             kind = getattr(self._transfer, "tensor_device_type", "cpu")
