@@ -19,12 +19,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from cacheseek.errors import ConfigError, PlanError
-from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
+from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.registry import PLAN_CLIENTS
 
 __all__ = ["DevicePlanClient", "DevicePlanSchema", "device_pool_bytes", "resolve_device"]
@@ -114,8 +114,6 @@ class DevicePlanClient(EmbeddedPlanClient):
         device: Any = "cpu",
         alignment: int = 256,
         table_arena_bytes: int = 1 << 20,
-        *,
-        faults: Optional[PlanFaults] = None,
     ) -> None:
         self.device = resolve_device(device)
         size = device_pool_bytes(segment_bytes, capacity_fraction, self.device)
@@ -123,7 +121,7 @@ class DevicePlanClient(EmbeddedPlanClient):
             raise ConfigError("store.capacity_bytes", f"the HBM pool would hold {size} B",
                               f"give at least {alignment} B")
         super().__init__(size, backing="private", hugepages=False, alignment=alignment,
-                         table_arena_bytes=table_arena_bytes, prefault=False, faults=faults)
+                         table_arena_bytes=table_arena_bytes, prefault=False)
 
     def _new_segment(self, prefault: bool) -> _DeviceSegment:  # device memory: nothing to fault
         seg = _DeviceSegment(self.segment_bytes, self.device)

@@ -24,7 +24,6 @@ import dataclasses
 from typing import Any, Optional
 
 from cacheseek.plan.device import DevicePlanClient
-from cacheseek.plan.embedded import PlanFaults
 from cacheseek.registry import STORES
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.protocol import TransferRuntime
@@ -47,7 +46,8 @@ class HbmTierSchema:
 class HbmTierStore(PlanTierStore):
     """The HBM tier (see the module docstring). ``device``: where the pool lives; None = the
     transfer runtime's kind (CUDA: the current device; host: cpu). ``transfer``: the runtime
-    shared with the other tiers (the caller keeps owning it)."""
+    shared with the other tiers (the caller keeps owning it). ``plan_client``: a built device pool
+    in place of the one these fields describe (the store owns it either way)."""
 
     storage_format = PlanTierStore.storage_format  # the same bare bytes as the Plan tier
 
@@ -68,11 +68,11 @@ class HbmTierStore(PlanTierStore):
         overlap: bool = False,
         *,
         transfer: Optional[TransferRuntime] = None,
-        faults: Optional[PlanFaults] = None,
+        plan_client: Optional[DevicePlanClient] = None,
     ) -> None:
         if device is None:
             device = "cuda" if getattr(transfer, "device_kind", "cpu") == "cuda" else "cpu"
-        client = DevicePlanClient(capacity_bytes, capacity_fraction, device, alignment, faults=faults)
+        client = plan_client or DevicePlanClient(capacity_bytes, capacity_fraction, device, alignment)
         try:
             super().__init__(device=str(client.device), commit_timeout_s=commit_timeout_s, overlap=overlap,
                              transfer=transfer, plan_client=client)

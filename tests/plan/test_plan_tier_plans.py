@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from cacheseek.errors import PlanError
-from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
 from cacheseek.stores.plan_tier.batches import ALIGN, direction, staging_layout
 from cacheseek.stores.plan_tier.client import table_arena
 from cacheseek.stores.plan_tier.plans import PutPlans, group_by_size, plan_waves
 from cacheseek.stores.plan_tier.stats import Counters
 from cacheseek.transfer.batch import Direction
+
+from fakes.plan_faults import FaultyEmbeddedPlanClient, PlanFaults
 
 
 def test_group_by_size_keeps_first_seen_order():
@@ -57,7 +58,7 @@ def test_direction_between_kinds_of_memory():
 @pytest.fixture
 def client():
     faults = PlanFaults()
-    c = EmbeddedPlanClient(segment_bytes=1 << 20, prefault_threads=1, faults=faults)
+    c = FaultyEmbeddedPlanClient(segment_bytes=1 << 20, prefault_threads=1, faults=faults)
     c.wait_local_segments_ready()
     c.faults = faults
     yield c

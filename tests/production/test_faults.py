@@ -23,11 +23,9 @@ from collections import Counter
 import pytest
 
 from cacheseek.errors import StoreError
-from cacheseek.plan.embedded import PlanFaults
 from cacheseek.stores.kv_tier import KeyValueTier
 from cacheseek.stores.localdisk import LocalDiskTierStore
 from cacheseek.stores.memory import InMemoryTierStore
-from cacheseek.transfer.fake_cudart_types import cudaError_t
 
 from prodkit import (
     FULL,
@@ -44,6 +42,9 @@ from prodkit import (
     run_session,
     store_keys,
 )
+
+from fakes.cudart_types import cudaError_t
+from fakes.plan_faults import PlanFaults
 
 GEN_CHUNKS = 3
 GEN_ACTS = acts(GEN_CHUNKS)
