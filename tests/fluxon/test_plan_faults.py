@@ -148,7 +148,7 @@ def test_store_full_and_a_value_too_large_never_publish(fluxon_client):
         for n in failed:
             locator = f"{n.node_key.hex()}:kv"
             assert not any(store.contains([k for i in range(2) for k in layer_keys(locator, i)]))
-        assert manager.stats["dropped_writes"] == 2
+        assert manager.metrics.dropped_writes == 2
         manager.audit()  # Fluxon may have evicted node 0's values under the pressure: invalidated then
         assert_no_half_published(forest, store)
     finally:
