@@ -16,10 +16,8 @@ Nodes are listed parents first. Only ready blobs are written, and only nodes wit
 or below them. ``action_type`` and ``pairs`` are additions that upstream's loader ignores (it then
 sees a bytes action as its hex string, and never meets a bytes action of its own binding anyway).
 
-Read: that format, upstream's (the same fields, every node, ``nbytes`` optional), and this
-project's earlier version-1 layout (``root``/``cfg`` per namespace, ``key`` per node, every action
-the hex of bytes). A file is decoded and checked whole before the forest changes; a bad field is a
-`ConfigError` naming it.
+Read: that format and upstream's (the same fields, every node, ``nbytes`` optional). A file is
+decoded and checked whole before the forest changes; a bad field is a `ConfigError` naming it.
 """
 
 from __future__ import annotations
@@ -124,13 +122,12 @@ def decode(data: Any) -> list[NamespaceRecord]:
 def _decode_namespace(nsd: Any, where: str) -> NamespaceRecord:
     if not isinstance(nsd, Mapping):
         raise ConfigError(where, "must be an object", _FIX)
-    legacy = "root_hash" not in nsd and "root" in nsd  # this project's first layout
-    root = _hex(nsd, "root" if legacy else "root_hash", where)
-    cfg = _hex(nsd, "cfg" if legacy else "config_blob_hash", where)
+    root = _hex(nsd, "root_hash", where)
+    cfg = _hex(nsd, "config_blob_hash", where)
     raw = nsd.get("nodes", [])
     if not isinstance(raw, list):
         raise ConfigError(f"{where}.nodes", "must be a list", _FIX)
-    nodes = [_decode_node(nd, f"{where}.nodes[{j}]", legacy, root) for j, nd in enumerate(raw)]
+    nodes = [_decode_node(nd, f"{where}.nodes[{j}]", root) for j, nd in enumerate(raw)]
     nodes.sort(key=lambda n: n.depth)
     depth_of = {root: -1}
     seen: set[tuple[bytes, ActionKey]] = set()
@@ -149,10 +146,10 @@ def _decode_namespace(nsd: Any, where: str) -> NamespaceRecord:
     return NamespaceRecord(root, cfg, tuple(nodes))
 
 
-def _decode_node(nd: Any, where: str, legacy: bool, root: bytes) -> NodeRecord:
+def _decode_node(nd: Any, where: str, root: bytes) -> NodeRecord:
     if not isinstance(nd, Mapping):
         raise ConfigError(where, "must be an object", _FIX)
-    key = _hex(nd, "key" if legacy else "node_key", where)
+    key = _hex(nd, "node_key", where)
     parent = _hex(nd, "parent", where) if nd.get("parent") is not None else None  # None: the root
     depth = nd.get("depth")
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
@@ -165,7 +162,7 @@ def _decode_node(nd: Any, where: str, legacy: bool, root: bytes) -> NodeRecord:
     return NodeRecord(
         node_key=key,
         parent_key=root if parent is None else parent,
-        action=_decode_action(nd, where, legacy),
+        action=_decode_action(nd, where),
         depth=depth,
         pinned=bool(nd.get("pinned", False)),
         skeleton=skeleton or None,
@@ -173,11 +170,11 @@ def _decode_node(nd: Any, where: str, legacy: bool, root: bytes) -> NodeRecord:
     )
 
 
-def _decode_action(nd: Mapping[str, Any], where: str, legacy: bool) -> ActionKey:
+def _decode_action(nd: Mapping[str, Any], where: str) -> ActionKey:
     if "action" not in nd:
         raise ConfigError(f"{where}.action", "missing", _FIX)
     action = nd["action"]
-    kind = "bytes" if legacy else nd.get("action_type")
+    kind = nd.get("action_type")
     if kind == "bytes":
         return _hex(nd, "action", where)
     if kind is not None:
