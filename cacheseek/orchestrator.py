@@ -42,17 +42,20 @@ from typing import Any, Optional
 import attrs
 import torch
 from hydra.utils import get_class
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from cacheseek import namespace, sizing
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.eviction import EvictionConfig, make_policy, store_usage
 from cacheseek.hydra_errors import appended_key, choose_a_store
+from cacheseek.layout.ring_layout import RingLayout
 from cacheseek.metrics import CacheMetrics
 from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, instantiate
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config, make_rolling_config
 from cacheseek.sizes import format_size
+from cacheseek.stores.base import TierStore
+from cacheseek.transfer.protocol import TransferRuntime
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +64,18 @@ __all__ = ["Stack", "build_stack", "instantiate"]
 
 @attrs.define
 class Stack:
-    cfg: Any
-    runtime_factory: Any
-    store: Any
+    cfg: DictConfig
+    runtime_factory: Any  # a RUNTIMES entry: ``make(actions, hooks=...)``, ``geometry``, ``device``
+    store: TierStore
     store_name: str
-    transfer: Any
-    layout: Any
-    fields: list[Any]
-    forest: Any
+    transfer: TransferRuntime
+    layout: RingLayout
+    fields: list[type]  # FINGERPRINT_FIELDS entries
+    forest: NamespaceForest
     run_dir: Path
-    workload: Any = None
+    workload: Any = None  # a WORKLOADS entry: ``run(stack) -> results``
     notes: list[str] = attrs.field(factory=list)
-    metrics: Any = attrs.field(factory=lambda: _new_metrics())
+    metrics: CacheMetrics = attrs.field(factory=CacheMetrics)
 
     def manager_config(self):
         return _manager_config(self.cfg, self.runtime_factory)
@@ -272,10 +275,6 @@ def _build_layout(node: Any, runtime_factory: Any) -> Any:
         raise ConfigError("layout", f"the runtime's sessions have the {expected!r} layout, not "
                           f"{type(layout).__name__}'s", f"use layout={expected} or layout=auto")
     return layout
-
-
-def _new_metrics() -> Any:
-    return CacheMetrics()
 
 
 def _build_transfer(node: Any, device: str, objects: dict[str, Any], tell: Callable[[str], None]) -> Any:

@@ -108,7 +108,7 @@ RUNTIMES: Registry[type] = Registry("runtime", {
     "telefuser": "cacheseek.runtime.telefuser:TeleFuserRuntimeFactory",
 }, default="synthetic")
 WORKLOADS: Registry[type] = Registry("workload", {
-    "abcd": "cacheseek.workloads.abcd:AbcdGate",
+    "abcd": "cacheseek.workloads.prefix_gate:PrefixGate",
     "stress": "cacheseek.workloads.stress:StressWorkload",
     "interactive": "cacheseek.workloads.interactive:InteractiveWorkload",
 }, default="abcd")

@@ -98,11 +98,11 @@ def run_worker(role: str, overrides: list[str], snapshot: Path, out: Path, run_d
     from cacheseek.orchestrator import build_stack, instantiate
     from cacheseek.reuse.exact_prefix import NamespaceForest
     from cacheseek.reuse.exact_prefix.trie import save_forest_snapshot
-    from cacheseek.workloads.abcd import AbcdGate
+    from cacheseek.workloads.prefix_gate import PrefixGate
 
     cfg = _compose(overrides)
     gate = instantiate(cfg.workload)
-    if not isinstance(gate, AbcdGate):
+    if not isinstance(gate, PrefixGate):
         raise ConfigError("workload", f"tools/workers.py runs the abcd workload, not {cfg.workload._target_}")
     n = gate.n
     stack = build_stack(cfg, run_dir=run_dir, workload=gate)

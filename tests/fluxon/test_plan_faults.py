@@ -30,11 +30,11 @@ from cacheseek.reuse.exact_prefix.keys import layer_keys, node_key
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import make_full_kv_config
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.host_transfer import HostTransferRuntime
-from cacheseek.workloads.abcd import AbcdGate
+from cacheseek.workloads.prefix_gate import PrefixGate
 from test_plan_fluxon import wait_for_space
 
 MiB = 1 << 20
-GATE = AbcdGate(total_chunks=4, prefix_chunks=2)
+GATE = PrefixGate(total_chunks=4, prefix_chunks=2)
 
 
 def ready_nodes(forest):

@@ -46,7 +46,7 @@ import torch
 from cacheseek import weights
 from cacheseek.integrations.telefuser.chunk_controls import report
 from cacheseek.integrations.telefuser.layouts import UnsupportedTeleFuserError
-from cacheseek.integrations.telefuser.released import _Proxy
+from cacheseek.integrations.telefuser.pypi_release import _Proxy
 from cacheseek.layout.telefuser_main import creating, forget_controls, own, plan_controls
 
 log = logging.getLogger(__name__)
