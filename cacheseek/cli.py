@@ -20,19 +20,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 import cacheseek.schema  # noqa: F401  (registers the root schema)
+from cacheseek import report
 from cacheseek.cli_help import CONF_DIR
 from cacheseek.errors import CacheSeekError, ConfigError
-from cacheseek.registry import import_backends
+from cacheseek.hydra_errors import config_error_from_hydra
+from cacheseek.orchestrator import build_stack
+from cacheseek.registry import LAYOUTS, import_backends
 
 log = logging.getLogger("cacheseek")
 
@@ -47,9 +53,6 @@ class GateFailed(RuntimeError):
 
 def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
     """The task: build the stack, run the workload, write results.json. Returns the results."""
-    from cacheseek import report
-    from cacheseek.orchestrator import build_stack
-
     t0 = time.perf_counter()
     stack = build_stack(cfg, run_dir=run_dir, note=lambda line: print(line, flush=True), **objects)
     try:
@@ -88,8 +91,6 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
 
 def _layout_name(layout: Any) -> str:
     """The registered name of the layout adapter that ran (``layout=auto`` resolved)."""
-    from cacheseek.registry import LAYOUTS
-
     return next((n for n in LAYOUTS.names() if LAYOUTS.get(n) is type(layout)), type(layout).__name__)
 
 
@@ -163,8 +164,6 @@ def forget_run_folder() -> None:
     this run made it and it holds only what Hydra wrote there (``.hydra/``, the log file): a bad
     input leaves no folder behind. Anything else in it (a store's files, another process's) keeps
     it where it is. The log file's handlers are closed first, so that no later line recreates it."""
-    import shutil
-
     folder, made = OutputDirCheck.run_dir, OutputDirCheck.made
     OutputDirCheck.run_dir = OutputDirCheck.made = None
     if folder is None or made is None or not folder.is_dir():
@@ -197,8 +196,6 @@ def error_line(exc: ConfigError) -> str:
 
 def _usage_error(exc: BaseException) -> Optional[ConfigError]:
     """The `ConfigError` a bad input raised, directly, through Hydra, or as a cause; else None."""
-    from cacheseek.hydra_errors import config_error_from_hydra
-
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
@@ -211,9 +208,6 @@ def _usage_error(exc: BaseException) -> Optional[ConfigError]:
 
 @hydra.main(config_path=CONF_DIR, config_name="config", version_base="1.3")
 def _task(cfg: DictConfig) -> None:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
     try:

@@ -28,6 +28,10 @@ import difflib
 import re
 from typing import Any, Optional
 
+from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
 from cacheseek.errors import ConfigError
 from cacheseek.registry import STORES
 
@@ -45,9 +49,6 @@ _TYPE_WORDS = {"Integer": "an integer", "Float": "a number", "Boolean": "true or
 
 def config_error_from_hydra(exc: BaseException) -> Optional[ConfigError]:
     """The `ConfigError` that ``exc`` (raised while Hydra composed the config) stands for."""
-    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
-    from omegaconf.errors import OmegaConfBaseException
-
     if isinstance(exc, ConfigError):
         return exc
     if isinstance(exc, MissingConfigException):
@@ -104,8 +105,6 @@ def _composition(exc: BaseException) -> ConfigError:
         or re.search(r"Error merging override \+?([^=\s]+)=", text)
     if m:
         field = m.group(1)
-    from omegaconf.errors import OmegaConfBaseException
-
     if isinstance(cause, OmegaConfBaseException):
         given = re.search(r"use \+[^=\s]+=(.*)", text)  # Hydra's hint repeats the override's value
         return _omegaconf(cause, getattr(cause, "full_key", None) or field or "config",
@@ -127,8 +126,6 @@ def _comma_list(key: str, value: str) -> ConfigError:
 
 
 def _omegaconf(exc: Any, field: str, given: str = "...") -> ConfigError:
-    from omegaconf.errors import ConfigKeyError, ValidationError
-
     message = _first_line(exc)
     if isinstance(exc, ValidationError):
         m = re.search(r"Value '(.*)' of type '(\w+)' could not be converted to (\w+)", message) \
@@ -203,8 +200,6 @@ def appended_key(cfg: Any) -> Optional[ConfigError]:
     """The first key of ``cfg`` (a composed config) that its section's schema lacks, as a
     `ConfigError` naming it and the closest fields; None when there is none. Hydra lets
     ``+section.key=...`` add one to a typed section; the constructor would fail on it."""
-    from omegaconf import DictConfig, OmegaConf
-
     def walk(node: Any, path: str) -> Optional[ConfigError]:
         kind = OmegaConf.get_type(node)
         names = {f.name for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import attrs
+import torch
 
 from cacheseek.errors import ConfigError
 from cacheseek.registry import FINGERPRINT_FIELDS
@@ -158,8 +159,6 @@ def _gpu_arch(ctx):
     device = _ring_device(ctx)
     if device.type != "cuda":
         return None
-    import torch
-
     props = torch.cuda.get_device_properties(device)
     return {"name": props.name, "capability": f"sm_{props.major}{props.minor}",
             "sm_count": props.multi_processor_count}
@@ -170,23 +169,17 @@ def _cpu_isa(ctx):
     """The instruction set torch's CPU kernels dispatch to (AVX2, AVX512, ...) on a CPU runtime."""
     if _ring_device(ctx).type != "cpu":
         return None
-    import torch
-
     return torch.backends.cpu.get_cpu_capability()
 
 
 @_field("torch_version")
 def _torch_version(ctx):
-    import torch
-
     return torch.__version__
 
 
 @_field("cuda_version")
 def _cuda_version(ctx):
     """torch's CUDA and cuDNN versions (None on a CPU build): the kernels' libraries."""
-    import torch
-
     if torch.version.cuda is None:
         return None
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None

@@ -41,22 +41,27 @@ A `Stack` hands out managers and bindings that share one forest, one store and o
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Optional
 
 import attrs
-from omegaconf import OmegaConf
+import torch
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
 
 from cacheseek import namespace, sizing
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.eviction import EvictionConfig, make_policy, store_usage
 from cacheseek.hydra_errors import appended_key, choose_a_store
+from cacheseek.layout.ring_layout import RingLayout
 from cacheseek.metrics import CacheMetrics
 from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, import_backends, instantiate
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager, load_forest_snapshot, save_forest_snapshot
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config, make_rolling_config
 from cacheseek.sizes import format_size
+from cacheseek.stores.base import TierStore
+from cacheseek.transfer.protocol import TransferRuntime
 
 log = logging.getLogger(__name__)
 
@@ -65,18 +70,18 @@ __all__ = ["Stack", "build_stack", "instantiate"]
 
 @attrs.define
 class Stack:
-    cfg: Any
-    runtime_factory: Any
-    store: Any
+    cfg: DictConfig
+    runtime_factory: Any  # a RUNTIMES entry: ``make(actions, hooks=...)``, ``geometry``, ``device``
+    store: TierStore
     store_name: str
-    transfer: Any
-    layout: Any
-    fields: list[Any]
-    forest: Any
+    transfer: TransferRuntime
+    layout: RingLayout
+    fields: list[type]  # FINGERPRINT_FIELDS entries
+    forest: NamespaceForest
     run_dir: Path
-    workload: Any = None
+    workload: Any = None  # a WORKLOADS entry: ``run(stack) -> results``
     notes: list[str] = attrs.field(factory=list)
-    metrics: Any = attrs.field(factory=lambda: _new_metrics())
+    metrics: CacheMetrics = attrs.field(factory=CacheMetrics)
 
     def manager_config(self):
         return _manager_config(self.cfg, self.runtime_factory)
@@ -123,7 +128,6 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
     ``plan_client=``, ``cudart=``) override or are injected into the configured components.
     ``workload``: the built workload (else ``cfg.workload`` is built when present); ``note``
     receives each choice made for the user, one line each (they are logged too)."""
-    import_backends()
     notes: list[str] = []
 
     def tell(line: str) -> None:
@@ -251,8 +255,6 @@ def _geometry_bytes(runtime_factory: Any) -> Optional[tuple[int, int]]:
     """``(one layer's K or V of a chunk, one chunk's KV)`` in bytes, for stores whose clients size
     their staging from it (None when the runtime does not say)."""
     try:
-        import torch
-
         g = runtime_factory.geometry
         itemsize = torch.empty((), dtype=getattr(torch, str(getattr(runtime_factory, "dtype", "bfloat16")))).element_size()
         value = int(g.chunk_tokens * g.n_heads * g.head_dim * itemsize)
@@ -308,8 +310,6 @@ def _has_schema(name: str) -> bool:
 
 
 def _class_of(target: str) -> Any:
-    from hydra.utils import get_class
-
     try:
         return get_class(target)
     except Exception:  # noqa: BLE001 - instantiate reports a bad target with its own message
@@ -325,10 +325,6 @@ def _build_layout(node: Any, runtime_factory: Any) -> Any:
         raise ConfigError("layout", f"the runtime's sessions have the {expected!r} layout, not "
                           f"{type(layout).__name__}'s", f"use layout={expected} or layout=auto")
     return layout
-
-
-def _new_metrics() -> Any:
-    return CacheMetrics()
 
 
 def _build_transfer(node: Any, device: str, objects: dict[str, Any], tell: Callable[[str], None]) -> Any:

@@ -15,13 +15,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from tqdm import tqdm
+
 __all__ = ["bar", "ticking"]
 
 
 def bar(total: int, desc: str, unit: str = "step") -> Any:
     """A tqdm bar of ``total`` steps on stderr; a silent one when stderr is not a terminal."""
-    from tqdm import tqdm
-
     return tqdm(total=total, desc=desc, unit=unit, leave=False, disable=None, file=sys.stderr,
                 dynamic_ncols=True)
 

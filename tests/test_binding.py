@@ -226,7 +226,7 @@ def test_failed_restore_publishes_nothing_and_runs_cold(store, mode, failure):
         assert torch.equal(mine["k"], ref["k"]) and torch.equal(mine["v"], ref["v"])
     assert trie_state(forest) == before
     assert all(n.ref_count == 0 for ns in forest.namespaces() for n in ns.iter_nodes())
-    assert b.manager.stats["restore_failures"] == 1 and b.manager.stats["hits"] == 0
+    assert b.manager.metrics.restore_failures == 1 and b.manager.metrics.hits == 0
 
     # The session then runs cold and is D-equivalent; its re-ingests keep the ready blobs.
     assert rt.generate() == cold
@@ -250,7 +250,7 @@ def test_missing_values_invalidate_and_restore_the_longest_whole_prefix(store, m
     rt = factory(mode).make(ACTS, hooks=b)
     rt.generate(stop_after=0)
     assert b.last_fast_forward == expect_k
-    assert b.manager.stats["invalidations"] == 1 and b.manager.stats["restore_failures"] == 0
+    assert b.manager.metrics.invalidations == 1 and b.manager.metrics.restore_failures == 0
     assert stale.blob is None  # invalidated: its remaining KV values were freed
     assert all(n.ref_count == 0 for ns in forest.namespaces() for n in ns.iter_nodes())
     # The session resumes at K, recomputes the rest (bit-identical to cold) and re-ingests the
@@ -344,7 +344,7 @@ def test_reingest_through_binding_keeps_ready_blobs(store, mode):
     assert rt.generate() == cold_hashes(mode)
     store.flush()
     assert b.last_fast_forward == 0
-    assert b.manager.stats["reingest_kept"] == N and b.manager.stats["ingests"] == 0
+    assert b.manager.metrics.reingest_kept == N and b.manager.metrics.writes == 0
     for d, n in nodes_by_depth(forest).items():
         assert n.blob is blobs[d] and n.blob.ready
     assert trie_state(forest) == before
@@ -358,7 +358,7 @@ def test_reingest_reports_no_bytes_written(store):
     run_session(store, forest)
     b = binding_for(store, forest, cfg=manager_cfg(FULL, break_even_k=N + 1))
     factory().make(ACTS, hooks=b).generate()
-    assert b.manager.stats["reingest_kept"] == N
+    assert b.manager.metrics.reingest_kept == N
     assert b.bytes_written == 0
 
 
@@ -456,7 +456,7 @@ def test_namespace_root_covers(store, variant):
     hashes = rt.generate()
     assert b.root is not None and b.root != base.root
     assert b.last_fast_forward == 0 and rt.restored_chunks == []
-    assert b.manager.stats["misses"] == 1
+    assert b.manager.metrics.misses == 1
     # The variant's own outputs come from a cold run (nothing reinterpreted).
     ref = _make_variant_runtime(kind, mode, fac, None)
     assert hashes == ref.generate()
@@ -509,7 +509,7 @@ def test_evict_refuses_blob_whose_write_is_in_flight(tmp_path):
         assert handle is not None and handle.in_flight and not node.has_kv
         assert not node.pinned and node.ref_count == 0
         assert b.manager.evict_blob(node) is False
-        assert node.blob is handle and b.manager.stats["evictions"] == 0
+        assert node.blob is handle and b.manager.metrics.evictions == 0
         with pytest.raises(WriteNotCompleteError):
             store.free(handle)
         gate.release.set()

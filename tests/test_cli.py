@@ -266,7 +266,7 @@ def test_help_teaches_the_groups_the_plus_and_the_workers(procs):
     started, _ = procs
     rc, out, err = started["help"].wait()
     assert rc == 0, out + err
-    assert "+store=NAME" in out and "leading +" in out and "python -m cacheseek.workers" in out
+    assert "+store=NAME" in out and "leading +" in out and "python tools/workers.py" in out
     for name in STORES.names() + TRANSFERS.names() + WORKLOADS.names():
         assert name in out, name
     for yaml in (REPO / "conf" / "experiment").glob("*.yaml"):

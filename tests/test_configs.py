@@ -41,7 +41,7 @@ def cuda_available() -> bool:
 
 
 def _fake_cudart():
-    from cacheseek.transfer.fake_cuda import FakeCudart
+    from fakes.cudart import FakeCudart
 
     return FakeCudart()
 

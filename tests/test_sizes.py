@@ -9,7 +9,7 @@ from cacheseek.errors import ConfigError
 from cacheseek.runtime.geometry import get_geometry
 from cacheseek.sizes import AUTO, format_size, parse_size
 from cacheseek.sizing import CacheNeed, SizeField, check_capacity, need_for, resolve_sizes
-from cacheseek.workloads.abcd import AbcdGate
+from cacheseek.workloads.prefix_gate import PrefixGate
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -78,7 +78,7 @@ class _Factory:
 
 
 def _need(geometry: str = "tiny", n: int = 4, p: int = 2) -> CacheNeed:
-    need = need_for(_Factory(geometry), AbcdGate(total_chunks=n, prefix_chunks=p))
+    need = need_for(_Factory(geometry), PrefixGate(total_chunks=n, prefix_chunks=p))
     assert need is not None
     return need
 

@@ -196,7 +196,7 @@ def _attach_text(info: dict[str, Any], ready: str, stop_how: str) -> str:
 Attach from this network namespace:
   python -m cacheseek {' '.join(info['hydra_overrides'])}
   python -m cacheseek {' '.join(info['plan_hydra_overrides'])}
-  python -m cacheseek.workers --cluster-name {info['cluster_name']} --share-mem-path {info['share_mem_path']}
+  python tools/workers.py --cluster-name {info['cluster_name']} --share-mem-path {info['share_mem_path']}
 Stop it: {stop_how}"""
 
 

@@ -7,7 +7,7 @@ joining it on each other, workers on their own host's owner (needs root).
 Host ``a`` runs ``tools/fluxon_service.py start --listen 10.78.0.1`` (etcd, master, its owner),
 host ``b`` ``start --join 10.78.0.1:2379`` (its owner); worker 1 on ``a`` runs the gate's A (P+X,
 cold: every chunk written), worker 2 on ``b`` loads its forest snapshot and runs B, C and D; the
-verdict is `cacheseek.workers.check` (B hits every chunk with A's frames, C |P| with D's). It
+verdict is `workers.check` (tools/workers.py) (B hits every chunk with A's frames, C |P| with D's). It
 prints the bytes ``b`` received over its link, PASS or FAIL, and tears every host down.
 
 `FluxonHosts` (a cluster on `EmulatedHosts`) and `Peer` (a `tools/fluxon_peer.py` on one host)
@@ -136,11 +136,11 @@ class FluxonHosts:
         return Peer(self.hosts, host, self.cluster, self.share, op_timeout_s)
 
     def worker(self, host: str, role: str, store: str, extra: list[str], timeout_s: float = 400.0) -> dict[str, Any]:
-        """`cacheseek.workers` worker ``role`` (first: A; second: B, C, D) on ``host``."""
-        from cacheseek.workers import store_overrides
+        """`tools/workers.py` worker ``role`` (first: A; second: B, C, D) on ``host``."""
+        from workers import store_overrides
 
         out = f"{SHARED_MOUNT}/worker-{role}.json"
-        cmd = [sys.executable, "-m", "cacheseek.workers", "--role", role, "--snapshot", f"{SHARED_MOUNT}/forest.json",
+        cmd = [sys.executable, str(TOOLS / "workers.py"), "--role", role, "--snapshot", f"{SHARED_MOUNT}/forest.json",
                "--out", out, "--workdir", f"/tmp/worker-{role}",
                *store_overrides(store, self.cluster, self.share, 20.0), *extra]
         run = self.hosts.run(host, cmd, timeout=timeout_s, env=_env(), cwd=str(REPO))
@@ -165,7 +165,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("overrides", nargs="*", help="Hydra overrides for both workers")
     args = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from cacheseek.workers import check
+    from workers import check
 
     names = args.hosts.split(",")
     with tempfile.TemporaryDirectory(prefix="cacheseek-hosts-") as shared:

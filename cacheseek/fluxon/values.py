@@ -7,8 +7,7 @@ Value format. CacheSeek writes every value as one flat dict with:
   4 KiB or more starts 64 bytes into its slot: 64-byte aligned (0.2.4 lays the data out
   13 + len(name) bytes after the slot start).
 - ``META_FIELD`` (only when non-empty): small caller metadata (e.g. a tensor header), as bytes.
-Reads also accept a bytes field named ``payload`` (``LEGACY_FIELD``: what fluxon's own
-``put_payload_from_ptr_blocking`` writes); such a value comes back as a private copy.
+A value without ``VALUE_FIELD`` (one another writer put under a CacheSeek key) is refused.
 
 Sizes. A value takes a power-of-two slot of the owner's segment, header included (`slot_bytes`);
 one whose slot is the whole segment or more can never be stored (`too_large_text` says why).
@@ -27,7 +26,6 @@ from cacheseek.errors import HandleStateError, StoreError
 __all__ = [
     "VALUE_FIELD",
     "META_FIELD",
-    "LEGACY_FIELD",
     "SLOT_HEADER_ALLOWANCE",
     "ValueView",
     "slot_bytes",
@@ -38,7 +36,6 @@ __all__ = [
 
 VALUE_FIELD = "cacheseek.value." + "_" * 35  # 51 bytes: payload 64-byte aligned (see above)
 META_FIELD = "cacheseek.meta"
-LEGACY_FIELD = "payload"
 SLOT_HEADER_ALLOWANCE = 256  # field names, DLPack meta and Fluxon's own header, rounded up
 
 
@@ -94,11 +91,11 @@ class ValueView:
         self._fields: Optional[dict[str, Any]] = fields
         meta = fields.get(META_FIELD, b"")
         self.meta: bytes = bytes(meta) if isinstance(meta, (bytes, bytearray)) else b""
-        raw = fields.get(VALUE_FIELD, fields.get(LEGACY_FIELD))
+        raw = fields.get(VALUE_FIELD)
         if raw is None:
             names = sorted(k for k in fields if not k.startswith("__"))
-            raise StoreError(f"fluxon value {key!r} has no payload field ({VALUE_FIELD!r} or "
-                             f"{LEGACY_FIELD!r}); its fields: {names}")
+            raise StoreError(f"fluxon value {key!r} has no payload field {VALUE_FIELD!r} (not written by "
+                             f"CacheSeek); its fields: {names}")
         if isinstance(raw, (bytes, bytearray)):
             arr = np.frombuffer(raw, dtype=np.uint8)
             self.zero_copy = False

@@ -45,6 +45,8 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
+
 from cacheseek.errors import LayoutMismatchError
 from cacheseek.kv.ring import RingGeometry
 from cacheseek.layout.ring_layout import LatentSpec, RingLayout
@@ -189,8 +191,6 @@ class TeleFuserMainLayout(RingLayout):
 
     def latent_spec(self, runtime: Any) -> LatentSpec:
         """float32 ``noise_shape`` on the ring's device (see the module doc)."""
-        import torch
-
         state = self.cache_state(runtime)
         shape = tuple(int(x) for x in state.noise_shape)
         return LatentSpec(shape, torch.float32, state.self_kv_cache[0]["k"].device)

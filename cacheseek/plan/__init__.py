@@ -7,13 +7,12 @@ calls emulated over the public fluxon-py 0.2.4 client), ``device`` (`DevicePlanC
 store with its values in a device-memory pool: the HBM tier) and ``fluxon`` (`open_fluxon_plan_client`:
 the native one when the installed fluxon-py has the Plan API, else the emulation:
 `cacheseek.plan.fluxon_select`). Handle lifecycles are documented in `cacheseek.plan.base`; the
-FXPLANV1 table format in `cacheseek.plan.table`. Importing this package needs no torch.
+FXPLANV1 table format in `cacheseek.plan.table`. Importing this package needs no torch (`device` imports it).
 
 The in-process clients (embedded, device, fluxon_public) share their mechanism: the verbs and
 handle bookkeeping (`inprocess`), host mappings (`segment`), plan-table arenas (`table_arena`)
-and the first-fit allocator (`allocator`); the embedded store's faults live in `faults`, the
-public client's staging in `fluxon_staging`, its per-value Fluxon calls in `fluxon_calls` and
-`pipeline`.
+and the first-fit allocator (`allocator`); the public client's staging lives in `fluxon_staging`,
+its per-value Fluxon calls in `fluxon_calls` and `pipeline`.
 """
 
 from __future__ import annotations
@@ -30,8 +29,7 @@ from cacheseek.plan.base import (
     SegmentMapping,
     SegmentTimers,
 )
-from cacheseek.plan.device import DevicePlanClient
-from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
+from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.plan.fluxon_native import FluxonNativePlanClient
 from cacheseek.plan.fluxon_public import FluxonPublicPlanClient
 from cacheseek.plan.fluxon_select import open_fluxon_plan_client
@@ -49,8 +47,6 @@ __all__ = [
     "SegmentMapping",
     "SegmentTimers",
     "EmbeddedPlanClient",
-    "DevicePlanClient",
-    "PlanFaults",
     "FluxonNativePlanClient",
     "FluxonPublicPlanClient",
     "open_fluxon_plan_client",

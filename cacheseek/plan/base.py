@@ -43,7 +43,7 @@ idempotent; ``close()`` is idempotent and any call after it raises `StoreClosedE
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any, Optional, Protocol, runtime_checkable
 
@@ -101,22 +101,6 @@ class SegmentMapping:
     writable: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
     on_device: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
-    @classmethod
-    def coerce(cls, value: Any) -> "SegmentMapping":
-        """From a SegmentMapping, a ``(ptr, length, generation, writable)`` tuple, a mapping or an
-        object with those attributes (``len``/``size`` accepted for ``length``)."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, (tuple, list)):
-            writable = bool(value[3]) if len(value) > 3 else True
-            return cls(int(value[0]), int(value[1]), int(value[2]), writable)
-        get = value.get if isinstance(value, Mapping) else lambda k, d=None: getattr(value, k, d)
-        length = get("length", None)
-        for alt in ("len", "size"):
-            length = get(alt, None) if length is None else length
-        return cls(int(get("ptr")), int(length), int(get("generation", 0)), bool(get("writable", True)))
-
-
 @attrs.frozen(slots=True)
 class PutCommitResult:
     """What a commit future resolves to: an overall ``status`` (0 = ok) and one code per key of
@@ -129,21 +113,6 @@ class PutCommitResult:
     @property
     def ok(self) -> bool:
         return self.status == PLAN_OK and all(c == PLAN_OK for c in self.key_codes)
-
-    @classmethod
-    def coerce(cls, value: Any) -> "PutCommitResult":
-        """From a PutCommitResult, a ``(status, key_codes)`` tuple or an object with ``status``
-        (or ``code``) and ``key_codes`` attributes."""
-        if isinstance(value, cls):
-            return value
-        if isinstance(value, (tuple, list)):
-            return cls(int(value[0]), tuple(int(c) for c in value[1]))
-        status = getattr(value, "status", getattr(value, "code", None))
-        codes = getattr(value, "key_codes", None)
-        if status is None or codes is None:
-            raise TypeError(f"cannot read a commit result from {value!r}")
-        return cls(int(status), tuple(int(c) for c in codes), str(getattr(value, "message", "")))
-
 
 class PutPlanState(str, enum.Enum):
     STARTED = "started"

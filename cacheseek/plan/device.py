@@ -19,10 +19,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Optional
+from typing import Any
+
+import torch
 
 from cacheseek.errors import ConfigError, PlanError
-from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
+from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.registry import PLAN_CLIENTS
 from cacheseek.sizes import device_free_bytes
 
@@ -43,8 +45,6 @@ class DevicePlanSchema:
 
 def resolve_device(device: Any) -> Any:
     """``device`` as a torch device; a bare "cuda" becomes the current CUDA device."""
-    import torch
-
     dev = torch.device(device) if not isinstance(device, torch.device) else device
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
@@ -73,8 +73,6 @@ class _DeviceSegment:
     """The value pool: one uint8 tensor on the device; the segment timers of an embedded one."""
 
     def __init__(self, length: int, device: Any) -> None:
-        import torch
-
         t0 = time.perf_counter()
         self.tensor: Any = torch.empty(length, dtype=torch.uint8, device=device)
         self.ptr = int(self.tensor.data_ptr())
@@ -103,8 +101,6 @@ class DevicePlanClient(EmbeddedPlanClient):
         device: Any = "cpu",
         alignment: int = 256,
         table_arena_bytes: int = 1 << 20,
-        *,
-        faults: Optional[PlanFaults] = None,
     ) -> None:
         self.device = resolve_device(device)
         size = device_pool_bytes(segment_bytes, capacity_fraction, self.device)
@@ -112,7 +108,7 @@ class DevicePlanClient(EmbeddedPlanClient):
             raise ConfigError("store.capacity_bytes", f"the HBM pool would hold {size} B",
                               f"give at least {alignment} B")
         super().__init__(size, backing="private", hugepages=False, alignment=alignment,
-                         table_arena_bytes=table_arena_bytes, prefault=False, faults=faults)
+                         table_arena_bytes=table_arena_bytes, prefault=False)
 
     def _new_segment(self, prefault: bool) -> _DeviceSegment:  # device memory: nothing to fault
         seg = _DeviceSegment(self.segment_bytes, self.device)

@@ -24,12 +24,11 @@ the Fluxon public client: `cacheseek.plan.inprocess`), over:
 
 A reservation that does not fit raises `StoreFullError` ("store full: need N bytes, X of Y used;
 raise store.segment_bytes or free values"); nothing is evicted here. Thread-safe: one lock guards
-the index, the allocator and the handles. `PlanFaults` injects failures at every step (tests).
+the index, the allocator and the handles.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 import operator
@@ -42,15 +41,13 @@ import attrs
 from cacheseek.errors import ConfigError, PlanError, StoreClosedError, StoreFullError
 from cacheseek.plan.allocator import FirstFitAllocator
 from cacheseek.plan.base import GetPlan, PlanUsage, PutCommitResult, PutPlan, SegmentMapping, SegmentTimers
-from cacheseek.plan.faults import PlanFaults
 from cacheseek.plan.inprocess import InProcessPlanClient, check_group_lens
 from cacheseek.plan.segment import BACKINGS, HostSegment
-from cacheseek.plan.table import PLAN_MAGIC
 from cacheseek.plan.table_arena import TableArena
 from cacheseek.registry import PLAN_CLIENTS
 from cacheseek.sizes import Size, format_size, parse_size
 
-__all__ = ["EmbeddedPlanClient", "EmbeddedPlanSchema", "PlanFaults"]
+__all__ = ["EmbeddedPlanClient", "EmbeddedPlanSchema"]
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +93,7 @@ class _GetRecord:
 
 @PLAN_CLIENTS.register("embedded", EmbeddedPlanSchema)
 class EmbeddedPlanClient(InProcessPlanClient):
-    """In-process Plan store (see the module docstring). ``faults``: a `PlanFaults` for tests."""
+    """In-process Plan store (see the module docstring)."""
 
     _client_name = "embedded Plan store"
     _on_device = False  # values in host memory (a subclass may keep them on the device)
@@ -112,7 +109,6 @@ class EmbeddedPlanClient(InProcessPlanClient):
         table_arena_bytes: Size = 1 << 20,
         *,
         prefault: bool = True,
-        faults: Optional[PlanFaults] = None,
     ) -> None:
         for name, value, low in (("prefault_threads", prefault_threads, 0), ("alignment", alignment, 8)):
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
@@ -137,7 +133,6 @@ class EmbeddedPlanClient(InProcessPlanClient):
         self.alignment = alignment
         self.table_arena_bytes = table_arena_bytes
         self.prefault = prefault
-        self.faults = faults if faults is not None else PlanFaults()
         self._segment: Any = None
         self._alloc: Optional[FirstFitAllocator] = None
         self._index: dict[str, _Value] = {}
@@ -258,8 +253,6 @@ class EmbeddedPlanClient(InProcessPlanClient):
     def _reserve(self, keys: tuple[str, ...], value_len: int) -> tuple[_PutRecord, list[int]]:
         seg = self._ensure_segment()
         alloc = self._allocator()
-        if self.faults.fire("put_start"):
-            raise PlanError(f"injected fault: local_fast_put_start of {len(keys)} keys")
         values: list[_Value] = []
         for key in keys:
             off = alloc.alloc(value_len)
@@ -278,27 +271,13 @@ class EmbeddedPlanClient(InProcessPlanClient):
 
     def _submit_commit(self, plan: PutPlan) -> "Future[PutCommitResult]":
         record: _PutRecord = plan.native
-        if self.faults.fire("commit_raise"):
-            self._free_values(record.values)
-            raise PlanError(f"injected fault: local_fast_put_commit of {len(plan.keys)} keys")
-        if self.faults.fire("commit_status"):
-            self._free_values(record.values)
-            result = PutCommitResult(1, (0,) * len(plan.keys), "injected fault: commit status")
-        else:
-            codes = []
-            for value in record.values:
-                code = self.faults.key_code(value.key)
-                if code:
-                    self._allocator().free(value.offset)
-                else:
-                    old = self._index.get(value.key)
-                    self._index[value.key] = value
-                    if old is not None:
-                        self._retire(old)
-                codes.append(code)
-            result = PutCommitResult(0, tuple(codes))
+        for value in record.values:
+            old = self._index.get(value.key)
+            self._index[value.key] = value
+            if old is not None:
+                self._retire(old)
         future: Future[PutCommitResult] = Future()
-        future.set_result(result)
+        future.set_result(PutCommitResult(0, (0,) * len(record.values)))
         return future
 
     # -- get ------------------------------------------------------------------------------------
@@ -307,8 +286,6 @@ class EmbeddedPlanClient(InProcessPlanClient):
         check_group_lens(keys, lens)
         with self._lock:
             self._ensure_segment()
-            if self.faults.fire("get_start"):
-                raise PlanError(f"injected fault: get_start of {len(keys)} keys")
             found = list(map(self._index.get, keys))  # C loops: a 480p restore is 240+ keys
             held: list[_Value] = found
             if None in found:  # the transferable prefix ends before the first group with a gap
@@ -325,8 +302,6 @@ class EmbeddedPlanClient(InProcessPlanClient):
             return plan
 
     def _transfer_pointers(self, record: _GetRecord) -> list[int]:
-        if self.faults.fire("get_transfer"):
-            raise PlanError("injected fault: get_transfer")
         base = self._ensure_segment().ptr
         return [base + off for off in map(_OFFSET, record.held)]
 
@@ -344,8 +319,6 @@ class EmbeddedPlanClient(InProcessPlanClient):
     def remove(self, key: str) -> None:
         with self._lock:
             self._check_open()
-            if self.faults.fire("remove"):
-                raise PlanError(f"injected fault: remove {key!r}")
             value = self._index.pop(key, None)
             if value is not None:
                 self._retire(value)
@@ -378,18 +351,6 @@ class EmbeddedPlanClient(InProcessPlanClient):
     def _free_values(self, values: list[_Value]) -> None:
         for v in values:
             self._allocator().free(v.offset)
-
-    def _write_table(self, pointers: list[int]) -> tuple[int, int]:
-        """The shared table write, then the armed table faults (a corrupt table)."""
-        off, ptr = super()._write_table(pointers)
-        word = ctypes.c_uint64
-        if self.faults.fire("table_magic"):
-            word.from_address(ptr).value = PLAN_MAGIC ^ 0xFF
-        if self.faults.fire("table_count"):
-            word.from_address(ptr + 8).value = len(pointers) + 1
-        if self.faults.fire("table_null") and pointers:
-            word.from_address(ptr + 16).value = 0
-        return off, ptr
 
     def __repr__(self) -> str:
         u = self.usage()

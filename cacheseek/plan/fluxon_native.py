@@ -61,6 +61,7 @@ from cacheseek.plan.fluxon_native_api import (
     inside,
     keys_text,
     missing_plan_calls,
+    segment_mapping,
     settle_once,
     transferable,
     unavailable,
@@ -187,7 +188,7 @@ class FluxonNativePlanClient:
         native = self._native()
         raw = self._call("wait_local_segments_ready", native.wait_local_segments_ready, attach=True)
         try:
-            mappings = [SegmentMapping.coerce(m) for m in raw]
+            mappings = [segment_mapping(m) for m in raw]
         except (TypeError, ValueError, KeyError, IndexError) as exc:
             raise PlanError(f"fluxon_native wait_local_segments_ready returned an invalid mapping: {exc}") from exc
         with self._lock:

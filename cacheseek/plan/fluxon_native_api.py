@@ -19,7 +19,7 @@ from cacheseek.errors import PlanError, PlanUnavailableError
 from cacheseek.plan.base import REQUIRED_PLAN_CALLS, GetPlan, PutCommitResult, SegmentMapping
 
 __all__ = ["as_int", "missing_plan_calls", "unavailable", "build_native", "inside", "keys_text", "transferable",
-           "commit_result", "settle_once"]
+           "segment_mapping", "commit_result", "settle_once"]
 
 
 def missing_plan_calls(client: Any) -> list[str]:
@@ -83,9 +83,17 @@ def transferable(n: Any, plan: GetPlan) -> int:
     return n
 
 
+def segment_mapping(value: Any) -> SegmentMapping:
+    """A native ``(ptr, length, generation, writable)`` as a `SegmentMapping`."""
+    ptr, length, generation, writable = value
+    return SegmentMapping(int(ptr), int(length), int(generation), bool(writable))
+
+
 def commit_result(value: Any, keys: tuple[str, ...]) -> PutCommitResult:
+    """A native ``(status, key_codes)``, one code per key, as a `PutCommitResult`."""
     try:
-        result = PutCommitResult.coerce(value)
+        status, codes = value
+        result = PutCommitResult(int(status), tuple(int(c) for c in codes))
     except (TypeError, ValueError, IndexError) as exc:
         raise PlanError(f"fluxon_native commit{keys_text(keys)}: unreadable result {value!r}") from exc
     if len(result.key_codes) != len(keys):

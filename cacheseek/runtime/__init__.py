@@ -1,24 +1,6 @@
-"""World-model runtimes. Importing this package registers them (torch is imported lazily)."""
+"""World-model runtimes, each named in `cacheseek.registry.RUNTIMES` (``synthetic``, ``telefuser``)
+and imported on first use; `geometry` (the sizes of a model) needs no torch."""
 
-from cacheseek.runtime import geometry, synthetic, telefuser
 from cacheseek.runtime.geometry import GEOMETRIES, Geometry, get_geometry, validate_window
-from cacheseek.runtime.synthetic import (
-    SyntheticImage,
-    SyntheticRuntimeFactory,
-    SyntheticRuntimeSchema,
-    SyntheticWorldRuntime,
-)
 
-__all__ = [
-    "GEOMETRIES",
-    "Geometry",
-    "SyntheticImage",
-    "SyntheticRuntimeFactory",
-    "SyntheticRuntimeSchema",
-    "SyntheticWorldRuntime",
-    "geometry",
-    "get_geometry",
-    "synthetic",
-    "telefuser",
-    "validate_window",
-]
+__all__ = ["GEOMETRIES", "Geometry", "get_geometry", "validate_window"]

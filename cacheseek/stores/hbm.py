@@ -28,7 +28,6 @@ from typing import Any, Optional
 
 from cacheseek.errors import ConfigError
 from cacheseek.plan.device import DevicePlanClient
-from cacheseek.plan.embedded import PlanFaults
 from cacheseek.registry import STORES
 from cacheseek.sizes import AUTO
 from cacheseek.sizing import SizeField
@@ -53,7 +52,8 @@ class HbmTierSchema:
 class HbmTierStore(PlanTierStore):
     """The HBM tier (see the module docstring). ``device``: where the pool lives; None = the
     transfer runtime's kind (CUDA: the current device; host: cpu). ``transfer``: the runtime
-    shared with the other tiers (the caller keeps owning it)."""
+    shared with the other tiers (the caller keeps owning it). ``plan_client``: a built device pool
+    in place of the one these fields describe (the store owns it either way)."""
 
     storage_format = PlanTierStore.storage_format  # the same bare bytes as the Plan tier
 
@@ -77,7 +77,7 @@ class HbmTierStore(PlanTierStore):
         overlap: bool = False,
         *,
         transfer: Optional[TransferRuntime] = None,
-        faults: Optional[PlanFaults] = None,
+        plan_client: Optional[DevicePlanClient] = None,
     ) -> None:
         if isinstance(capacity_bytes, str) and capacity_bytes.strip().lower() == AUTO:
             if not capacity_fraction:
@@ -86,7 +86,7 @@ class HbmTierStore(PlanTierStore):
             capacity_bytes = 0  # the fraction sizes the pool
         if device is None:
             device = "cuda" if getattr(transfer, "device_kind", "cpu") == "cuda" else "cpu"
-        client = DevicePlanClient(capacity_bytes, capacity_fraction, device, alignment, faults=faults)
+        client = plan_client or DevicePlanClient(capacity_bytes, capacity_fraction, device, alignment)
         try:
             super().__init__(device=str(client.device), commit_timeout_s=commit_timeout_s, overlap=overlap,
                              transfer=transfer, plan_client=client)

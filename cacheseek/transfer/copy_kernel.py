@@ -21,8 +21,7 @@ says whether a batch is, and the transfer runtime sends only such batches here.
 Launchers (the `RangeKernel` seam):
 - `CudaRangeKernel`: compiled once per device with NVRTC, loaded and launched through the CUDA
   driver API of cuda-bindings, on the caller's stream;
-- `FakeRangeKernel`: runs the same tables over host memory on a `FakeCudart`'s stream queues,
-  so CPU tests check the packing and the runtime's use of it with the ordering rules of a GPU.
+- a fake in the tests (tests/fakes/range_kernel.py) runs the same tables over host memory.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ __all__ = [
     "aligned",
     "range_tables",
     "CudaRangeKernel",
-    "FakeRangeKernel",
     "KernelShape",
 ]
 
@@ -146,7 +144,7 @@ class RangeTable:
         self.n = n
 
     def ranges(self) -> Iterator[tuple[int, int, int, int]]:
-        """``(tile, dst, src, nbytes)`` per tile, as the kernel maps them (for `FakeRangeKernel`)."""
+        """``(tile, dst, src, nbytes)`` per tile, as the kernel maps them (for a fake kernel)."""
         buf = self.buffer
         n = int(buf[_N : _N + 4].view("<u4")[0])
         srcs = buf[_SRC : _SRC + 8 * n].view("<u8")
@@ -228,26 +226,6 @@ class CudaRangeKernel:
 
     def __repr__(self) -> str:
         return f"CudaRangeKernel(device={self.device}, sms={self.sm_count}, host_readable={self.host_readable}, {self.shape})"
-
-
-class FakeRangeKernel:
-    """The kernel over a `FakeCudart`: every tile of a table becomes a queued copy on the stream
-    (checked like a copy: both sides must be memory the fake knows), performed when the stream is
-    waited for. ``host_readable`` as the real device reports it (tests set it)."""
-
-    def __init__(self, cudart: Any, *, host_readable: bool = True) -> None:
-        self._rt = cudart
-        self.host_readable = host_readable
-        self.launches: list[tuple[int, int, int]] = []  # (stream, ranges, tiles)
-
-    def launch(self, table: RangeTable, stream: int) -> None:
-        tiles = list(table.ranges())
-        for _, dst, src, nbytes in tiles:
-            if not self._rt.memory.check_copy(dst, src, nbytes, None):
-                raise TransferError(f"fake range-copy kernel: tile [{src:#x}, +{nbytes}) -> {dst:#x} is not memory the device can reach")
-        with self._rt.mutex:
-            self._rt.streams.enqueue(stream, [(dst, src, nbytes) for _, dst, src, nbytes in tiles])
-        self.launches.append((stream, table.n, table.tiles))
 
 
 def _compile(nvrtc: Any, source: str, arch: str) -> bytes:

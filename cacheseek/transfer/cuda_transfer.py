@@ -21,7 +21,7 @@
   1024 copies instead of a descriptor each. ``copy_kernel``: None = that policy where the
   kernel can be built (NVRTC), False = never, True = the policy, and the kernel must build.
 
-``cudart`` is injectable (`cacheseek.transfer.fake_cuda.FakeCudart` in CPU tests); the real module
+``cudart`` is injectable (tests/fakes/cudart.py `FakeCudart` in CPU tests); the real module
 is imported only when none is given. The batch call's signature differs between bindings
 (12.8 also returns a failing index, 13.x does not); it is read from the function's signature line.
 """

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import torch
+
 from cacheseek.progress import bar
 from cacheseek.registry import WORKLOADS
 from cacheseek.workloads.action_tree import ActionTree
@@ -144,8 +146,6 @@ def _stream(factory: Any, actions: list, binding: Any, image: Any) -> tuple[list
 def _synchronize(device: Any) -> Any:
     if not str(device).startswith("cuda"):
         return lambda: None
-    import torch
-
     return torch.cuda.synchronize
 
 

@@ -211,8 +211,9 @@ def _runtimes(cuda: bool):
 
         dev = torch.device("cuda", 0)
     else:
-        from cacheseek.transfer.copy_kernel import FakeRangeKernel
-        from cacheseek.transfer.fake_cuda import FakeCudart
+        sys.path.insert(0, str(HERE.parents[1] / "tests"))  # the CPU dry run uses the tests' fakes
+        from fakes.cudart import FakeCudart
+        from fakes.range_kernel import FakeRangeKernel
 
         fake = FakeCudart()
         fake.unknown_is_device = True

@@ -58,9 +58,9 @@ class TimedHooks:
 
 
 def make_gate(cfg_main, sync, timings: dict):
-    from cacheseek.workloads.abcd import AbcdGate, RequestResult
+    from cacheseek.workloads.prefix_gate import PrefixGate, RequestResult
 
-    class TimedGate(AbcdGate):
+    class TimedGate(PrefixGate):
         def _request(self, stack, name, actions, label, *, manager=None, ingest=True):
             hooks = TimedHooks(stack.new_binding(manager, ingest_enabled=ingest), sync)
             rt = stack.runtime_factory.make(actions, hooks=hooks)

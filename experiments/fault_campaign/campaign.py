@@ -277,8 +277,8 @@ def damage_scenario(cfg: dict, kind: str, work: Path, rng: random.Random) -> dic
                 out["sessions"] += 1
                 out["wrong_outputs"] += not ok
                 out["committed_lost"] += max(0, expect - depth)
-        out.update(recover_s=max(recover) if recover else None, invalidations=mgr.stats["invalidations"],
-                   corrupt_values=store.stats.corrupt_values, restore_failures=mgr.stats["restore_failures"])
+        out.update(recover_s=max(recover) if recover else None, invalidations=mgr.metrics.invalidations,
+                   corrupt_values=store.stats.corrupt_values, restore_failures=mgr.metrics.restore_failures)
     finally:
         store.close()
     return out
@@ -525,13 +525,13 @@ def fluxon_owner_kill9_round(cfg: dict, work: Path, rng: random.Random, kind: st
         else:
             kill()
         out["injected"] += 1
-        failures = mgr.stats["restore_failures"]
+        failures = mgr.metrics.restore_failures
         for actions in reqs:  # the owner is dead: restores fail within the bound, sessions run cold
             ok = _tally(out, session(mgr, actions))
             out["dead_owner_sessions"] += 1
             if ok and out["recover_s"] is None:
                 out["recover_s"] = time.perf_counter() - killed[0]
-        out["restore_errors"] += mgr.stats["restore_failures"] - failures
+        out["restore_errors"] += mgr.metrics.restore_failures - failures
         # restart the service, reopen the store: reconcile invalidates what died with the owner
         t_restart = time.perf_counter()
         store.close()  # its fluxon-py client stays open while calls are stuck in the dead owner

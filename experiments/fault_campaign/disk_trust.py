@@ -185,7 +185,7 @@ def swap_scenario(c: Any, cfg: dict, work: Path, rng: Any) -> dict[str, Any]:
             out["committed_lost"] += c.lost_values(mgr)
             replay(c, out, mgr, store, reqs, ingest=False)
             save_forest_snapshot(mgr.forest, store.snapshot_path)  # what is committed now
-        out.update(corrupt_values=store.stats.corrupt_values, invalidations=mgr.stats["invalidations"])
+        out.update(corrupt_values=store.stats.corrupt_values, invalidations=mgr.metrics.invalidations)
     finally:
         store.close()
     return out
@@ -359,7 +359,7 @@ def fifo_scenario(c: Any, cfg: dict, work: Path, rng: Any) -> dict[str, Any]:
         _unblock(fifos)
         out["stuck_after"] = store._calls.wait_quiet(10.0)
         out["committed_lost"] += c.lost_values(mgr)
-        out.update(corrupt_values=store.stats.corrupt_values, restore_failures=mgr.stats["restore_failures"])
+        out.update(corrupt_values=store.stats.corrupt_values, restore_failures=mgr.metrics.restore_failures)
     finally:
         _unblock(fifos)
         try:
@@ -434,7 +434,7 @@ def stalled_scenario(c: Any, cfg: dict, work: Path, rng: Any) -> dict[str, Any]:
                 recover.append(sub["recover_s"])
         out["committed_lost"] += c.lost_values(mgr)
         out.update(recover_s=max(recover) if recover else None, failed_writes=store.stats.failed_writes,
-                   restore_failures=mgr.stats["restore_failures"])
+                   restore_failures=mgr.metrics.restore_failures)
     finally:
         store.close()
     return out

@@ -347,7 +347,7 @@ def section_cold_a(cfg, dev, sync, prog, out_dir: Path) -> dict:
     from cacheseek.cli import CONF_DIR
     from cacheseek.orchestrator import build_stack
     from cacheseek.reuse.exact_prefix import NamespaceForest
-    from cacheseek.workloads.abcd import AbcdGate
+    from cacheseek.workloads.prefix_gate import PrefixGate
 
     c = cfg.cold_a
     cuda = dev.type == "cuda"
@@ -364,7 +364,7 @@ def section_cold_a(cfg, dev, sync, prog, out_dir: Path) -> dict:
         del rt
         n, p = int(c.total_chunks), int(c.prefix_chunks)
         for rep in range(int(c.reps)):
-            g = AbcdGate(total_chunks=n, prefix_chunks=p, ring_check=False, action_seed=1000 + rep)
+            g = PrefixGate(total_chunks=n, prefix_chunks=p, ring_check=False, action_seed=1000 + rep)
             cold = request(stack, g.P + g.X, sync, hooks=False)
             tiered = request(stack, g.P + g.X, sync)
             ok = cold["frames"] == tiered["frames"] and tiered["hit_depth"] == 0
@@ -376,7 +376,7 @@ def section_cold_a(cfg, dev, sync, prog, out_dir: Path) -> dict:
             prog.note(f"cold A rep {rep}: no cache {cold['generate_s']:.3f} s, tiered {tiered['generate_s']:.3f} s "
                       f"(x{tiered['generate_s'] / cold['generate_s']:.4f}; with the final flush "
                       f"x{tiered['wall_s'] / cold['generate_s']:.4f}; write hooks {tiered['write_s']:.3f} s)")
-        gate = AbcdGate(total_chunks=n, prefix_chunks=p, ring_check=False, action_seed=7)
+        gate = PrefixGate(total_chunks=n, prefix_chunks=p, ring_check=False, action_seed=7)
         a = request(stack, gate.P + gate.X, sync)
         b = request(stack, gate.P + gate.X, sync)
         cq = request(stack, gate.P + gate.Y, sync)

@@ -26,7 +26,7 @@ LAYERS = {
     "runtime": 4, "stores": 4,
     "reuse": 5,
     "workloads": 6, "orchestrator": 6,
-    "report": 7, "cli_help": 7, "sweep": 8, "cli": 8, "workers": 9, "__main__": 10,
+    "report": 7, "cli_help": 7, "sweep": 8, "cli": 8, "__main__": 9,
 }
 
 
@@ -53,11 +53,6 @@ def _imports(tree: ast.Module) -> list[tuple[ast.stmt, str, bool]]:
 
 MODULES = sorted(PACKAGE.rglob("*.py"))
 
-# Process entry points build the stack when they run, not when imported, so that ``--help`` and
-# the two-worker launcher start without numpy or torch (tests/fluxon/test_fluxon_service.py).
-LAZY_ENTRY_POINTS = {"cacheseek.cli", "cacheseek.workers"}
-
-
 def _name(path: Path) -> str:
     parts = ("cacheseek",) + path.relative_to(PACKAGE).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -75,7 +70,7 @@ def test_imports_go_down_at_module_level(path: Path):
     problems = []
     for node, target, top in _imports(ast.parse(path.read_text(), str(path))):
         where = f"{path.relative_to(PACKAGE)}:{node.lineno} imports {target}"
-        if not top and module not in LAZY_ENTRY_POINTS:
+        if not top:
             problems.append(f"{where} inside a function (move it to the top; a cycle means a type "
                             "lives in the wrong room)")
         other = _room(target)

@@ -98,7 +98,7 @@ def test_missing_latent_invalidates_the_node_and_restores_the_shorter_prefix():
     assert w.depth == 0 and w.latents == ["lat0"] and [d for d, _ in w.layers[0]] == [0]
     assert node.blob is None and node.skeleton is not None
     assert not [k for k in mgr.store.keys() if k.startswith(kv_loc)]
-    assert mgr.stats["invalidations"] == 1 and mgr.stats["restore_retries"] == 1
+    assert mgr.metrics.invalidations == 1 and mgr.metrics.restore_retries == 1
     assert all(n.ref_count == 0 for n in ns.iter_nodes())
 
 

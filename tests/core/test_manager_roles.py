@@ -10,7 +10,7 @@ from cacheseek.errors import HandleStateError, StoreError, StoreFullError, Write
 from cacheseek.eviction import EvictionConfig, make_policy
 from cacheseek.metrics import CacheMetrics
 from cacheseek.reuse.exact_prefix import InMemoryTierStore, NamespaceForest, WorldKVConfig, WorldKVManager
-from cacheseek.reuse.exact_prefix.context import STAT_NAMES, ManagerContext
+from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.demotion import Demoter
 from cacheseek.reuse.exact_prefix.eviction import Evictor, evictable, holds_blob, subtree_has_blob
 from cacheseek.reuse.exact_prefix.ingest import Ingestor
@@ -112,7 +112,7 @@ def test_invalidate_frees_an_unread_node_and_only_marks_a_read_one():
     assert inv.invalidate([a, b]) == 2
     assert a.blob is None and not a.evicting and store.freed == [kv_locator(a.node_key)]
     assert b.blob is not None and b.invalidated and b.evicting and b.blob.state is BlobState.FAILED
-    assert ctx.stats["invalidations"] == 2
+    assert ctx.metrics.invalidations == 2
     # the last reader's release frees it
     b.ref_count = 0
     inv.free_invalidated(b)
@@ -222,7 +222,7 @@ def test_evict_blob_puts_the_blob_back_when_free_fails():
     ev = Evictor(ctx, Demoter(ctx))
     with pytest.raises(OSError):
         ev.evict_blob(a, honour_pins=True)
-    assert a.blob is handle and not a.evicting and ctx.stats["evictions"] == 0
+    assert a.blob is handle and not a.evicting and ctx.metrics.evictions == 0
     ctx.store.free_error = WriteNotCompleteError("still writing")
     assert ev.evict_blob(a, honour_pins=True) is False and a.blob is handle
 
@@ -236,7 +236,7 @@ def test_evict_blob_refuses_pinned_read_and_in_flight_nodes():
     assert not any(ev.evict_blob(n, honour_pins=True) for n in (a, b, c)) and store.freed == []
     c.blob.ready = True
     assert ev.evict_blob(c, honour_pins=True) and c.blob is None and c.skeleton is not None
-    assert ctx.stats["evictions"] == 1 and store.freed == [kv_locator(c.node_key)]
+    assert ctx.metrics.evictions == 1 and store.freed == [kv_locator(c.node_key)]
 
 
 def test_demotion_is_a_no_op_on_a_store_without_tiers():
@@ -294,17 +294,10 @@ def test_with_room_without_eviction_raises_at_once():
 # --- context and facade --------------------------------------------------------------------------
 
 
-def test_context_counts_the_legacy_stats_in_their_order():
-    ctx = ctx_for(FakeStore())
-    assert tuple(ctx.stats) == STAT_NAMES and not any(ctx.stats.values())
-    ctx.count("hits", 2)
-    assert ctx.stats["hits"] == 2
-
-
 def test_facade_settings_reach_every_role():
     mgr = WorldKVManager(NamespaceForest(), InMemoryTierStore(), WorldKVConfig(0, 0, 1))
     other = InMemoryTierStore()
     mgr.store = other
     roles = (mgr._restorer, mgr._invalidator, mgr._evictor, mgr._demoter, mgr._ingestor, mgr._fast_forward)
     assert all(role.ctx.store is other for role in roles)
-    assert mgr.stats is mgr._restorer.ctx.stats and WorldKVManager.store is not None
+    assert mgr.metrics is mgr._restorer.ctx.metrics and WorldKVManager.store is not None

@@ -1,5 +1,5 @@
-"""forest.json: actions of every kind round-trip; upstream CacheSeek's layout and this project's
-earlier layout both load; what is written carries the fields upstream's loader reads; a bad file
+"""forest.json: actions of every kind round-trip; upstream CacheSeek's layout loads (this
+project's earlier one is refused, naming the field); what is written carries the fields upstream's loader reads; a bad file
 changes nothing. Torch-free."""
 
 import json
@@ -145,9 +145,9 @@ def test_an_upstream_snapshot_restores_from_this_projects_store(upstream_file):
 # -- reading this project's earlier layout --------------------------------------------------------
 
 
-def test_the_earlier_project_layout_still_loads(tmp_path):
-    """Version 1 as this project first wrote it: root/cfg per namespace, key per node, every
-    action the hex of bytes."""
+def test_the_earlier_project_layout_is_refused_naming_the_field(tmp_path):
+    """Version 1 as this project first wrote it (root/cfg per namespace, key per node, every
+    action the hex of bytes) is no longer read: one ConfigError, nothing loaded."""
     a0, a1 = b"\x01act", b"\x02act"
     k0 = node_key(ROOT, a0)
     k1 = node_key(k0, a1)
@@ -161,10 +161,10 @@ def test_the_earlier_project_layout_still_loads(tmp_path):
     ]}]}
     path = tmp_path / "old.json"
     path.write_text(json.dumps(data, sort_keys=True))
-    forest = load_forest_snapshot(path)
-    m = forest.lookup(ROOT, [a0, a1])
-    assert m.matched_len == 2 and m.node.node_key == k1 and m.node.parent.pinned
-    assert m.node.blob.tier is Tier.CPU and m.node.blob.nbytes == 10
+    forest = NamespaceForest()
+    with pytest.raises(ConfigError, match="root_hash"):
+        load_forest_snapshot(path, into=forest)
+    assert len(forest) == 0
 
 
 # -- what is written ------------------------------------------------------------------------------

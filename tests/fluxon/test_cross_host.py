@@ -73,7 +73,7 @@ def _put_all(peer, prefix: str, n: int, seed0: int) -> dict[str, str]:
 def test_the_gate_across_hosts(cluster, store, extra):
     """Worker 1 on a runs A (every chunk written); worker 2 on b, its own process, hostname and
     /dev/shm, loads a's forest snapshot and runs B (all chunks hit, a's frames), C and D."""
-    from cacheseek.workers import check
+    from workers import check
 
     extra = [f"namespace.model_fingerprint=hosts-{store}", *extra]
     first = cluster.worker("a", "first", store, extra)

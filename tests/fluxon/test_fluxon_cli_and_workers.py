@@ -1,6 +1,6 @@
 """The commands users run against a real Fluxon service, as subprocesses in the test's own
 network namespace: ``python -m cacheseek +store=fluxon_plan store.client=fluxon ...`` (the gate
-prints PASS) and ``python -m cacheseek.workers`` (one cache shared by two worker processes).
+prints PASS) and ``python tools/workers.py`` (one cache shared by two worker processes).
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from cacheseek.workers import check, store_overrides
-
 REPO = Path(__file__).resolve().parents[2]
+WORKERS = REPO / "tools" / "workers.py"
+sys.path.insert(0, str(WORKERS.parent))
+
+from workers import check, store_overrides  # noqa: E402
 
 
 def _env() -> dict[str, str]:
@@ -106,7 +108,7 @@ def test_two_worker_processes_share_one_fluxon_cache(fluxon_service, tmp_path, s
     """Worker 1 runs A and saves its forest snapshot; worker 2, a fresh process, loads it and
     hits: B all chunks, C |P|; frames equal worker 1's A and a cold D."""
     workdir = tmp_path / "w"
-    cmd = [sys.executable, "-m", "cacheseek.workers", "--store", store,
+    cmd = [sys.executable, str(WORKERS), "--store", store,
            "--cluster-name", fluxon_service.cluster_name, "--share-mem-path", fluxon_service.share_mem_path,
            "--workdir", str(workdir), "--op-timeout", "20", "--worker-timeout", "240",
            f"namespace.model_fingerprint=workers-{store}", *extra]

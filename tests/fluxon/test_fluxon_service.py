@@ -129,7 +129,7 @@ def test_modules_import_without_fluxon_or_torch(tmp_path):
         import cacheseek.fluxon
         import cacheseek.plan.fluxon_public as fp
         import cacheseek.plan.fluxon_select as fs
-        import cacheseek.workers
+        sys.path.insert(0, "tools"); import workers
         from cacheseek.registry import PLAN_CLIENTS, STORES
         assert STORES.get("fluxon") is fb.FluxonTensorTier
         assert PLAN_CLIENTS.get("fluxon_public") is fp.FluxonPublicPlanClient
@@ -248,7 +248,7 @@ def test_cli_tool_starts_prints_attach_info_and_stops_on_sigterm(fluxon_env, tmp
     assert proc.returncode == 0, out
     assert "+store=fluxon" in out and f"store.cluster_name={name}" in out and "stopped in" in out
     assert f"+store=fluxon_plan store.client=fluxon +store.client_options.cluster_name={name}" in out
-    assert f"python -m cacheseek.workers --cluster-name {name}" in out
+    assert f"python tools/workers.py --cluster-name {name}" in out
     assert not Path(share, name).exists() and not info_json.exists()
 
 

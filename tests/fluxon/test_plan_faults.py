@@ -30,11 +30,11 @@ from cacheseek.reuse.exact_prefix.keys import layer_keys, node_key
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import make_full_kv_config
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.host_transfer import HostTransferRuntime
-from cacheseek.workloads.abcd import AbcdGate
+from cacheseek.workloads.prefix_gate import PrefixGate
 from test_plan_fluxon import wait_for_space
 
 MiB = 1 << 20
-GATE = AbcdGate(total_chunks=4, prefix_chunks=2)
+GATE = PrefixGate(total_chunks=4, prefix_chunks=2)
 
 
 def ready_nodes(forest):
@@ -148,7 +148,7 @@ def test_store_full_and_a_value_too_large_never_publish(fluxon_client):
         for n in failed:
             locator = f"{n.node_key.hex()}:kv"
             assert not any(store.contains([k for i in range(2) for k in layer_keys(locator, i)]))
-        assert manager.stats["dropped_writes"] == 2
+        assert manager.metrics.dropped_writes == 2
         manager.audit()  # Fluxon may have evicted node 0's values under the pressure: invalidated then
         assert_no_half_published(forest, store)
     finally:

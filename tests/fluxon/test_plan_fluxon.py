@@ -15,8 +15,8 @@ import time
 import pytest
 import torch
 
-from cacheseek.errors import ConfigError, PlanError, PlanUnavailableError, StoreFullError
-from cacheseek.fluxon.client import FluxonValueTooLargeError
+from cacheseek.errors import ConfigError, PlanError, PlanUnavailableError, StoreError, StoreFullError
+from cacheseek.fluxon.client import VALUE_FIELD, FluxonValueTooLargeError
 from cacheseek.plan import fluxon_select
 from cacheseek.plan.fluxon_calls import PutKeyCode
 from cacheseek.plan.fluxon_native import FluxonNativePlanClient
@@ -198,17 +198,22 @@ def wait_for_space(fluxon_client, key: str, nbytes: int, timeout_s: float = 15.0
 
 @pytest.mark.fluxon
 def test_a_value_that_is_not_a_zero_copy_view_is_refused(fluxon_client, key_prefix):
-    """A key written by another kind of writer (fluxon's own bytes 'payload' field) comes back
-    as a private copy, not a view into the segment: the get is refused clearly."""
+    """A key written by another kind of writer comes back as a private copy (CacheSeek's field
+    as bytes), not a view into the segment, or without CacheSeek's field (fluxon's own bytes
+    'payload'): either get is refused clearly."""
     key = f"{key_prefix}foreign"
-    fluxon_client._store.put_blocking(key, {"payload": b"x" * 64}).unwrap()
     client = FluxonPublicPlanClient(client=fluxon_client, staging_bytes=MiB)
     try:
+        fluxon_client._store.put_blocking(key, {VALUE_FIELD: b"x" * 64}).unwrap()
         with pytest.raises(PlanError, match="not a zero-copy view into the owner's segment"):
             client.get_start([key], [1])
+        fluxon_client._store.put_blocking(key + "2", {"payload": b"x" * 64}).unwrap()
+        with pytest.raises(StoreError, match="has no payload field .* .not written by CacheSeek"):
+            client.get_start([key + "2"], [1])
         assert client.live_handles() == (0, 0)
     finally:
         fluxon_client.remove(key)
+        fluxon_client.remove(key + "2")
         client.close()
 
 

@@ -7,10 +7,11 @@ from typing import Any, Callable
 
 import pytest
 
-from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.host_transfer import HostTransferRuntime
 from plan_testkit import STREAM, RecordingClient, RecordingTransfer, fake_cuda_runtime
+
+from fakes.plan_faults import FaultyEmbeddedPlanClient, PlanFaults
 
 
 @pytest.fixture
@@ -33,7 +34,7 @@ def make_store(event_log) -> Callable[..., tuple[PlanTierStore, dict]]:
     def _make(kind: str = "host", *, segment_bytes: int = 1 << 20, batch_api: str | None = "13", stream: int = STREAM,
               overlap: bool = False, **store_kw):
         faults = PlanFaults()
-        client = EmbeddedPlanClient(segment_bytes=segment_bytes, prefault_threads=2, faults=faults)
+        client = FaultyEmbeddedPlanClient(segment_bytes=segment_bytes, prefault_threads=2, faults=faults)
         fake = None
         if kind == "host":
             runtime: Any = HostTransferRuntime()

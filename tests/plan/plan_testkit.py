@@ -13,8 +13,9 @@ from cacheseek.reuse.exact_prefix.types import Skeleton, Tier, TrieNode
 from cacheseek.stores.base import RestoreTarget
 from cacheseek.transfer.batch import CopyBatch
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
-from cacheseek.transfer.fake_cuda import FakeCudart
 from cacheseek.transfer.memory import HostMapping
+
+from fakes.cudart import FakeCudart
 
 STREAM = 7  # a non-legacy stream handle for the fake
 

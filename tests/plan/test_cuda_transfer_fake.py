@@ -10,9 +10,10 @@ from cacheseek.errors import RegistrationError, TransferError
 from cacheseek.transfer.batch import CopyDescriptor, Direction
 from cacheseek.transfer.cuda_bindings import parameter_names
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
-from cacheseek.transfer.fake_cuda import FakeCudart
-from cacheseek.transfer.fake_cudart_types import cudaError_t, cudaMemcpyKind
 from plan_testkit import HostBuffer
+
+from fakes.cudart import FakeCudart
+from fakes.cudart_types import cudaError_t, cudaMemcpyKind
 
 H2D, D2H = Direction.H2D, Direction.D2H
 OK = cudaError_t.cudaSuccess

@@ -11,16 +11,18 @@ import pytest
 from cacheseek.errors import ConfigError, HandleStateError, PlanError, PlanTableError, StoreClosedError, StoreFullError
 from cacheseek.plan import segment as segment_mod
 from cacheseek.plan.base import GetPlanState, PlanClient, PlanClientInfo, PutPlanState
-from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
+from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.plan.table import decode_plan_table
 from cacheseek.registry import PLAN_CLIENTS
+
+from fakes.plan_faults import FaultyEmbeddedPlanClient, PlanFaults
 
 MiB = 1 << 20
 
 
 @pytest.fixture
 def client():
-    c = EmbeddedPlanClient(segment_bytes=MiB, prefault_threads=2)
+    c = FaultyEmbeddedPlanClient(segment_bytes=MiB, prefault_threads=2)
     yield c
     c.close()
 
@@ -225,7 +227,7 @@ def test_corrupt_tables_are_caught_by_the_decoder(client, point):
 
 def test_commit_faults():
     faults = PlanFaults()
-    c = EmbeddedPlanClient(segment_bytes=MiB, faults=faults)
+    c = FaultyEmbeddedPlanClient(segment_bytes=MiB, faults=faults)
     faults.key_codes["b"] = 4000
     plan, _ = c.local_fast_put_start(["a", "b"], 8)
     result = c.local_fast_put_commit(plan).result()

@@ -10,12 +10,13 @@ import torch
 
 from cacheseek.errors import HandleStateError, PlanUnavailableError, StoreClosedError
 from cacheseek.plan.base import REQUIRED_PLAN_CALLS, PlanClient, PutCommitResult, SegmentMapping
-from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.plan.fluxon_native import FluxonNativePlanClient, missing_plan_calls
 from cacheseek.registry import PLAN_CLIENTS
 from cacheseek.reuse.exact_prefix.types import Tier
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.host_transfer import HostTransferRuntime
+
+from fakes.plan_faults import FaultyEmbeddedPlanClient
 
 
 class KeyNotFoundError(Exception):
@@ -27,7 +28,7 @@ class FakeFluxon:
     backed by an embedded client; it enforces nothing about handle states itself."""
 
     def __init__(self) -> None:
-        self.inner = EmbeddedPlanClient(segment_bytes=1 << 20)
+        self.inner = FaultyEmbeddedPlanClient(segment_bytes=1 << 20)
         self.closed = False
 
     def wait_local_segments_ready(self):

@@ -15,8 +15,9 @@ from cacheseek.errors import ConfigError, StoreError, WriteNotCompleteError
 from cacheseek.reuse.exact_prefix.types import BlobState, Tier
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.batch import Direction
-from cacheseek.transfer.fake_cudart_types import cudaError_t
 from test_plan_tier_write import as_bytes, ring_tail_payload
+
+from fakes.cudart_types import cudaError_t
 
 TIER = Tier.FLUXON_DRAM
 

@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from cacheseek.errors import PlanError
-from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
 from cacheseek.stores.plan_tier.batches import ALIGN, direction, staging_layout
-from cacheseek.stores.plan_tier.client import table_arena
+from cacheseek.stores.plan_tier.client import ClientCalls
 from cacheseek.stores.plan_tier.plans import PutPlans, group_by_size, plan_waves
 from cacheseek.stores.plan_tier.stats import Counters
 from cacheseek.transfer.batch import Direction
+
+from fakes.plan_faults import FaultyEmbeddedPlanClient, PlanFaults
 
 
 def test_group_by_size_keeps_first_seen_order():
@@ -57,7 +58,7 @@ def test_direction_between_kinds_of_memory():
 @pytest.fixture
 def client():
     faults = PlanFaults()
-    c = EmbeddedPlanClient(segment_bytes=1 << 20, prefault_threads=1, faults=faults)
+    c = FaultyEmbeddedPlanClient(segment_bytes=1 << 20, prefault_threads=1, faults=faults)
     c.wait_local_segments_ready()
     c.faults = faults
     yield c
@@ -68,7 +69,7 @@ def test_one_plan_per_size_started_then_committed(client):
     counters = Counters()
     plans = PutPlans(client, counters, timeout_s=5.0)
     keys = ["a", "b", "c", "d"]
-    dsts, order, sizes = plans.start(keys, [64, 32, 64, 32], table_arena(client))
+    dsts, order, sizes = plans.start(keys, [64, 32, 64, 32], ClientCalls.of(client).arena())
     assert order == [0, 2, 1, 3] and sizes == [64, 64, 32, 32] and len(set(dsts)) == 4
     assert len(plans.started) == 2 and plans.submitted == []
     plans.commit()
@@ -82,7 +83,7 @@ def test_a_failed_commit_names_the_key_codes_and_undo_removes_what_was_submitted
     counters = Counters()
     client.faults.key_codes["b"] = 6000
     plans = PutPlans(client, counters, timeout_s=5.0)
-    plans.start(["a", "b"], [16, 16], table_arena(client))
+    plans.start(["a", "b"], [16, 16], ClientCalls.of(client).arena())
     with pytest.raises(PlanError, match=r"commit of 2 values of 16 B: status 0, key codes b=6000") as info:
         plans.commit()
     plans.undo(info.value)
@@ -93,7 +94,7 @@ def test_a_failed_commit_names_the_key_codes_and_undo_removes_what_was_submitted
 def test_undo_before_commit_aborts_every_started_plan(client):
     counters = Counters()
     plans = PutPlans(client, counters, timeout_s=5.0)
-    plans.start(["a", "b", "c"], [16, 8, 16], table_arena(client))
+    plans.start(["a", "b", "c"], [16, 8, 16], ClientCalls.of(client).arena())
     plans.undo(RuntimeError("copy failed"))
     assert client.keys() == [] and client.live_handles() == (0, 0)
     assert counters.get("plans_aborted") == 2 and counters.get("values_removed") == 0
@@ -102,9 +103,9 @@ def test_undo_before_commit_aborts_every_started_plan(client):
 def test_commits_of_waves_are_checked_per_call_and_undone_together(client):
     counters = Counters()
     plans = PutPlans(client, counters, timeout_s=5.0)
-    plans.start(["a"], [16], table_arena(client))
+    plans.start(["a"], [16], ClientCalls.of(client).arena())
     plans.commit()
-    plans.start(["b"], [16], table_arena(client))
+    plans.start(["b"], [16], ClientCalls.of(client).arena())
     client.faults.arm("commit_status")
     with pytest.raises(PlanError, match="status 1") as info:
         plans.commit()

@@ -16,8 +16,9 @@ from cacheseek.reuse.exact_prefix.types import BlobState, Tier
 from cacheseek.stores.base import PathReadStore, TierStore
 from cacheseek.stores.plan_tier import PlanTierSchema, PlanTierStore
 from cacheseek.transfer.batch import Direction
-from cacheseek.transfer.fake_cudart_types import cudaError_t
 from cacheseek.transfer.host_transfer import HostTransferRuntime
+
+from fakes.cudart_types import cudaError_t
 
 TIER = Tier.FLUXON_DRAM
 

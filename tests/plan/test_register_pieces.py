@@ -13,12 +13,13 @@ from cacheseek.kv.ring import RingGeometry
 from cacheseek.transfer.base import SubmitFailed
 from cacheseek.transfer.batch import CopyBatch, CopyDescriptor, Direction
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
-from cacheseek.transfer.fake_cuda import FakeCudart
-from cacheseek.transfer.fake_cudart_types import cudaError_t, cudaMemcpyKind
 from cacheseek.transfer.host_transfer import HostTransferRuntime
 from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.stores.plan_tier import PlanTierStore
 from plan_testkit import assert_restores_match, HostBuffer, fake_cuda_runtime, ingest
+
+from fakes.cudart import FakeCudart
+from fakes.cudart_types import cudaError_t, cudaMemcpyKind
 
 P = 4096
 STREAM = 5

@@ -11,12 +11,13 @@ import torch
 from cacheseek.errors import TransferError
 from cacheseek.transfer.batch import CopyBatch, CopyDescriptor, Direction
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
-from cacheseek.transfer.fake_cuda import FakeCudart
-from cacheseek.transfer.fake_cudart_types import cudaError_t
 from cacheseek.transfer.host_transfer import HostTransferRuntime
 from cacheseek.transfer.pending import PendingBatch
 from cacheseek.transfer.protocol import AsyncTransfer
 from plan_testkit import HostBuffer
+
+from fakes.cudart import FakeCudart
+from fakes.cudart_types import cudaError_t
 
 H2D, D2H, D2D = Direction.H2D, Direction.D2H, Direction.D2D
 

@@ -13,11 +13,12 @@ from cacheseek.errors import TransferError
 from cacheseek.transfer import TRANSFERS, auto_transfer_runtime
 from cacheseek.transfer.batch import CopyDescriptor, Direction
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
-from cacheseek.transfer.fake_cuda import FakeCudart
 from cacheseek.transfer.host_transfer import HostTransferRuntime
 from cacheseek.transfer.memory import MemoryRange
 from cacheseek.transfer.protocol import TransferRuntime
 from plan_testkit import HostBuffer
+
+from fakes.cudart import FakeCudart
 
 H2D, D2H, H2H = Direction.H2D, Direction.D2H, Direction.H2H
 

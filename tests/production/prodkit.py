@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
+from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
 from cacheseek.reuse.exact_prefix.keys import layer_keys
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import (
@@ -25,6 +25,8 @@ from cacheseek.runtime.synthetic import SyntheticRuntimeFactory
 from cacheseek.stores.memory import InMemoryTierStore
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.host_transfer import HostTransferRuntime
+
+from fakes.plan_faults import FaultyEmbeddedPlanClient, PlanFaults
 
 N = 5
 FULL = (-1, 0)
@@ -131,7 +133,7 @@ def plan_store(
     **kw: Any,
 ) -> tuple[PlanTierStore, EmbeddedPlanClient]:
     """A Plan tier over a fresh embedded client (the caller closes both: `close_plan`)."""
-    client = EmbeddedPlanClient(segment_bytes=segment_bytes, prefault_threads=1, faults=faults or PlanFaults())
+    client = FaultyEmbeddedPlanClient(segment_bytes=segment_bytes, prefault_threads=1, faults=faults or PlanFaults())
     store = PlanTierStore(plan_client=client, transfer=transfer or HostTransferRuntime(), **kw)
     return store, client
 
@@ -177,7 +179,7 @@ class FaultyBackend:
 def fake_cuda(**kw: Any) -> tuple[Any, Any]:
     """A CUDA transfer runtime over the fake cudart, CPU tensors standing in for device ones."""
     from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
-    from cacheseek.transfer.fake_cuda import FakeCudart
+    from fakes.cudart import FakeCudart
 
     fake = FakeCudart(unknown_is_device=True, **kw)
     return CudaTransferRuntime(cudart=fake, current_stream=lambda: 7, tensor_device_type="cpu"), fake

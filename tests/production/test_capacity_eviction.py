@@ -343,7 +343,7 @@ def test_second_refusal_drops_the_write_and_leaves_nothing():
         mgr.ingest(ns, ns.root, b"e", node_key(ROOT, b"e"), 0, payload(), LATENT)
     e = ns.root.children[b"e"]
     assert e.blob is None and not e.evicting
-    assert mgr.stats["dropped_writes"] == 1 and mgr.metrics.dropped_writes == 1
+    assert mgr.metrics.dropped_writes == 1 and mgr.metrics.dropped_writes == 1
     for n in held:
         n.ref_count = 0
     assert check_invariants(mgr.forest, store.keys()) == []

@@ -97,12 +97,12 @@ def test_values_gone_from_one_node_restore_the_longest_whole_prefix(tier, mode, 
     b, rt, hashes = run_session(mgr, mode)
     assert hashes == cold_hashes(mode)
     if not needed:
-        assert b.last_fast_forward == N and mgr.stats["invalidations"] == 0
+        assert b.last_fast_forward == N and mgr.metrics.invalidations == 0
         return
     assert b.last_fast_forward == depth
     assert rt.restored_chunks == list(range(depth))
-    assert mgr.stats["invalidations"] == 1 and mgr.stats["restore_retries"] == 1
-    assert mgr.stats["restore_failures"] == 0
+    assert mgr.metrics.invalidations == 1 and mgr.metrics.restore_retries == 1
+    assert mgr.metrics.restore_failures == 0
     m = mgr.metrics.as_dict()
     assert m["invalidations"] == 1 and m["partial_hits_by_depth"] == {depth: 1}
     # the session recomputed the stale chunk and re-ingested it, skeleton included
@@ -120,7 +120,7 @@ def test_several_stale_nodes_are_found_in_one_attempt(tier):
     remove(tier, nodes[2].skeleton.latent_locator)
     b, _, hashes = run_session(mgr, ingest=False)
     assert hashes == cold_hashes() and b.last_fast_forward == 2
-    assert mgr.stats["invalidations"] == 2 and mgr.stats["restore_retries"] == 1
+    assert mgr.metrics.invalidations == 2 and mgr.metrics.restore_retries == 1
     assert nodes[2].blob is None and nodes[4].blob is None and nodes[3].has_kv
     assert check_invariants(mgr.forest, store_keys(tier)) == []
 
@@ -135,7 +135,7 @@ def test_a_stale_node_below_break_even_runs_cold(tmp_path):
     strict = WorldKVManager(mgr.forest, store, manager_cfg(FULL, break_even_k=3))
     b, _, hashes = run_session(strict, ingest=False)
     assert b.last_fast_forward == 0 and hashes == cold_hashes()
-    assert strict.stats["invalidations"] == 1 and strict.stats["below_break_even"] == 1
+    assert strict.metrics.invalidations == 1 and strict.metrics.below_break_even == 1
 
 
 def test_a_restarted_worker_with_an_empty_store_invalidates_and_recovers(tmp_path):
@@ -149,7 +149,7 @@ def test_a_restarted_worker_with_an_empty_store_invalidates_and_recovers(tmp_pat
     mgr2 = new_manager(fresh, FULL, forest=forest)
     b, _, hashes = run_session(mgr2)
     assert b.last_fast_forward == 0 and hashes == cold_hashes()
-    assert mgr2.stats["invalidations"] == N  # every node of the path named in one check
+    assert mgr2.metrics.invalidations == N  # every node of the path named in one check
     assert check_invariants(forest, fresh.keys()) == []
     b2, _, hashes2 = run_session(mgr2, ingest=False)
     assert b2.last_fast_forward == N and hashes2 == cold_hashes()
@@ -170,7 +170,7 @@ def test_a_restarted_disk_worker_finds_what_survived(tmp_path):
         mgr2 = new_manager(again, FULL, forest=load_forest_snapshot(tmp_path / "forest.json"))
         b, _, hashes = run_session(mgr2)
         assert b.last_fast_forward == 3 and hashes == cold_hashes()
-        assert mgr2.stats["invalidations"] == 1
+        assert mgr2.metrics.invalidations == 1
         assert check_invariants(mgr2.forest, again.keys()) == []
     finally:
         again.close()
@@ -203,7 +203,7 @@ def test_a_path_store_that_cannot_name_missing_values_runs_cold():
         store.contains = None  # the capability is absent: nothing can be named
         b, _, hashes = run_session(mgr, ingest=False)
         assert b.last_fast_forward == 0 and hashes == cold_hashes()
-        assert mgr.stats["invalidations"] == 0 and mgr.stats["restore_failures"] == 1
+        assert mgr.metrics.invalidations == 0 and mgr.metrics.restore_failures == 1
     finally:
         close_plan(store, client)
 
@@ -226,7 +226,7 @@ def test_a_blob_evicted_between_lookup_and_restore_retries_shorter():
     mgr.forest.lookup = lookup
     b, _, hashes = run_session(mgr, ingest=False)
     assert b.last_fast_forward == N - 1 and hashes == cold_hashes()
-    assert mgr.stats["restore_retries"] == 1 and mgr.stats["invalidations"] == 0
+    assert mgr.metrics.restore_retries == 1 and mgr.metrics.invalidations == 0
     assert all(n.ref_count == 0 for n in nodes.values())
 
 
@@ -248,7 +248,7 @@ def test_materialize_alone_invalidates_what_it_finds_missing():
 
     w = Window()
     assert mgr.materialize(nodes[N - 1], w) is False and w.depth is None
-    assert nodes[1].blob is None and mgr.stats["invalidations"] == 1
+    assert nodes[1].blob is None and mgr.metrics.invalidations == 1
     assert check_invariants(mgr.forest, store.keys()) == []
 
 

@@ -84,7 +84,7 @@ def test_full_disk_evicts_and_sessions_go_on(tmp_path, mode):
         m = mgr.metrics.as_dict()
         assert store.capacity_bytes is not None and store.capacity_bytes <= 2.5 * per_session
         assert m["evictions"] > 0 and m["store_full_retries"] > 0
-        assert mgr.stats["dropped_writes"] <= 2  # only writes that cannot fit beside a live path
+        assert mgr.metrics.dropped_writes <= 2  # only writes that cannot fit beside a live path
         b, _, hashes = run_session(mgr, mode, shared_sink(7), ingest=False)
         assert b.last_fast_forward == 3 and hashes == cold_hashes(mode, shared_sink(7))
     finally:

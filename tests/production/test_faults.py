@@ -23,11 +23,9 @@ from collections import Counter
 import pytest
 
 from cacheseek.errors import StoreError
-from cacheseek.plan.embedded import PlanFaults
 from cacheseek.stores.kv_tier import KeyValueTier
 from cacheseek.stores.localdisk import LocalDiskTierStore
 from cacheseek.stores.memory import InMemoryTierStore
-from cacheseek.transfer.fake_cudart_types import cudaError_t
 
 from prodkit import (
     FULL,
@@ -44,6 +42,9 @@ from prodkit import (
     run_session,
     store_keys,
 )
+
+from fakes.cudart_types import cudaError_t
+from fakes.plan_faults import PlanFaults
 
 GEN_CHUNKS = 3
 GEN_ACTS = acts(GEN_CHUNKS)
@@ -148,10 +149,10 @@ def test_generic_read_fault_at_every_step(kind, fault, step, tmp_path):
         if fault == "error":  # a store error: the session runs cold, the trie is untouched
             assert b.last_fast_forward == 0 and rt.restored_chunks == []
             assert {id(n): (n.blob, n.skeleton) for n in nodes(mgr.forest)} == before
-            assert mgr.stats["restore_failures"] == 1 and mgr.stats["invalidations"] == 0
+            assert mgr.metrics.restore_failures == 1 and mgr.metrics.invalidations == 0
         else:  # a value not found: its node is invalidated, the prefix before it restored
             stale = (step - 1) if step <= GEN_CHUNKS else (step - GEN_CHUNKS - 1) % (2 * GEN_CHUNKS) // 2
-            assert b.last_fast_forward == stale and mgr.stats["invalidations"] == 1
+            assert b.last_fast_forward == stale and mgr.metrics.invalidations == 1
         assert check_invariants(mgr.forest, store.keys()) == []
         store.backend.read_fault = None
         after_fault_sessions_recover(mgr, FULL, GEN_ACTS, store)
@@ -232,7 +233,7 @@ def test_plan_read_fault_at_every_step(point):
         b, rt, hashes = run_session(mgr, FULL, PLAN_ACTS, ingest=False)
         assert faults.fired == [point]
         assert hashes == cold_hashes(FULL, PLAN_ACTS) and b.last_fast_forward == 0
-        assert rt.restored_chunks == [] and mgr.stats["restore_failures"] == 1
+        assert rt.restored_chunks == [] and mgr.metrics.restore_failures == 1
         assert {id(n): (n.blob, n.skeleton) for n in nodes(mgr.forest)} == before
         plan_checks(mgr, store, client, FULL, PLAN_ACTS)
     finally:
@@ -283,7 +284,7 @@ def test_cudart_fault_at_every_step(runtime, phase, call, nth):
         assert hashes == cold_hashes(FULL, PLAN_ACTS)
         if phase == "read":
             assert b.last_fast_forward in (0, PLAN_CHUNKS)  # all or nothing, never a torn restore
-            assert mgr.stats["invalidations"] == 0
+            assert mgr.metrics.invalidations == 0
         fake.cudaGetLastError()
         plan_checks(mgr, store, client, FULL, PLAN_ACTS)
         if reached < nth:
@@ -307,7 +308,7 @@ def test_a_failed_removal_during_eviction_keeps_the_blob():
         # one value of it is gone: the next restore names it and invalidates the node
         b, _, hashes = run_session(mgr, FULL, PLAN_ACTS, ingest=False)
         assert hashes == cold_hashes(FULL, PLAN_ACTS)
-        assert b.last_fast_forward == PLAN_CHUNKS - 1 and mgr.stats["invalidations"] == 1
+        assert b.last_fast_forward == PLAN_CHUNKS - 1 and mgr.metrics.invalidations == 1
         assert check_invariants(mgr.forest, store_keys(store)) == []
         assert not [k for k in store_keys(store) if k.startswith(victim.blob.locator if victim.blob else "~")]
     finally:

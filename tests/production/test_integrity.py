@@ -65,7 +65,7 @@ def test_damaged_value_is_a_miss_never_a_wrong_restore(tmp_path, mode, what, how
         else:
             assert b.last_fast_forward == 1 and rt.restored_chunks == [0]
             assert path.exists() and store.disk.read(key) is not None  # C rewrote it, sound
-            assert mgr.stats["invalidations"] == 1 and store.stats.corrupt_values == 1
+            assert mgr.metrics.invalidations == 1 and store.stats.corrupt_values == 1
         assert check_invariants(mgr.forest, store.keys()) == []
 
         # C re-ingested chunks 1..3 of P_Y; the same request is now a full hit, bit-identical.
@@ -87,7 +87,7 @@ def test_truncated_value_is_not_read_again(tmp_path):
             b, _, hashes = run_session(mgr, FULL, P_X)
             assert hashes == cold_hashes(FULL, P_X)
         assert b.last_fast_forward == N
-        assert store.stats.corrupt_values == 1 and mgr.stats["restore_failures"] == 0
+        assert store.stats.corrupt_values == 1 and mgr.metrics.restore_failures == 0
     finally:
         store.close()
 

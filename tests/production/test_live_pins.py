@@ -49,7 +49,7 @@ def test_sinks_of_dead_namespaces_are_evicted_and_writes_go_on(live):
         session(mgr, i)
         assert check_invariants(mgr.forest, store.keys()) == []
     m = mgr.metrics.as_dict()
-    assert mgr.stats["dropped_writes"] == 0 and m["failed_writes"] == 0
+    assert mgr.metrics.dropped_writes == 0 and m["failed_writes"] == 0
     assert store.usage().used_bytes <= 8 * per_chunk
     sinks = [n for n in nodes(mgr.forest) if n.pinned]
     assert len(sinks) <= 8  # dead namespaces' sinks went, and the nodes left holding nothing were pruned

@@ -9,12 +9,13 @@ import pytest
 import torch
 
 from cacheseek.errors import StoreError
-from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults
 from cacheseek.reuse.exact_prefix.keys import kv_locator, layer_keys, node_key
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.host_transfer import HostTransferRuntime
 
 from prodkit import FULL, PlanProxy, check_invariants, fake_cuda, new_manager
+
+from fakes.plan_faults import FaultyEmbeddedPlanClient, PlanFaults
 
 ROOT = b"R" * 32
 N_LAYERS = 2
@@ -34,7 +35,7 @@ def latent(seed):
 @pytest.fixture(params=["host", "fake_cuda_overlap"])
 def plan(request):
     faults = PlanFaults()
-    client = EmbeddedPlanClient(segment_bytes=1 << 20, prefault_threads=1, faults=faults)
+    client = FaultyEmbeddedPlanClient(segment_bytes=1 << 20, prefault_threads=1, faults=faults)
     proxy = PlanProxy(client)
     if request.param == "host":
         store = PlanTierStore(plan_client=proxy, transfer=HostTransferRuntime())

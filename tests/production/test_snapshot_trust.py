@@ -86,11 +86,11 @@ def test_a_node_the_runtime_cannot_restore_is_a_miss_and_is_dropped(disk, tmp_pa
     b, _, hashes = run_session(mgr, mode, P_X, ingest=False)
     assert hashes == cold_hashes(mode, P_X)
     expect = 3 if craft == "moved" else 2
-    assert b.last_fast_forward == expect and mgr.stats["invalidations"] == 1
+    assert b.last_fast_forward == expect and mgr.metrics.invalidations == 1
     # dropped: the next session neither meets it nor fails on it again
     b, _, hashes = run_session(mgr, mode, P_X, ingest=False)
     assert hashes == cold_hashes(mode, P_X) and b.last_fast_forward == expect
-    assert mgr.stats["invalidations"] == 1
+    assert mgr.metrics.invalidations == 1
     mgr.reconcile()  # values the crafted record did not name (layer 1 of a 1-layer blob) go at the next one
     assert check_invariants(mgr.forest, disk.keys()) == []
 

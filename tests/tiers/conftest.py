@@ -12,13 +12,14 @@ _PLAN_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 if _PLAN_TESTS not in sys.path:
     sys.path.insert(0, _PLAN_TESTS)
 
-from cacheseek.plan.embedded import EmbeddedPlanClient, PlanFaults  # noqa: E402
 from cacheseek.stores.hbm import HbmTierStore  # noqa: E402
 from cacheseek.stores.memory import InMemoryTierStore  # noqa: E402
 from cacheseek.stores.plan_tier import PlanTierStore  # noqa: E402
 from cacheseek.stores.tiered import TieredStore  # noqa: E402
 from cacheseek.transfer.host_transfer import HostTransferRuntime  # noqa: E402
 from plan_testkit import RecordingTransfer, fake_cuda_runtime  # noqa: E402
+
+from fakes.plan_faults import FaultyDevicePlanClient, FaultyEmbeddedPlanClient, PlanFaults  # noqa: E402
 
 
 @pytest.fixture(params=["host", "fake_cuda"])
@@ -41,10 +42,10 @@ def levels():
         built = []
         for name in names:
             if name == "hbm":
-                store = HbmTierStore(capacity_bytes=hbm_bytes, device="cpu", transfer=transfer,
-                                     faults=parts["hbm_faults"])
+                pool = FaultyDevicePlanClient(hbm_bytes, device="cpu", faults=parts["hbm_faults"])
+                store = HbmTierStore(transfer=transfer, plan_client=pool)
             elif name == "fluxon_plan":
-                client = EmbeddedPlanClient(segment_bytes=plan_bytes, prefault_threads=1, faults=parts["plan_faults"])
+                client = FaultyEmbeddedPlanClient(segment_bytes=plan_bytes, prefault_threads=1, faults=parts["plan_faults"])
                 store = PlanTierStore(plan_client=client, transfer=transfer, overlap=False)
                 parts["plan_client"] = client
             elif name == "memory":

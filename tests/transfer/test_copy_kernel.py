@@ -15,14 +15,15 @@ from cacheseek.transfer.copy_kernel import (
     MAX_RANGES,
     PARAM_BYTES,
     TILE_BYTES,
-    FakeRangeKernel,
     RangeTable,
     aligned,
     range_tables,
 )
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
-from cacheseek.transfer.fake_cuda import FakeCudart
 from cacheseek.transfer.memory import HostMapping, MemoryRange
+
+from fakes.cudart import FakeCudart
+from fakes.range_kernel import FakeRangeKernel
 
 
 def _arrays(sizes, base_dst=1 << 20, base_src=1 << 40):

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import ctypes
 
-from cacheseek.transfer.fake_cudart_types import (
+from fakes.cudart_faults import CallLog
+from fakes.cudart_types import (
     cudaError_t,
     cudaHostRegisterDefault,
     cudaHostRegisterReadOnly,
     cudaMemcpyKind,
     cudaMemoryType,
 )
-from cacheseek.transfer.fake_faults import CallLog
-from cacheseek.transfer.fake_memory import FakeMemory
-from cacheseek.transfer.fake_streams import FakeStreams
+from fakes.memory import FakeMemory
+from fakes.streams import FakeStreams
 
 OK = cudaError_t.cudaSuccess
 

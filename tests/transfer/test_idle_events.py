@@ -8,7 +8,8 @@ import torch
 from cacheseek.transfer.batch import CopyBatch, Direction
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
 from cacheseek.transfer.idle_events import IDLE_EVENTS
-from cacheseek.transfer.fake_cuda import FakeCudart
+
+from fakes.cudart import FakeCudart
 
 
 def _runtime(fake, **kw):

@@ -45,7 +45,7 @@ from cacheseek.integrations.telefuser.layouts import (
     UnsupportedTeleFuserError,
     detect_layout,
 )
-from cacheseek.integrations.telefuser.released import ReleasedHooks
+from cacheseek.integrations.telefuser.pypi_release import ReleasedHooks
 from cacheseek.integrations.telefuser.streaming import StreamingHooks
 from cacheseek.layout.telefuser_main import forget_controls, plan_controls
 

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 __all__ = ["NextChunkSeam", "OverrideSeam", "released_chunk_control", "report"]
 
 
@@ -53,8 +55,6 @@ class NextChunkSeam:
         self.inner = generate_next_chunk
 
     def __call__(self, runtime: Any, *args: Any, **kwargs: Any) -> Any:
-        import torch
-
         binding = getattr(runtime, "world_kv_binding", None)
         if binding is not None and int(runtime.current_chunk_index) < len(runtime.noise_chunks):
             override = kwargs.get("control_override", args[0] if args else None)

@@ -8,7 +8,7 @@ the release:
   ``kv_sink_size``, ``world_kv_binding`` and ``world_kv_cached_latents``; the pipeline calls the
   binding's hooks itself.
 - ``released`` (PyPI ``telefuser==0.1.0.post3``): the same pipeline and DiT without the hook
-  calls and those four fields; `cacheseek.integrations.telefuser.released` installs the same
+  calls and those four fields; `cacheseek.integrations.telefuser.pypi_release` installs the same
   behaviour around the pipeline.
 - ``main`` (TeleFuser main from 2026-07-13, 1ef8b53, to at least 5a12f03 of 2026-07-24): no
   runtime state class; a ``LingBotWorldFastGenerationSession`` with a ``cache_handle`` into the
@@ -30,7 +30,7 @@ import sys
 from typing import Any
 
 from cacheseek.errors import CacheSeekError
-from cacheseek.registry import LAYOUTS, import_backends
+from cacheseek.registry import LAYOUTS
 
 __all__ = ["TeleFuserLayout", "UnsupportedTeleFuserError", "detect_layout", "RING_FIELDS", "HOOK_FIELDS",
            "SESSION_FIELDS"]
@@ -62,7 +62,6 @@ class TeleFuserLayout(str, enum.Enum):
 
     def adapter(self) -> Any:
         """A new layout adapter for this TeleFuser's sessions (``layout=`` of the binding)."""
-        import_backends()
         return LAYOUTS.get(self.layout_name)()
 
 

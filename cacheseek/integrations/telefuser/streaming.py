@@ -41,10 +41,12 @@ import threading
 import weakref
 from typing import Any
 
+import torch
+
 from cacheseek import weights
 from cacheseek.integrations.telefuser.chunk_controls import report
 from cacheseek.integrations.telefuser.layouts import UnsupportedTeleFuserError
-from cacheseek.integrations.telefuser.released import _Proxy
+from cacheseek.integrations.telefuser.pypi_release import _Proxy
 from cacheseek.layout.telefuser_main import creating, forget_controls, own, plan_controls
 
 log = logging.getLogger(__name__)
@@ -245,8 +247,6 @@ def _release_api_on_main(*args: Any, **kwargs: Any) -> Any:
 
 
 def _cast_equals(exact: Any, latents: Any) -> bool:
-    import torch
-
     if tuple(exact.shape) != tuple(latents.shape):
         return False
     cast = exact.to(device=latents.device, dtype=latents.dtype)

@@ -44,6 +44,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+import torch.nn.functional as F
+
 from cacheseek.progress import bar
 
 __all__ = ["CpuAutocast", "InProcessWorker", "TinyDiTSpec", "rope_head_dim_problem", "TinyModules", "TinyTextEncoder", "TinyTokenizer",
@@ -91,8 +94,6 @@ class TinyTokenizer:
     ids and mask ``[1, 512]``; ids are the prompt's UTF-8 bytes + 2, then an end token (1)."""
 
     def __call__(self, prompt: str, return_mask: bool = True, add_special_tokens: bool = True) -> Any:
-        import torch
-
         data = list(prompt.encode("utf-8"))[: TEXT_LEN - 1]
         ids = torch.zeros((1, TEXT_LEN), dtype=torch.long)
         mask = torch.zeros((1, TEXT_LEN), dtype=torch.long)
@@ -106,8 +107,6 @@ class TinyTextEncoder:
     """``(ids, mask) -> [1, 512, text_dim]``: a seeded embedding table, in the pipeline dtype."""
 
     def __init__(self, text_dim: int, *, seed: int, device: Any, dtype: Any) -> None:
-        import torch
-
         gen = torch.Generator(device="cpu").manual_seed(seed + 1)
         self.table = torch.randn((258, text_dim), generator=gen).to(device=device, dtype=dtype)
 
@@ -121,8 +120,6 @@ class TinyVAE:
     [-1, 1], ``T' = 1 + 4(T-1)`` on the first clip and ``4T`` after (as the streaming decoder)."""
 
     def __init__(self, *, seed: int, device: Any, dtype: Any) -> None:
-        import torch
-
         gen = torch.Generator(device="cpu").manual_seed(seed + 2)
         self.enc = (torch.randn((Z_DIM, 3), generator=gen) / math.sqrt(3)).to(device)
         self.dec = (torch.randn((3, Z_DIM), generator=gen) / math.sqrt(Z_DIM)).to(device)
@@ -131,9 +128,6 @@ class TinyVAE:
         self.last_frames: Any = None
 
     def encode(self, videos: list, device: Any = None, tiled: bool = False) -> list:
-        import torch
-        import torch.nn.functional as F
-
         out = []
         for video in videos:
             v = video.float()
@@ -148,9 +142,6 @@ class TinyVAE:
                                encode_state: Any = None) -> Any:
         """TeleFuser main's chunked encode: ``video [3, F, H, W]`` (``F = 1 + 4(c-1)`` first, ``4c``
         after) -> ``[16, c, H/8, W/8]``."""
-        import torch
-        import torch.nn.functional as F
-
         if is_first_clip:
             return self.encode([video])[0]
         v = video.float()
@@ -160,8 +151,6 @@ class TinyVAE:
 
     def cached_decode_withflag(self, hidden_state: Any, device: Any, is_first_clip: bool,
                                is_last_clip: bool, decode_state: Any = None) -> Any:
-        import torch
-
         if hidden_state.dtype != self.dtype:
             raise TypeError(f"Input type ({hidden_state.dtype}) and weight type ({self.dtype}) should be the same")
         self.last_latent = hidden_state.detach().clone()
@@ -187,7 +176,6 @@ def build_tiny_pipeline(*, device: str = "cpu", local_attn_size: int = -1, sink_
                         height: int = 64, width: int = 64, spec: TinyDiTSpec | None = None) -> Any:
     """TeleFuser's ``LingBotWorldFastPipeline`` with tiny random weights (see the module doc), for
     the installed TeleFuser's layout."""
-    import torch
     from telefuser.pipelines.lingbot_world_fast.pipeline import (
         LingBotWorldFastPipeline,
         LingBotWorldFastPipelineConfig,
@@ -250,7 +238,6 @@ def _tiny_dit(spec: TinyDiTSpec, local_attn_size: int, sink_size: int, device: A
 
 def _set_streaming_stages(pipeline: Any, device: Any, spec: TinyDiTSpec) -> None:
     """TeleFuser main's stages, as its ``init()`` sets them, on the tiny parts (module doc)."""
-    import torch
     from telefuser.core.config import ModelRuntimeConfig
     from telefuser.pipelines.lingbot_world_fast.denoising import LingBotWorldFastDenoisingStage
     from telefuser.pipelines.lingbot_world_fast.vae_stage import (
@@ -308,8 +295,6 @@ class InProcessWorker:
             return attr
 
         def call(*args: Any, sync: bool = False, **kwargs: Any) -> Any:
-            import torch
-
             with torch.inference_mode(False), torch.no_grad():
                 return attr(*args, **kwargs)
 
@@ -324,8 +309,6 @@ class CpuAutocast:
         self.__dict__["autocast_dtype"] = dtype
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        import torch
-
         with torch.autocast("cpu", dtype=self.__dict__["autocast_dtype"]):
             return self.__dict__["module"](*args, **kwargs)
 
@@ -338,8 +321,6 @@ def _redraw(module: Any, seed: int) -> None:
     in float32 and rounded into the parameter's dtype: matrices ~ N(0, 1/fan_in), norm scales ~
     1 + N(0, 0.05^2), other vectors ~ N(0, 0.05^2). (On the CPU the same weights as a float32
     module redrawn, then cast; a CUDA generator draws other values.)"""
-    import torch
-
     params = sorted(module.named_parameters())
     device = params[0][1].device if params else torch.device("cpu")
     gen = torch.Generator(device=device).manual_seed(seed)

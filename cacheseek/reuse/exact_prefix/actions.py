@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import numpy as np
+import torch
 
 import xxhash
 
@@ -139,8 +140,6 @@ def _quantize_on_device(t: Any, pinned: bool = False) -> _Quantized:
     CPU tensor it is slower (it widens the whole tensor at once), so only CUDA tensors take it.
     ``pinned``: a CUDA tensor's integers land in this thread's pinned buffer (hash them before
     this thread quantizes again); else in a fresh host array."""
-    import torch
-
     t = t.detach()
     if t.is_complex():
         raise ValueError(f"a control of dtype {t.dtype} has no action key")
@@ -209,8 +208,6 @@ def _int_dtype(lo: float, hi: float, size: int) -> np.dtype:
 def _flat_values(control: Any) -> np.ndarray:
     """The control's values as a flat float32 or float64 array (no copy when already one)."""
     if hasattr(control, "detach"):  # a torch tensor: move the narrow dtype, widen on the host
-        import torch
-
         t = control.detach()
         if t.is_complex():
             raise ValueError(f"a control of dtype {t.dtype} has no action key")

@@ -29,6 +29,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
+import torch
+
 from cacheseek.errors import CacheSeekError, GeometryError, LayoutMismatchError
 from cacheseek.kv.payload import RestoreTarget
 from cacheseek.kv.ring import CopyRun
@@ -69,8 +71,6 @@ def check_latents(spec: Any, latents: Sequence[Any]) -> None:
 def advance_rng(layout: Any, runtime: Any, latents: Sequence[Any]) -> None:
     """The denoiser's re-noise draws of one computed chunk per latent (``len(timesteps) - 1``
     draws of its shape and dtype); on a failure the generator is put back as it was."""
-    import torch
-
     draws = max(len(layout.timesteps(runtime)) - 1, 0)
     gen = layout.generator(runtime)
     state = gen.get_state()
@@ -98,8 +98,6 @@ class StagingPool:
 
     @contextlib.contextmanager
     def lease(self, device: Any, n_layers: int, shape: tuple[int, ...], dtype: Any) -> Iterator[list]:
-        import torch
-
         key = (str(device), n_layers, tuple(shape), str(dtype))
         with self._lock:
             entry = self._entries.setdefault(key, (threading.Lock(), []))
@@ -179,8 +177,6 @@ class ChunkWindow:
     # whole-path stores ----------------------------------------------------------------------
 
     def restore_target(self, depth: int, window_depths: Sequence[int]) -> RestoreTarget:
-        import torch
-
         if self.staging is None or depth != 1 or list(window_depths) != [self.idx]:
             raise CacheSeekError(f"chunk {self.idx}: a one-chunk target for a path of {depth}, window "
                                  f"{list(window_depths)}, staging {'given' if self.staging else 'none'}")
@@ -200,8 +196,6 @@ class ChunkWindow:
         if depth != self.idx or self.latent is None or not self.values:
             raise CacheSeekError(f"chunk {self.idx}: publication of depth {depth} with "
                                  f"{'a' if self.latent is not None else 'no'} latent, {len(self.values)} layers")
-        import torch
-
         gen = self.layout.generator(self.runtime)
         state = gen.get_state()
         advance_rng(self.layout, self.runtime, [self.latent])

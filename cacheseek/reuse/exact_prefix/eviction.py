@@ -236,7 +236,6 @@ class Evictor:
                 if restored and node.blob is None:
                     node.blob = handle
                 node.evicting = False
-        ctx.count("evictions")
         ctx.metrics.add(evictions=1, evicted_bytes=handle.nbytes)
         return True
 

@@ -57,7 +57,6 @@ class Ingestor:
             node = forest.commit(ns, parent, action, node_key, depth)
             forest.touch(ns)
             if node.has_kv or (node.blob is not None and node.blob.in_flight) or node.evicting:
-                ctx.count("reingest_kept")
                 ctx.metrics.add(reingest_kept=1)
                 return node
             if n_layers is not None and n_layers != len(kv_payload):
@@ -101,7 +100,6 @@ class Ingestor:
                 if node.blob is placeholder:
                     node.blob = None
             if isinstance(exc, StoreError):
-                ctx.count("dropped_writes")
                 ctx.metrics.add(dropped_writes=1)
             raise
         with forest.lock:
@@ -111,7 +109,6 @@ class Ingestor:
                 node.blob = handle
             if nbytes and not handle.nbytes:
                 handle.nbytes = nbytes
-        ctx.count("ingests")
         self.evictor.maybe_evict(protect=node)
         return node
 

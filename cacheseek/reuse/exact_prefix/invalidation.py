@@ -92,7 +92,6 @@ class Invalidator:
             count += 1
             log.info("invalidated %r: its values are no longer in the store", node)
         if count:
-            ctx.count("invalidations", count)
             ctx.metrics.add(invalidations=count)
         return count
 

@@ -40,6 +40,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional, Union, overload
 
+import torch
+
 from cacheseek.reuse.exact_prefix.actions import chunk_action_key
 
 log = logging.getLogger(__name__)
@@ -149,8 +151,6 @@ class _Keys:
         """For a CUDA control: an event on the supplying thread's current stream, which whoever
         keys it waits for first (it may be a thread whose stream did not produce it)."""
         if getattr(getattr(control, "device", None), "type", None) == "cuda":
-            import torch
-
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(control.device))
             self.ready[i] = (event, control.device)
@@ -271,8 +271,6 @@ def _side_stream(controls: list[Any]) -> Any:
                    if hasattr(c, "detach") and getattr(getattr(c, "device", None), "type", None) == "cuda"), None)
     if device is None:
         return None
-    import torch
-
     stream = torch.cuda.Stream(device=device)
     stream.wait_stream(torch.cuda.current_stream(device))
     return stream
@@ -281,8 +279,6 @@ def _side_stream(controls: list[Any]) -> Any:
 def _wait_ready(ready: Any) -> None:
     """The asking thread's current stream waits for a supplied CUDA control's event."""
     if ready is not None:
-        import torch
-
         event, device = ready
         torch.cuda.current_stream(device).wait_event(event)
 
@@ -290,6 +286,4 @@ def _wait_ready(ready: Any) -> None:
 def _on_stream(stream: Any) -> Any:
     if stream is None:
         return contextlib.nullcontext()
-    import torch
-
     return torch.cuda.stream(stream)

@@ -40,7 +40,6 @@ class FastForward:
         self, root_hash: bytes, actions: Sequence[ActionKey], window: RestoreWindow
     ) -> FastForwardResult:
         ctx = self.ctx
-        ctx.count("lookups")
         ctx.metrics.add(lookups=1)
         ctx.forest.begin_session(root_hash)
         requested = len(actions)
@@ -48,25 +47,20 @@ class FastForward:
         while True:
             match = ctx.forest.lookup(root_hash, actions[:limit])
             if match.namespace is None or match.matched_len == 0 or match.node is None:
-                ctx.count("misses")
                 ctx.metrics.add(misses=1)
                 return cold(match.namespace)
             if match.matched_len < ctx.cfg.break_even_k:
-                ctx.count("below_break_even")
                 ctx.metrics.add(below_break_even=1)
                 return cold(match.namespace)
             outcome = self._restore(match.node, window, match.matched_len)
             if outcome is not None and outcome.ok:
-                ctx.count("hits")
                 ctx.metrics.record_hit(match.matched_len, requested)
                 self.demoter.demote_tiers(protect=match.node)
                 return FastForwardResult(match.matched_len, match.node, match.namespace)
             if outcome is None or not outcome.retryable:
-                ctx.count("restore_failures")
                 ctx.metrics.add(restore_failures=1)
                 return cold(match.namespace)
             limit = outcome.retry_limit(match.matched_len)
-            ctx.count("restore_retries")
             ctx.metrics.add(restore_retries=1)
             log.info("restore of depth %d found %s; retrying depth <= %d", match.matched_len,
                      f"{len(outcome.missing)} stale nodes" if outcome.missing else "the path changed", limit)

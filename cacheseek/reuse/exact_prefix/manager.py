@@ -15,8 +15,7 @@ clock, eviction settings and policy, metrics, locks):
 
 Thread-safe through the forest's lock, held only to choose and claim; every store call runs
 outside it (lock order in `context`). Metrics: one `CacheMetrics` (``self.metrics``; pass a
-shared one to aggregate several managers); the legacy ``stats`` dict is kept for callers that
-read it.
+shared one to aggregate several managers).
 """
 
 from __future__ import annotations
@@ -69,7 +68,6 @@ class WorldKVManager:
     eviction = _Shared()
     policy = _Shared()
     metrics = _Shared()
-    stats = _Shared()
 
     def __init__(
         self,

@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
+import torch
+
 from cacheseek.errors import CacheSeekError, GeometryError, LayoutMismatchError
 from cacheseek.kv.payload import RestoreTarget
 from cacheseek.reuse.exact_prefix.chunk_window import advance_rng, check_latents, node_problem
@@ -68,8 +70,6 @@ class PrefixWindow:
     # whole-path stores ----------------------------------------------------------------------
 
     def restore_target(self, depth: int, window_depths: Sequence[int]) -> RestoreTarget:
-        import torch
-
         if list(window_depths) != self.ring.window_depths(depth):
             raise GeometryError("manager.window_chunks",
                                 f"window path {list(window_depths)} != ring window {self.ring.window_depths(depth)}")

@@ -16,10 +16,8 @@ Nodes are listed parents first. Only ready blobs are written, and only nodes wit
 or below them. ``action_type`` and ``pairs`` are additions that upstream's loader ignores (it then
 sees a bytes action as its hex string, and never meets a bytes action of its own binding anyway).
 
-Read: that format, upstream's (the same fields, every node, ``nbytes`` optional), and this
-project's earlier version-1 layout (``root``/``cfg`` per namespace, ``key`` per node, every action
-the hex of bytes). A file is decoded and checked whole before the forest changes; a bad field is a
-`ConfigError` naming it.
+Read: that format and upstream's (the same fields, every node, ``nbytes`` optional). A file is
+decoded and checked whole before the forest changes; a bad field is a `ConfigError` naming it.
 
 The snapshot is data, not authority: types are strict (an int is an int, never a bool or a float;
 ``pinned`` and ``pairs`` are bools), keys are 32 bytes, depth, layers and sizes are bounded
@@ -142,13 +140,12 @@ def decode(data: Any) -> list[NamespaceRecord]:
 def _decode_namespace(nsd: Any, where: str) -> NamespaceRecord:
     if not isinstance(nsd, Mapping):
         raise ConfigError(where, "must be an object", _FIX)
-    legacy = "root_hash" not in nsd and "root" in nsd  # this project's first layout
-    root = _hex(nsd, "root" if legacy else "root_hash", where, _KEY_BYTES)
-    cfg = _hex(nsd, "cfg" if legacy else "config_blob_hash", where)
+    root = _hex(nsd, "root_hash", where, _KEY_BYTES)
+    cfg = _hex(nsd, "config_blob_hash", where)
     raw = nsd.get("nodes", [])
     if not isinstance(raw, list):
         raise ConfigError(f"{where}.nodes", "must be a list", _FIX)
-    nodes = [_decode_node(nd, f"{where}.nodes[{j}]", legacy, root) for j, nd in enumerate(raw)]
+    nodes = [_decode_node(nd, f"{where}.nodes[{j}]", root) for j, nd in enumerate(raw)]
     nodes.sort(key=lambda n: n.depth)
     depth_of = {root: -1}
     seen: set[tuple[bytes, ActionKey]] = set()
@@ -167,10 +164,10 @@ def _decode_namespace(nsd: Any, where: str) -> NamespaceRecord:
     return NamespaceRecord(root, cfg, tuple(nodes))
 
 
-def _decode_node(nd: Any, where: str, legacy: bool, root: bytes) -> NodeRecord:
+def _decode_node(nd: Any, where: str, root: bytes) -> NodeRecord:
     if not isinstance(nd, Mapping):
         raise ConfigError(where, "must be an object", _FIX)
-    key = _hex(nd, "key" if legacy else "node_key", where, _KEY_BYTES)
+    key = _hex(nd, "node_key", where, _KEY_BYTES)
     parent = _hex(nd, "parent", where, _KEY_BYTES) if nd.get("parent") is not None else None  # None: the root
     depth = _int(nd, "depth", where, hi=MAX_DEPTH - 1)
     if parent is None and depth != 0:
@@ -180,7 +177,7 @@ def _decode_node(nd: Any, where: str, legacy: bool, root: bytes) -> NodeRecord:
     if skeleton is not None and skeleton != latent_locator(key):
         raise ConfigError(f"{where}.skeleton", f"must be null or {latent_locator(key)!r} (derived from the "
                           f"node's key), got {skeleton!r}", _FIX)
-    action = _decode_action(nd, where, legacy)
+    action = _decode_action(nd, where)
     blob = _decode_blob(nd.get("blob"), f"{where}.blob")
     if blob is not None and blob.locator != kv_locator(key):
         raise ConfigError(f"{where}.blob.locator", f"must be {kv_locator(key)!r} (derived from the node's "
@@ -189,11 +186,11 @@ def _decode_node(nd: Any, where: str, legacy: bool, root: bytes) -> NodeRecord:
                       pinned=_bool(nd, "pinned", where, False), skeleton=skeleton, blob=blob)
 
 
-def _decode_action(nd: Mapping[str, Any], where: str, legacy: bool) -> ActionKey:
+def _decode_action(nd: Mapping[str, Any], where: str) -> ActionKey:
     if "action" not in nd:
         raise ConfigError(f"{where}.action", "missing", _FIX)
     action = nd["action"]
-    kind = "bytes" if legacy else nd.get("action_type")
+    kind = nd.get("action_type")
     if kind == "bytes":
         return _hex(nd, "action", where)
     if kind is not None:

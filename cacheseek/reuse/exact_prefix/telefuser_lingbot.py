@@ -61,7 +61,7 @@ from cacheseek.integrations.telefuser import unattached_release
 from cacheseek.kv.ring import RingGeometry
 from cacheseek.layout.auto import layout_name_of_runtime
 from cacheseek.layout.bshd import BshdLayout
-from cacheseek.registry import LAYOUTS, import_backends
+from cacheseek.registry import LAYOUTS
 from cacheseek.reuse.exact_prefix.actions import action_bytes
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
 from cacheseek.reuse.exact_prefix.hook_failures import counted_failures
@@ -248,7 +248,6 @@ class LingBotWorldKVBinding(LiveChunks):
 
     def _layout_of(self, runtime: Any) -> Any:
         """The adapter for ``runtime`` when none was given: the current one if it fits."""
-        import_backends()
         cls = LAYOUTS.get(layout_name_of_runtime(runtime))
         return self.layout if type(self.layout) is cls else cls()
 

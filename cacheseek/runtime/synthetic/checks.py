@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from cacheseek.errors import ConfigError
 from cacheseek.runtime.synthetic.control import MAX_ACTION_DIM
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = [
     "DTYPES",
@@ -29,8 +28,6 @@ DTYPES = ("bfloat16", "float16", "float32")
 
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a checked `DTYPES` name."""
-    import torch
-
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 
@@ -53,8 +50,6 @@ def check_prompt(prompt: Any) -> None:
 
 def check_device(device: Any) -> torch.device:
     """``device`` as a torch device: cpu, or an existing CUDA device (an index is filled in)."""
-    import torch
-
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):

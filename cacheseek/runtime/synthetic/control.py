@@ -6,12 +6,11 @@ The binding hashes it into the chunk's action key, so its shape and dtype are th
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from cacheseek.runtime.geometry import Geometry
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["CONTROL_CHANNELS", "MAX_ACTION_DIM", "control_tensor"]
 
@@ -26,8 +25,6 @@ def control_tensor(g: Geometry, action: Sequence[float], *, device: Any = "cpu")
     the action vector (at most `MAX_ACTION_DIM` values): every value depends on every action
     component, so the action key (a hash of this tensor) separates actions exactly as the model
     does."""
-    import torch
-
     a = torch.zeros(MAX_ACTION_DIM, dtype=torch.float32)
     a[: len(action)] = torch.tensor(list(action), dtype=torch.float32)
     ch = torch.arange(CONTROL_CHANNELS, dtype=torch.float32)

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
 __all__ = ["M64", "lp", "splitmix64", "tensor_bytes", "unit_floats"]
 
@@ -17,8 +15,6 @@ M64 = (1 << 64) - 1
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """The raw bytes of ``t`` (any dtype, any device), row-major."""
-    import torch
-
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 

@@ -30,16 +30,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from cacheseek.runtime.geometry import Geometry
 from cacheseek.runtime.synthetic.control import MAX_ACTION_DIM
 from cacheseek.runtime.synthetic.hashing import M64, lp, splitmix64, unit_floats
 from cacheseek.runtime.synthetic.ring import ring_write
 from cacheseek.runtime.synthetic.weights import make_weights, weights_fingerprint
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["SyntheticModel", "outer", "rope"]
 
@@ -64,8 +63,6 @@ class SyntheticModel:
         dtype: torch.dtype,
         gemm: dict | None,
     ) -> None:
-        import torch
-
         self.geometry = g = geometry
         self.device = device
         self.dtype = dtype
@@ -98,8 +95,6 @@ class SyntheticModel:
         """One pass over chunk `chunk` at noise level `sigma`: writes every layer's K/V into
         `caches` (the rings, see `ring_write`), returns x0_pred (float32, latent_shape).
         `window` caches the per-layer window phase of the chunk."""
-        import torch
-
         g, w = self.geometry, self.w
         tokens = self.patchify(x.float())
         temb = torch.sin(sigma * w["embed.time_freq"] + w["embed.time_phase"])
@@ -125,14 +120,10 @@ class SyntheticModel:
     def decode(self, latent: torch.Tensor) -> torch.Tensor:
         """Frames of one chunk: `[chunk_size, 3, latent_h, latent_w]` float32, a fixed channel
         projection of the latent (cheap, deterministic, changes with any latent element)."""
-        import torch
-
         return torch.einsum("cthw,cr->trhw", latent[0].float(), self.w["decode.proj"]).contiguous()
 
     def _attend(self, cache: dict, end: int, qbar: torch.Tensor) -> torch.Tensor:
         """Softmax attention of one query per head (`[H, D]`) over ring `[:end]`; -> `[H, D]`."""
-        import torch
-
         keys = cache["k"][0, :end].transpose(0, 1)
         values = cache["v"][0, :end].transpose(0, 1)
         scores = torch.bmm(keys, qbar.to(self.dtype)[:, :, None])[:, :, 0].float()
@@ -148,8 +139,6 @@ class SyntheticModel:
         and the position in the head, in int64 (exact, no overflow, order-independent), then mixed
         into a phase in [0, 2pi): one changed or misplaced element gives an unrelated phase.
         """
-        import torch
-
         g = self.geometry
         sums = []
         for name in ("k", "v"):
@@ -172,8 +161,6 @@ class SyntheticModel:
         """The optional real compute: chained `[T, G] @ [G, G]` GEMMs, folded into h as `[T, 1]`."""
         if self.gemm is None:
             return 0.0
-        import torch
-
         y = (h @ self.w["compute.expand"]).to(self.dtype)
         for _ in range(self.gemm["gemms_per_layer_step"]):
             y = torch.tanh(y @ self.w["compute.w"])
@@ -197,8 +184,6 @@ class SyntheticModel:
 
     def rotary(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin `[T, 1, D/2]` of each token's absolute frame index."""
-        import torch
-
         g = self.geometry
         tokens = torch.arange(g.chunk_tokens, device=self.device)
         frames = chunk * g.chunk_size + tokens // g.frame_tokens
@@ -210,15 +195,11 @@ def outer(
     h: torch.Tensor, wh: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """`[T, F]` -> `[T, H, D]`: tanh of the per-token outer product of two projections of h."""
-    import torch
-
     t = (h @ wh)[:, :, None] * (h @ wd)[:, None, :]
     return torch.tanh(t if bias is None else t + bias)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs `(x[..., 2j], x[..., 2j+1])` of `[T, H, D]` by the per-token angles."""
-    import torch
-
     a, b = x[..., 0::2], x[..., 1::2]
     return torch.stack((a * cos - b * sin, a * sin + b * cos), dim=-1).flatten(-2)

@@ -9,13 +9,11 @@ contents are the clean rewrite.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+
+import torch
 
 from cacheseek.errors import CacheSeekError, GeometryError
 from cacheseek.kv.ring import append_tokens, shift_after_sink
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["RingCursorError", "ring_write"]
 

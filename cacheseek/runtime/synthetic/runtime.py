@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from cacheseek.errors import ConfigError, LayoutMismatchError
 from cacheseek.runtime.geometry import Geometry, validate_window
@@ -47,9 +49,6 @@ from cacheseek.runtime.synthetic.session import (
     SessionConfig,
     default_image,
 )
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["SyntheticWorldRuntime", "sigma_schedule"]
 
@@ -101,8 +100,6 @@ class SyntheticWorldRuntime:
         streamed: bool = False,
         lookahead: int = 0,
     ) -> None:
-        import torch
-
         if not isinstance(geometry, Geometry):
             raise ConfigError(
                 "runtime.geometry", f"expected a Geometry, got {type(geometry).__name__}"
@@ -272,8 +269,6 @@ class SyntheticWorldRuntime:
             )
 
     def _denoise_chunk(self, i: int) -> torch.Tensor:
-        import torch
-
         noise = self.noise_chunks[i]
         x = noise.to(self.dtype)
         window: dict[int, torch.Tensor] = {}

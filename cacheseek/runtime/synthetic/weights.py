@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import TYPE_CHECKING
+
+import torch
 
 from cacheseek.runtime.geometry import Geometry
 from cacheseek.runtime.synthetic.control import MAX_ACTION_DIM
 from cacheseek.runtime.synthetic.hashing import lp, tensor_bytes
-
-if TYPE_CHECKING:
-    import torch
 
 __all__ = ["WEIGHT_SEED", "make_weights", "weights_fingerprint"]
 
@@ -36,8 +34,6 @@ WEIGHT_SEED = 0x5EED_CAC4E
 def make_weights(g: Geometry, gemm: dict | None) -> dict[str, torch.Tensor]:
     """The model's fp32 weights on CPU (see the module docstring); ``gemm``: the checked compute
     settings (`check_compute`) or None."""
-    import torch
-
     gen = torch.Generator(device="cpu")
     gen.manual_seed(WEIGHT_SEED)
     feats = g.latent_channels * g.patch * g.patch

@@ -4,7 +4,8 @@ tensors and a Plan store's registered host segments, in batches, with no CPU sta
 One module per role; each states the lifecycle of what it hands out:
 
     store.py       `PlanTierStore`, the facade: the store interfaces, each call to one role
-    link.py        warm-up and registration: segments ready, registered, streams (`TransferLink`)
+    segment_registration.py  warm-up and registration: segments ready, registered, streams
+                   (`TransferLink`)
     write.py       the write path: plans per size, D2H batches, overlapped snapshots (`Writer`)
     plans.py       put plans of one write: start, commit and check, abort or remove (`PutPlans`)
     completion.py  the completion thread of overlapped writes: pieces, commit, ready (`Completion`)

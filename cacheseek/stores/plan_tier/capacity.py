@@ -27,7 +27,7 @@ from cacheseek.errors import PlanError, StoreClosedError, StoreTimeoutError, Wri
 from cacheseek.kv.handles import BlobHandle
 from cacheseek.kv.locators import layer_keys
 from cacheseek.plan.base import PlanClient
-from cacheseek.stores.plan_tier.client import offered
+from cacheseek.stores.plan_tier.client import ClientCalls
 from cacheseek.stores.plan_tier.failures import as_store_error
 from cacheseek.stores.plan_tier.stats import Counters
 from cacheseek.transfer.memory import MemoryRange
@@ -168,12 +168,13 @@ class SegmentCapacity:
 
     def __init__(self, client: PlanClient, counters: Counters, latent_sizes: dict[str, int]) -> None:
         self._client = client
+        self._calls = ClientCalls.of(client)
         self._counters = counters
         self._latent_sizes = latent_sizes
 
     def usage(self) -> Any:
         """The client's `PlanUsage`, or None when it does not report it."""
-        fn = offered(self._client, "usage")
+        fn = self._calls.usage
         return fn() if fn is not None else None
 
     def free(self, handle: BlobHandle) -> None:

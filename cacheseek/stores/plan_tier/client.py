@@ -1,17 +1,17 @@
 """The Plan tier's side of the Plan client seam: building a client from its registry name, and
-the optional calls (`PlanClientInfo`, ``max_plan_values``, ``value_lengths``) probed by
-attribute, so that proxies delegating through ``__getattr__`` keep the capability (a Protocol
-``isinstance`` would miss them, and costs about 0.3 ms)."""
+`ClientCalls`, the optional calls it offers, resolved once when the tier is built."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any, Callable, Optional
 
+import attrs
+
 from cacheseek.plan.base import PlanClient
 from cacheseek.registry import PLAN_CLIENTS
 
-__all__ = ["build_client", "client_fields", "offered", "table_arena"]
+__all__ = ["ClientCalls", "build_client", "client_fields", "offered"]
 
 
 def client_fields(name: str) -> set[str]:
@@ -38,7 +38,24 @@ def offered(client: Any, call: str) -> Optional[Callable[..., Any]]:
     return fn if callable(fn) else None
 
 
-def table_arena(client: Any) -> Optional[tuple[int, int]]:
-    """Where the client's plan tables live (checked by `decode_plan_table`), when it says."""
-    fn = offered(client, "table_arena")
-    return fn() if fn is not None else None
+@attrs.frozen
+class ClientCalls:
+    """The optional calls of one Plan client (`PlanClientInfo`, `PlanSegmentPieces`,
+    ``max_plan_values``), each None where the client does not offer it. Probed by attribute, so
+    that proxies delegating through ``__getattr__`` keep them (a Protocol ``isinstance`` would
+    miss them)."""
+
+    table_arena: Optional[Callable[[], Optional[tuple[int, int]]]] = None
+    usage: Optional[Callable[[], Any]] = None
+    segment_timers: Optional[Callable[[], Any]] = None
+    max_plan_values: Optional[Callable[[int], int]] = None
+    map_local_segments: Optional[Callable[[], list]] = None
+    fault_local_range: Optional[Callable[[int, int], None]] = None
+
+    @classmethod
+    def of(cls, client: Any) -> "ClientCalls":
+        return cls(**{f.name: offered(client, f.name) for f in attrs.fields(cls)})
+
+    def arena(self) -> Optional[tuple[int, int]]:
+        """Where the client's plan tables live now (checked by `decode_plan_table`), when it says."""
+        return self.table_arena() if self.table_arena is not None else None

@@ -34,7 +34,7 @@ from cacheseek.errors import PlanError, StoreTimeoutError
 from cacheseek.kv.handles import BlobHandle
 from cacheseek.stores.plan_tier.capacity import Slot, StagingSlots
 from cacheseek.stores.plan_tier.failures import as_store_error, settle
-from cacheseek.stores.plan_tier.link import TransferLink
+from cacheseek.stores.plan_tier.segment_registration import TransferLink
 from cacheseek.stores.plan_tier.plans import PutPlans
 from cacheseek.stores.plan_tier.stats import Counters
 from cacheseek.transfer.pending import PendingBatch

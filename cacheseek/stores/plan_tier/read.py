@@ -57,9 +57,8 @@ from cacheseek.kv.payload import LayerPayload, RestoreTarget
 from cacheseek.plan.base import GetPlan, PlanClient
 from cacheseek.plan.table import decode_plan_table
 from cacheseek.stores.plan_tier.batches import copy_now, nbytes
-from cacheseek.stores.plan_tier.client import table_arena
 from cacheseek.stores.plan_tier.failures import settle
-from cacheseek.stores.plan_tier.link import TransferLink
+from cacheseek.stores.plan_tier.segment_registration import TransferLink
 from cacheseek.stores.plan_tier.stats import Counters
 from cacheseek.transfer.batch import CopyBatch
 from cacheseek.transfer.lazy import LazyModule
@@ -304,7 +303,7 @@ class Reader:
             table, n = read.transfer(lat_sizes + [target.chunk_value_nbytes] * (len(keys) - len(latent_keys)))
             if n < len(keys):
                 return None
-            values = np.array(decode_plan_table(table, n, arena=table_arena(self.client)), dtype=np.int64)
+            values = np.array(decode_plan_table(table, n, arena=self.link.calls.arena()), dtype=np.int64)
             declared = self._declared(transfer, target)
             batch = self._window_batch(values, len(latent_keys), len(blobs), target, declared)
             ranges = declared.ranges
@@ -451,7 +450,7 @@ class Reader:
         segment mapping of the client: else `CorruptValueError` naming the key."""
         keys = read.plan.keys[: len(sizes)]
         try:
-            srcs = decode_plan_table(table, len(sizes), arena=table_arena(self.client))
+            srcs = decode_plan_table(table, len(sizes), arena=self.link.calls.arena())
         except PlanTableError as exc:
             raise PlanError(f"read of {keys[0]!r}: {exc}") from exc
         if not raw:

@@ -44,9 +44,9 @@ from cacheseek.registry import STORES
 from cacheseek.sizes import Size, available_memory, free_bytes, parse_size
 from cacheseek.sizing import SizeField
 from cacheseek.stores.plan_tier.capacity import SegmentCapacity, StagingSlots
-from cacheseek.stores.plan_tier.client import build_client, client_fields, offered
+from cacheseek.stores.plan_tier.client import build_client, client_fields
 from cacheseek.stores.plan_tier.completion import Completion
-from cacheseek.stores.plan_tier.link import TransferLink
+from cacheseek.stores.plan_tier.segment_registration import TransferLink
 from cacheseek.stores.plan_tier.read import Reader
 from cacheseek.stores.plan_tier.stats import Counters, PlanTierStats, collect
 from cacheseek.stores.plan_tier.warmup import Warmup
@@ -303,7 +303,7 @@ class PlanTierStore:
         self._counters.note(warmup=self._warmup.mode, ready=self._warmup.ready,
                             warmup_error=None if self._warmup.error is None else repr(self._warmup.error))
         inflight, peak, staging = self._slots.snapshot()
-        timers_fn = offered(self._client, "segment_timers")
+        timers_fn = self._link.calls.segment_timers
         transfer = self._link.transfer
         return collect(
             self._counters,

@@ -37,10 +37,9 @@ from cacheseek.kv.payload import LayerPayload
 from cacheseek.plan.table import decode_plan_table
 from cacheseek.stores.plan_tier.batches import copy_now, direction, nbytes, split, staging_layout
 from cacheseek.stores.plan_tier.capacity import Slot, StagingSlots
-from cacheseek.stores.plan_tier.client import offered, table_arena
 from cacheseek.stores.plan_tier.completion import Completion, PendingWrite
 from cacheseek.stores.plan_tier.failures import as_store_error, settle
-from cacheseek.stores.plan_tier.link import TransferLink
+from cacheseek.stores.plan_tier.segment_registration import TransferLink
 from cacheseek.stores.plan_tier.plans import PutPlans, plan_waves
 from cacheseek.stores.plan_tier.read import Reader
 from cacheseek.stores.plan_tier.stats import Counters
@@ -131,7 +130,7 @@ class Writer:
         self._latent_sizes[locator] = nbytes(latent)
 
     def _waves(self, items: list[tuple[str, Any]]) -> list[list[int]]:
-        limit = offered(self._client, "max_plan_values")
+        limit = self._link.calls.max_plan_values
         if limit is None:
             return [list(range(len(items)))]
         return plan_waves([nbytes(t) for _, t in items], limit)
@@ -146,7 +145,7 @@ class Writer:
                 sub = [items[i] for i in wave]
                 sub_ranges = [ranges[i] for i in wave]
                 dsts, order, sizes = plans.start([k for k, _ in sub], [r.length for r in sub_ranges],
-                                                 table_arena(self._client))
+                                                 self._link.calls.arena())
                 batch = CopyBatch.of(dsts, [sub_ranges[i].ptr for i in order], sizes, self._link.to_values)
                 copy_now(transfer, batch, sub_ranges + self._link.value_ranges, producer=stream,
                          on=self._link.write_stream)
@@ -173,7 +172,7 @@ class Writer:
         batches: list[PendingBatch] = []
         slot: Optional[Slot] = None
         try:
-            dsts, order, sizes = plans.start([k for k, _ in items], [r.length for r in ranges], table_arena(self._client))
+            dsts, order, sizes = plans.start([k for k, _ in items], [r.length for r in ranges], self._link.calls.arena())
             slot = self._slots.acquire(need, handle.nbytes, items[0][1])
             snap = CopyBatch.of(slot.ptr + offsets, [r.ptr for r in ranges], lengths, Direction.D2D)
             d2h = CopyBatch.of(dsts, slot.ptr + offsets[order], sizes, self._link.to_values)
@@ -219,10 +218,10 @@ class Writer:
                 table, n = read.transfer(lengths)
                 if n < len(keys):
                     return None
-                srcs = decode_plan_table(table, n, arena=table_arena(source.client))
+                srcs = decode_plan_table(table, n, arena=source.link.calls.arena())
                 if lengths is None:
                     lengths = source.lengths(read)
-                dsts, order, sizes = plans.start(keys, list(lengths), table_arena(self._client))
+                dsts, order, sizes = plans.start(keys, list(lengths), self._link.calls.arena())
                 batch = CopyBatch.of(dsts, [srcs[i] for i in order], sizes,
                                      direction(source.link.values_on_device, self._link.values_on_device))
                 try:

@@ -67,19 +67,16 @@ __all__ = ["TieredStore", "TieredSchema", "TieredHandle", "TierUsage", "TieredSt
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass
-class TieredSchema:
-    _target_: str = "cacheseek.stores.tiered.TieredStore"
-    _recursive_: bool = False  # the levels are built by the store, only the listed ones
-    tiers: list = dataclasses.field(default_factory=lambda: ["hbm", "fluxon_plan"])
-    write_through: bool = True
-    promote: bool = True
-    hbm: Any = None
-    fluxon_plan: Any = None
-    localdisk: Any = None
-    memory: Any = None
-    per_tensor: Any = None
-    fluxon: Any = None
+# ``_recursive_`` False: the levels are built by the store, only the listed ones. One config node
+# per registered store (``hbm={...}``), whatever the registry names.
+TieredSchema = dataclasses.make_dataclass("TieredSchema", [
+    ("_target_", str, dataclasses.field(default="cacheseek.stores.tiered.TieredStore")),
+    ("_recursive_", bool, dataclasses.field(default=False)),
+    ("tiers", list, dataclasses.field(default_factory=lambda: ["hbm", "fluxon_plan"])),
+    ("write_through", bool, dataclasses.field(default=True)),
+    ("promote", bool, dataclasses.field(default=True)),
+] + [(name, Any, dataclasses.field(default=None)) for name in STORES.names() if name != "tiered"])
+TieredSchema.__module__ = __name__
 
 
 @STORES.register("tiered", TieredSchema)

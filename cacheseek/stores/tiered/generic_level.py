@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from cacheseek.errors import LayoutMismatchError
 from cacheseek.kv.handles import ChunkNode
 from cacheseek.stores.base import RestoreTarget
@@ -33,8 +35,6 @@ def cpu_snapshot(layers: list, cache: list) -> list:
 def as_tensors(value: Any, nbytes: int) -> Any:
     """A layer read from a level as tensors: raw bytes (a Plan-style level read without a
     template) become flat uint8 tensors; tensors stay as they are."""
-    import torch
-
     def one(x: Any) -> Any:
         if isinstance(x, (bytes, bytearray, memoryview)):
             return torch.frombuffer(bytearray(x), dtype=torch.uint8)
@@ -54,8 +54,6 @@ def device_of(store: Any) -> Any:
 
 def bytes_view(t: Any) -> Any:
     """A flat uint8 view of a contiguous tensor."""
-    import torch
-
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -101,8 +99,6 @@ def read_generic(store: Any, path: list[ChunkNode], window: list[ChunkNode], tar
 
 
 def _u8() -> Any:
-    import torch
-
     return torch.uint8
 
 

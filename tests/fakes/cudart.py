@@ -2,7 +2,7 @@
 
 Same call shapes and return tuples as ``cuda.bindings.runtime`` (13.x; ``batch_api="12"`` mimics
 the 12.8 batch call that also returns a failing index; ``batch_api=None`` has no batch call),
-with the value types of `cacheseek.transfer.fake_cudart_types`. The fake is assembled from three
+with the value types of `fakes.cudart_types`. The fake is assembled from three
 parts, each documented where it lives:
 
 - `FakeMemory` (``memory``): where an address lives (declared device memory, registered host
@@ -24,11 +24,11 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from cacheseek.transfer import fake_cudart_types as types
-from cacheseek.transfer.fake_cudart_types import cudaError_t, cudaMemcpyKind, cudaMemcpySrcAccessOrder
-from cacheseek.transfer.fake_faults import CallLog, FakeCall
-from cacheseek.transfer.fake_memory import FakeMemory
-from cacheseek.transfer.fake_streams import FakeStreams
+from fakes import cudart_types as types
+from fakes.cudart_faults import CallLog, FakeCall
+from fakes.cudart_types import cudaError_t, cudaMemcpyKind, cudaMemcpySrcAccessOrder
+from fakes.memory import FakeMemory
+from fakes.streams import FakeStreams
 
 __all__ = ["FakeCudart"]
 

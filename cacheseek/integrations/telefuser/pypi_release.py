@@ -32,6 +32,8 @@ import threading
 import weakref
 from typing import Any, Optional
 
+import torch
+
 from cacheseek import weights
 from cacheseek.integrations.telefuser.chunk_controls import NextChunkSeam, OverrideSeam
 
@@ -80,8 +82,6 @@ class ReleasedHooks:
     # -- create_runtime ---------------------------------------------------------------------
 
     def create_runtime(self, session_config: Any, *args: Any, **kwargs: Any) -> Any:
-        import torch
-
         runtime = self._create_runtime(session_config, *args, **kwargs)
         cfg = self.pipeline.config
         window = int(cfg.local_attn_size)

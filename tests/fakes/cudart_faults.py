@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import attrs
 
-from cacheseek.transfer.fake_cudart_types import cudaError_t
+from fakes.cudart_types import cudaError_t
 
 __all__ = ["FakeCall", "Fault", "CallLog"]
 

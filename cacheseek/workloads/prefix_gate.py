@@ -43,8 +43,8 @@ log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
-class AbcdSchema:
-    _target_: str = "cacheseek.workloads.abcd.AbcdGate"
+class PrefixGateSchema:
+    _target_: str = "cacheseek.workloads.prefix_gate.PrefixGate"
     total_chunks: int = 4
     prefix_chunks: int = 2
     ring_check: bool = True
@@ -79,8 +79,8 @@ def _actions(rng: random.Random, n: int, dim: int) -> list[list[float]]:
     return [[round(rng.uniform(-1, 1), 4) for _ in range(dim)] for _ in range(n)]
 
 
-@WORKLOADS.register("abcd", AbcdSchema)
-class AbcdGate:
+@WORKLOADS.register("abcd", PrefixGateSchema)
+class PrefixGate:
     def __init__(self, total_chunks: int = 4, prefix_chunks: int = 2, ring_check: bool = True,
                  action_seed: int = 7, action_dim: int = 4) -> None:
         if total_chunks < 2:

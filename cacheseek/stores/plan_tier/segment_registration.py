@@ -47,10 +47,12 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
+import torch
+
 from cacheseek.errors import ConfigError
 from cacheseek.plan.base import PlanClient, SegmentMapping
 from cacheseek.registry import TRANSFERS
-from cacheseek.stores.plan_tier.client import offered
+from cacheseek.stores.plan_tier.client import ClientCalls
 from cacheseek.stores.plan_tier.stats import Counters
 from cacheseek.transfer.batch import Direction
 from cacheseek.transfer.memory import HostMapping, MemoryRange
@@ -89,6 +91,7 @@ class TransferLink:
         yield_to: Optional[Callable[[], float]] = None,
     ) -> None:
         self.client = client
+        self.calls = ClientCalls.of(client)
         self.piece_bytes = piece_bytes
         self.piece_pause_s = piece_pause_s
         self._yield_to = yield_to  # blocks while sessions start; seconds waited
@@ -145,8 +148,7 @@ class TransferLink:
         t0 = time.perf_counter()
         if self._transfer is None and device is not None:
             self._transfer = self._build_transfer(device)
-        map_only = offered(self.client, "map_local_segments")
-        fault_range = offered(self.client, "fault_local_range")
+        map_only, fault_range = self.calls.map_local_segments, self.calls.fault_local_range
         if map_only is not None and fault_range is not None and self._in_pieces():
             self._fault_range = fault_range  # faulted in _register, a piece before its registration
             self._set_segments(map_only())
@@ -162,7 +164,7 @@ class TransferLink:
         if map_only is not None and fault_range is not None:
             self.client.wait_local_segments_ready()  # faults what no piece did (nothing, normally)
         self._counters.count(warmup_seconds=time.perf_counter() - t0)
-        timers_fn = offered(self.client, "segment_timers")
+        timers_fn = self.calls.segment_timers
         timers = timers_fn() if timers_fn is not None else None
         log.info(
             "Plan tier warm-up: %d mapping(s), %.1f GiB, ready in %.3f s (fault %.3f s %s, "
@@ -281,8 +283,6 @@ class TransferLink:
 
     def staging_tensor(self, nbytes: int, like: Any) -> Any:
         """A uint8 tensor of ``nbytes`` on ``like``'s device, else on the runtime's device."""
-        import torch
-
         device = getattr(like, "device", None)
         if device is None:
             kind = getattr(self._transfer, "tensor_device_type", "cpu")

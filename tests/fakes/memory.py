@@ -21,7 +21,8 @@ from __future__ import annotations
 import ctypes
 from typing import Any, Optional
 
-from cacheseek.transfer.fake_cudart_types import (
+from fakes.cudart_types import (
+
     cudaError_t,
     cudaHostRegisterReadOnly,
     cudaMemcpyKind,

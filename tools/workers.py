@@ -1,8 +1,8 @@
 """One cache, several workers: two worker processes share one Fluxon service.
 
-    python -m cacheseek.workers --cluster-name NAME --share-mem-path PATH [--store fluxon_plan]
-                                [--workdir DIR] [HYDRA_OVERRIDE ...]
-    python -m cacheseek.workers --start-service [...]     # a private service for the run
+    python tools/workers.py --cluster-name NAME --share-mem-path PATH [--store fluxon_plan]
+                            [--workdir DIR] [HYDRA_OVERRIDE ...]
+    python tools/workers.py --start-service [...]     # a private service for the run
 
 The coordinator (this command) starts two fresh worker processes, one after the other, each
 attached to the same Fluxon cluster through the chosen store:
@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 log = logging.getLogger("cacheseek.workers")
+SCRIPT = str(Path(__file__).resolve())
 
 STORES = ("fluxon_plan", "fluxon")
 
@@ -68,7 +69,7 @@ def _compose(overrides: list[str]) -> Any:
     from hydra.core.global_hydra import GlobalHydra
 
     import cacheseek.schema  # noqa: F401  (the root schema)
-    from cacheseek.cli import CONF_DIR
+    from cacheseek.cli_help import CONF_DIR
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
@@ -97,12 +98,12 @@ def run_worker(role: str, overrides: list[str], snapshot: Path, out: Path, run_d
     from cacheseek.orchestrator import build_stack, instantiate
     from cacheseek.reuse.exact_prefix import NamespaceForest
     from cacheseek.reuse.exact_prefix.trie import load_forest_snapshot, save_forest_snapshot
-    from cacheseek.workloads.abcd import AbcdGate
+    from cacheseek.workloads.prefix_gate import PrefixGate
 
     cfg = _compose(overrides)
     gate = instantiate(cfg.workload)
-    if not isinstance(gate, AbcdGate):
-        raise ConfigError("workload", f"cacheseek.workers runs the abcd workload, not {cfg.workload._target_}")
+    if not isinstance(gate, PrefixGate):
+        raise ConfigError("workload", f"tools/workers.py runs the abcd workload, not {cfg.workload._target_}")
     n = gate.n
     stack = build_stack(cfg, run_dir=run_dir, workload=gate)
     result: dict[str, Any] = {"role": role, "pid": os.getpid(), "store": stack.store_name,
@@ -135,7 +136,7 @@ def _spawn(role: str, overrides: list[str], workdir: Path, timeout_s: float, pro
     from cacheseek.progress import ticking
 
     out, logf = workdir / f"worker-{role}.json", workdir / f"worker-{role}.log"
-    cmd = [sys.executable, "-m", "cacheseek.workers", "--role", role, "--snapshot", str(workdir / "forest.json"),
+    cmd = [sys.executable, SCRIPT, "--role", role, "--snapshot", str(workdir / "forest.json"),
            "--out", str(out), "--workdir", str(workdir), *overrides]
     env = dict(os.environ)
     repo = str(Path(__file__).resolve().parents[1])
@@ -303,10 +304,10 @@ def coordinate(args: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m cacheseek.workers", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python tools/workers.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Run inside a private network namespace on a shared machine: "
-                                       "tools/netns-run.sh python -m cacheseek.workers --start-service")
+                                       "tools/netns-run.sh python tools/workers.py --start-service")
     p.add_argument("--store", choices=STORES, default="fluxon_plan", help="default: fluxon_plan (store.client=fluxon)")
     p.add_argument("--cluster-name", help="the running service's cluster name")
     p.add_argument("--share-mem-path", help="the running service's segment folder root (/dev/shm/...)")
