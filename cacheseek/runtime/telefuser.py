@@ -424,10 +424,12 @@ def _raw(t: Any) -> bytes:
 def _pil_image(image: Any, width: int, height: int) -> Any:
     """A PIL image: the given one, one made from a PIL-like (mode, size, tobytes) image, or a
     fixed gradient of the configured size."""
+    import numpy as np
     from PIL import Image
 
     if image is None:
-        data = bytes((x * 3 + y * 5 + c * 70) % 256 for y in range(height) for x in range(width) for c in range(3))
+        y, x, c = np.ogrid[:height, :width, :3]
+        data = ((x * 3 + y * 5 + c * 70) % 256).astype(np.uint8).tobytes()  # 0.37 s a 480p session as a genexpr
         return Image.frombytes("RGB", (width, height), data)
     if isinstance(image, Image.Image):
         return image
