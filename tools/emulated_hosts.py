@@ -45,14 +45,20 @@ SHARED_MOUNT = "/tmp/shared"
 BRIDGE = "csbr0"
 _UNSHARE = ["unshare", "--net", "--uts", "--mount", "--ipc", "--pid", "--fork", "--mount-proc",
             "--kill-child=SIGKILL", "--"]
+# $1 hostname, $2 /tmp size, $3 /dev/shm size, $4 shared_dir ("": none), $5 where it is bound,
+# $6... folders under /tmp or /dev/shm that stay visible at their own path (the caller's Python)
 _HOST_SETUP = r"""
 set -e
 ip link set lo up
 hostname "$1"
-[ -n "$4" ] && exec 3<"$4"
-mount -t tmpfs -o "size=$2,mode=1777" cs-tmp /tmp
-mount -t tmpfs -o "size=$3,mode=1777" cs-shm /dev/shm
-if [ -n "$4" ]; then mkdir -p "$5"; mount --bind /proc/self/fd/3 "$5"; exec 3<&-; fi
+tmp_size=$2 shm_size=$3 shared=$4 shared_at=$5
+shift 5
+[ -n "$shared" ] && exec 3<"$shared"
+fd=4; for dir in "$@"; do eval "exec $fd<\"\$dir\""; fd=$((fd + 1)); done
+mount -t tmpfs -o "size=$tmp_size,mode=1777" cs-tmp /tmp
+mount -t tmpfs -o "size=$shm_size,mode=1777" cs-shm /dev/shm
+if [ -n "$shared" ]; then mkdir -p "$shared_at"; mount --no-canonicalize --bind /proc/self/fd/3 "$shared_at"; exec 3<&-; fi
+fd=4; for dir in "$@"; do mkdir -p "$dir"; mount --no-canonicalize --bind /proc/self/fd/$fd "$dir"; eval "exec $fd<&-"; fd=$((fd + 1)); done
 echo ready
 exec sleep infinity
 """
@@ -64,6 +70,17 @@ ip link set {BRIDGE} up
 echo ready
 exec sleep infinity
 """
+
+
+def _kept_folders() -> list[str]:
+    """The folders of this Python (its venv and base install) and of the repository that lie
+    under /tmp or /dev/shm, which a host's own tmpfs would hide: bound back at their own paths so
+    that ``sys.executable`` runs inside a host (a clone under /tmp, as CI's may be)."""
+    hidden = (Path("/tmp"), Path("/dev/shm"))
+    found = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, Path(__file__).resolve().parents[1])}
+    found = {p for p in found if any(p != h and p.is_relative_to(h) for h in hidden)}
+    kept = sorted(str(p) for p in found if not any(q != p and p.is_relative_to(q) for q in found))
+    return kept[:6]  # descriptors 4-9 carry them through the tmpfs mount
 
 
 def clean_env(env: Optional[dict[str, str]] = None) -> dict[str, str]:
@@ -165,8 +182,8 @@ class EmulatedHosts:
             self._bridge = _Holder("bridge", _BRIDGE_SETUP, [], self.timeout_s)
             shared = str(self.shared_dir) if self.shared_dir else ""
             for i, name in enumerate(self.names):
-                holder = _Holder(name, _HOST_SETUP, [self.tmp_size, self.shm_size, shared, SHARED_MOUNT],
-                                 self.timeout_s)
+                holder = _Holder(name, _HOST_SETUP, [self.tmp_size, self.shm_size, shared, SHARED_MOUNT,
+                                                     *_kept_folders()], self.timeout_s)
                 self._hosts[name] = holder
                 tmp_if = f"csh{i}"
                 self._ip(self._bridge, "link", "add", f"csv{i}", "type", "veth", "peer", "name", tmp_if)
