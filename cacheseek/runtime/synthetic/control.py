@@ -1,10 +1,16 @@
 """The camera-control tensor of one chunk, as LingBot-World-fast's pipeline hands it over.
 
-The binding hashes it into the chunk's action key, so its shape and dtype are the real ones.
+The binding hashes it into the chunk's action key, so its shape and dtype are the real ones. Two
+runtimes given one action must draw bit-identical controls, so the per-channel values come from
+Python's scalar ``math`` in float64, not from torch's ``mv``, ``cos`` and ``tanh`` (BLAS and
+vectorized kernels): built that way, the first chunk of a process's first session keyed
+differently from the same control built later, in 2 of about 300 gate runs on a loaded 2-core
+machine (a miss where the gate wanted a full hit). The rest is element-wise IEEE arithmetic.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,11 +31,9 @@ def control_tensor(g: Geometry, action: Sequence[float], *, device: Any = "cpu")
     the action vector (at most `MAX_ACTION_DIM` values): every value depends on every action
     component, so the action key (a hash of this tensor) separates actions exactly as the model
     does."""
-    a = torch.zeros(MAX_ACTION_DIM, dtype=torch.float32)
-    a[: len(action)] = torch.tensor(list(action), dtype=torch.float32)
-    ch = torch.arange(CONTROL_CHANNELS, dtype=torch.float32)
-    basis = torch.cos(ch[:, None] * (torch.arange(MAX_ACTION_DIM, dtype=torch.float32)[None, :] + 1.0) * 0.37)
-    per_channel = torch.tanh(basis @ a)  # [CONTROL_CHANNELS]
+    a = [float(x) for x in action]
+    per_channel = torch.tensor([math.tanh(sum(math.cos(ch * (j + 1.0) * 0.37) * x for j, x in enumerate(a)))
+                                for ch in range(CONTROL_CHANNELS)], dtype=torch.float32)  # [CONTROL_CHANNELS]
     f = torch.arange(g.chunk_size, dtype=torch.float32)[:, None, None]
     y = torch.arange(g.latent_h, dtype=torch.float32)[None, :, None] / g.latent_h
     x = torch.arange(g.latent_w, dtype=torch.float32)[None, None, :] / g.latent_w
