@@ -371,7 +371,7 @@ def test_telefuser_sweep_summary_names_telefuser_its_layout_and_geometry(telefus
     assert "LingBot runtime created" in (job / "cacheseek.log").read_text()
     [row] = json.loads((p.sweep_dir / "summary.json").read_text())
     assert row["runtime"] == f"telefuser {described['telefuser']} {described['layout']}", row
-    assert row["layout"] in ("bshd", "telefuser_main") and row["geometry"] == "2x2x12 64x64", row
+    assert row["layout"] in ("bshd", "telefuser_main") and row["geometry"] == "2x2x12 ffn 48 text 32 64x64", row
     assert row["runtime"] in (p.sweep_dir / "summary.md").read_text()
 
 

@@ -308,28 +308,29 @@ def links_scenario(c: Any, cfg: dict, work: Path, rng: Any) -> dict[str, Any]:
             (victim / name).write_bytes(body)
         secret = work / f"secret-{r}"
         secret.write_bytes(b"secret outside the root\n")
-        shards = {p.name for p in root.iterdir()}
-        free = [f"{i:02x}" for i in range(256) if f"{i:02x}" not in shards]
-        os.symlink(victim, root / rng.choice(free))  # a shard folder that is a link
         value = rng.choice(sorted(value_files(root)))
         (root / value).unlink()
-        os.symlink(secret, root / value)  # a value file that is a link
-        out["injected"] += 2
+        os.symlink(secret, root / value)  # a value file that is a link: sessions run on the root
+        out["injected"] += 1
         t_fault = time.perf_counter()
+        store = LocalDiskTierStore(str(root))
         try:
-            store = LocalDiskTierStore(str(root))
-        except Exception as exc:  # noqa: BLE001 - a root refused with a clear error is an outcome
+            mgr = c.manager(store, load_forest_snapshot(root / "forest.json"))
+            mgr.reconcile()
+            replay(c, out, mgr, store, reqs, ingest=True, t_fault=t_fault)
+            replay(c, out, mgr, store, reqs, ingest=False)
+            out["committed_lost"] += c.lost_values(mgr)
+        finally:
+            store.close()
+        shards = {p.name for p in root.iterdir()}
+        free = [f"{i:02x}" for i in range(256) if f"{i:02x}" not in shards]
+        os.symlink(victim, root / rng.choice(free))  # then a shard folder that is a link
+        out["injected"] += 1
+        try:
+            LocalDiskTierStore(str(root)).close()
+        except Exception as exc:  # noqa: BLE001 - a root refused with a clear error is the outcome
             out["open_errors"] += 1
             out["last_error"] = f"{type(exc).__name__}: {exc}"[:160]
-        else:
-            try:
-                mgr = c.manager(store, load_forest_snapshot(root / "forest.json"))
-                mgr.reconcile()
-                replay(c, out, mgr, store, reqs, ingest=True, t_fault=t_fault)
-                replay(c, out, mgr, store, reqs, ingest=False)
-                out["committed_lost"] += c.lost_values(mgr)
-            finally:
-                store.close()
         now = {p.name: p.read_bytes() for p in victim.iterdir() if p.is_file()}
         out["outside_changes"] += sum(now.get(k) != v for k, v in VICTIM_FILES.items())
         out["outside_changes"] += len(set(now) - set(VICTIM_FILES))
