@@ -35,8 +35,9 @@ The owner's shared-memory segment is ``<share_mem_path>/<cluster_name>/mmap.file
 ``shared.json`` beside it once it serves, which is what `start` waits for. Clients attach with
 ``cluster_name`` and ``share_mem_path`` (`attach_info`).
 
-Its parts live beside it: the configs handed to Fluxon (`cacheseek.fluxon.config`), the etcd
-binary and health checks (`cacheseek.fluxon.etcd`), the namespace check
+Its parts live beside it: the configs handed to Fluxon (`cacheseek.fluxon.config`), the child
+processes and their logs (`cacheseek.fluxon.children`), the etcd binary and health checks
+(`cacheseek.fluxon.etcd`), the namespace check
 (`cacheseek.fluxon.netns`); this module re-exports what ``tools/fluxon_service.py`` reaches
 through it.
 
@@ -68,7 +69,6 @@ import re
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +76,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from cacheseek.errors import ConfigError
+from cacheseek.fluxon.children import Children, free_ports
 from cacheseek.fluxon.config import (
     DEFAULT_CLUSTER_NAME,
     DEFAULT_SHARE_MEM_PATH,
@@ -125,35 +126,6 @@ def local_service_problem() -> Optional[str]:
     except FluxonServiceError as exc:
         return str(exc)
     return private_netns_problem()
-
-
-def _free_ports(n: int) -> list[int]:
-    """n distinct free TCP ports (bound on every interface, then released)."""
-    socks, ports = [], []
-    try:
-        while len(ports) < n:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("0.0.0.0", 0))
-            socks.append(s)
-            ports.append(s.getsockname()[1])
-    finally:
-        for s in socks:
-            s.close()
-    return ports
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - 64 * 1024))
-            text = f.read().decode("utf-8", errors="replace")
-    except OSError as exc:
-        return f"    (cannot read {path}: {exc})"
-    text = re.sub(r"\x1b\[[0-9;]*m", "", text)  # Fluxon logs carry ANSI colours
-    out = text.splitlines()[-lines:]
-    return "\n".join("    " + line for line in out) or "    (empty)"
 
 
 # -- the service --------------------------------------------------------------------------------
@@ -231,7 +203,8 @@ class FluxonService:
         self.listen_host, self.join = listen_host, join
         self._ports = (etcd_port or (DEFAULT_ETCD_PORT if listen_host else 0), master_port, p2p_port)
         self.etcd_port = self.etcd_peer_port = self.master_port = self.owner_port = 0
-        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._children = Children(self.workdir, self.logs_dir, {"FLUXON_LOG": fluxon_log, "PYTHONUNBUFFERED": "1"},
+                                  ("etcd", "master", "owner"))
         self._lock_fd: Optional[int] = None
         self._created_share_root = False
         self._owns_segment = False  # set once this service may create the segment folder
@@ -284,7 +257,7 @@ class FluxonService:
 
     @property
     def pids(self) -> dict[str, int]:
-        return {name: p.pid for name, p in self._procs.items()}
+        return self._children.pids
 
     def attach_info(self) -> dict[str, Any]:
         """Everything a client (or a CacheSeek run) needs to attach, JSON-serialisable."""
@@ -352,16 +325,16 @@ class FluxonService:
                         "that this host reaches ADDR")
             else:
                 self._start_etcd(etcd_bin)
-                self._wait(lambda: etcd_healthy(self.etcd_endpoint, 0.5), "etcd /health", t0)
+                self._children.wait_for(lambda: etcd_healthy(self.etcd_endpoint, 0.5), "etcd /health", t0, self.ready_timeout_s)
             self._write_configs()
             if not self.join:
-                self._spawn("master", [sys.executable, "-m", "fluxon_py.runtime.start_master",
+                self._children.spawn("master", [sys.executable, "-m", "fluxon_py.runtime.start_master",
                                        "--config", str(self.workdir / "master.yaml"),
                                        "--workdir", str(self.workdir / "master")])
-            self._spawn("owner", [sys.executable, "-m", "fluxon_py.runtime.start_owner_kvclient",
+            self._children.spawn("owner", [sys.executable, "-m", "fluxon_py.runtime.start_owner_kvclient",
                                   "--config", str(self.workdir / "owner.yaml"),
                                   "--workdir", str(self.workdir / "owner")])
-            self._wait(self.shared_json.is_file, f"the owner's {self.shared_json}", t0)
+            self._children.wait_for(self.shared_json.is_file, f"the owner's {self.shared_json}", t0, self.ready_timeout_s)
         except BaseException:
             self._running = True  # so that stop() tears down what was started
             self.stop()
@@ -375,32 +348,15 @@ class FluxonService:
 
     def check(self) -> None:
         """Raise FluxonServiceError (with log tails) if a service process has exited."""
-        for name, p in self._procs.items():
-            if p.poll() is not None:
-                raise FluxonServiceError(
-                    f"fluxon {name} (pid {p.pid}) exited with status {p.returncode}\n{self.log_tails()}")
+        self._children.check()
 
     def stop(self) -> None:
         """Stop owner (SIGTERM), master (SIGINT), etcd (SIGTERM); SIGKILL after stop_timeout_s;
         remove the segment folder and etcd's data. Idempotent."""
-        if not self._running and not self._procs and self._lock_fd is None:
+        if not self._running and not self._children and self._lock_fd is None:
             return
-        for name, sig in (("owner", signal.SIGTERM), ("master", signal.SIGINT), ("etcd", signal.SIGTERM)):
-            p = self._procs.pop(name, None)
-            if p is None:
-                continue
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.send_signal(sig)
-                try:
-                    p.wait(timeout=self.stop_timeout_s)
-                except subprocess.TimeoutExpired:
-                    log.warning("fluxon %s (pid %d) ignored %s for %.0f s: killing it",
-                                name, p.pid, signal.Signals(sig).name, self.stop_timeout_s)
-                    with contextlib.suppress(ProcessLookupError):
-                        p.kill()
-                    p.wait(timeout=self.stop_timeout_s)
-        self._procs.clear()
+        self._children.stop((("owner", signal.SIGTERM), ("master", signal.SIGINT), ("etcd", signal.SIGTERM)),
+                            self.stop_timeout_s)
         if self._owns_segment:  # never another live service's folder
             shutil.rmtree(self.segment_dir, ignore_errors=True)
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
@@ -418,12 +374,7 @@ class FluxonService:
         log.info("fluxon service stopped (cluster %r); logs kept in %s", self._cluster_name, self.logs_dir)
 
     def log_tails(self, lines: int = 15) -> str:
-        parts = []
-        for name in ("etcd", "master", "owner"):
-            path = self.logs_dir / f"{name}.log"
-            if path.exists():
-                parts.append(f"  --- {path} (last {lines} lines) ---\n{_tail(path, lines)}")
-        return "\n".join(parts)
+        return self._children.log_tails(lines)
 
     # -- internals ------------------------------------------------------------------------------
 
@@ -471,7 +422,7 @@ class FluxonService:
 
     def _pick_ports(self) -> None:
         etcd, master, p2p = self._ports
-        free = iter(_free_ports(4))
+        free = iter(free_ports(4))
         self.etcd_port = 0 if self.join else etcd or next(free)
         self.etcd_peer_port = 0 if self.join else next(free)
         self.master_port = 0 if self.join else master or next(free)
@@ -480,7 +431,7 @@ class FluxonService:
     def _start_etcd(self, etcd_bin: str) -> None:
         data = self.workdir / "etcd" / "data"
         data.parent.mkdir(parents=True, exist_ok=True)
-        self._spawn("etcd", etcd_command(etcd_bin, f"{self._cluster_name}-etcd", data, self.etcd_port,
+        self._children.spawn("etcd", etcd_command(etcd_bin, f"{self._cluster_name}-etcd", data, self.etcd_port,
                                          self.etcd_peer_port, self.listen_host or "127.0.0.1"))
 
     def _write_configs(self) -> None:
@@ -494,35 +445,3 @@ class FluxonService:
         if not self.join:
             master = master_config(self._cluster_name, self.master_port, etcd, self.logs_dir / "master")
             (self.workdir / "master.yaml").write_text(yaml.safe_dump(master, sort_keys=False))
-
-    def _spawn(self, name: str, cmd: list[str]) -> None:
-        env = dict(os.environ)
-        env["FLUXON_LOG"] = self.fluxon_log
-        env["PYTHONUNBUFFERED"] = "1"
-        logf = open(self.logs_dir / f"{name}.log", "ab")
-        try:
-            # Own session: a Ctrl-C in the terminal reaches only this process, which then stops
-            # the children in order. The Fluxon entry points add a parent-death SIGTERM themselves.
-            self._procs[name] = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                cwd=str(self.workdir), env=env, start_new_session=True)
-        except OSError as exc:
-            raise FluxonServiceError(f"cannot start fluxon {name} ({cmd[0]}): {exc}") from exc
-        finally:
-            logf.close()
-        log.debug("fluxon service: started %s pid %d: %s", name, self._procs[name].pid, " ".join(cmd))
-
-    def _wait(self, ready: Any, what: str, t0: float) -> None:
-        while True:
-            for name, p in self._procs.items():
-                if p.poll() is not None:
-                    raise FluxonServiceError(
-                        f"fluxon {name} exited with status {p.returncode} while waiting for {what}\n"
-                        f"{self.log_tails()}")
-            if ready():
-                return
-            if time.monotonic() - t0 > self.ready_timeout_s:
-                raise FluxonServiceError(
-                    f"fluxon service not ready after {self.ready_timeout_s:.0f} s: still waiting for "
-                    f"{what}\n{self.log_tails()}")
-            time.sleep(0.05)
