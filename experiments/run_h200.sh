@@ -2,8 +2,10 @@
 # Device calls on the H200: named steps, each a GPU test run or a benchmark, in the order given.
 #   run tool: carry [".whl"], command: bash experiments/run_h200.sh tests copy_kernel transfer
 # Steps: tests (every test marked cuda), transfer, e2e, registration, copy_kernel, action_keys,
-# warmup, hbm_tier, live_restore, telefuser_480p (the gate on TeleFuser's real-width DiT), interactive
-# (workload=interactive at lingbot_480p, Plan tier). Results go to $OUT/results/<step>/ (packed into $OUT/results.tgz after every
+# warmup, hbm_tier, live_restore, telefuser_480p (the gate on TeleFuser's real-width DiT, its Wan VAE
+# and umT5 encoder), telefuser_480p_rolling (the same on a rolling ring L=6 S=3, Plan tier and no
+# cache), interactive (workload=interactive at lingbot_480p, Plan tier), interactive_14b (the same on
+# TeleFuser's real-width pipeline). Results go to $OUT/results/<step>/ (packed into $OUT/results.tgz after every
 # step, so a step that runs out of time still leaves the earlier ones); the log is $OUT/run.log.
 # Per step: T_<STEP>= (seconds, upper case) and ARGS_<STEP>= (overrides of its conf/*.yaml; for
 # tests, the test paths: ARGS_TESTS="tests/core/test_weights_fingerprint.py ...").
@@ -22,8 +24,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pc
 grep -E "MemTotal|MemAvailable" /proc/meminfo; nproc
 python3 -c "import torch, cuda.bindings, sys; print(sys.version.split()[0], torch.__version__, cuda.bindings.__version__)"
 
-declare -A DEFAULT_T=([tests]=200 [transfer]=150 [e2e]=230 [registration]=140 [copy_kernel]=120 [action_keys]=120 [warmup]=200 [hbm_tier]=420 [live_restore]=240 [interactive]=240 [telefuser_480p]=285)
-declare -A FIXED_ARGS=([action_keys]="device=cuda old_runs=1")
+declare -A DEFAULT_T=([tests]=200 [transfer]=150 [e2e]=230 [registration]=140 [copy_kernel]=120 [action_keys]=120 [warmup]=200 [hbm_tier]=420 [live_restore]=240 [interactive]=240 [interactive_14b]=150 [telefuser_480p]=330 [telefuser_480p_rolling]=170)
+declare -A FIXED_ARGS=([action_keys]="device=cuda old_runs=1"
+    [telefuser_480p_rolling]="stores=[fluxon_plan,nocache] frames_cache=false profile_b=false runtime_overrides=['runtime.local_attn_size=6','runtime.sink_size=3']")
+declare -A BENCH=([telefuser_480p_rolling]=telefuser_480p)  # steps that run another step's script
 for s in "$@"; do
     echo; echo "=== $s ($(date +%T))"
     t=$(var T "$s" "${DEFAULT_T[$s]:-300}")
@@ -35,8 +39,13 @@ for s in "$@"; do
             runtime.compute_gemm_dim=8192 runtime.compute_gemms=8 +store=fluxon_plan store.backing=private \
             $(var ARGS "$s" "workload.sessions=8 workload.depth=3 workload.branching=2") \
             hydra.run.dir="$R/interactive" 2>&1 | grep -v "^\s*$" | tail -25
+    elif [ "$s" = interactive_14b ]; then
+        timeout "$t" python3 -m cacheseek workload=interactive +experiment=lingbot_world_14b +store=fluxon_plan \
+            store.backing=private $(var ARGS "$s" "workload.sessions=6 workload.depth=3 workload.branching=2") \
+            hydra.run.dir="$R/interactive_14b" 2>&1 | grep -v "^\s*$" | tail -25
     else
-        timeout "$t" python3 "experiments/$s/bench_$s.py" out_dir="$R/$s" ${FIXED_ARGS[$s]:-} $(var ARGS "$s" "")
+        b=${BENCH[$s]:-$s}
+        timeout "$t" python3 "experiments/$b/bench_$b.py" out_dir="$R/$s" ${FIXED_ARGS[$s]:-} $(var ARGS "$s" "")
     fi
     pack
 done

@@ -115,7 +115,7 @@ def test_warmup_benchmark_and_timeline_smoke(tmp_path, capsys):
 def test_telefuser_480p_benchmark_smoke(tmp_path):
     pytest.importorskip("telefuser.pipelines.lingbot_world_fast", reason="needs the telefuser extra (see README)")
     tiny = ["runtime.n_layers=1", "runtime.n_heads=1", "runtime.head_dim=14", "runtime.ffn_dim=32",
-            "runtime.text_dim=16", "runtime.height=32", "runtime.width=32"]
+            "runtime.text_dim=16", "runtime.text_layers=1", "runtime.height=32", "runtime.width=32"]
     res = load("telefuser_480p").main(["device=cpu", "stores=[nocache,fluxon_plan]", f"out_dir={tmp_path}",
                                        "runtime_overrides=[" + ",".join(f"'{o}'" for o in tiny) + "]"])
     plan = res["stores"]["fluxon_plan"]

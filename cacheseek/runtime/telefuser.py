@@ -3,7 +3,9 @@
 `TeleFuserRuntimeFactory` builds one real ``LingBotWorldFastPipeline``
 (`cacheseek.integrations.telefuser.tiny`) at any DiT size (tiny by default; LingBot-World's
 40 x 40 x 128 with ``+experiment=lingbot_world_14b``), its DiT built on the runtime's device in
-bf16 (0.3-0.7 s for 14 B parameters on an H200, logged with its time), attaches CacheSeek to it (native hooks on a hooked
+bf16 (0.3-0.7 s for 14 B parameters on an H200, logged with its time), with stand-ins for the VAE
+and the text encoder or TeleFuser's own Wan VAE and umT5 encoder (``runtime.vae=wan
+runtime.text_encoder=umt5``, the preset's choice), attaches CacheSeek to it (native hooks on a hooked
 TeleFuser, installed ones on the 0.1.0.post3 release, the streaming seams on TeleFuser main) and
 hands out `TeleFuserSession` objects, which the workloads drive like the synthetic runtime:
 ``generate(stop_after)``, ``state_snapshot()``, ``latents``, ``frame_hashes``,
@@ -31,7 +33,7 @@ of the whole trajectory, which would make the control of an early chunk depend o
 and defeat prefix reuse; rotations reach the DiT unnormalized.
 
 Requires the ``telefuser`` extra (``pip install -e '.[telefuser]'``); importing this module does
-not import TeleFuser or torch.
+not import TeleFuser.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from typing import Any, Optional
 from cacheseek import weights
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.integrations.telefuser import TeleFuserLayout, attach, plan_controls
-from cacheseek.integrations.telefuser.tiny import TinyDiTSpec, build_tiny_pipeline, rope_head_dim_problem
+from cacheseek.integrations.telefuser.tiny import PARTS, TinyDiTSpec, build_tiny_pipeline, rope_head_dim_problem
+from cacheseek.integrations.telefuser.wan_parts import feature_cache_bytes
 from cacheseek.registry import RUNTIMES
 from cacheseek.runtime.geometry import Geometry, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
@@ -98,8 +101,9 @@ def camera_path(actions: Sequence[Sequence[float]], *, chunk_size: int, width: i
 
 @dataclasses.dataclass
 class TeleFuserRuntimeSchema:
-    """Hydra schema of ``runtime: telefuser`` (sizes of the DiT and the video; ``ffn_dim`` null =
-    2 x dim)."""
+    """Hydra schema of ``runtime: telefuser``: sizes of the DiT and the video (``ffn_dim`` null = 2 x
+    dim); ``vae`` (``stand_in`` or ``wan``) and ``text_encoder`` (``stand_in`` or ``umt5``, of
+    ``text_layers`` blocks) choose TeleFuser's real part with random weights or the stand-in."""
 
     _target_: str = "cacheseek.runtime.telefuser.TeleFuserRuntimeFactory"
     local_attn_size: int = -1
@@ -115,6 +119,9 @@ class TeleFuserRuntimeSchema:
     ffn_dim: Optional[int] = None
     text_dim: int = 32
     weight_seed: int = 0
+    vae: str = "stand_in"
+    text_encoder: str = "stand_in"
+    text_layers: int = 24
 
 
 @RUNTIMES.register("telefuser", TeleFuserRuntimeSchema)
@@ -126,16 +133,22 @@ class TeleFuserRuntimeFactory:
     def __init__(self, *, local_attn_size: int = -1, sink_size: int = 0, device: str = "cpu",
                  seed: int = 42, prompt: str = "a red car driving along a coast road", height: int = 64,
                  width: int = 64, n_layers: int = 2, n_heads: int = 2, head_dim: int = 12,
-                 ffn_dim: Optional[int] = None, text_dim: int = 32, weight_seed: int = 0) -> None:
+                 ffn_dim: Optional[int] = None, text_dim: int = 32, weight_seed: int = 0, vae: str = "stand_in",
+                 text_encoder: str = "stand_in", text_layers: int = 24) -> None:
         for name, value, low in (("height", height, 16), ("width", width, 16), ("n_layers", n_layers, 1),
                                  ("n_heads", n_heads, 1), ("head_dim", head_dim, 2), ("seed", seed, 0),
-                                 ("ffn_dim", 1 if ffn_dim is None else ffn_dim, 1), ("text_dim", text_dim, 1)):
+                                 ("ffn_dim", 1 if ffn_dim is None else ffn_dim, 1), ("text_dim", text_dim, 1),
+                                 ("text_layers", text_layers, 1)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ConfigError(f"runtime.{name}", f"must be an integer >= {low}, got {value!r}")
         for name, value in (("height", height), ("width", width)):
             if value % 16:
                 raise ConfigError(f"runtime.{name}", f"{value} is not a multiple of 16",
                                   "TeleFuser's VAE and patching need multiples of 16")
+        for name, value in (("vae", vae), ("text_encoder", text_encoder)):
+            if value not in PARTS[name]:
+                raise ConfigError(f"runtime.{name}", f"unknown part {value!r}", f"use one of: {', '.join(PARTS[name])}")
+        self._parts = {"vae": vae, "text_encoder": text_encoder, "text_layers": text_layers}
         problem = rope_head_dim_problem(head_dim)
         if problem:
             raise ConfigError("runtime.head_dim", f"TeleFuser's DiT cannot run it: {problem}",
@@ -160,6 +173,7 @@ class TeleFuserRuntimeFactory:
     sink_size = property(lambda self: self._sink_size)
     device = property(lambda self: self._device)
     dtype = property(lambda self: "bfloat16")
+    parts = property(lambda self: dict(self._parts))  # vae, text_encoder, text_layers
 
     @property
     def pipeline(self) -> Any:
@@ -167,18 +181,21 @@ class TeleFuserRuntimeFactory:
         if self._pipeline is None:
             _require_telefuser()
             spec = self._spec()
-            log.info("building TeleFuser's DiT %s on %s in bf16", self.describe_model(), self._device)
+            log.info("building TeleFuser's pipeline %s on %s (DiT in bf16)", self.describe_model(), self._device)
             start = time.perf_counter()
             pipeline = build_tiny_pipeline(device=self._device, local_attn_size=self._local_attn_size,
                                            sink_size=self._sink_size, height=self.height,
-                                           width=self.width, spec=spec)
+                                           width=self.width, spec=spec, **self._parts)
             _sync(self._device)
             built = time.perf_counter()
             n = sum(p.numel() for p in pipeline.dit.parameters())
-            log.info("TeleFuser's DiT %s: %.2f B random bf16 weights built on %s in %.2f s", self.describe_model(),
-                     n / 1e9, self._device, built - start)
+            parts = {name: sum(p.numel() for p in getattr(pipeline, name).parameters())
+                     for name in ("vae", "text_encoder") if self._parts[name] != "stand_in"}
+            log.info("TeleFuser's pipeline %s: DiT %.2f B random bf16 weights%s, built on %s in %.2f s",
+                     self.describe_model(), n / 1e9,
+                     "".join(f", {k} {v / 1e9:.2f} B" for k, v in parts.items()), self._device, built - start)
             self._weights = weights.module_fingerprint(pipeline.dit)  # the module itself, before attach wraps it
-            self.build_timings = {"parameters": n, "dit_s": built - start,
+            self.build_timings = {"parameters": n, "parts_parameters": parts, "pipeline_s": built - start,
                                   "fingerprint_s": time.perf_counter() - built}
             self.layout = attach(pipeline)
             self._pipeline = pipeline
@@ -191,18 +208,25 @@ class TeleFuserRuntimeFactory:
 
     def describe_model(self) -> str:
         g, spec = self._geometry, self._spec()
-        return f"{g.n_layers}x{g.n_heads}x{g.head_dim} ffn {spec.ffn_dim} text {spec.text_dim} {self.height}x{self.width}"
+        parts = {"wan": ", Wan VAE", "umt5": f", umT5 x{self._parts['text_layers']}", "stand_in": ""}
+        return (f"{g.n_layers}x{g.n_heads}x{g.head_dim} ffn {spec.ffn_dim} text {spec.text_dim} {self.height}x{self.width}"
+                f"{parts[self._parts['vae']]}{parts[self._parts['text_encoder']]}")
 
     def device_reserve(self, chunks: int) -> list[tuple[str, int]]:
         """What a session still allocates on the runtime's device (`sizing.runtime_device_room`),
-        the weights built first: its ring of ``chunks`` chunks (or the attention window), and the
-        activations of one chunk (a few FFN-wide buffers in float32) plus `ACTIVATION_HEADROOM`."""
+        the weights built first: its ring of ``chunks`` chunks (or the attention window), the
+        activations of one chunk (a few FFN-wide buffers in float32) plus `ACTIVATION_HEADROOM`,
+        and with the Wan VAE three times its decoder's feature cache (`wan_parts`)."""
         self.pipeline
         g, spec = self._geometry, self._spec()
         frames = self._local_attn_size if self._local_attn_size > 0 else chunks * g.chunk_size
         ring = 2 * g.n_layers * frames * g.frame_tokens * g.hidden * 2
         activations = 8 * g.chunk_tokens * max(spec.ffn_dim, g.hidden) * 4 + self.ACTIVATION_HEADROOM
-        return [("ring", ring), ("activations", activations)]
+        reserve = [("ring", ring), ("activations", activations)]
+        if self._parts["vae"] == "wan":  # its causal cache between chunks, and twice that for a decode's activations
+            cache = feature_cache_bytes(self._pipeline.vae.vae, height=self.height, width=self.width)
+            reserve.append(("Wan VAE decode", 3 * cache))
+        return reserve
 
     @property
     def layout_name(self) -> str:

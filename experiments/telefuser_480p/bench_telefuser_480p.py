@@ -13,7 +13,9 @@ layers x 40 heads x 128, ffn 13824, text_dim 4096; random bf16 weights built on 
 4. with ``profile_b``, a second full hit under cProfile: the profile of B (top functions by
    cumulative time), written beside the results.
 
-The ``nocache`` store runs steps 1-3 without the gate. The parent writes one JSON per store as it
+The ``nocache`` store runs steps 1-3 without the gate, then (``frames_cache``, with the Wan VAE)
+prices keeping each chunk's frames and the decoder's cache beside its KV on the latents of its
+last session (`frames_cache.py`; the table's last section). The parent writes one JSON per store as it
 finishes (a store that runs out of time leaves the others), then ``results.json`` (machine,
 versions, commit, every figure), ``results.md`` (the table: each request's wall and its ratio to
 the mean of the bracketing no-cache runs) and prints the table. ``plot_telefuser_480p.py`` draws
@@ -131,8 +133,10 @@ def run_one(store: str, argv: list[str]) -> None:
         row["build_s"]["ready"] = time.perf_counter() - t0
         w = row["weights"]
         print(f"  built in {row['build_s']['ready']:.1f} s: {row['runtime']['model']} on {row['runtime']['device']}; "
-              f"DiT {w.get('parameters', 0) / 1e9:.2f} B parameters in {w.get('dit_s', 0):.2f} s, weights "
+              f"DiT {w.get('parameters', 0) / 1e9:.2f} B parameters, pipeline in {w.get('pipeline_s', 0):.2f} s, weights "
               f"fingerprint {w.get('fingerprint_s', 0):.3f} s", flush=True)
+
+        last: list = []
 
         def nocache(actions: list, label: str) -> float:
             """Timed as the gate times a request (`PrefixGate._request`): the session's generate,
@@ -144,6 +148,7 @@ def run_one(store: str, argv: list[str]) -> None:
             sync()
             wall = time.perf_counter() - start
             print(f"  {label}: {wall:.3f} s", flush=True)
+            last[:] = [runtime]
             return wall
 
         px = gate.P + gate.X
@@ -159,6 +164,16 @@ def run_one(store: str, argv: list[str]) -> None:
                 print(f"  {name}: {r['wall_s']:.3f} s, hit K={r['hit_depth']}", flush=True)
             print(f"  gate {'PASS' if res['passed'] else 'FAIL'} {res['verdicts']}", flush=True)
         row["nocache_after_s"] = nocache(px, "no cache P+X (after)")
+        if store == "nocache" and cfg.frames_cache and factory.parts["vae"] == "wan":
+            import frames_cache
+
+            m = frames_cache.measure(factory, last[0], sync)
+            m["savings"] = frames_cache.savings(m, kv_bytes_per_chunk=factory.geometry.kv_nbytes_per_chunk(),
+                                                hit=len(gate.P))
+            row["frames_cache"] = m
+            print(f"  frames cache: decode {sum(m['decode_s']):.3f} s + tensor2video {sum(m['tensor2video_s']):.3f} s "
+                  f"over {m['chunks']} chunks; decoder cache {max(m['cache_bytes']) / 2**30:.2f} GiB, resume bit-exact "
+                  f"{m['resume_bit_exact']}; a full hit would save {m['savings']['full_hit_saves_s']:.3f} s", flush=True)
         if store != "nocache" and cfg.profile_b:
             prof = cProfile.Profile()
             sync()
@@ -198,7 +213,7 @@ def _table(results: dict) -> list[dict]:
                "build_s": (r.get("build_s") or {}).get("ready"),
                "b_profiled_s": (r.get("b_profiled") or {}).get("wall_s"), "skipped": r.get("skipped"),
                "weights_fingerprint_s": (r.get("weights") or {}).get("fingerprint_s"),
-               "dit_build_s": (r.get("weights") or {}).get("dit_s")}
+               "dit_build_s": (r.get("weights") or {}).get("pipeline_s")}
         for name in REQUESTS:
             req = (r.get("requests") or {}).get(name)
             row[f"{name}_s"] = req["wall_s"] if req else None
@@ -231,6 +246,7 @@ def _markdown(results: dict) -> str:
             f"{row['build_s']:.1f} ({row['dit_build_s'] or 0:.2f}, {row['weights_fingerprint_s'] or 0:.3f})"
         lines.append(f"| {row['store']} | {nc} | {cell('A')} | {cell('B')} | {cell('C')} | {cell('D')} | {gate} | {build} |")
     lines += ["", "Ratios: wall over the mean of the two no-cache P+X runs of the same process."]
+    lines += _frames_cache_lines(results)
     for store, r in results["stores"].items():
         top = r.get("b_profile_top")
         if top:
@@ -239,6 +255,41 @@ def _markdown(results: dict) -> str:
                       "| function | calls | cumulative s | own s |", "| --- | ---: | ---: | ---: |"]
             lines += [f"| `{t['function']}` | {t['calls']} | {t['cumtime_s']:.3f} | {t['tottime_s']:.3f} |" for t in top[:15]]
     return "\n".join(lines) + "\n"
+
+
+def _frames_cache_lines(results: dict) -> list[str]:
+    """The ``frames_cache`` section: measured parts, and B and C of each store less what keeping
+    frames and the decoder cache would save (`frames_cache.savings`)."""
+    m = (results["stores"].get("nocache") or {}).get("frames_cache")
+    if not m:
+        return []
+    sv, gib = m["savings"], 2 ** 30
+    lines = ["", "## Keeping frames and the decoder cache beside the KV (Wan VAE, measured in the nocache process)", "",
+             "| chunk | decode s | tensor2video s | frames MiB | hand-out s | decoder cache GiB | to host s | from host s "
+             "| HBM copy s | resume bit-exact |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for k in range(m["chunks"]):
+        exact = m["resume_bit_exact"][k - 1] if 0 < k <= len(m["resume_bit_exact"]) else "-"
+        lines.append(f"| {k} | {m['decode_s'][k]:.3f} | {m['tensor2video_s'][k]:.3f} | {m['frames_bytes'][k] / 2**20:.1f} "
+                     f"| {m['frames_handout_s'][k]:.4f} | {m['cache_bytes'][k] / gib:.2f} | {m['cache_to_host_s'][k]:.3f} "
+                     f"| {m['cache_from_host_s'][k]:.3f} | {m['cache_d2d_s'][k]:.4f} | {exact} |")
+    lines += ["", f"Replayed decode equals the session's frames: {m['replay_equals_session']}; per session TeleFuser "
+                  f"also encodes the prompt ({m.get('encode_prompt_s', 0):.3f} s) and the condition video "
+                  f"({m.get('encode_condition_s', 0):.3f} s), hit or not.",
+              f"A full hit of {m['chunks']} chunks would save {sv['full_hit_saves_s']:.3f} s; a hit of {sv['partial_hit']} "
+              f"then compute {sv['partial_hit_saves_s']:.3f} s (decoder cache from host; "
+              f"{sv['partial_hit_saves_hbm_s']:.3f} s from HBM). Store bytes added per chunk: up to "
+              f"{max(sv['store_bytes_added_per_chunk']) / gib:.2f} GiB with the decoder cache at every chunk "
+              f"({sv['store_bytes_added_ratio']:.1%} of a chunk's KV), frames alone {sv['frames_only_bytes_ratio']:.2%}.", "",
+              "| store | B now | B without its VAE work | C now | C without its prefix's VAE work |", "| --- | ---: | ---: | ---: | ---: |"]
+    for row in results.get("table") or _table(results):
+        if row["B_s"] is not None and row["C_s"] is not None:
+            base = row["nocache_mean_s"]
+            b, c = row["B_s"] - sv["full_hit_saves_s"], row["C_s"] - sv["partial_hit_saves_s"]
+            lines.append(f"| {row['store']} | {row['B_s']:.3f} s ({row['B_ratio']:.3f}x) | {b:.3f} s ({b / base:.3f}x) "
+                         f"| {row['C_s']:.3f} s ({row['C_ratio']:.3f}x) | {c:.3f} s ({c / base:.3f}x) |")
+    lines += ["", "Projected (the right-hand columns): the measured walls less the measured VAE work a stored copy "
+                  "would replace; not run as a restore path."]
+    return lines
 
 
 def _sync(device: str) -> Any:

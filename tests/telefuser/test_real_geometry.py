@@ -72,6 +72,7 @@ def test_the_preset_composes_to_the_real_sizes(compose_cfg):
     assert r._target_.endswith("TeleFuserRuntimeFactory") and r.device == "cuda"
     assert (r.n_layers, r.n_heads, r.head_dim, r.ffn_dim, r.text_dim, r.height, r.width) == \
         (40, 40, 128, 13824, 4096, 480, 832)
+    assert (r.vae, r.text_encoder, r.text_layers) == ("wan", "umt5", 24)  # TeleFuser's own parts, umT5-XXL's depth
     assert (cfg.workload.total_chunks, cfg.workload.prefix_chunks) == (3, 2)
 
 

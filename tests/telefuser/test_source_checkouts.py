@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTS = ["tests/telefuser/test_live_sessions.py", "tests/telefuser/test_live_restore.py",
+TESTS = ["tests/telefuser/test_live_sessions.py", "tests/telefuser/test_live_restore.py", "tests/telefuser/test_wan_parts.py",
          "tests/telefuser/test_examples.py"]
 CHECKOUTS = {"hooked": ("CACHESEEK_TELEFUSER_HOOKED", "bb98a6b", "hooked"),
              "main": ("CACHESEEK_TELEFUSER_MAIN", "5a12f03", "main")}

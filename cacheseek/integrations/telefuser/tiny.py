@@ -10,15 +10,17 @@
   with a generator on that device (its ``init_weights`` zeroes the output head, which would make
   every chunk the same);
 - TeleFuser's ``LingBotWorldFastDenoisingStage``, ``LingBotWorldFastTimesteps`` and scheduler;
-- stand-ins with the real interfaces and shapes for the parts that need weights from disk: a VAE
-  (8x spatial and 4x temporal compression, z=16; `TinyVAE`), a byte tokenizer and a seeded
-  prompt embedding (`TinyTextEncoder`).
+- for the parts that need weights from disk, stand-ins with the real interfaces and shapes: a
+  VAE (8x spatial and 4x temporal compression, z=16; `TinyVAE`), a byte tokenizer and a seeded
+  prompt embedding (`TinyTextEncoder`); or, with ``vae="wan"`` and ``text_encoder="umt5"``,
+  TeleFuser's own Wan VAE and umT5 encoder with random weights (`wan_parts`; the tokenizer stays).
 
 Everything the binding observes (ring layout and cursors, noise, RNG draws, control tensors,
 cached-latent decode, hook order) is TeleFuser's. The VAE stand-in is a pure function of the
-latent, so two equal latents decode to equal frames and one changed bit changes them; it keeps
-the last latent and frames it decoded, which the gate compares bit for bit. Like the Wan VAE's
-convolutions, it refuses a latent whose dtype is not its own.
+latent, so two equal latents decode to equal frames and one changed bit changes them; like the
+Wan VAE's convolutions, it refuses a latent whose dtype is not its own. Either VAE is called
+through `wan_parts.RecordingVAE`, which keeps the last latent and frames it decoded (the gate
+compares them bit for bit).
 
 On TeleFuser main (generation sessions, a streaming scheduler; `is_streaming_telefuser`) the
 pipeline is built as its ``init()`` builds it, with these stand-ins where ``init()`` loads
@@ -47,15 +49,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cacheseek.progress import bar
+from cacheseek.integrations.telefuser import wan_parts
+from cacheseek.integrations.telefuser.random_weights import redraw
 
-__all__ = ["CpuAutocast", "InProcessWorker", "TinyDiTSpec", "rope_head_dim_problem", "TinyModules", "TinyTextEncoder", "TinyTokenizer",
-           "TinyVAE", "build_tiny_pipeline", "is_streaming_telefuser"]
+__all__ = ["PARTS", "CpuAutocast", "InProcessWorker", "TinyDiTSpec", "rope_head_dim_problem", "TinyModules",
+           "TinyTextEncoder", "TinyTokenizer", "TinyVAE", "build_tiny_pipeline", "is_streaming_telefuser"]
 
 Z_DIM = 16
 SPATIAL = 8
 TEMPORAL = 4
 TEXT_LEN = 512
+PARTS = {"vae": ("stand_in", "wan"), "text_encoder": ("stand_in", "umt5")}  # the choices per part
 
 
 def rope_head_dim_problem(head_dim: int) -> str | None:
@@ -124,8 +128,6 @@ class TinyVAE:
         self.enc = (torch.randn((Z_DIM, 3), generator=gen) / math.sqrt(3)).to(device)
         self.dec = (torch.randn((3, Z_DIM), generator=gen) / math.sqrt(Z_DIM)).to(device)
         self.dtype = dtype
-        self.last_latent: Any = None
-        self.last_frames: Any = None
 
     def encode(self, videos: list, device: Any = None, tiled: bool = False) -> list:
         out = []
@@ -153,15 +155,12 @@ class TinyVAE:
                                is_last_clip: bool, decode_state: Any = None) -> Any:
         if hidden_state.dtype != self.dtype:
             raise TypeError(f"Input type ({hidden_state.dtype}) and weight type ({self.dtype}) should be the same")
-        self.last_latent = hidden_state.detach().clone()
         z = hidden_state[0] if hidden_state.dim() == 5 else hidden_state
         x = torch.tanh(torch.einsum("cz,zthw->cthw", self.dec, z.float()))
         x = x.repeat_interleave(TEMPORAL, dim=1)
         if is_first_clip:
             x = x[:, TEMPORAL - 1 :]
-        x = x.repeat_interleave(SPATIAL, dim=2).repeat_interleave(SPATIAL, dim=3)
-        self.last_frames = x.to(hidden_state.dtype)
-        return self.last_frames
+        return x.repeat_interleave(SPATIAL, dim=2).repeat_interleave(SPATIAL, dim=3).to(hidden_state.dtype)
 
 
 def is_streaming_telefuser() -> bool:
@@ -173,9 +172,11 @@ def is_streaming_telefuser() -> bool:
 
 
 def build_tiny_pipeline(*, device: str = "cpu", local_attn_size: int = -1, sink_size: int = 0,
-                        height: int = 64, width: int = 64, spec: TinyDiTSpec | None = None) -> Any:
-    """TeleFuser's ``LingBotWorldFastPipeline`` with tiny random weights (see the module doc), for
-    the installed TeleFuser's layout."""
+                        height: int = 64, width: int = 64, spec: TinyDiTSpec | None = None,
+                        vae: str = "stand_in", text_encoder: str = "stand_in", text_layers: int = 24) -> Any:
+    """TeleFuser's ``LingBotWorldFastPipeline`` with random weights (see the module doc), for the
+    installed TeleFuser's layout; ``vae`` and ``text_encoder`` choose each part (`PARTS`),
+    ``text_layers`` is the umT5 encoder's depth."""
     from telefuser.pipelines.lingbot_world_fast.pipeline import (
         LingBotWorldFastPipeline,
         LingBotWorldFastPipelineConfig,
@@ -191,25 +192,33 @@ def build_tiny_pipeline(*, device: str = "cpu", local_attn_size: int = -1, sink_
     pipeline.text_device = torch.device(device)
     pipeline.vae_device = torch.device(device)
     pipeline.tokenizer = TinyTokenizer()
-    pipeline.text_encoder = TinyTextEncoder(spec.text_dim, seed=spec.weight_seed, device=device, dtype=dtype)
+    if text_encoder == "umt5":
+        pipeline.text_encoder = wan_parts.umt5_encoder(text_dim=spec.text_dim, layers=text_layers, device=device,
+                                                       dtype=dtype, seed=spec.weight_seed)
+    else:
+        pipeline.text_encoder = TinyTextEncoder(spec.text_dim, seed=spec.weight_seed, device=device, dtype=dtype)
+
+    def make_vae(vae_dtype: Any) -> Any:
+        part = (wan_parts.wan_vae if vae == "wan" else TinyVAE)(seed=spec.weight_seed, device=device, dtype=vae_dtype)
+        return wan_parts.RecordingVAE(part)
     dit = _tiny_dit(spec, local_attn_size, sink_size, device, dtype).eval().requires_grad_(False)
     pipeline.dit = dit
     if is_streaming_telefuser():
-        _set_streaming_stages(pipeline, torch.device(device), spec)
+        _set_streaming_stages(pipeline, torch.device(device), make_vae(torch.float32))
         return pipeline
     from telefuser.pipelines.lingbot_world_fast.denoising import (
         LingBotWorldFastDenoisingStage,
         LingBotWorldFastTimesteps,
     )
 
-    pipeline.vae = TinyVAE(seed=spec.weight_seed, device=device, dtype=dtype)
+    pipeline.vae = make_vae(dtype)  # the release casts its VAE to the pipeline's dtype
     pipeline.denoise_stage = LingBotWorldFastDenoisingStage(pipeline.dit, torch_dtype=dtype)
     pipeline.timesteps = LingBotWorldFastTimesteps()
     return pipeline
 
 
 def _tiny_dit(spec: TinyDiTSpec, local_attn_size: int, sink_size: int, device: Any, dtype: Any) -> Any:
-    """TeleFuser's DiT constructed on ``device`` in ``dtype``, then redrawn (`_redraw`). Its float64
+    """TeleFuser's DiT constructed on ``device`` in ``dtype``, then redrawn (`redraw`). Its float64
     RoPE tables are TeleFuser's own, computed on the CPU as ``from_pretrained`` (built on the CPU,
     then moved) has them; its forward moves them to the input's device."""
     import torch
@@ -232,12 +241,13 @@ def _tiny_dit(spec: TinyDiTSpec, local_attn_size: int, sink_size: int, device: A
 
         cpu = module.precompute_freqs_cis_3d(spec.head_dim)
         dit.freqs_cos, dit.freqs_sin = (torch.cat([getattr(f, part) for f in cpu], dim=-1) for part in ("real", "imag"))
-    _redraw(dit, spec.weight_seed)
+    redraw(dit, spec.weight_seed, "DiT")
     return dit
 
 
-def _set_streaming_stages(pipeline: Any, device: Any, spec: TinyDiTSpec) -> None:
-    """TeleFuser main's stages, as its ``init()`` sets them, on the tiny parts (module doc)."""
+def _set_streaming_stages(pipeline: Any, device: Any, vae: Any) -> None:
+    """TeleFuser main's stages, as its ``init()`` sets them, on the tiny parts and ``vae``
+    (float32, as main's default VAE configs; module doc)."""
     from telefuser.core.config import ModelRuntimeConfig
     from telefuser.pipelines.lingbot_world_fast.denoising import LingBotWorldFastDenoisingStage
     from telefuser.pipelines.lingbot_world_fast.vae_stage import (
@@ -253,7 +263,6 @@ def _set_streaming_stages(pipeline: Any, device: Any, spec: TinyDiTSpec) -> None
     cfg.dit_config = ModelRuntimeConfig(torch_dtype=pipeline.torch_dtype, **where)
     pipeline.vae_encode_device = pipeline.vae_decode_device = pipeline.vae_device = device
     pipeline.vae_encode_torch_dtype = torch.float32
-    vae = TinyVAE(seed=spec.weight_seed, device=device, dtype=torch.float32)
     dit = pipeline.dit
     if device.type == "cpu":
         for module in (dit.time_embedding, dit.time_projection,
@@ -314,26 +323,3 @@ class CpuAutocast:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["module"], name)
-
-
-def _redraw(module: Any, seed: int) -> None:
-    """Every parameter from one seeded generator on the parameters' device, in name order, drawn
-    in float32 and rounded into the parameter's dtype: matrices ~ N(0, 1/fan_in), norm scales ~
-    1 + N(0, 0.05^2), other vectors ~ N(0, 0.05^2). (On the CPU the same weights as a float32
-    module redrawn, then cast; a CUDA generator draws other values.)"""
-    params = sorted(module.named_parameters())
-    device = params[0][1].device if params else torch.device("cpu")
-    gen = torch.Generator(device=device).manual_seed(seed)
-    total = sum(p.numel() for _, p in params)
-    with torch.no_grad(), bar(total, f"random weights on {device}", unit="value") as progress:
-        for name, p in params:
-            progress.update(p.numel())
-            draw = torch.randn(p.shape, generator=gen, dtype=torch.float32, device=device)
-            if p.dim() >= 2 and "modulation" not in name:
-                draw /= math.sqrt(max(1, p[0].numel()))
-            elif "norm" in name:
-                draw = 1.0 + 0.05 * draw
-            else:
-                draw *= 0.05
-            p.copy_(draw)
-
