@@ -49,6 +49,27 @@ def meminfo() -> dict[str, int]:
     return out
 
 
+def git_state() -> dict[str, Any]:
+    """``git_commit`` and ``git_dirty`` of the tree the benchmark runs from. ``CACHESEEK_COMMIT``
+    names the commit where the tree's ``.git`` is not its own (the device machine's copy of the
+    tree carries a stale one); the tree is then taken as clean."""
+    import subprocess
+
+    named = os.environ.get("CACHESEEK_COMMIT")
+    if named:
+        return {"git_commit": named, "git_dirty": False, "git_commit_from": "CACHESEEK_COMMIT"}
+
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
+                                  timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"git_commit": git("rev-parse", "--short", "HEAD") or "unknown",
+            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
 def env_info() -> dict[str, Any]:
     """Machine, GPU and versions, for the results files and the READMEs."""
     info: dict[str, Any] = {

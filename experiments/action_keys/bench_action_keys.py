@@ -53,7 +53,6 @@ import os
 for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ[_var] = "1"  # before numpy and torch load their thread pools
 
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -62,7 +61,7 @@ from typing import Any, Callable  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchlib import REPO, Progress, compose, env_info, median, write_json  # noqa: E402
+from benchlib import Progress, compose, env_info, git_state, median, write_json  # noqa: E402
 
 
 def old_action_bytes(control: Any) -> tuple[bytes, list[int]]:
@@ -325,20 +324,12 @@ def _machine(cfg: Any, np: Any, torch: Any) -> dict:
     except OSError:
         pass
 
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True,
-                                  timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
     return {
         "cpu_model": cpu_model,
         "cpu_affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "numpy": np.__version__,
         "torch_threads": torch.get_num_threads(),
-        "git_commit": git("rev-parse", "--short", "HEAD") or "unknown",
-        "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        **git_state(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
 

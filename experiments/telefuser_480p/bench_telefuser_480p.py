@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from benchlib import REPO, compose, env_info, write_json  # noqa: E402
+from benchlib import REPO, compose, env_info, git_state, write_json  # noqa: E402
 
 REQUESTS = ("A", "B", "C", "D")
 
@@ -53,8 +53,7 @@ def main(argv: list[str]) -> dict:
         "what": "A/B/C/D gate on TeleFuser's real-width DiT (lingbot_world_14b), one process per store, "
                 "no-cache P+X bracketing the gate in the same process",
         "command": " ".join(["python", "experiments/telefuser_480p/bench_telefuser_480p.py", *argv]),
-        "config": _plain(cfg), "env": {**env_info(), "git_commit": _git("rev-parse", "--short", "HEAD"),
-                                        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no"))},
+        "config": _plain(cfg), "env": {**env_info(), **git_state()},
         "stores": {},
     }
     for store in cfg.stores:
@@ -296,13 +295,6 @@ def _sync(device: str) -> Any:
     import torch
 
     return torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
-
-
-def _git(*args: str) -> str:
-    try:
-        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
 
 
 def _plain(cfg: Any) -> dict:
