@@ -5,6 +5,7 @@
 #   device: carry [".whl", ".ab"], command: bash experiments/refactor_ab/run_ab.sh "transfer registration"
 #           and then bash experiments/refactor_ab/run_ab.sh e2e (each call stays under 10 minutes)
 #   SIDES="base refactor": compare two exported trees (.ab/base, .ab/refactor); "head" is this tree
+#   ARGS_<BENCH>="...": overrides for one benchmark on every side, e.g. ARGS_HBM_TIER="sections=[peak,full_hit]"
 # Results: $OUT/ab/{base,head}/<bench>/results.json, $OUT/ab/compare.{md,json,png}, $OUT/ab/run.log.
 set -u
 BENCHES=${1:-"transfer registration e2e"}
@@ -20,11 +21,12 @@ for side in $SIDES; do echo "$side: $(cat "$(side_dir "$side")/COMMIT" 2>/dev/nu
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 python3 -c "import sys, torch, cuda.bindings; print(sys.version.split()[0], torch.__version__, cuda.bindings.__version__)"
 for bench in $BENCHES; do
+  args_var="ARGS_$(echo "$bench" | tr a-z A-Z)"
   for side in $SIDES; do
     dir=$(side_dir "$side")
     echo "=== $bench $side ($(date +%T))"
     (cd "$dir" && PYTHONPATH=$SITE:$dir PYTHONDONTWRITEBYTECODE=1 timeout 280 \
-      python3 experiments/$bench/bench_$bench.py out_dir="$AB/$side/$bench" 2>&1 | tail -4)
+      python3 experiments/$bench/bench_$bench.py out_dir="$AB/$side/$bench" ${!args_var:-} 2>&1 | tail -4)
   done
 done
 set -- $SIDES

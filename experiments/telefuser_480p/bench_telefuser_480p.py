@@ -186,6 +186,16 @@ def run_one(store: str, argv: list[str]) -> None:
             pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(40)
             (out_dir / f"profile_B_{store}.txt").write_text(text.getvalue())
             row["b_profile_top"] = _profile_rows(prof, 25)
+        if store != "nocache":  # a third full hit with its hooks timed: CacheSeek's own time
+            from hook_timers import own_time, timed_hooks
+
+            with timed_hooks() as totals:
+                again = gate._request(stack, "B3", px, "P+X")
+            row["b_hooks"] = {"wall_s": again.wall_s, "hit_depth": again.hit_depth, **totals,
+                              "cacheseek_own_s": own_time(totals)}
+            print(f"  B again with its hooks timed: {again.wall_s:.3f} s, hooks {sum(totals.values()) - totals['copy_wait']:.3f} s"
+                  f" of which the copy wait {totals['copy_wait']:.3f} s: CacheSeek's own "
+                  f"{own_time(totals) * 1e3:.1f} ms", flush=True)
         row["metrics"] = stack.metrics.as_dict()
     finally:
         stack.close()
@@ -245,6 +255,13 @@ def _markdown(results: dict) -> str:
             f"{row['build_s']:.1f} ({row['dit_build_s'] or 0:.2f}, {row['weights_fingerprint_s'] or 0:.3f})"
         lines.append(f"| {row['store']} | {nc} | {cell('A')} | {cell('B')} | {cell('C')} | {cell('D')} | {gate} | {build} |")
     lines += ["", "Ratios: wall over the mean of the two no-cache P+X runs of the same process."]
+    for store, r in results["stores"].items():
+        h = r.get("b_hooks")
+        if h:
+            lines.append(f"- {store}: a full hit with its hooks timed (B3, {h['wall_s']:.3f} s, K={h['hit_depth']}): "
+                         f"CacheSeek's own time {h['cacheseek_own_s'] * 1e3:.1f} ms (on_runtime_created "
+                         f"{h['on_runtime_created']:.3f} s, chunk seams {h['on_chunk_control'] + h['on_chunk_finalized']:.3f} s, "
+                         f"less the copy wait {h['copy_wait']:.3f} s)")
     lines += _frames_cache_lines(results)
     for store, r in results["stores"].items():
         top = r.get("b_profile_top")
