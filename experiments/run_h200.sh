@@ -40,7 +40,7 @@ for s in "$@"; do
             $(var ARGS "$s" "workload.sessions=8 workload.depth=3 workload.branching=2") \
             hydra.run.dir="$R/interactive" 2>&1 | grep -v "^\s*$" | tail -25
     elif [ "$s" = interactive_14b ]; then
-        timeout "$t" python3 -m cacheseek workload=interactive +experiment=lingbot_world_14b +store=fluxon_plan \
+        timeout "$t" python3 -m cacheseek workload=interactive runtime=telefuser +model=lingbot_world_14b +store=fluxon_plan \
             store.backing=private $(var ARGS "$s" "workload.sessions=6 workload.depth=3 workload.branching=2") \
             hydra.run.dir="$R/interactive_14b" 2>&1 | grep -v "^\s*$" | tail -25
     else

@@ -269,8 +269,9 @@ def test_help_teaches_the_groups_the_plus_and_the_workers(procs):
     assert "+store=NAME" in out and "leading +" in out and "python tools/workers.py" in out
     for name in STORES.names() + TRANSFERS.names() + WORKLOADS.names():
         assert name in out, name
-    for yaml in (REPO / "conf" / "experiment").glob("*.yaml"):
+    for yaml in (*(REPO / "conf" / "experiment").glob("*.yaml"), *(REPO / "conf" / "model").glob("*.yaml")):
         assert yaml.stem in out, yaml.stem
+    assert "+model=NAME" in out
     assert "Examples:" in out and "512MiB" in out
     assert "schema/" not in out and "Powered by Hydra" not in out
 

@@ -21,7 +21,7 @@ CONF = Path(CONF_DIR)
 REPO = CONF.parent
 REGISTRIES = {"store": STORES, "transfer": TRANSFERS, "layout": LAYOUTS, "runtime": RUNTIMES,
               "workload": WORKLOADS}
-PRESET_GROUPS = {"experiment"}  # groups of presets (@package _global_), not backends
+PRESET_GROUPS = {"experiment", "model"}  # groups of presets (experiment: @package _global_; model: runtime), not backends
 HAS_PLAN_TIER = (REPO / "cacheseek" / "stores" / "plan_tier" / "__init__.py").exists()
 NEEDS_SERVICE = {"fluxon"}  # compose only: instantiating needs a running Fluxon service
 SMALL_SEGMENT = 1 << 20

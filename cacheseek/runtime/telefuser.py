@@ -2,7 +2,7 @@
 
 `TeleFuserRuntimeFactory` builds one real ``LingBotWorldFastPipeline``
 (`cacheseek.integrations.telefuser.tiny`) at any DiT size (tiny by default; LingBot-World's
-40 x 40 x 128 with ``+experiment=lingbot_world_14b``), its DiT built on the runtime's device in
+40 x 40 x 128 with ``+model=lingbot_world_14b``), its DiT built on the runtime's device in
 bf16 (0.3-0.7 s for 14 B parameters on an H200, logged with its time), with stand-ins for the VAE
 and the text encoder or TeleFuser's own Wan VAE and umT5 encoder (``runtime.vae=wan
 runtime.text_encoder=umt5``, the preset's choice), attaches CacheSeek to it (native hooks on a hooked

@@ -74,6 +74,8 @@ def test_the_preset_composes_to_the_real_sizes(compose_cfg):
         (40, 40, 128, 13824, 4096, 480, 832)
     assert (r.vae, r.text_encoder, r.text_layers) == ("wan", "umt5", 24)  # TeleFuser's own parts, umT5-XXL's depth
     assert (cfg.workload.total_chunks, cfg.workload.prefix_chunks) == (3, 2)
+    live = compose_cfg("runtime=telefuser", "+model=lingbot_world_14b", "workload=interactive")  # the model alone
+    assert live.runtime == r and live.workload._target_.endswith("InteractiveWorkload")
 
 
 def test_ffn_and_text_dims_reach_the_dit_and_the_weights_stay_seeded():
