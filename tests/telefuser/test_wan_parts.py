@@ -20,9 +20,20 @@ DIVERGE = X[:2] + [[-0.7, 0.6, 0.2, -0.6]]
 REAL = dict(vae="wan", text_encoder="umt5", text_layers=1, height=32, width=32)
 
 
+_factories: dict = {}
+ON_CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                            reason="needs CUDA")])
+
+
+def _factory(device: str) -> TeleFuserRuntimeFactory:
+    if device not in _factories:
+        _factories[device] = TeleFuserRuntimeFactory(**REAL, device=device)
+    return _factories[device]
+
+
 @pytest.fixture(scope="module")
 def factory():
-    return TeleFuserRuntimeFactory(**REAL)
+    return _factory("cpu")
 
 
 def test_the_real_parts_are_telefusers_own_and_seeded(factory):
@@ -52,7 +63,10 @@ def test_an_unknown_part_is_refused_naming_the_field_and_the_choices(field, valu
     assert "stand_in" in str(info.value)
 
 
-def test_a_streamed_session_on_a_cached_path_gets_the_cold_frames_through_the_wan_decoder(factory):
+@pytest.mark.parametrize("device", ["cpu", ON_CUDA])
+def test_a_streamed_session_on_a_cached_path_gets_the_cold_frames_through_the_wan_decoder(device):
+    factory = _factory(device)
+
     def run(actions, manager=None):
         binding = None if manager is None else LingBotWorldKVBinding(
             manager, manager.forest, model_fingerprint=factory.weights_fingerprint)
