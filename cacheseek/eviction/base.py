@@ -14,13 +14,8 @@ Store capabilities, each optional and checked by attribute (never NotImplemented
 - ``free_skeleton(locator)``: removes a latent (idempotent). Lets the manager reclaim the latents
   of dead subtrees (no blob anywhere below); without it latents are kept.
 
-Lifecycle of a node's blob under eviction::
-
-    ready, leaf, not pinned by a live namespace, ref_count == 0, no write in flight below
-        --(claimed under the forest lock: blob detached, node.evicting = True)-->
-    store.free(handle) outside the lock
-        success: node.blob stays None, node.evicting = False, skeleton kept
-        failure: the blob is put back (still ready), the error surfaces
+A victim is a READY leaf, not pinned by a live namespace, that no restore reads; its eviction
+is the node's READY --> FREEING --> EMPTY (`cacheseek.reuse.exact_prefix.types.TrieNode`).
 
 Pins: a sink chunk (depth < ``sink_chunks``) is pinned, and a pin holds only while its namespace
 is *live*: touched (looked up or written) by one of the last ``live_sessions`` sessions of the

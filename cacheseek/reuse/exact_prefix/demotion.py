@@ -21,7 +21,7 @@ below ``min(low watermark, capacity - bytes)``, at least one::
                                  (sole copy: only a leaf of the whole trie that no live pin
                                  holds; its dead latents are reclaimed with it)
 
-Never victims: nodes being read or evicted (``ref_count``, ``evicting``), writes in flight, and
+Never victims: nodes being read (``ref_count``), nodes not READY (`TrieNode.state`), and
 the *protected* path: the current request's (``protect``) and every node whose demotion is
 waiting for the room (with its ancestors), so a chain keeps its prefix. Each victim that leaves a
 level is counted (``evictions_for_demotion``, per level in the store's stats); no victim at all
@@ -232,7 +232,7 @@ class Demoter:
                     child_any = any(below[id(c)] for c in children)
                     here = at_level(node.blob)
                     below[id(node)] = here or child_any
-                    if (here and not child_any and node.has_kv and node.ref_count == 0 and not node.evicting
+                    if (here and not child_any and node.has_kv and node.ref_count == 0
                             and level in store.levels_of(node.blob)):
                         reachable = all(a.has_kv for a in node.path()[:-1])
                         out.append(Candidate(node, node.blob.nbytes, node.last_access, node.depth, reachable))

@@ -9,9 +9,8 @@ their skeletons. Never victims: sink (pinned) nodes of live namespaces (touched 
 and writes in flight. The sinks of dead namespaces are ordinary LRU victims, so pins never fill
 the store.
 
-Lifetime of one eviction: under the forest lock the blob is detached from its node and the node
-claimed (``evicting``); the store frees it outside the lock; a free that fails puts the blob
-back. One pass runs at a time (the context's ``evict_lock``). A pass that evicted ends with
+One eviction is the node's READY --detach--> FREEING --settle--> EMPTY (`TrieNode`): the store
+frees the blob outside the forest lock; a free that fails puts it back. One pass runs at a time (the context's ``evict_lock``). A pass that evicted ends with
 `NamespaceForest.prune`: nodes left holding no value and namespaces nobody uses leave the trie.
 """
 
@@ -24,7 +23,7 @@ from cacheseek.errors import HandleStateError, WriteNotCompleteError
 from cacheseek.eviction import Candidate, store_usage
 from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.demotion import Demoter
-from cacheseek.reuse.exact_prefix.types import BlobState, TrieNode
+from cacheseek.reuse.exact_prefix.types import NodeState, TrieNode
 
 log = logging.getLogger(__name__)
 
@@ -172,12 +171,11 @@ class Evictor:
         eviction; a failed handle on it is dropped too)."""
         ctx = self.ctx
         with ctx.forest.lock:
-            if node.skeleton is None or node.evicting or node.ref_count or subtree_has_blob(node):
+            if node.skeleton is None or node.ref_count or subtree_has_blob(node):
                 return False
             skeleton = node.skeleton
             node.skeleton = None
-            node.blob = None  # None or a failed handle: the store holds nothing of it
-            node.evicting = True
+            node.detach()  # None or a failed handle: the store holds nothing of it
         try:
             ctx.store.free_skeleton(skeleton.latent_locator)
         except Exception as exc:  # noqa: BLE001 - keep the skeleton; counted
@@ -189,7 +187,7 @@ class Evictor:
             return False
         finally:
             with ctx.forest.lock:
-                node.evicting = False
+                node.settle()
         ctx.metrics.add(skeletons_freed=1)
         return True
 
@@ -215,13 +213,9 @@ class Evictor:
             if node.ref_count < 0:
                 raise HandleStateError(f"negative ref_count on {node!r}")
             pinned = node.pinned if honour_pins else self.pin_holds(node)
-            if pinned or node.ref_count > 0 or node.blob is None or node.evicting:
+            if pinned or node.ref_count > 0 or node.state not in (NodeState.READY, NodeState.FAILED):
                 return False
-            handle = node.blob
-            if handle.in_flight:
-                return False
-            node.blob = None
-            node.evicting = True
+            handle = node.detach()
         restored = False
         try:
             ctx.store.free(handle)
@@ -233,27 +227,20 @@ class Evictor:
             raise
         finally:
             with ctx.forest.lock:
-                if restored and node.blob is None:
-                    node.blob = handle
-                node.evicting = False
+                node.settle(handle if restored else None)
         ctx.metrics.add(evictions=1, evicted_bytes=handle.nbytes)
         return True
 
 
 def holds_blob(node: TrieNode) -> bool:
-    """A ready or in-flight blob, or one being evicted (a failed handle holds nothing)."""
-    return node.evicting or (node.blob is not None and node.blob.state is not BlobState.FAILED)
+    """A ready or in-flight blob, or one being freed or invalidated (a failed one holds nothing)."""
+    return not node.state.vacant
 
 
 def evictable(node: TrieNode, *, pin_holds: bool) -> bool:
-    """A ready blob that no pin, reader or eviction holds, and no child holds a ready or
-    in-flight blob or is being evicted (a leaf)."""
-    blob = node.blob
-    return (
-        blob is not None and blob.ready and not pin_holds and node.ref_count == 0 and not node.evicting
-        and not any(c.evicting or (c.blob is not None and (c.blob.ready or c.blob.in_flight))
-                    for c in node.children.values())
-    )
+    """A ready blob that no pin or reader holds, and no child holding a blob (a leaf)."""
+    return (node.state is NodeState.READY and not pin_holds and node.ref_count == 0
+            and not any(holds_blob(c) for c in node.children.values()))
 
 
 def subtree_has_blob(node: TrieNode) -> bool:

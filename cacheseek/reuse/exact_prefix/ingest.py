@@ -56,7 +56,7 @@ class Ingestor:
         with forest.lock:  # one hold from commit to placeholder: a prune never takes the node between
             node = forest.commit(ns, parent, action, node_key, depth)
             forest.touch(ns)
-            if node.has_kv or (node.blob is not None and node.blob.in_flight) or node.evicting:
+            if not node.state.vacant:  # ready, being written, freed or invalidated: kept
                 ctx.metrics.add(reingest_kept=1)
                 return node
             if n_layers is not None and n_layers != len(kv_payload):

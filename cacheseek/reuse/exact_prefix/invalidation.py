@@ -3,9 +3,9 @@
 A node whose values are gone (the store evicted them, a worker restarted with an old snapshot) or
 corrupt is *invalidated*: its blob is dropped and whatever is left of its values is freed, so no
 value is orphaned and a later cold run re-ingests the chunk (skeleton included). A node that a
-restore still references is never freed under its reader: it stops being a hit at once (its
-handle marked failed, ``invalidated`` and ``evicting`` set, so no lookup, eviction or re-ingest
-touches it) and its blob is freed by the last reader's release (`free_invalidated`).
+restore still references is never freed under its reader: it is INVALID at once (`TrieNode`: no
+lookup, eviction or re-ingest touches it) and its blob is freed by the last reader's release
+(`free_invalidated`).
 
 Which nodes are gone: the one a fetch met, plus every node the store's optional
 ``contains(keys)`` reports (`find_missing`). `audit` checks every ready node that way;
@@ -22,7 +22,7 @@ from typing import Optional
 from cacheseek.errors import StoreError
 from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.keys import blob_keys, layer_keys
-from cacheseek.reuse.exact_prefix.types import BlobHandle, TrieNode
+from cacheseek.reuse.exact_prefix.types import BlobHandle, NodeState, TrieNode
 
 log = logging.getLogger(__name__)
 
@@ -75,19 +75,14 @@ class Invalidator:
         count = 0
         for node in nodes:
             with ctx.forest.lock:
-                handle = node.blob
-                if handle is None or node.evicting or handle.in_flight:
+                if node.state not in (NodeState.READY, NodeState.FAILED):
                     continue
                 if node.ref_count > 0:
-                    node.invalidated = True
-                    node.evicting = True
-                    handle.ready = False
-                    handle.error = StoreError(f"{handle.locator}: invalidated (its values are gone)")
+                    node.invalidate(StoreError(f"{node.blob.locator}: invalidated (its values are gone)"))
                     count += 1
                     log.info("invalidated %r; freeing it when its last reader releases it", node)
                     continue
-                node.blob = None
-                node.evicting = True
+                handle = node.detach()
             self.free_detached(node, handle)
             count += 1
             log.info("invalidated %r: its values are no longer in the store", node)
@@ -97,35 +92,24 @@ class Invalidator:
 
     def free_invalidated(self, node: TrieNode) -> None:
         """Free the blob of a node invalidated while referenced, once nothing references it."""
-        lock = self.ctx.forest.lock
-        with lock:
-            if not node.invalidated or node.ref_count > 0:
+        with self.ctx.forest.lock:
+            if node.state is not NodeState.INVALID or node.ref_count > 0:
                 return
-            node.invalidated = False
-            handle = node.blob
-            node.blob = None
-        if handle is None:
-            with lock:
-                node.evicting = False
-            return
+            handle = node.detach()
         self.free_detached(node, handle)
 
     def free_detached(self, node: TrieNode, handle: BlobHandle) -> None:
-        """Free a blob detached from ``node`` (``node.evicting`` set by the caller; cleared here).
-        A failed free keeps the handle on the node as a failed blob, freed again later."""
-        lock = self.ctx.forest.lock
+        """Free the blob `TrieNode.detach` took from ``node``, then `TrieNode.settle` it; a failed
+        free puts the handle back as a failed blob, freed again later."""
+        kept = None
         try:
             self.ctx.store.free(handle)
         except Exception as exc:  # noqa: BLE001 - keep it as a failed blob: freed later
             log.warning("invalidated %r but freeing its values failed: %s", node, exc)
-            handle.ready = False
-            handle.error = exc
-            with lock:
-                if node.blob is None:
-                    node.blob = handle
+            handle.ready, handle.error, kept = False, exc, handle
         finally:
-            with lock:
-                node.evicting = False
+            with self.ctx.forest.lock:
+                node.settle(kept)
 
     def audit(self) -> int:
         """Check every ready node's latent and KV values against the store (its ``contains``)

@@ -36,7 +36,7 @@ from cacheseek.errors import CorruptValueError, HandleStateError, LayoutMismatch
 from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.invalidation import Invalidator, owner_of
-from cacheseek.reuse.exact_prefix.types import TrieNode
+from cacheseek.reuse.exact_prefix.types import NodeState, TrieNode
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class Restorer:
                     raise HandleStateError(f"ref_count of {n!r} would go below zero")
             for n in path:
                 n.ref_count -= 1
-                if n.ref_count == 0 and n.invalidated:
+                if n.ref_count == 0 and n.state is NodeState.INVALID:
                     settle.append(n)
         if missing:
             self.invalidator.invalidate(missing)

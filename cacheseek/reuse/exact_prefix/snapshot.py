@@ -101,7 +101,7 @@ def encode_namespace(root_hash: bytes, config_blob_hash: bytes, nodes: Iterable[
         }
         entry.update(_encode_action(node.action))
         b = node.blob
-        if b is not None and b.ready:
+        if node.has_kv:
             entry["blob"] = {"tier": b.tier.value, "locator": b.locator, "nbytes": b.nbytes,
                              "n_layers": b.n_layers, "pairs": b.pairs}
         out.append(entry)

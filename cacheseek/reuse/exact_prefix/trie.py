@@ -36,7 +36,7 @@ from typing import Any, Mapping, Optional, Sequence
 from cacheseek.errors import ConfigError
 from cacheseek.reuse.exact_prefix import snapshot as snapshot_format
 from cacheseek.reuse.exact_prefix import snapshot_file
-from cacheseek.reuse.exact_prefix.types import ActionKey, BlobState, Skeleton, TrieNode, check_action
+from cacheseek.reuse.exact_prefix.types import ActionKey, Skeleton, TrieNode, check_action
 
 __all__ = [
     "Namespace",
@@ -261,8 +261,7 @@ class NamespaceForest:
             if n.skeleton and node.skeleton is None:
                 node.skeleton = Skeleton(n.skeleton)
             node.pinned = node.pinned or n.pinned
-            held = node.blob is not None and node.blob.state is not BlobState.FAILED
-            if n.blob is not None and not held and not node.evicting:
+            if n.blob is not None and node.state.vacant:
                 node.blob = n.blob.handle()
                 loaded += 1
             by_key[node.node_key] = node
@@ -271,9 +270,7 @@ class NamespaceForest:
 
 def _holds_nothing(node: TrieNode) -> bool:
     """No value in the store (no latent; no blob, or a failed one) and nobody holding it."""
-    blob = node.blob
-    return (node.skeleton is None and (blob is None or blob.state is BlobState.FAILED)
-            and node.ref_count == 0 and not node.evicting and not node.invalidated)
+    return node.skeleton is None and node.state.vacant and node.ref_count == 0
 
 
 def save_forest_snapshot(forest: NamespaceForest, path: str | os.PathLike[str], *,
