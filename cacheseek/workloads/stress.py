@@ -201,13 +201,13 @@ class StressWorkload:
             if not ready:
                 return False
             node = ready[int(pick * len(ready)) % len(ready)]
-            blob, skeleton = node.blob, node.skeleton
+            blob, latent = node.blob, node.skeleton
         store = manager.store
         try:
-            if pick < 0.5 or skeleton is None or not callable(getattr(store, "free_skeleton", None)):
+            if pick < 0.5 or latent is None or not callable(getattr(store, "free_skeleton", None)):
                 store.free(blob)
             else:
-                store.free_skeleton(skeleton.latent_locator)
+                store.free_skeleton(latent.latent_locator)
         except Exception as exc:  # noqa: BLE001 - an injected loss that did not happen
             log.info("stress: could not drop the values of %r: %s", node, exc)
             return False

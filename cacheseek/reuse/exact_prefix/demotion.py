@@ -52,7 +52,7 @@ class BlobEvictor(Protocol):
 
     def dead_around(self, node: TrieNode) -> list[TrieNode]: ...
 
-    def free_dead_skeleton(self, node: TrieNode) -> bool: ...
+    def free_dead_latent(self, node: TrieNode) -> bool: ...
 
 
 class Demoter:
@@ -201,7 +201,7 @@ class Demoter:
             return False
         if callable(getattr(store, "free_skeleton", None)):
             for dead in evictor.dead_around(node):
-                evictor.free_dead_skeleton(dead)
+                evictor.free_dead_latent(dead)
         return True
 
     def level_candidates(self, level: int, roots: Optional[list[TrieNode]] = None) -> list[Candidate]:

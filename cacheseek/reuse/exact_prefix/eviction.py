@@ -4,7 +4,7 @@ After every ingest (`maybe_evict`), when the store's usage is above the high wat
 eviction pass frees victims chosen by the policy (leaf-first LRU by default) until usage is at or
 below the low watermark. A pass first reclaims the latents of dead subtrees (no blob anywhere
 below; only where the store offers ``free_skeleton``), then evicts KV blobs; evicted nodes keep
-their skeletons. Never victims: sink (pinned) nodes of live namespaces (touched by one of the last
+their latents. Never victims: sink (pinned) nodes of live namespaces (touched by one of the last
 ``eviction.live_sessions`` sessions: `NamespaceForest.is_live`), nodes being read (``ref_count``)
 and writes in flight. The sinks of dead namespaces are ordinary LRU victims, so pins never fill
 the store.
@@ -78,7 +78,7 @@ class Evictor:
                 for node in dead if latents else ():
                     if not force and not above():
                         break
-                    self.free_dead_skeleton(node)
+                    self.free_dead_latent(node)
                 queue = ctx.policy.order(candidates)
                 while queue and (force or above()):
                     cand = queue.pop(0)
@@ -95,7 +95,7 @@ class Evictor:
                     for node in self.dead_around(cand.node) if latents else ():
                         if not above():
                             break
-                        self.free_dead_skeleton(node)
+                        self.free_dead_latent(node)
                     parent = self.candidate(cand.node.parent)
                     if parent is not None:
                         queue = ctx.policy.order(queue + [parent])
@@ -107,7 +107,7 @@ class Evictor:
         return evicted
 
     def collect(self) -> tuple[list[TrieNode], list[Candidate]]:
-        """Under the forest lock: dead skeletons, children before parents (no live blob in the
+        """Under the forest lock: dead latents, children before parents (no live blob in the
         node's subtree, not referenced) and eviction candidates (see `candidate`)."""
         ctx = self.ctx
         dead: list[TrieNode] = []
@@ -166,24 +166,24 @@ class Evictor:
                 up = up.parent
             return out
 
-    def free_dead_skeleton(self, node: TrieNode) -> bool:
+    def free_dead_latent(self, node: TrieNode) -> bool:
         """Free the latent of a node with no live blob in its subtree (claimed like an
         eviction; a failed handle on it is dropped too)."""
         ctx = self.ctx
         with ctx.forest.lock:
             if node.skeleton is None or node.ref_count or subtree_has_blob(node):
                 return False
-            skeleton = node.skeleton
+            latent = node.skeleton
             node.skeleton = None
             node.detach()  # None or a failed handle: the store holds nothing of it
         try:
-            ctx.store.free_skeleton(skeleton.latent_locator)
-        except Exception as exc:  # noqa: BLE001 - keep the skeleton; counted
+            ctx.store.free_skeleton(latent.latent_locator)
+        except Exception as exc:  # noqa: BLE001 - keep the latent; counted
             log.warning("freeing the latent of %r failed (kept): %s", node, exc)
             ctx.metrics.add(eviction_errors=1)
             with ctx.forest.lock:
                 if node.skeleton is None:
-                    node.skeleton = skeleton
+                    node.skeleton = latent
             return False
         finally:
             with ctx.forest.lock:
@@ -203,7 +203,7 @@ class Evictor:
         return ns is None or ns.root is not top or forest.is_live(ns, self.ctx.eviction.live_sessions)
 
     def evict_blob(self, node: TrieNode, *, honour_pins: bool) -> bool:
-        """Free a node's KV and drop its blob, keeping the skeleton. Refuses referenced,
+        """Free a node's KV and drop its blob, keeping the latent. Refuses referenced,
         blob-less, being-evicted and in-flight nodes, and pinned ones: always with
         ``honour_pins``, else only while the namespace is live (the eviction pass). The blob is
         detached under the forest lock and freed outside it; if freeing fails the blob is put

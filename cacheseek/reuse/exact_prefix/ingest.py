@@ -1,7 +1,7 @@
 """`Ingestor`: the write side: one finished chunk into the trie and the store.
 
 Lifetime of one write: the node is committed and claimed with a *pending* placeholder handle (so
-a concurrent ingest of the same chunk keeps it and eviction skips it); the latent skeleton is
+a concurrent ingest of the same chunk keeps it and eviction skips it); the latent is
 stored, then the KV is written asynchronously; the store's completion callback flips the handle
 ready (the publication bit, set last). Re-ingesting a ready, in-flight or being-evicted node keeps
 it. A write that reports `StoreFullError` makes room (an eviction pass) and is retried once; a

@@ -2,7 +2,7 @@
 
 A node whose values are gone (the store evicted them, a worker restarted with an old snapshot) or
 corrupt is *invalidated*: its blob is dropped and whatever is left of its values is freed, so no
-value is orphaned and a later cold run re-ingests the chunk (skeleton included). A node that a
+value is orphaned and a later cold run re-ingests the chunk (latent included). A node that a
 restore still references is never freed under its reader: it is INVALID at once (`TrieNode`: no
 lookup, eviction or re-ingest touches it) and its blob is freed by the last reader's release
 (`free_invalidated`).

@@ -1,7 +1,7 @@
 """`Restorer`: restores the window path ending at one trie node into a `RestoreWindow`.
 
 Lifetime of one restore: under one hold of the forest lock it checks the path is whole (every
-window node has KV, every path node a skeleton) and references every path node (``ref_count``),
+window node has KV, every path node a latent) and references every path node (``ref_count``),
 so eviction cannot take them; it fetches and copies outside the lock; only then does it publish
 (``window.set_resume_depth``, the single publication point) and stamp ``last_access``; finally
 (`release`, in a ``finally``) it drops the references, invalidates what it found gone and frees

@@ -6,7 +6,7 @@ index and the namespace's ``root`` is a virtual node of depth -1. `lookup` desce
 nodes whose blob is ready, so a pending or failed write is never a hit.
 
 Actions are ints, strings or bytes (`ActionKey`), compared exactly. The snapshot persists only
-ready blobs (plus the skeletons on their paths), so a restarted worker finds exactly what the
+ready blobs (plus the latents on their paths), so a restarted worker finds exactly what the
 store committed; its format (`cacheseek.reuse.exact_prefix.snapshot`) is the one upstream
 CacheSeek reads and writes; on disk it is checksummed and keeps its previous generation
 (`cacheseek.reuse.exact_prefix.snapshot_file`). A forest whose newest snapshot could not be
@@ -258,8 +258,8 @@ class NamespaceForest:
         loaded = 0
         for n in rec.nodes:
             node = self.commit(ns, by_key[n.parent_key], n.action, n.node_key, n.depth)
-            if n.skeleton and node.skeleton is None:
-                node.skeleton = Skeleton(n.skeleton)
+            if n.latent and node.skeleton is None:
+                node.skeleton = Skeleton(n.latent)
             node.pinned = node.pinned or n.pinned
             if n.blob is not None and node.state.vacant:
                 node.blob = n.blob.handle()

@@ -1,7 +1,7 @@
 """Trie value types: actions, trie nodes and the one state a node's KV is in.
 
-A trie node is one generated chunk. Its *skeleton* (the chunk's denoised latent, stored under
-``{hex}:lat``) is cheap and kept; its *blob* (the chunk's KV for every layer, ~3.57 GiB at 480p)
+A trie node is one generated chunk. Its latent (the chunk's denoised latent, ``skeleton`` in
+upstream's names, stored under ``{hex}:lat``) is cheap and kept; its *blob* (the chunk's KV for every layer, ~3.57 GiB at 480p)
 is expensive and evictable (`cacheseek.kv.handles`: the handle and its publication bit).
 
 Node lifecycle (``TrieNode.state``, a `NodeState`; every transition is a `TrieNode` method,
