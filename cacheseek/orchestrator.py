@@ -41,6 +41,7 @@ A `Stack` hands out managers and bindings that share one forest, one store and o
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -56,7 +57,7 @@ from cacheseek.eviction import EvictionConfig, make_policy, store_usage
 from cacheseek.hydra_errors import appended_key, choose_a_store
 from cacheseek.layout.ring_layout import RingLayout
 from cacheseek.metrics import CacheMetrics
-from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, import_backends, instantiate
+from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, instantiate
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager, load_forest_snapshot, save_forest_snapshot
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config, make_rolling_config
 from cacheseek.sizes import format_size
@@ -130,6 +131,16 @@ class Stack:
             model_fingerprint=model + b":" + weights.hex().encode() if weights else model,
             ingest_enabled=ingest_enabled, layout=self.layout, fingerprint_fields=self.fields,
         )
+
+    def run_session(self, actions: Any, *, manager: Any = None, ingest: bool = True) -> tuple[Any, list, float]:
+        """One session of ``actions`` through a new binding, the store flushed after it: the
+        binding, the frame hashes and the seconds from the first chunk to the flushed store."""
+        binding = self.new_binding(manager, ingest_enabled=ingest)
+        rt = self.runtime_factory.make(actions, hooks=binding)
+        t0 = time.perf_counter()
+        hashes = rt.generate()
+        self.offers.flush()
+        return binding, hashes, time.perf_counter() - t0
 
     def close(self) -> None:
         """Save the forest into a persistent store's root (after a flush: the snapshot names only

@@ -39,10 +39,9 @@ class Evictor:
         demoter.evictor = self  # room made in a tiered store's lowest level evicts through here
 
     def maybe_evict(self, protect: Optional[TrieNode] = None) -> int:
-        """After a write: demote the tiers of a tiered store (``protect``: the node just written,
-        whose path no room-making evicts), then, when the store's usage is above the high
-        watermark, evict down to the low watermark. Returns the number of blobs evicted (0 when
-        the store is unbounded)."""
+        """After a write: demote a tiered store's levels (``protect``: the node just written,
+        whose path no room-making evicts), then evict down to the low watermark when above the
+        high one. Returns the number of blobs evicted."""
         ctx = self.ctx
         self.demoter.demote_tiers(protect)
         u = store_usage(ctx.store)

@@ -103,8 +103,6 @@ class Ingestor:
                 ctx.metrics.add(dropped_writes=1)
             raise
         with forest.lock:
-            # A failed write leaves the handle unready with ``error`` set: never a hit, and a
-            # later ingest of the same chunk replaces it.
             if node.blob is placeholder:
                 node.blob = handle
             if nbytes and not handle.nbytes:

@@ -9,7 +9,8 @@ lookup, eviction or re-ingest touches it) and its blob is freed by the last read
 
 Which nodes are gone: the one a fetch met, plus every node the store's optional
 ``contains(keys)`` reports (`find_missing`). `audit` checks every ready node that way;
-`reconcile` first removes the values no node names (a previous process's leftovers), unless the
+`reconcile` first removes the values no node names (a previous process's leftovers, where the
+store offers ``keys()`` and ``delete_values(keys)``), unless the
 forest's snapshot did not load whole (then the unnamed values may be committed chunks: kept).
 """
 
@@ -112,9 +113,8 @@ class Invalidator:
                 node.settle(kept)
 
     def audit(self) -> int:
-        """Check every ready node's latent and KV values against the store (its ``contains``)
-        and invalidate the nodes whose values are gone. Returns the number invalidated; 0 when
-        the store cannot say (no ``contains``)."""
+        """Invalidate the ready nodes whose values ``contains`` says are gone; how many (0 when
+        the store cannot say)."""
         ctx = self.ctx
         if not callable(getattr(ctx.store, "contains", None)):
             return 0
@@ -124,11 +124,9 @@ class Invalidator:
         return self.invalidate(stale)
 
     def reconcile(self) -> dict[str, int]:
-        """Remove every value no node names (where the store offers ``keys()`` and
-        ``delete_values(keys)``; nothing when the forest's snapshot did not load whole, its
-        ``incomplete``: committed values are never taken for orphans of a damaged index), then `audit`. Returns ``{"orphans_removed": n,
-        "invalidated": m}``. Not while sessions write: a value written but not yet named by its
-        node would be taken for an orphan."""
+        """Remove the values no node names (see the module docstring), then `audit`. Not while
+        sessions write: a value written but not yet named by its node would be taken for an
+        orphan."""
         ctx = self.ctx
         keys_of = getattr(ctx.store, "keys", None)
         delete = getattr(ctx.store, "delete_values", None)

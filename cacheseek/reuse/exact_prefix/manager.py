@@ -116,19 +116,10 @@ class WorldKVManager:
         (`Invalidator.reconcile`). Returns ``{"orphans_removed": n, "invalidated": m}``."""
         return self.invalidator.reconcile()
 
-    def ingest(
-        self,
-        ns: Namespace,
-        parent: TrieNode,
-        action: ActionKey,
-        node_key: bytes,
-        depth: int,
-        kv_payload: Sequence[Any],
-        latent: Any,
-        *,
-        nbytes: int = 0,
-        n_layers: Optional[int] = None,
-    ) -> TrieNode:
+    def ingest(self, ns: Namespace, parent: TrieNode, action: ActionKey, node_key: bytes, depth: int,
+               kv_payload: Sequence[Any], latent: Any, *, nbytes: int = 0, n_layers: Optional[int] = None,
+               ) -> TrieNode:
+        """Write one finished chunk (`Ingestor.ingest`; docs/api.md)."""
         return self.ingestor.ingest(ns, parent, action, node_key, depth, kv_payload, latent,
                                     nbytes=nbytes, n_layers=n_layers)
 
