@@ -4,7 +4,7 @@ The seam is split by role (one side decides, the other moves bytes): a store *ac
 the decisions; a policy *orders* candidates and touches no store; the manager (`WorldKVManager`)
 collects the candidates from the trie, asks the policy, and frees the victims' values.
 
-Store capabilities, each optional and checked by attribute (never NotImplementedError):
+Store capabilities, each optional (the manager probes a store's once: its `StoreOffers`):
 
 - ``usage() -> StoreUsage | PlanUsage | None``: bytes in use and the capacity (None = unbounded).
   Generic tiers count the bytes of their live values (KV and latents, writes in flight included);
@@ -29,7 +29,7 @@ never breaks the prefix of another cached node: lookups descend only through rea
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Optional, Protocol
 
 import attrs
 
@@ -40,9 +40,6 @@ __all__ = [
     "EvictionConfig",
     "Candidate",
     "EvictionPolicy",
-    "CapacityStore",
-    "ExistenceStore",
-    "SkeletonFreeStore",
     "store_usage",
 ]
 
@@ -91,21 +88,6 @@ def store_usage(store: Any) -> Optional[StoreUsage]:
         peak_bytes=getattr(u, "peak_bytes", None),
         n_values=getattr(u, "n_values", None),
     )
-
-
-@runtime_checkable
-class CapacityStore(Protocol):
-    def usage(self) -> Any: ...
-
-
-@runtime_checkable
-class ExistenceStore(Protocol):
-    def contains(self, keys: Sequence[str]) -> list[bool]: ...
-
-
-@runtime_checkable
-class SkeletonFreeStore(Protocol):
-    def free_skeleton(self, locator: str) -> None: ...
 
 
 def _fraction(name: str):

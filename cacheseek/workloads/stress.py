@@ -119,7 +119,6 @@ class StressWorkload:
         progress.set_postfix_str("sessions")
 
         manager = stack.new_manager()
-        flush = getattr(stack.store, "flush", None)
         lock = threading.Lock()
         errors: list[str] = []
 
@@ -160,8 +159,7 @@ class StressWorkload:
                 rows = list(pool.map(session, range(len(self.plan))))
         finally:
             progress.close()
-        if flush is not None:
-            flush()
+        stack.offers.flush()
         sessions_s = time.perf_counter() - t1
 
         m = stack.metrics.as_dict(timeline=True)

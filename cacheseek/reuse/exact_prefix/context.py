@@ -20,7 +20,35 @@ from cacheseek.metrics import CacheMetrics
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
 from cacheseek.reuse.exact_prefix.trie import NamespaceForest
 
-__all__ = ["ManagerContext"]
+__all__ = ["ManagerContext", "StoreOffers"]
+
+
+@attrs.frozen(slots=True)
+class StoreOffers:
+    """What the roles use of a store beyond `TierStore` (`cacheseek.eviction` lists the
+    capabilities), probed once per store: ``contains`` names missing values; ``reconciles``:
+    ``keys()`` and ``delete_values(keys)``; ``frees_latents``: ``free_skeleton``; ``tiered``:
+    ``tier_usages`` and ``demote`` (`TieredStore`); ``reads_paths``: whole-path restores."""
+
+    contains: bool
+    reconciles: bool
+    frees_latents: bool
+    tiered: bool
+    reads_paths: bool
+
+    @classmethod
+    def of(cls, store: Any) -> "StoreOffers":
+        def has(*names: str) -> bool:
+            return all(callable(getattr(store, n, None)) for n in names)
+
+        return cls(contains=has("contains"), reconciles=has("keys", "delete_values"),
+                   frees_latents=has("free_skeleton"), tiered=has("tier_usages", "demote"),
+                   reads_paths=has("read_path") and bool(getattr(store, "accepts_device_views", False)))
+
+
+def _reprobe(ctx: "ManagerContext", _attr: Any, store: Any) -> Any:
+    ctx.offers = StoreOffers.of(store)
+    return store
 
 
 @attrs.define(eq=False)
@@ -28,13 +56,18 @@ class ManagerContext:
     """The forest and store one manager works on, its settings and its counters.
 
     ``clock``: time source of ``last_access`` and the usage timeline. ``policy``: the eviction
-    policy built from ``eviction.policy``; ``metrics``: what it counts."""
+    policy built from ``eviction.policy``; ``metrics``: what it counts; ``offers``: the store's
+    capabilities, probed again when ``store`` is set."""
 
     forest: NamespaceForest
-    store: Any
+    store: Any = attrs.field(on_setattr=_reprobe)
     cfg: WorldKVConfig
     clock: Callable[[], float]
     eviction: EvictionConfig
     policy: Any
     metrics: CacheMetrics
     evict_lock: threading.Lock = attrs.field(factory=threading.Lock, repr=False)
+    offers: StoreOffers = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.offers = StoreOffers.of(self.store)

@@ -69,14 +69,13 @@ class Demoter:
         and counted; never raises. Returns the blobs demoted."""
         ctx = self.ctx
         store, eviction = ctx.store, ctx.eviction
-        usages_fn = getattr(store, "tier_usages", None)
-        if not eviction.enabled or not callable(usages_fn) or not callable(getattr(store, "demote", None)):
+        if not eviction.enabled or not ctx.offers.tiered:
             return 0
         demoted = 0
         guard = frozenset(id(n) for n in protect.path()) if protect is not None else frozenset()
         try:
             with ctx.evict_lock:
-                for tu in usages_fn()[:-1]:
+                for tu in store.tier_usages()[:-1]:
                     u = tu.usage
                     if u is None or u.capacity_bytes is None or u.used_bytes <= eviction.high_watermark * u.capacity_bytes:
                         continue
@@ -199,7 +198,7 @@ class Demoter:
         evictor = self.evictor
         if evictor is None or not evictor.evict_blob(node, honour_pins=False):
             return False
-        if callable(getattr(store, "free_skeleton", None)):
+        if self.ctx.offers.frees_latents:
             for dead in evictor.dead_around(node):
                 evictor.free_dead_latent(dead)
         return True

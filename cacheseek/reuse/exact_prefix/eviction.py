@@ -63,7 +63,7 @@ class Evictor:
         Errors of single victims are logged and counted, not raised. Returns blobs evicted."""
         ctx = self.ctx
         evicted = 0
-        latents = callable(getattr(ctx.store, "free_skeleton", None))
+        latents = ctx.offers.frees_latents
 
         def above() -> bool:
             u = store_usage(ctx.store)

@@ -43,8 +43,7 @@ class Invalidator:
         """The nodes of ``path`` whose latent or (``win`` nodes) KV values are gone: ``first``
         (the one a fetch met) plus every node the store's ``contains`` reports missing; by depth."""
         found: dict[int, TrieNode] = {} if first is None else {id(first): first}
-        contains = getattr(self.ctx.store, "contains", None)
-        if callable(contains):
+        if self.ctx.offers.contains:
             owners: list[TrieNode] = []
             keys: list[str] = []
             for n in path:
@@ -59,7 +58,7 @@ class Invalidator:
                     owners.append(n)
                     keys.append(key)
             try:
-                present = contains(keys)
+                present = self.ctx.store.contains(keys)
             except Exception as exc:  # noqa: BLE001 - cannot tell: only what the fetch saw
                 log.warning("could not check which values are missing: %s", exc)
                 present = [True] * len(keys)
@@ -116,7 +115,7 @@ class Invalidator:
         """Invalidate the ready nodes whose values ``contains`` says are gone; how many (0 when
         the store cannot say)."""
         ctx = self.ctx
-        if not callable(getattr(ctx.store, "contains", None)):
+        if not ctx.offers.contains:
             return 0
         with ctx.forest.lock:
             ready = [n for ns in ctx.forest.namespaces() for n in ns.iter_nodes() if n.has_kv]
@@ -128,14 +127,12 @@ class Invalidator:
         sessions write: a value written but not yet named by its node would be taken for an
         orphan."""
         ctx = self.ctx
-        keys_of = getattr(ctx.store, "keys", None)
-        delete = getattr(ctx.store, "delete_values", None)
         removed = 0
-        incomplete = getattr(ctx.forest, "incomplete", None)
-        if incomplete and callable(keys_of):
+        incomplete = ctx.forest.incomplete
+        if incomplete and ctx.offers.reconciles:
             log.warning("reconcile removes nothing: the forest snapshot did not load whole (%s); the "
                         "values it named stay until a snapshot that names them, or none, is loaded", incomplete)
-        elif callable(keys_of) and callable(delete):
+        elif ctx.offers.reconciles:
             with ctx.forest.lock:
                 named: set[str] = set()
                 for ns in ctx.forest.namespaces():
@@ -144,9 +141,9 @@ class Invalidator:
                             named.add(n.skeleton.latent_locator)
                         if n.blob is not None:
                             named.update(blob_keys(n.blob.locator, n.blob.n_layers, pairs=n.blob.pairs))
-            orphans = [k for k in keys_of() if k not in named]
+            orphans = [k for k in ctx.store.keys() if k not in named]
             if orphans:
-                delete(orphans)
+                ctx.store.delete_values(orphans)
                 removed = len(orphans)
                 log.info("reconcile: removed %d values no node names", removed)
         return {"orphans_removed": removed, "invalidated": self.audit()}

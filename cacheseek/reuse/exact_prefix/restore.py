@@ -40,7 +40,7 @@ from cacheseek.reuse.exact_prefix.types import NodeState, TrieNode
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NOT_WHOLE", "OK", "Outcome", "RestoreWindow", "Restorer", "is_path_store"]
+__all__ = ["NOT_WHOLE", "OK", "Outcome", "RestoreWindow", "Restorer"]
 
 
 class RestoreWindow(Protocol):
@@ -119,7 +119,7 @@ class Restorer:
                 return Outcome(False, missing)
             t0 = time.perf_counter()
             try:
-                if is_path_store(ctx.store) and hasattr(window, "restore_target"):
+                if ctx.offers.reads_paths and hasattr(window, "restore_target"):
                     target = window.restore_target(len(path), [n.depth for n in win])
                     if not ctx.store.read_path(path, win, target):
                         missing = self.invalidator.find_missing(path, win, None)
@@ -203,8 +203,3 @@ class Restorer:
         for layer, blobs in enumerate(per_layer):
             window.seed_layer(layer, blobs, path[-1].depth)
         return nbytes
-
-
-def is_path_store(store: Any) -> bool:
-    """The store restores whole paths into device views itself (``read_path``)."""
-    return callable(getattr(store, "read_path", None)) and getattr(store, "accepts_device_views", False)
