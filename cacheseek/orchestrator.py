@@ -53,7 +53,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from cacheseek import namespace, sizing
 from cacheseek.errors import CacheSeekError, ConfigError
-from cacheseek.eviction import EvictionConfig, make_policy, store_usage
+from cacheseek.eviction import EvictionConfig, StoreOffers, make_policy, store_usage
 from cacheseek.hydra_errors import appended_key, choose_a_store
 from cacheseek.layout.ring_layout import RingLayout
 from cacheseek.metrics import CacheMetrics
@@ -67,32 +67,6 @@ from cacheseek.transfer.protocol import TransferRuntime
 log = logging.getLogger(__name__)
 
 __all__ = ["Stack", "build_stack", "instantiate"]
-
-
-@attrs.frozen
-class StoreOffers:
-    """What the stack uses of a store beyond `TierStore`, probed once, when the store is built:
-    ``close`` and ``flush`` (no-ops where the store has none), the forest snapshot a persistent
-    store keeps (``snapshot_path``), whether it can list and remove its values (``reconciles``:
-    LocalDisk), and the fix to print when its capacity cannot hold a chunk."""
-
-    close: Callable[[], Any]
-    flush: Callable[[], Any]
-    snapshot_path: Optional[Path]
-    reconciles: bool
-    capacity_fix: str
-
-    @classmethod
-    def of(cls, store: Any) -> "StoreOffers":
-        path = getattr(store, "snapshot_path", None)
-        return cls(close=getattr(store, "close", None) or _nothing, flush=getattr(store, "flush", None) or _nothing,
-                   snapshot_path=Path(path) if path is not None else None,
-                   reconciles=callable(getattr(store, "delete_values", None)),
-                   capacity_fix=getattr(store, "capacity_fix", "give the store more room"))
-
-
-def _nothing() -> None:
-    return None
 
 
 @attrs.define

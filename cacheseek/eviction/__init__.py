@@ -6,6 +6,7 @@ from cacheseek.eviction.base import (
     Candidate,
     EvictionConfig,
     EvictionPolicy,
+    StoreOffers,
     StoreUsage,
     store_usage,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "EvictionConfig",
     "EvictionPolicy",
     "LruPolicy",
+    "StoreOffers",
     "StoreUsage",
     "make_policy",
     "store_usage",

@@ -4,7 +4,7 @@ The seam is split by role (one side decides, the other moves bytes): a store *ac
 the decisions; a policy *orders* candidates and touches no store; the manager (`WorldKVManager`)
 collects the candidates from the trie, asks the policy, and frees the victims' values.
 
-Store capabilities, each optional (the manager probes a store's once: its `StoreOffers`):
+Store capabilities, each optional (probed once per store: `StoreOffers`):
 
 - ``usage() -> StoreUsage | PlanUsage | None``: bytes in use and the capacity (None = unbounded).
   Generic tiers count the bytes of their live values (KV and latents, writes in flight included);
@@ -28,7 +28,8 @@ never breaks the prefix of another cached node: lookups descend only through rea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, Optional, Protocol
 
 import attrs
@@ -40,6 +41,7 @@ __all__ = [
     "EvictionConfig",
     "Candidate",
     "EvictionPolicy",
+    "StoreOffers",
     "store_usage",
 ]
 
@@ -88,6 +90,43 @@ def store_usage(store: Any) -> Optional[StoreUsage]:
         peak_bytes=getattr(u, "peak_bytes", None),
         n_values=getattr(u, "n_values", None),
     )
+
+
+@attrs.frozen(slots=True)
+class StoreOffers:
+    """What the manager and the stack use of a store beyond `TierStore`, probed once per store:
+    ``contains``, ``reconciles`` (``keys()`` and ``delete_values(keys)``: LocalDisk),
+    ``frees_latents`` (``free_skeleton``), ``tiered`` (``tier_usages`` and ``demote``:
+    `TieredStore`), ``reads_paths`` (whole-path restores into device views); ``close`` and
+    ``flush`` (no-ops where it has none), the forest snapshot a persistent store keeps
+    (``snapshot_path``), and the fix to print when its capacity cannot hold a chunk."""
+
+    contains: bool
+    reconciles: bool
+    frees_latents: bool
+    tiered: bool
+    reads_paths: bool
+    close: Callable[[], Any]
+    flush: Callable[[], Any]
+    snapshot_path: Optional[Path]
+    capacity_fix: str
+
+    @classmethod
+    def of(cls, store: Any) -> "StoreOffers":
+        def has(*names: str) -> bool:
+            return all(callable(getattr(store, n, None)) for n in names)
+
+        path = getattr(store, "snapshot_path", None)
+        return cls(contains=has("contains"), reconciles=has("keys", "delete_values"),
+                   frees_latents=has("free_skeleton"), tiered=has("tier_usages", "demote"),
+                   reads_paths=has("read_path") and bool(getattr(store, "accepts_device_views", False)),
+                   close=getattr(store, "close", None) or _nothing, flush=getattr(store, "flush", None) or _nothing,
+                   snapshot_path=Path(path) if path is not None else None,
+                   capacity_fix=getattr(store, "capacity_fix", "give the store more room"))
+
+
+def _nothing() -> None:
+    return None
 
 
 def _fraction(name: str):

@@ -15,35 +15,12 @@ from typing import Any
 
 import attrs
 
-from cacheseek.eviction import EvictionConfig
+from cacheseek.eviction import EvictionConfig, StoreOffers
 from cacheseek.metrics import CacheMetrics
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
 from cacheseek.reuse.exact_prefix.trie import NamespaceForest
 
-__all__ = ["ManagerContext", "StoreOffers"]
-
-
-@attrs.frozen(slots=True)
-class StoreOffers:
-    """What the roles use of a store beyond `TierStore` (`cacheseek.eviction` lists the
-    capabilities), probed once per store: ``contains`` names missing values; ``reconciles``:
-    ``keys()`` and ``delete_values(keys)``; ``frees_latents``: ``free_skeleton``; ``tiered``:
-    ``tier_usages`` and ``demote`` (`TieredStore`); ``reads_paths``: whole-path restores."""
-
-    contains: bool
-    reconciles: bool
-    frees_latents: bool
-    tiered: bool
-    reads_paths: bool
-
-    @classmethod
-    def of(cls, store: Any) -> "StoreOffers":
-        def has(*names: str) -> bool:
-            return all(callable(getattr(store, n, None)) for n in names)
-
-        return cls(contains=has("contains"), reconciles=has("keys", "delete_values"),
-                   frees_latents=has("free_skeleton"), tiered=has("tier_usages", "demote"),
-                   reads_paths=has("read_path") and bool(getattr(store, "accepts_device_views", False)))
+__all__ = ["ManagerContext"]
 
 
 def _reprobe(ctx: "ManagerContext", _attr: Any, store: Any) -> Any:
