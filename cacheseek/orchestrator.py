@@ -41,6 +41,7 @@ A `Stack` hands out managers and bindings that share one forest, one store and o
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
@@ -52,11 +53,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from cacheseek import namespace, sizing
 from cacheseek.errors import CacheSeekError, ConfigError
-from cacheseek.eviction import EvictionConfig, make_policy, store_usage
+from cacheseek.eviction import EvictionConfig, StoreOffers, make_policy, store_usage
 from cacheseek.hydra_errors import appended_key, choose_a_store
 from cacheseek.layout.ring_layout import RingLayout
 from cacheseek.metrics import CacheMetrics
-from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, import_backends, instantiate
+from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, instantiate
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager, load_forest_snapshot, save_forest_snapshot
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config, make_rolling_config
 from cacheseek.sizes import format_size
@@ -82,6 +83,7 @@ class Stack:
     workload: Any = None  # a WORKLOADS entry: ``run(stack) -> results``
     notes: list[str] = attrs.field(factory=list)
     metrics: CacheMetrics = attrs.field(factory=CacheMetrics)
+    offers: StoreOffers = attrs.field(default=attrs.Factory(lambda s: StoreOffers.of(s.store), takes_self=True))
 
     def manager_config(self):
         return _manager_config(self.cfg, self.runtime_factory)
@@ -104,22 +106,27 @@ class Stack:
             ingest_enabled=ingest_enabled, layout=self.layout, fingerprint_fields=self.fields,
         )
 
+    def run_session(self, actions: Any, *, manager: Any = None, ingest: bool = True) -> tuple[Any, list, float]:
+        """One session of ``actions`` through a new binding, the store flushed after it: the
+        binding, the frame hashes and the seconds from the first chunk to the flushed store."""
+        binding = self.new_binding(manager, ingest_enabled=ingest)
+        rt = self.runtime_factory.make(actions, hooks=binding)
+        t0 = time.perf_counter()
+        hashes = rt.generate()
+        self.offers.flush()
+        return binding, hashes, time.perf_counter() - t0
+
     def close(self) -> None:
         """Save the forest into a persistent store's root (after a flush: the snapshot names only
         committed chunks either way), then close the store."""
-        close = getattr(self.store, "close", None)
         try:
-            path = _snapshot_path(self.store)
-            if path is not None:
-                flush = getattr(self.store, "flush", None)
+            if self.offers.snapshot_path is not None:
                 try:
-                    if flush is not None:
-                        flush()
+                    self.offers.flush()
                 finally:
-                    save_forest_snapshot(self.forest, path)
+                    save_forest_snapshot(self.forest, self.offers.snapshot_path)
         finally:
-            if close is not None:
-                close()
+            self.offers.close()
 
 
 def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = None,
@@ -155,7 +162,7 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
         transfer = _starting("transfer", lambda: _build_transfer(cfg.transfer, runtime_factory.device, objects, tell))
 
     store = objects.pop("store", None)
-    store_name = "injected"
+    store_name, ask_capacity = "injected", False
     if store is None:
         store_cfg = cfg.get("store")
         if store_cfg is None:
@@ -184,17 +191,19 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
             tell(line)
         store = _starting("store", lambda: instantiate(store_cfg, transfer=transfer,
                                                         geometry_bytes=_geometry_bytes(runtime_factory), **objects), store_name)
-        if not sized:  # its capacity is not in its config (a Fluxon service's segment): ask the store
-            capacity = _check_reported_capacity(store, need)
-            if capacity is not None:
-                tell(f"store capacity: {format_size(capacity)} (as the {store_name} store reports it)")
-    forest = _load_root_snapshot(store, store_name, tell)
+        ask_capacity = not sized  # its capacity is not in its config (a Fluxon service's segment)
+    offers = StoreOffers.of(store)
+    if ask_capacity:
+        capacity = _check_reported_capacity(store, offers, need)
+        if capacity is not None:
+            tell(f"store capacity: {format_size(capacity)} (as the {store_name} store reports it)")
+    forest = _load_root_snapshot(offers, store_name, tell)
     stack = Stack(cfg=cfg, runtime_factory=runtime_factory, store=store, store_name=store_name,
                   transfer=transfer, layout=layout, fields=fields, forest=forest,
-                  run_dir=run_dir, workload=workload, notes=notes)
+                  run_dir=run_dir, workload=workload, notes=notes, offers=offers)
     try:
         stack.metrics.bind_store(store)
-        if callable(getattr(store, "delete_values", None)):
+        if offers.reconciles:
             # What no node of the root's snapshot names (a killed writer's uncommitted values) is unreachable.
             done = stack.new_manager().reconcile()
             if done["orphans_removed"] or done["invalidated"]:
@@ -206,24 +215,17 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
     return stack
 
 
-def _snapshot_path(store: Any) -> Optional[Path]:
-    path = getattr(store, "snapshot_path", None)
-    return Path(path) if path is not None else None
-
-
-def _load_root_snapshot(store: Any, store_name: str, tell: Callable[[str], None]) -> NamespaceForest:
+def _load_root_snapshot(offers: StoreOffers, store_name: str, tell: Callable[[str], None]) -> NamespaceForest:
     """The forest a persistent store's root keeps (empty for other stores, or a first run); a
     snapshot that cannot be loaded closes the store (its lock) and raises its `ConfigError`."""
     forest = NamespaceForest()
-    path = _snapshot_path(store)
+    path = offers.snapshot_path
     if path is None or not path.exists():
         return forest
     try:
         load_forest_snapshot(path, into=forest)
     except BaseException:
-        close = getattr(store, "close", None)
-        if close is not None:
-            close()
+        offers.close()
         raise
     ready = sum(n.has_kv for ns in forest.namespaces() for n in ns.iter_nodes())
     tell(f"store {store_name}: {ready} committed chunks from a previous run ({path})")
@@ -280,16 +282,14 @@ def _starting(component: str, build: Callable[[], Any], name: str = "") -> Any:
 _NEEDS_NOTHING = {"store": "+store=memory", "transfer": "transfer=host"}
 
 
-def _check_reported_capacity(store: Any, need: Any) -> Optional[int]:
+def _check_reported_capacity(store: Any, offers: StoreOffers, need: Any) -> Optional[int]:
     """The capacity ``store`` reports (None: unbounded or unknown), checked against one chunk."""
     usage = store_usage(store)
     capacity = None if usage is None else usage.capacity_bytes
     try:
-        sizing.check_capacity(capacity, need, "store", getattr(store, "capacity_fix", "give the store more room"))
+        sizing.check_capacity(capacity, need, "store", offers.capacity_fix)
     except BaseException:
-        close = getattr(store, "close", None)
-        if close is not None:
-            close()
+        offers.close()
         raise
     return capacity
 

@@ -372,7 +372,7 @@ def test_reingest_directly_keeps_ready_and_in_flight_blobs(store):
     values = all_values(store)
     other = [(torch.ones(1, 6, 2, 4, dtype=torch.bfloat16), torch.ones(1, 6, 2, 4, dtype=torch.bfloat16))] * 2
     lat = torch.ones(1, 4, 3, 2, 4, dtype=torch.bfloat16)
-    again = mgr.ingest(b._ns, nodes[0], node.action, node.node_key, 1, other, lat)
+    again = mgr.ingest(forest.resolve(b.root), nodes[0], node.action, node.node_key, 1, other, lat)
     store.flush()
     assert again is node and node.blob is ready and node.blob.ready
     assert all_values(store) == values
@@ -380,14 +380,14 @@ def test_reingest_directly_keeps_ready_and_in_flight_blobs(store):
     # An in-flight (pending) handle is not replaced either.
     pending = BlobHandle(Tier.CPU, ready.locator, ready.nbytes, ready.n_layers, ready=False)
     node.blob = pending
-    mgr.ingest(b._ns, nodes[0], node.action, node.node_key, 1, other, lat)
+    mgr.ingest(forest.resolve(b.root), nodes[0], node.action, node.node_key, 1, other, lat)
     assert node.blob is pending and all_values(store) == values
 
     # A failed handle is replaced by a fresh write (the chunk becomes cacheable again).
     failed = BlobHandle(Tier.CPU, ready.locator, ready.nbytes, ready.n_layers, ready=False,
                         error=StoreError("earlier write failed"))
     node.blob = failed
-    mgr.ingest(b._ns, nodes[0], node.action, node.node_key, 1, other, lat)
+    mgr.ingest(forest.resolve(b.root), nodes[0], node.action, node.node_key, 1, other, lat)
     store.flush()
     assert node.blob is not failed and node.blob.ready
 

@@ -78,16 +78,10 @@ def _compose(overrides: list[str]) -> Any:
 
 def _request(stack: Any, name: str, actions: list, label: str, n: int, *, manager: Any = None,
              ingest: bool = True) -> dict[str, Any]:
-    binding = stack.new_binding(manager, ingest_enabled=ingest)
-    rt = stack.runtime_factory.make(actions, hooks=binding)
-    t0 = time.perf_counter()
-    hashes = rt.generate()
-    flush = getattr(stack.store, "flush", None)
-    if flush is not None:
-        flush()
+    binding, hashes, wall = stack.run_session(actions, manager=manager, ingest=ingest)
     k = binding.last_fast_forward
     return {"name": name, "actions": label, "hit_depth": k, "chunks_computed": n - k,
-            "wall_s": round(time.perf_counter() - t0, 3), "bytes_restored": binding.bytes_restored,
+            "wall_s": round(wall, 3), "bytes_restored": binding.bytes_restored,
             "bytes_written": binding.bytes_written, "ingest_errors": binding.ingest_errors,
             "frame_hashes": [h if isinstance(h, str) else h.hex() for h in hashes]}
 

@@ -4,11 +4,9 @@ from cacheseek.errors import ConfigError
 from cacheseek.eviction import lru  # noqa: F401  (registers the built-in policies)
 from cacheseek.eviction.base import (
     Candidate,
-    CapacityStore,
     EvictionConfig,
     EvictionPolicy,
-    ExistenceStore,
-    SkeletonFreeStore,
+    StoreOffers,
     StoreUsage,
     store_usage,
 )
@@ -17,13 +15,11 @@ from cacheseek.registry import EVICTION_POLICIES
 
 __all__ = [
     "Candidate",
-    "CapacityStore",
     "EVICTION_POLICIES",
     "EvictionConfig",
     "EvictionPolicy",
-    "ExistenceStore",
     "LruPolicy",
-    "SkeletonFreeStore",
+    "StoreOffers",
     "StoreUsage",
     "make_policy",
     "store_usage",

@@ -4,7 +4,7 @@ The seam is split by role (one side decides, the other moves bytes): a store *ac
 the decisions; a policy *orders* candidates and touches no store; the manager (`WorldKVManager`)
 collects the candidates from the trie, asks the policy, and frees the victims' values.
 
-Store capabilities, each optional and checked by attribute (never NotImplementedError):
+Store capabilities, each optional (probed once per store: `StoreOffers`):
 
 - ``usage() -> StoreUsage | PlanUsage | None``: bytes in use and the capacity (None = unbounded).
   Generic tiers count the bytes of their live values (KV and latents, writes in flight included);
@@ -14,13 +14,8 @@ Store capabilities, each optional and checked by attribute (never NotImplemented
 - ``free_skeleton(locator)``: removes a latent (idempotent). Lets the manager reclaim the latents
   of dead subtrees (no blob anywhere below); without it latents are kept.
 
-Lifecycle of a node's blob under eviction::
-
-    ready, leaf, not pinned by a live namespace, ref_count == 0, no write in flight below
-        --(claimed under the forest lock: blob detached, node.evicting = True)-->
-    store.free(handle) outside the lock
-        success: node.blob stays None, node.evicting = False, skeleton kept
-        failure: the blob is put back (still ready), the error surfaces
+A victim is a READY leaf, not pinned by a live namespace, that no restore reads; its eviction
+is the node's READY --> FREEING --> EMPTY (`cacheseek.reuse.exact_prefix.types.TrieNode`).
 
 Pins: a sink chunk (depth < ``sink_chunks``) is pinned, and a pin holds only while its namespace
 is *live*: touched (looked up or written) by one of the last ``live_sessions`` sessions of the
@@ -33,8 +28,9 @@ never breaks the prefix of another cached node: lookups descend only through rea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Optional, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Optional, Protocol
 
 import attrs
 
@@ -45,9 +41,7 @@ __all__ = [
     "EvictionConfig",
     "Candidate",
     "EvictionPolicy",
-    "CapacityStore",
-    "ExistenceStore",
-    "SkeletonFreeStore",
+    "StoreOffers",
     "store_usage",
 ]
 
@@ -98,19 +92,41 @@ def store_usage(store: Any) -> Optional[StoreUsage]:
     )
 
 
-@runtime_checkable
-class CapacityStore(Protocol):
-    def usage(self) -> Any: ...
+@attrs.frozen(slots=True)
+class StoreOffers:
+    """What the manager and the stack use of a store beyond `TierStore`, probed once per store:
+    ``contains``, ``reconciles`` (``keys()`` and ``delete_values(keys)``: LocalDisk),
+    ``frees_latents`` (``free_skeleton``), ``tiered`` (``tier_usages`` and ``demote``:
+    `TieredStore`), ``reads_paths`` (whole-path restores into device views); ``close`` and
+    ``flush`` (no-ops where it has none), the forest snapshot a persistent store keeps
+    (``snapshot_path``), and the fix to print when its capacity cannot hold a chunk."""
+
+    contains: bool
+    reconciles: bool
+    frees_latents: bool
+    tiered: bool
+    reads_paths: bool
+    close: Callable[[], Any]
+    flush: Callable[[], Any]
+    snapshot_path: Optional[Path]
+    capacity_fix: str
+
+    @classmethod
+    def of(cls, store: Any) -> "StoreOffers":
+        def has(*names: str) -> bool:
+            return all(callable(getattr(store, n, None)) for n in names)
+
+        path = getattr(store, "snapshot_path", None)
+        return cls(contains=has("contains"), reconciles=has("keys", "delete_values"),
+                   frees_latents=has("free_skeleton"), tiered=has("tier_usages", "demote"),
+                   reads_paths=has("read_path") and bool(getattr(store, "accepts_device_views", False)),
+                   close=getattr(store, "close", None) or _nothing, flush=getattr(store, "flush", None) or _nothing,
+                   snapshot_path=Path(path) if path is not None else None,
+                   capacity_fix=getattr(store, "capacity_fix", "give the store more room"))
 
 
-@runtime_checkable
-class ExistenceStore(Protocol):
-    def contains(self, keys: Sequence[str]) -> list[bool]: ...
-
-
-@runtime_checkable
-class SkeletonFreeStore(Protocol):
-    def free_skeleton(self, locator: str) -> None: ...
+def _nothing() -> None:
+    return None
 
 
 def _fraction(name: str):

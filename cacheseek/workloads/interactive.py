@@ -107,9 +107,7 @@ class InteractiveWorkload:
                 progress.update()
         finally:
             progress.close()
-        flush = getattr(stack.store, "flush", None)
-        if flush is not None:
-            flush()
+        stack.offers.flush()
         m = stack.metrics.as_dict()
         figures = {
             "sessions": len(rows), "distinct_paths": len(distinct), "depth": len(tree.plan[0][1]),

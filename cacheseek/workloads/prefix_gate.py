@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-import time
 from typing import Any
 
 import attrs
@@ -110,14 +109,7 @@ class PrefixGate:
         return f"the gate: A writes {self.n}, C {self.n - self.p}"
 
     def _request(self, stack, name: str, actions, label: str, *, manager=None, ingest=True) -> RequestResult:
-        binding = stack.new_binding(manager, ingest_enabled=ingest)
-        rt = stack.runtime_factory.make(actions, hooks=binding)
-        t0 = time.perf_counter()
-        hashes = rt.generate()
-        flush = getattr(stack.store, "flush", None)
-        if flush is not None:
-            flush()
-        wall = time.perf_counter() - t0
+        binding, hashes, wall = stack.run_session(actions, manager=manager, ingest=ingest)
         k = binding.last_fast_forward
         return RequestResult(name=name, actions=label, hit_depth=k, chunks_computed=self.n - k,
                              wall_s=wall, bytes_restored=binding.bytes_restored,

@@ -119,7 +119,6 @@ class StressWorkload:
         progress.set_postfix_str("sessions")
 
         manager = stack.new_manager()
-        flush = getattr(stack.store, "flush", None)
         lock = threading.Lock()
         errors: list[str] = []
 
@@ -160,8 +159,7 @@ class StressWorkload:
                 rows = list(pool.map(session, range(len(self.plan))))
         finally:
             progress.close()
-        if flush is not None:
-            flush()
+        stack.offers.flush()
         sessions_s = time.perf_counter() - t1
 
         m = stack.metrics.as_dict(timeline=True)
@@ -201,13 +199,13 @@ class StressWorkload:
             if not ready:
                 return False
             node = ready[int(pick * len(ready)) % len(ready)]
-            blob, skeleton = node.blob, node.skeleton
+            blob, latent = node.blob, node.skeleton
         store = manager.store
         try:
-            if pick < 0.5 or skeleton is None or not callable(getattr(store, "free_skeleton", None)):
+            if pick < 0.5 or latent is None or not callable(getattr(store, "free_skeleton", None)):
                 store.free(blob)
             else:
-                store.free_skeleton(skeleton.latent_locator)
+                store.free_skeleton(latent.latent_locator)
         except Exception as exc:  # noqa: BLE001 - an injected loss that did not happen
             log.info("stress: could not drop the values of %r: %s", node, exc)
             return False

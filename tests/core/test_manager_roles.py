@@ -18,7 +18,7 @@ from cacheseek.reuse.exact_prefix.invalidation import Invalidator, owner_of
 from cacheseek.reuse.exact_prefix.keys import kv_locator, latent_locator, layer_keys, node_key
 from cacheseek.reuse.exact_prefix.lookup import cold
 from cacheseek.reuse.exact_prefix.restore import NOT_WHOLE, OK, Outcome, Restorer
-from cacheseek.reuse.exact_prefix.types import BlobHandle, BlobState, Skeleton, Tier, TrieNode
+from cacheseek.reuse.exact_prefix.types import BlobHandle, BlobState, NodeState, Skeleton, Tier, TrieNode
 
 ROOT = b"R" * 32
 
@@ -110,13 +110,13 @@ def test_invalidate_frees_an_unread_node_and_only_marks_a_read_one():
     ctx = ctx_for(store)
     inv = Invalidator(ctx)
     assert inv.invalidate([a, b]) == 2
-    assert a.blob is None and not a.evicting and store.freed == [kv_locator(a.node_key)]
-    assert b.blob is not None and b.invalidated and b.evicting and b.blob.state is BlobState.FAILED
+    assert a.state is NodeState.EMPTY and store.freed == [kv_locator(a.node_key)]
+    assert b.state is NodeState.INVALID and b.blob.state is BlobState.FAILED
     assert ctx.metrics.invalidations == 2
     # the last reader's release frees it
     b.ref_count = 0
     inv.free_invalidated(b)
-    assert b.blob is None and not b.evicting and not b.invalidated
+    assert b.blob is None and b.state is NodeState.EMPTY
     assert store.freed == [kv_locator(a.node_key), kv_locator(b.node_key)]
 
 
@@ -131,7 +131,7 @@ def test_a_failed_free_keeps_the_handle_as_a_failed_blob():
     (a,) = chain(1)
     handle = a.blob
     Invalidator(ctx_for(FakeStore(free_error=OSError("io")))).invalidate([a])
-    assert a.blob is handle and handle.state is BlobState.FAILED and not a.evicting
+    assert a.blob is handle and a.state is NodeState.FAILED
 
 
 def test_owner_of_finds_the_latent_or_kv_owner():
@@ -184,12 +184,12 @@ def test_a_missing_layer_seeds_nothing_invalidates_it_and_drops_the_references()
     nodes = parent.path()
     store.free(nodes[1].blob)  # the store lost chunk 1's KV behind the trie's back
     w = Window()
-    out = mgr._restorer.restore(nodes[2], w)
+    out = mgr.restorer.restore(nodes[2], w)
     assert not out.ok and out.missing == (nodes[1],) and out.retry_limit(3) == 1
     assert w.calls == []  # nothing seeded, nothing published
     assert [n.ref_count for n in nodes] == [0, 0, 0] and nodes[1].blob is None
     # the shorter prefix is whole: everything is seeded, then published last
-    assert mgr._restorer.restore(nodes[0], w).ok
+    assert mgr.restorer.restore(nodes[0], w).ok
     assert w.calls == [("seed", 0, [0], 0), ("publish", 0)]
     assert nodes[0].ref_count == 0
 
@@ -211,8 +211,8 @@ def test_eviction_predicates():
     b.blob = None
     a.blob = None
     assert not subtree_has_blob(a)
-    a.evicting = True
-    assert holds_blob(a)
+    a.detach()
+    assert a.state is NodeState.FREEING and holds_blob(a)
 
 
 def test_evict_blob_puts_the_blob_back_when_free_fails():
@@ -222,7 +222,7 @@ def test_evict_blob_puts_the_blob_back_when_free_fails():
     ev = Evictor(ctx, Demoter(ctx))
     with pytest.raises(OSError):
         ev.evict_blob(a, honour_pins=True)
-    assert a.blob is handle and not a.evicting and ctx.metrics.evictions == 0
+    assert a.blob is handle and a.state is NodeState.READY and ctx.metrics.evictions == 0
     ctx.store.free_error = WriteNotCompleteError("still writing")
     assert ev.evict_blob(a, honour_pins=True) is False and a.blob is handle
 
@@ -298,6 +298,6 @@ def test_facade_settings_reach_every_role():
     mgr = WorldKVManager(NamespaceForest(), InMemoryTierStore(), WorldKVConfig(0, 0, 1))
     other = InMemoryTierStore()
     mgr.store = other
-    roles = (mgr._restorer, mgr._invalidator, mgr._evictor, mgr._demoter, mgr._ingestor, mgr._fast_forward)
+    roles = (mgr.restorer, mgr.invalidator, mgr.evictor, mgr.demoter, mgr.ingestor, mgr.fast_forward)
     assert all(role.ctx.store is other for role in roles)
-    assert mgr.metrics is mgr._restorer.ctx.metrics and WorldKVManager.store is not None
+    assert mgr.metrics is mgr.restorer.ctx.metrics and WorldKVManager.store is not None

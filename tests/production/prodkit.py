@@ -6,7 +6,7 @@ Invariants (`check_invariants`):
   of a node whose blob is ready or still in flight;
 - no half-published node: every node whose blob is ready has all ``2 * n_layers`` KV values and
   its latent in the store;
-- nothing is referenced (``ref_count == 0``) or left half-evicted (``evicting``) once idle.
+- nothing is referenced (``ref_count == 0``), being freed or invalidated (``state``) once idle.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from cacheseek.reuse.exact_prefix.telefuser_lingbot import (
     make_full_kv_config,
     make_rolling_config,
 )
+from cacheseek.reuse.exact_prefix.types import NodeState
 from cacheseek.runtime.synthetic import SyntheticRuntimeFactory
 from cacheseek.stores.memory import InMemoryTierStore
 from cacheseek.stores.plan_tier import PlanTierStore
@@ -104,8 +105,8 @@ def check_invariants(forest: NamespaceForest, keys: list[str]) -> list[str]:
     allowed: set[str] = set()
     problems: list[str] = []
     for n in nodes(forest):
-        if n.ref_count != 0 or n.evicting:
-            problems.append(f"{n!r}: ref_count {n.ref_count}, evicting {n.evicting}")
+        if n.ref_count != 0 or n.state in (NodeState.FREEING, NodeState.INVALID):
+            problems.append(f"{n!r}: ref_count {n.ref_count}, state {n.state.value}")
         if n.skeleton is not None:
             allowed.add(n.skeleton.latent_locator)
         blob = n.blob

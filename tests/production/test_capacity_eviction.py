@@ -29,7 +29,7 @@ from cacheseek.orchestrator import build_stack
 from cacheseek.registry import EVICTION_POLICIES
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVConfig, WorldKVManager
 from cacheseek.reuse.exact_prefix.keys import layer_keys, node_key
-from cacheseek.reuse.exact_prefix.types import Tier
+from cacheseek.reuse.exact_prefix.types import NodeState, Tier
 from cacheseek.stores.kv_tier import KeyValueTier
 from cacheseek.stores.localdisk import LocalDiskTierStore
 from cacheseek.stores.memory import DictBackend, InMemoryTierStore
@@ -261,10 +261,10 @@ def test_unreachable_blobs_go_first():
     b = put_chain(mgr, [b"b0"], clock=clock)
     a[0].blob.ready = False  # a0 lost its KV (e.g. invalidated): a1, a2 cannot be hit
     a[0].blob.error = RuntimeError("gone")
-    order = [c.node for c in mgr.policy.order(mgr._collect()[1])]
+    order = [c.node for c in mgr.policy.order(mgr.evictor.collect()[1])]
     assert order == [a[2], b[0]]  # a2 (unreachable) before the older, reachable b0... b0 is the only other leaf
     clock.t = 100
-    assert mgr.evict(0) == 3  # a2, then a1 joins (unreachable), then b0; a0 holds a failed handle
+    assert mgr.evictor.evict(0) == 3  # a2, then a1 joins (unreachable), then b0; a0 holds a failed handle
     assert not any(n.has_kv for n in a + b)
 
 
@@ -296,7 +296,7 @@ def test_pinned_referenced_and_in_flight_are_never_victims():
         assert entered.wait(WAIT_S)
         r1.ref_count = 1  # being read
         assert x0.pinned and p1.blob.in_flight and q1.has_kv
-        assert mgr.evict(0) == 1
+        assert mgr.evictor.evict(0) == 1
         assert x0.has_kv and r1.has_kv and p1.blob.in_flight  # pinned, referenced, in flight
         assert not q1.has_kv
         r1.ref_count = 0
@@ -313,7 +313,7 @@ def test_a_parent_of_an_in_flight_write_is_not_a_leaf():
     mgr = manager(store)
     a0, a1 = put_chain(mgr, [b"a0", b"a1"])
     a1.blob.ready = False  # pretend the child's write is still in flight
-    assert mgr._candidate(a0) is None and mgr.evict(0) == 0 and a0.has_kv
+    assert mgr.evictor.candidate(a0) is None and mgr.evictor.evict(0) == 0 and a0.has_kv
 
 
 # -- store full: evict and retry once --------------------------------------------------------------
@@ -342,7 +342,7 @@ def test_second_refusal_drops_the_write_and_leaves_nothing():
     with pytest.raises(StoreFullError):
         mgr.ingest(ns, ns.root, b"e", node_key(ROOT, b"e"), 0, payload(), LATENT)
     e = ns.root.children[b"e"]
-    assert e.blob is None and not e.evicting
+    assert e.state is NodeState.EMPTY
     assert mgr.metrics.dropped_writes == 1 and mgr.metrics.dropped_writes == 1
     for n in held:
         n.ref_count = 0
@@ -503,7 +503,7 @@ def test_nodes_being_read_are_not_evicted_mid_restore(kind):
         class Racing(InMemoryTierStore):
             def get_layer(self, handle, layer):
                 if not passes:
-                    passes.append(mgr.evict(0))
+                    passes.append(mgr.evictor.evict(0))
                 return super().get_layer(handle, layer)
 
         store, client = Racing(), None
@@ -512,7 +512,7 @@ def test_nodes_being_read_are_not_evicted_mid_restore(kind):
         real = store.read_path
 
         def read_path(path, window, target):
-            passes.append(mgr.evict(0))
+            passes.append(mgr.evictor.evict(0))
             return real(path, window, target)
 
         store.read_path = read_path

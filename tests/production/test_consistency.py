@@ -196,11 +196,11 @@ def test_plan_tier_probe_ends_every_get_plan():
 def test_a_path_store_that_cannot_name_missing_values_runs_cold():
     store, client = plan_store()
     try:
+        store.contains = None  # the capability is absent: nothing can be named
         mgr = new_manager(store, FULL)
         run_session(mgr)
         nodes = chain(mgr.forest)
         client.remove(kv_keys(nodes[2])[0])
-        store.contains = None  # the capability is absent: nothing can be named
         b, _, hashes = run_session(mgr, ingest=False)
         assert b.last_fast_forward == 0 and hashes == cold_hashes()
         assert mgr.metrics.invalidations == 0 and mgr.metrics.restore_failures == 1

@@ -23,6 +23,7 @@ from collections import Counter
 import pytest
 
 from cacheseek.errors import StoreError
+from cacheseek.reuse.exact_prefix.types import NodeState
 from cacheseek.stores.kv_tier import KeyValueTier
 from cacheseek.stores.localdisk import LocalDiskTierStore
 from cacheseek.stores.memory import InMemoryTierStore
@@ -303,8 +304,8 @@ def test_a_failed_removal_during_eviction_keeps_the_blob():
         run_session(mgr, FULL, PLAN_ACTS)
         victim = max(nodes(mgr.forest), key=lambda n: n.depth)
         faults.arm("remove", nth=2)  # the second K/V removal of the victim
-        assert mgr.evict(0) == 0 and mgr.metrics.eviction_errors >= 1
-        assert victim.blob is not None and not victim.evicting
+        assert mgr.evictor.evict(0) == 0 and mgr.metrics.eviction_errors >= 1
+        assert victim.state is NodeState.READY
         # one value of it is gone: the next restore names it and invalidates the node
         b, _, hashes = run_session(mgr, FULL, PLAN_ACTS, ingest=False)
         assert hashes == cold_hashes(FULL, PLAN_ACTS)

@@ -17,6 +17,7 @@ import threading
 import pytest
 
 from cacheseek.reuse.exact_prefix.keys import layer_keys
+from cacheseek.reuse.exact_prefix.types import NodeState
 from cacheseek.stores.localdisk import LocalDiskTierStore
 from cacheseek.stores.memory import InMemoryTierStore
 
@@ -56,7 +57,7 @@ def test_damaged_value_is_a_miss_never_a_wrong_restore(tmp_path, mode, what, how
         node = chain(mgr.forest)[1]
         key = layer_keys(node.blob.locator, 1)[0] if what == "kv" else node.skeleton.latent_locator
         path = _damage(store, key, how)
-        window_has_1 = 1 in [n.depth for n in mgr.window_path(chain(mgr.forest)[2])]
+        window_has_1 = 1 in [n.depth for n in mgr.restorer.window_path(chain(mgr.forest)[2])]
 
         b, rt, hashes = run_session(mgr, mode, P_Y)  # C: would hit 3 chunks without the damage
         assert hashes == cold_hashes(mode, P_Y)  # = D
@@ -119,8 +120,8 @@ def test_invalidation_of_a_referenced_node_waits_for_its_last_reader():
         assert reading.wait(10)
         assert node.ref_count == 1
         # A second session finds chunk 1's values missing and invalidates it meanwhile.
-        assert mgr._invalidate([node]) == 1
-        assert node.invalidated and node.evicting and not node.has_kv
+        assert mgr.invalidator.invalidate([node]) == 1
+        assert node.state is NodeState.INVALID and not node.has_kv
         assert store.contains([kk]) == [True]  # not freed under the reader
     finally:
         go_on.set()
@@ -128,7 +129,7 @@ def test_invalidation_of_a_referenced_node_waits_for_its_last_reader():
     b, _, hashes = result["r"]
     assert hashes == cold_hashes(FULL, P_X)
     assert b.last_fast_forward == N  # the reader's values were intact: its restore stands
-    assert node.ref_count == 0 and not node.invalidated and not node.evicting
+    assert node.ref_count == 0 and node.state is NodeState.EMPTY
     assert node.blob is None and store.contains([kk]) == [False]  # freed by the last release
     assert check_invariants(mgr.forest, store.keys()) == []
     b, _, hashes = run_session(mgr, FULL, P_X)  # re-ingests chunk 1 and below

@@ -69,11 +69,11 @@ def test_a_live_namespaces_sink_is_never_a_victim():
         session(mgr, i)
     sinks = {n for n in nodes(mgr.forest) if n.pinned}
     assert len(sinks) == 3
-    mgr.evict(0)
+    mgr.evictor.evict(0)
     assert all(n.has_kv for n in sinks)  # the three namespaces are live: their sinks stay
     assert not any(n.has_kv for n in nodes(mgr.forest) if not n.pinned)
     session(mgr, 3, ingest=False)  # a fourth session: namespace 0 is no longer live
-    mgr.evict(0)
+    mgr.evictor.evict(0)
     assert [n.has_kv for n in sorted(sinks, key=lambda n: n.last_access)] == [False, True, True]
     assert mgr.evict_blob(next(n for n in sinks if n.has_kv)) is False  # the public verb keeps pins
 

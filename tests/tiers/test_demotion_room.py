@@ -100,7 +100,7 @@ def test_a_full_plan_tier_evicts_its_lru_leaf_and_takes_the_demotion(levels):
     assert not store.demote(b1.blob, 0)  # without room made: refused, kept above
     assert row(store, "hbm")["demotion_no_room"] == 1 and store.levels_of(b1.blob) == (0,)
     enable(mgr)
-    assert mgr._demoter.demote(b1, 0, frozenset())
+    assert mgr.demoter.demote(b1, 0, frozenset())
     assert a1.blob is None and a1.skeleton is None  # the LRU leaf of the Plan tier, its latent too
     assert store.levels_of(a0.blob) == (1,) and store.levels_of(b0.blob) == (0,)
     assert store.levels_of(b1.blob) == (1,) and store.latent_levels(b1.skeleton.latent_locator) == (1,)
@@ -111,7 +111,7 @@ def test_a_full_plan_tier_evicts_its_lru_leaf_and_takes_the_demotion(levels):
     assert parts["plan_client"].live_handles() == (0, 0)
     check_residency(mgr)
     # the next one: a0 is the Plan tier's leaf now (b1 was just written there)
-    assert mgr._demoter.demote(b0, 0, frozenset())
+    assert mgr.demoter.demote(b0, 0, frozenset())
     assert a0.blob is None and store.levels_of(b0.blob) == store.levels_of(b1.blob) == (1,)
     check_residency(mgr)
 
@@ -125,7 +125,7 @@ def test_three_levels_a_middle_victim_is_demoted_further_and_the_lowest_evicts(l
     a0, a1 = plan_full(mgr, parts, b"a0", b"a1")  # so is the Plan tier
     b0 = put(mgr, b"b0")
     enable(mgr)
-    assert mgr._demoter.demote(b0, 0, frozenset())
+    assert mgr.demoter.demote(b0, 0, frozenset())
     assert c0.blob is None  # evicted from the lowest level to let a1 in
     assert store.levels_of(a1.blob) == (2,) and store.latent_levels(a1.skeleton.latent_locator) == (2,)
     assert store.levels_of(a0.blob) == (1,) and store.levels_of(b0.blob) == (1,)
@@ -148,7 +148,7 @@ def test_a_lowest_victim_held_above_too_only_loses_its_lowest_copy(levels):
     b0 = put(mgr, b"b0")  # the Plan tier is full: HBM only
     assert store.levels_of(b0.blob) == (0,)
     enable(mgr)
-    assert mgr._demoter.demote(b0, 0, frozenset())
+    assert mgr.demoter.demote(b0, 0, frozenset())
     assert store.levels_of(a0.blob) == (0,) and a0.blob.ready  # still a blob, from HBM
     assert store.levels_of(x0.blob) == (1,) and store.levels_of(b0.blob) == (1,)
     assert mgr.metrics.as_dict()["evictions"] == 0 and row(store, "fluxon_plan")["evicted_copies"] == 1
@@ -169,7 +169,7 @@ def test_room_is_never_made_from_protected_nodes(levels, why):
         held.ref_count = 1
     guard = frozenset({id(held)}) if why == "request_path" else frozenset()
     enable(mgr)
-    assert not mgr._demoter.demote(node, 0, guard)
+    assert not mgr.demoter.demote(node, 0, guard)
     assert held.blob is not None and store.levels_of(held.blob) == (1,)
     assert node.blob.ready and store.levels_of(node.blob) == (0,)
     assert all(parts["hbm"].contains(blob_keys(node.blob.locator, 2)))
@@ -187,9 +187,9 @@ def test_a_pass_protects_the_current_requests_path(levels):
     (a0,) = plan_full(mgr, parts, b"a0")
     b0, c0 = put(mgr, b"b0"), put(mgr, b"c0")  # HBM at 100%: above the high watermark
     enable(mgr)
-    assert mgr._demoter.demote_tiers(protect=a0) == 0
+    assert mgr.demoter.demote_tiers(protect=a0) == 0
     assert store.levels_of(a0.blob) == (1,) and mgr.metrics.as_dict()["demotion_no_room"] >= 1
-    assert mgr._demoter.demote_tiers() == 1  # unprotected: a0 makes room for the LRU of HBM
+    assert mgr.demoter.demote_tiers() == 1  # unprotected: a0 makes room for the LRU of HBM
     assert a0.blob is None and store.levels_of(b0.blob) == (1,) and store.levels_of(c0.blob) == (0,)
     check_residency(mgr)
 
@@ -205,7 +205,7 @@ def test_a_failed_make_room_eviction_loses_nothing(levels, monkeypatch):
         raise StoreError("cannot remove")
 
     monkeypatch.setattr(parts["fluxon_plan"], "free", refused)
-    assert not mgr._demoter.demote(b0, 0, frozenset())
+    assert not mgr.demoter.demote(b0, 0, frozenset())
     assert a0.blob is not None and a0.blob.ready and store.levels_of(a0.blob) == (1,)  # put back
     assert store.levels_of(b0.blob) == (0,) and all(parts["hbm"].contains(blob_keys(b0.blob.locator, 2)))
     m = mgr.metrics.as_dict()
@@ -214,7 +214,7 @@ def test_a_failed_make_room_eviction_loses_nothing(levels, monkeypatch):
     assert parts["plan_client"].live_handles() == (0, 0)
     check_residency(mgr)
     monkeypatch.undo()
-    assert mgr._demoter.demote(b0, 0, frozenset())  # the free works again: room is made this time
+    assert mgr.demoter.demote(b0, 0, frozenset())  # the free works again: room is made this time
     check_residency(mgr)
 
 
@@ -225,7 +225,7 @@ def test_a_failed_retry_after_making_room_keeps_the_copy_above(levels):
     b0 = put(mgr, b"b0")
     enable(mgr)
     parts["plan_faults"].arm("put_start", nth=2)  # the first write finds the tier full; the retry fails
-    assert not mgr._demoter.demote(b0, 0, frozenset())
+    assert not mgr.demoter.demote(b0, 0, frozenset())
     assert parts["plan_faults"].fired == ["put_start"]
     assert a0.blob is None  # the victim was evicted: that is what eviction is
     assert store.levels_of(b0.blob) == (0,) and all(parts["hbm"].contains(blob_keys(b0.blob.locator, 2)))
@@ -234,7 +234,7 @@ def test_a_failed_retry_after_making_room_keeps_the_copy_above(levels):
     assert (hbm["demotion_failures"], hbm.get("demotion_no_room", 0), plan["evictions_for_demotion"]) == (1, 0, 1)
     assert parts["plan_client"].live_handles() == (0, 0) and parts["plan_client"].usage().used_bytes == 0
     check_residency(mgr)
-    assert mgr._demoter.demote(b0, 0, frozenset()) and store.levels_of(b0.blob) == (1,)
+    assert mgr.demoter.demote(b0, 0, frozenset()) and store.levels_of(b0.blob) == (1,)
     check_residency(mgr)
 
 
@@ -247,7 +247,7 @@ def test_a_middle_levels_room_is_not_made_from_the_demoted_nodes_own_prefix(leve
     (p0,) = plan_full(mgr, parts, b"p0")
     p1 = put(mgr, b"p1", p0)
     enable(mgr)
-    assert mgr._demoter.demote(p1, 0, frozenset())  # into the memory level, the next one down
+    assert mgr.demoter.demote(p1, 0, frozenset())  # into the memory level, the next one down
     assert store.levels_of(p0.blob) == (1,) and store.levels_of(p1.blob) == (2,)
     assert row(store, "hbm")["demotion_no_room"] == 1 and mgr.metrics.as_dict()["evictions_for_demotion"] == 0
     check_residency(mgr)

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from cacheseek.eviction import EvictionConfig
+from cacheseek.eviction import EvictionConfig, StoreOffers
 from cacheseek.metrics import CacheMetrics
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
 from cacheseek.reuse.exact_prefix.trie import NamespaceForest
@@ -23,18 +23,28 @@ from cacheseek.reuse.exact_prefix.trie import NamespaceForest
 __all__ = ["ManagerContext"]
 
 
+def _reprobe(ctx: "ManagerContext", _attr: Any, store: Any) -> Any:
+    ctx.offers = StoreOffers.of(store)
+    return store
+
+
 @attrs.define(eq=False)
 class ManagerContext:
     """The forest and store one manager works on, its settings and its counters.
 
     ``clock``: time source of ``last_access`` and the usage timeline. ``policy``: the eviction
-    policy built from ``eviction.policy``; ``metrics``: what it counts."""
+    policy built from ``eviction.policy``; ``metrics``: what it counts; ``offers``: the store's
+    capabilities, probed again when ``store`` is set."""
 
     forest: NamespaceForest
-    store: Any
+    store: Any = attrs.field(on_setattr=_reprobe)
     cfg: WorldKVConfig
     clock: Callable[[], float]
     eviction: EvictionConfig
     policy: Any
     metrics: CacheMetrics
     evict_lock: threading.Lock = attrs.field(factory=threading.Lock, repr=False)
+    offers: StoreOffers = attrs.field(init=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.offers = StoreOffers.of(self.store)

@@ -21,7 +21,7 @@ below ``min(low watermark, capacity - bytes)``, at least one::
                                  (sole copy: only a leaf of the whole trie that no live pin
                                  holds; its dead latents are reclaimed with it)
 
-Never victims: nodes being read or evicted (``ref_count``, ``evicting``), writes in flight, and
+Never victims: nodes being read (``ref_count``), nodes not READY (`TrieNode.state`), and
 the *protected* path: the current request's (``protect``) and every node whose demotion is
 waiting for the room (with its ancestors), so a chain keeps its prefix. Each victim that leaves a
 level is counted (``evictions_for_demotion``, per level in the store's stats); no victim at all
@@ -52,7 +52,7 @@ class BlobEvictor(Protocol):
 
     def dead_around(self, node: TrieNode) -> list[TrieNode]: ...
 
-    def free_dead_skeleton(self, node: TrieNode) -> bool: ...
+    def free_dead_latent(self, node: TrieNode) -> bool: ...
 
 
 class Demoter:
@@ -69,14 +69,13 @@ class Demoter:
         and counted; never raises. Returns the blobs demoted."""
         ctx = self.ctx
         store, eviction = ctx.store, ctx.eviction
-        usages_fn = getattr(store, "tier_usages", None)
-        if not eviction.enabled or not callable(usages_fn) or not callable(getattr(store, "demote", None)):
+        if not eviction.enabled or not ctx.offers.tiered:
             return 0
         demoted = 0
         guard = frozenset(id(n) for n in protect.path()) if protect is not None else frozenset()
         try:
             with ctx.evict_lock:
-                for tu in usages_fn()[:-1]:
+                for tu in store.tier_usages()[:-1]:
                     u = tu.usage
                     if u is None or u.capacity_bytes is None or u.used_bytes <= eviction.high_watermark * u.capacity_bytes:
                         continue
@@ -199,9 +198,9 @@ class Demoter:
         evictor = self.evictor
         if evictor is None or not evictor.evict_blob(node, honour_pins=False):
             return False
-        if callable(getattr(store, "free_skeleton", None)):
+        if self.ctx.offers.frees_latents:
             for dead in evictor.dead_around(node):
-                evictor.free_dead_skeleton(dead)
+                evictor.free_dead_latent(dead)
         return True
 
     def level_candidates(self, level: int, roots: Optional[list[TrieNode]] = None) -> list[Candidate]:
@@ -232,7 +231,7 @@ class Demoter:
                     child_any = any(below[id(c)] for c in children)
                     here = at_level(node.blob)
                     below[id(node)] = here or child_any
-                    if (here and not child_any and node.has_kv and node.ref_count == 0 and not node.evicting
+                    if (here and not child_any and node.has_kv and node.ref_count == 0
                             and level in store.levels_of(node.blob)):
                         reachable = all(a.has_kv for a in node.path()[:-1])
                         out.append(Candidate(node, node.blob.nbytes, node.last_access, node.depth, reachable))

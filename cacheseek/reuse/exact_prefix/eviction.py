@@ -4,14 +4,13 @@ After every ingest (`maybe_evict`), when the store's usage is above the high wat
 eviction pass frees victims chosen by the policy (leaf-first LRU by default) until usage is at or
 below the low watermark. A pass first reclaims the latents of dead subtrees (no blob anywhere
 below; only where the store offers ``free_skeleton``), then evicts KV blobs; evicted nodes keep
-their skeletons. Never victims: sink (pinned) nodes of live namespaces (touched by one of the last
+their latents. Never victims: sink (pinned) nodes of live namespaces (touched by one of the last
 ``eviction.live_sessions`` sessions: `NamespaceForest.is_live`), nodes being read (``ref_count``)
 and writes in flight. The sinks of dead namespaces are ordinary LRU victims, so pins never fill
 the store.
 
-Lifetime of one eviction: under the forest lock the blob is detached from its node and the node
-claimed (``evicting``); the store frees it outside the lock; a free that fails puts the blob
-back. One pass runs at a time (the context's ``evict_lock``). A pass that evicted ends with
+One eviction is the node's READY --detach--> FREEING --settle--> EMPTY (`TrieNode`): the store
+frees the blob outside the forest lock; a free that fails puts it back. One pass runs at a time (the context's ``evict_lock``). A pass that evicted ends with
 `NamespaceForest.prune`: nodes left holding no value and namespaces nobody uses leave the trie.
 """
 
@@ -24,7 +23,7 @@ from cacheseek.errors import HandleStateError, WriteNotCompleteError
 from cacheseek.eviction import Candidate, store_usage
 from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.demotion import Demoter
-from cacheseek.reuse.exact_prefix.types import BlobState, TrieNode
+from cacheseek.reuse.exact_prefix.types import NodeState, TrieNode
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +39,9 @@ class Evictor:
         demoter.evictor = self  # room made in a tiered store's lowest level evicts through here
 
     def maybe_evict(self, protect: Optional[TrieNode] = None) -> int:
-        """After a write: demote the tiers of a tiered store (``protect``: the node just written,
-        whose path no room-making evicts), then, when the store's usage is above the high
-        watermark, evict down to the low watermark. Returns the number of blobs evicted (0 when
-        the store is unbounded)."""
+        """After a write: demote a tiered store's levels (``protect``: the node just written,
+        whose path no room-making evicts), then evict down to the low watermark when above the
+        high one. Returns the number of blobs evicted."""
         ctx = self.ctx
         self.demoter.demote_tiers(protect)
         u = store_usage(ctx.store)
@@ -65,7 +63,7 @@ class Evictor:
         Errors of single victims are logged and counted, not raised. Returns blobs evicted."""
         ctx = self.ctx
         evicted = 0
-        latents = callable(getattr(ctx.store, "free_skeleton", None))
+        latents = ctx.offers.frees_latents
 
         def above() -> bool:
             u = store_usage(ctx.store)
@@ -79,7 +77,7 @@ class Evictor:
                 for node in dead if latents else ():
                     if not force and not above():
                         break
-                    self.free_dead_skeleton(node)
+                    self.free_dead_latent(node)
                 queue = ctx.policy.order(candidates)
                 while queue and (force or above()):
                     cand = queue.pop(0)
@@ -96,7 +94,7 @@ class Evictor:
                     for node in self.dead_around(cand.node) if latents else ():
                         if not above():
                             break
-                        self.free_dead_skeleton(node)
+                        self.free_dead_latent(node)
                     parent = self.candidate(cand.node.parent)
                     if parent is not None:
                         queue = ctx.policy.order(queue + [parent])
@@ -108,7 +106,7 @@ class Evictor:
         return evicted
 
     def collect(self) -> tuple[list[TrieNode], list[Candidate]]:
-        """Under the forest lock: dead skeletons, children before parents (no live blob in the
+        """Under the forest lock: dead latents, children before parents (no live blob in the
         node's subtree, not referenced) and eviction candidates (see `candidate`)."""
         ctx = self.ctx
         dead: list[TrieNode] = []
@@ -167,29 +165,28 @@ class Evictor:
                 up = up.parent
             return out
 
-    def free_dead_skeleton(self, node: TrieNode) -> bool:
+    def free_dead_latent(self, node: TrieNode) -> bool:
         """Free the latent of a node with no live blob in its subtree (claimed like an
         eviction; a failed handle on it is dropped too)."""
         ctx = self.ctx
         with ctx.forest.lock:
-            if node.skeleton is None or node.evicting or node.ref_count or subtree_has_blob(node):
+            if node.skeleton is None or node.ref_count or subtree_has_blob(node):
                 return False
-            skeleton = node.skeleton
+            latent = node.skeleton
             node.skeleton = None
-            node.blob = None  # None or a failed handle: the store holds nothing of it
-            node.evicting = True
+            node.detach()  # None or a failed handle: the store holds nothing of it
         try:
-            ctx.store.free_skeleton(skeleton.latent_locator)
-        except Exception as exc:  # noqa: BLE001 - keep the skeleton; counted
+            ctx.store.free_skeleton(latent.latent_locator)
+        except Exception as exc:  # noqa: BLE001 - keep the latent; counted
             log.warning("freeing the latent of %r failed (kept): %s", node, exc)
             ctx.metrics.add(eviction_errors=1)
             with ctx.forest.lock:
                 if node.skeleton is None:
-                    node.skeleton = skeleton
+                    node.skeleton = latent
             return False
         finally:
             with ctx.forest.lock:
-                node.evicting = False
+                node.settle()
         ctx.metrics.add(skeletons_freed=1)
         return True
 
@@ -205,7 +202,7 @@ class Evictor:
         return ns is None or ns.root is not top or forest.is_live(ns, self.ctx.eviction.live_sessions)
 
     def evict_blob(self, node: TrieNode, *, honour_pins: bool) -> bool:
-        """Free a node's KV and drop its blob, keeping the skeleton. Refuses referenced,
+        """Free a node's KV and drop its blob, keeping the latent. Refuses referenced,
         blob-less, being-evicted and in-flight nodes, and pinned ones: always with
         ``honour_pins``, else only while the namespace is live (the eviction pass). The blob is
         detached under the forest lock and freed outside it; if freeing fails the blob is put
@@ -215,13 +212,9 @@ class Evictor:
             if node.ref_count < 0:
                 raise HandleStateError(f"negative ref_count on {node!r}")
             pinned = node.pinned if honour_pins else self.pin_holds(node)
-            if pinned or node.ref_count > 0 or node.blob is None or node.evicting:
+            if pinned or node.ref_count > 0 or node.state not in (NodeState.READY, NodeState.FAILED):
                 return False
-            handle = node.blob
-            if handle.in_flight:
-                return False
-            node.blob = None
-            node.evicting = True
+            handle = node.detach()
         restored = False
         try:
             ctx.store.free(handle)
@@ -233,27 +226,20 @@ class Evictor:
             raise
         finally:
             with ctx.forest.lock:
-                if restored and node.blob is None:
-                    node.blob = handle
-                node.evicting = False
+                node.settle(handle if restored else None)
         ctx.metrics.add(evictions=1, evicted_bytes=handle.nbytes)
         return True
 
 
 def holds_blob(node: TrieNode) -> bool:
-    """A ready or in-flight blob, or one being evicted (a failed handle holds nothing)."""
-    return node.evicting or (node.blob is not None and node.blob.state is not BlobState.FAILED)
+    """A ready or in-flight blob, or one being freed or invalidated (a failed one holds nothing)."""
+    return not node.state.vacant
 
 
 def evictable(node: TrieNode, *, pin_holds: bool) -> bool:
-    """A ready blob that no pin, reader or eviction holds, and no child holds a ready or
-    in-flight blob or is being evicted (a leaf)."""
-    blob = node.blob
-    return (
-        blob is not None and blob.ready and not pin_holds and node.ref_count == 0 and not node.evicting
-        and not any(c.evicting or (c.blob is not None and (c.blob.ready or c.blob.in_flight))
-                    for c in node.children.values())
-    )
+    """A ready blob that no pin or reader holds, and no child holding a blob (a leaf)."""
+    return (node.state is NodeState.READY and not pin_holds and node.ref_count == 0
+            and not any(holds_blob(c) for c in node.children.values()))
 
 
 def subtree_has_blob(node: TrieNode) -> bool:

@@ -1,7 +1,7 @@
 """`Ingestor`: the write side: one finished chunk into the trie and the store.
 
 Lifetime of one write: the node is committed and claimed with a *pending* placeholder handle (so
-a concurrent ingest of the same chunk keeps it and eviction skips it); the latent skeleton is
+a concurrent ingest of the same chunk keeps it and eviction skips it); the latent is
 stored, then the KV is written asynchronously; the store's completion callback flips the handle
 ready (the publication bit, set last). Re-ingesting a ready, in-flight or being-evicted node keeps
 it. A write that reports `StoreFullError` makes room (an eviction pass) and is retried once; a
@@ -56,7 +56,7 @@ class Ingestor:
         with forest.lock:  # one hold from commit to placeholder: a prune never takes the node between
             node = forest.commit(ns, parent, action, node_key, depth)
             forest.touch(ns)
-            if node.has_kv or (node.blob is not None and node.blob.in_flight) or node.evicting:
+            if not node.state.vacant:  # ready, being written, freed or invalidated: kept
                 ctx.metrics.add(reingest_kept=1)
                 return node
             if n_layers is not None and n_layers != len(kv_payload):
@@ -103,8 +103,6 @@ class Ingestor:
                 ctx.metrics.add(dropped_writes=1)
             raise
         with forest.lock:
-            # A failed write leaves the handle unready with ``error`` set: never a hit, and a
-            # later ingest of the same chunk replaces it.
             if node.blob is placeholder:
                 node.blob = handle
             if nbytes and not handle.nbytes:

@@ -2,14 +2,15 @@
 
 A node whose values are gone (the store evicted them, a worker restarted with an old snapshot) or
 corrupt is *invalidated*: its blob is dropped and whatever is left of its values is freed, so no
-value is orphaned and a later cold run re-ingests the chunk (skeleton included). A node that a
-restore still references is never freed under its reader: it stops being a hit at once (its
-handle marked failed, ``invalidated`` and ``evicting`` set, so no lookup, eviction or re-ingest
-touches it) and its blob is freed by the last reader's release (`free_invalidated`).
+value is orphaned and a later cold run re-ingests the chunk (latent included). A node that a
+restore still references is never freed under its reader: it is INVALID at once (`TrieNode`: no
+lookup, eviction or re-ingest touches it) and its blob is freed by the last reader's release
+(`free_invalidated`).
 
 Which nodes are gone: the one a fetch met, plus every node the store's optional
 ``contains(keys)`` reports (`find_missing`). `audit` checks every ready node that way;
-`reconcile` first removes the values no node names (a previous process's leftovers), unless the
+`reconcile` first removes the values no node names (a previous process's leftovers, where the
+store offers ``keys()`` and ``delete_values(keys)``), unless the
 forest's snapshot did not load whole (then the unnamed values may be committed chunks: kept).
 """
 
@@ -22,7 +23,7 @@ from typing import Optional
 from cacheseek.errors import StoreError
 from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.keys import blob_keys, layer_keys
-from cacheseek.reuse.exact_prefix.types import BlobHandle, TrieNode
+from cacheseek.reuse.exact_prefix.types import BlobHandle, NodeState, TrieNode
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +43,7 @@ class Invalidator:
         """The nodes of ``path`` whose latent or (``win`` nodes) KV values are gone: ``first``
         (the one a fetch met) plus every node the store's ``contains`` reports missing; by depth."""
         found: dict[int, TrieNode] = {} if first is None else {id(first): first}
-        contains = getattr(self.ctx.store, "contains", None)
-        if callable(contains):
+        if self.ctx.offers.contains:
             owners: list[TrieNode] = []
             keys: list[str] = []
             for n in path:
@@ -58,7 +58,7 @@ class Invalidator:
                     owners.append(n)
                     keys.append(key)
             try:
-                present = contains(keys)
+                present = self.ctx.store.contains(keys)
             except Exception as exc:  # noqa: BLE001 - cannot tell: only what the fetch saw
                 log.warning("could not check which values are missing: %s", exc)
                 present = [True] * len(keys)
@@ -75,19 +75,14 @@ class Invalidator:
         count = 0
         for node in nodes:
             with ctx.forest.lock:
-                handle = node.blob
-                if handle is None or node.evicting or handle.in_flight:
+                if node.state not in (NodeState.READY, NodeState.FAILED):
                     continue
                 if node.ref_count > 0:
-                    node.invalidated = True
-                    node.evicting = True
-                    handle.ready = False
-                    handle.error = StoreError(f"{handle.locator}: invalidated (its values are gone)")
+                    node.invalidate(StoreError(f"{node.blob.locator}: invalidated (its values are gone)"))
                     count += 1
                     log.info("invalidated %r; freeing it when its last reader releases it", node)
                     continue
-                node.blob = None
-                node.evicting = True
+                handle = node.detach()
             self.free_detached(node, handle)
             count += 1
             log.info("invalidated %r: its values are no longer in the store", node)
@@ -97,42 +92,30 @@ class Invalidator:
 
     def free_invalidated(self, node: TrieNode) -> None:
         """Free the blob of a node invalidated while referenced, once nothing references it."""
-        lock = self.ctx.forest.lock
-        with lock:
-            if not node.invalidated or node.ref_count > 0:
+        with self.ctx.forest.lock:
+            if node.state is not NodeState.INVALID or node.ref_count > 0:
                 return
-            node.invalidated = False
-            handle = node.blob
-            node.blob = None
-        if handle is None:
-            with lock:
-                node.evicting = False
-            return
+            handle = node.detach()
         self.free_detached(node, handle)
 
     def free_detached(self, node: TrieNode, handle: BlobHandle) -> None:
-        """Free a blob detached from ``node`` (``node.evicting`` set by the caller; cleared here).
-        A failed free keeps the handle on the node as a failed blob, freed again later."""
-        lock = self.ctx.forest.lock
+        """Free the blob `TrieNode.detach` took from ``node``, then `TrieNode.settle` it; a failed
+        free puts the handle back as a failed blob, freed again later."""
+        kept = None
         try:
             self.ctx.store.free(handle)
         except Exception as exc:  # noqa: BLE001 - keep it as a failed blob: freed later
             log.warning("invalidated %r but freeing its values failed: %s", node, exc)
-            handle.ready = False
-            handle.error = exc
-            with lock:
-                if node.blob is None:
-                    node.blob = handle
+            handle.ready, handle.error, kept = False, exc, handle
         finally:
-            with lock:
-                node.evicting = False
+            with self.ctx.forest.lock:
+                node.settle(kept)
 
     def audit(self) -> int:
-        """Check every ready node's latent and KV values against the store (its ``contains``)
-        and invalidate the nodes whose values are gone. Returns the number invalidated; 0 when
-        the store cannot say (no ``contains``)."""
+        """Invalidate the ready nodes whose values ``contains`` says are gone; how many (0 when
+        the store cannot say)."""
         ctx = self.ctx
-        if not callable(getattr(ctx.store, "contains", None)):
+        if not ctx.offers.contains:
             return 0
         with ctx.forest.lock:
             ready = [n for ns in ctx.forest.namespaces() for n in ns.iter_nodes() if n.has_kv]
@@ -140,20 +123,16 @@ class Invalidator:
         return self.invalidate(stale)
 
     def reconcile(self) -> dict[str, int]:
-        """Remove every value no node names (where the store offers ``keys()`` and
-        ``delete_values(keys)``; nothing when the forest's snapshot did not load whole, its
-        ``incomplete``: committed values are never taken for orphans of a damaged index), then `audit`. Returns ``{"orphans_removed": n,
-        "invalidated": m}``. Not while sessions write: a value written but not yet named by its
-        node would be taken for an orphan."""
+        """Remove the values no node names (see the module docstring), then `audit`. Not while
+        sessions write: a value written but not yet named by its node would be taken for an
+        orphan."""
         ctx = self.ctx
-        keys_of = getattr(ctx.store, "keys", None)
-        delete = getattr(ctx.store, "delete_values", None)
         removed = 0
-        incomplete = getattr(ctx.forest, "incomplete", None)
-        if incomplete and callable(keys_of):
+        incomplete = ctx.forest.incomplete
+        if incomplete and ctx.offers.reconciles:
             log.warning("reconcile removes nothing: the forest snapshot did not load whole (%s); the "
                         "values it named stay until a snapshot that names them, or none, is loaded", incomplete)
-        elif callable(keys_of) and callable(delete):
+        elif ctx.offers.reconciles:
             with ctx.forest.lock:
                 named: set[str] = set()
                 for ns in ctx.forest.namespaces():
@@ -162,9 +141,9 @@ class Invalidator:
                             named.add(n.skeleton.latent_locator)
                         if n.blob is not None:
                             named.update(blob_keys(n.blob.locator, n.blob.n_layers, pairs=n.blob.pairs))
-            orphans = [k for k in keys_of() if k not in named]
+            orphans = [k for k in ctx.store.keys() if k not in named]
             if orphans:
-                delete(orphans)
+                ctx.store.delete_values(orphans)
                 removed = len(orphans)
                 log.info("reconcile: removed %d values no node names", removed)
         return {"orphans_removed": removed, "invalidated": self.audit()}

@@ -37,7 +37,6 @@ from cacheseek.reuse.exact_prefix.actions import chunk_action_key
 from cacheseek.reuse.exact_prefix.chunk_window import STAGING, ChunkWindow
 from cacheseek.reuse.exact_prefix.hook_failures import counted_failures
 from cacheseek.reuse.exact_prefix.lazy_keys import UNKNOWN
-from cacheseek.reuse.exact_prefix.restore import is_path_store
 
 log = logging.getLogger("cacheseek.reuse.exact_prefix.telefuser_lingbot")
 
@@ -153,11 +152,10 @@ class LiveChunks:
             return None
         if child is None or not child.has_kv:
             return None
-        store = self.manager.store
         k, _ = self.layout.layers(runtime)[0]
         shape = (1, self.ring.chunk_size * self.ring.frame_tokens, int(k.shape[2]), int(k.shape[3]))
         lease = (STAGING.lease(k.device, len(self.layout.ring_layers(runtime)), shape, k.dtype)
-                 if is_path_store(store) else contextlib.nullcontext(None))
+                 if self.manager.ctx.offers.reads_paths else contextlib.nullcontext(None))
         window: Optional[ChunkWindow] = None
         try:
             with lease as staging:

@@ -1,21 +1,19 @@
 """`WorldKVManager`: decides what to restore, what to keep and what to evict; moves no bytes itself.
 
-A thin facade over one role per module, all sharing one `ManagerContext` (forest, store, config,
-clock, eviction settings and policy, metrics, locks):
+A facade over one role per module, all sharing one `ManagerContext` (forest, store, config,
+clock, eviction settings and policy, metrics, locks); each role is an attribute of the manager:
 
-- `lookup.FastForward` (``try_fast_forward``): the longest ready prefix, break-even, and the retry
-  of the longest whole shorter prefix when a restore finds values gone;
-- `restore.Restorer` (``materialize``, ``window_path``): references the path under the forest
-  lock, fetches everything, then publishes (``set_resume_depth``: the single publication point);
-- `invalidation.Invalidator` (``audit``, ``reconcile``): drops the nodes whose values the store
-  lost; a node still being read is freed by its last reader;
-- `ingest.Ingestor` (``ingest``): the write side; the store's completion callback publishes;
-- `eviction.Evictor` (``maybe_evict``, ``evict``, ``evict_blob``) and `demotion.Demoter`: keep a
-  bounded store, and each level of a tiered store, under the watermarks.
+- ``fast_forward`` (`lookup.FastForward`): the longest ready prefix, break-even, and the retry of
+  the longest whole shorter prefix when a restore finds values gone;
+- ``restorer`` (`restore.Restorer`): references the path, fetches everything, then publishes;
+- ``invalidator`` (`invalidation.Invalidator`): drops the nodes whose values the store lost;
+- ``ingestor`` (`ingest.Ingestor`): the write side; the store's completion callback publishes;
+- ``evictor`` (`eviction.Evictor`) and ``demoter`` (`demotion.Demoter`): keep a bounded store,
+  and each level of a tiered store, under the watermarks.
 
-Thread-safe through the forest's lock, held only to choose and claim; every store call runs
-outside it (lock order in `context`). Metrics: one `CacheMetrics` (``self.metrics``; pass a
-shared one to aggregate several managers).
+The facade keeps what callers use (docs/api.md, the binding, the orchestrator). Thread-safe
+through the forest's lock, held only to choose and claim; every store call runs outside it (lock
+order in `context`). Metrics: one `CacheMetrics` (pass a shared one to aggregate managers).
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-from cacheseek.eviction import Candidate, EvictionConfig, make_policy
+from cacheseek.eviction import EvictionConfig, make_policy
 from cacheseek.metrics import CacheMetrics
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
 from cacheseek.reuse.exact_prefix.context import ManagerContext
@@ -48,10 +46,10 @@ class _Shared:
         self.name = name
 
     def __get__(self, obj: Any, owner: Optional[type] = None) -> Any:
-        return self if obj is None else getattr(obj._ctx, self.name)
+        return self if obj is None else getattr(obj.ctx, self.name)
 
     def __set__(self, obj: Any, value: Any) -> None:
-        setattr(obj._ctx, self.name, value)
+        setattr(obj.ctx, self.name, value)
 
 
 class WorldKVManager:
@@ -83,98 +81,48 @@ class WorldKVManager:
             eviction = EvictionConfig.from_conf(eviction)
         metrics = metrics if metrics is not None else CacheMetrics()
         metrics.bind_store(store)
-        self._ctx = ctx = ManagerContext(
+        self.ctx = ctx = ManagerContext(
             forest=forest, store=store, cfg=cfg, clock=clock or time.monotonic,
             eviction=eviction, policy=make_policy(eviction.policy), metrics=metrics,
         )
-        self._invalidator = Invalidator(ctx)
-        self._restorer = Restorer(ctx, self._invalidator)
-        self._demoter = Demoter(ctx)
-        self._evictor = Evictor(ctx, self._demoter)
-        self._ingestor = Ingestor(ctx, self._evictor)
-        self._fast_forward = FastForward(ctx, self._restorer, self._demoter)
-
-    # -- read side ----------------------------------------------------------------------------
+        self.invalidator = Invalidator(ctx)
+        self.restorer = Restorer(ctx, self.invalidator)
+        self.demoter = Demoter(ctx)
+        self.evictor = Evictor(ctx, self.demoter)
+        self.ingestor = Ingestor(ctx, self.evictor)
+        self.fast_forward = FastForward(ctx, self.restorer, self.demoter)
 
     def try_fast_forward(
         self, root_hash: bytes, actions: Sequence[ActionKey], window: RestoreWindow
     ) -> FastForwardResult:
-        return self._fast_forward.try_fast_forward(root_hash, actions, window)
+        return self.fast_forward.try_fast_forward(root_hash, actions, window)
 
     def restore_chunk(self, node: TrieNode, window: RestoreWindow) -> bool:
         """Restore ``node`` alone into ``window``: a live session's next chunk, on a cached path
         (see `FastForward.restore_chunk`). Never raises for a store's or the window's failure."""
-        return self._fast_forward.restore_chunk(node, window)
-
-    def window_path(self, node: TrieNode) -> list[TrieNode]:
-        return self._restorer.window_path(node)
+        return self.fast_forward.restore_chunk(node, window)
 
     def materialize(self, node: TrieNode, window: RestoreWindow) -> bool:
         """Restore the window path ending at ``node`` into ``window``; False when the path is not
         whole (nodes found without their values are invalidated). Raises on store errors."""
-        return self._restorer.restore(node, window).ok
-
-    # -- consistency with the store -----------------------------------------------------------
+        return self.restorer.restore(node, window).ok
 
     def audit(self) -> int:
-        """Check every ready node's latent and KV values against the store (its ``contains``)
-        and invalidate the nodes whose values are gone, e.g. after a worker restart. Returns the
-        number invalidated; 0 when the store cannot say (no ``contains``)."""
-        return self._invalidator.audit()
+        """Invalidate every ready node whose values the store no longer holds (`Invalidator.audit`)."""
+        return self.invalidator.audit()
 
     def reconcile(self) -> dict[str, int]:
-        """Make the store and this forest agree, once, before sessions start (after loading a
-        snapshot, or on a fresh forest over a persistent store): remove every value no node names
-        (where the store can list and remove values: ``keys()`` and ``delete_values(keys)``), so
-        a reopened store does not count a previous process's unreachable files; then `audit`.
-        Returns ``{"orphans_removed": n, "invalidated": m}``. Not for use while sessions write:
-        a value written but not yet named by its node would be taken for an orphan."""
-        return self._invalidator.reconcile()
+        """Once, before sessions start: remove the values no node names, then `audit`
+        (`Invalidator.reconcile`). Returns ``{"orphans_removed": n, "invalidated": m}``."""
+        return self.invalidator.reconcile()
 
-    # -- write side ---------------------------------------------------------------------------
-
-    def ingest(
-        self,
-        ns: Namespace,
-        parent: TrieNode,
-        action: ActionKey,
-        node_key: bytes,
-        depth: int,
-        kv_payload: Sequence[Any],
-        latent: Any,
-        *,
-        nbytes: int = 0,
-        n_layers: Optional[int] = None,
-    ) -> TrieNode:
-        return self._ingestor.ingest(ns, parent, action, node_key, depth, kv_payload, latent,
-                                     nbytes=nbytes, n_layers=n_layers)
-
-    # -- capacity -----------------------------------------------------------------------------
-
-    def maybe_evict(self) -> int:
-        """After a write: when the store's usage is above the high watermark, evict down to the
-        low watermark. Returns the number of blobs evicted (0 when the store is unbounded)."""
-        return self._evictor.maybe_evict()
-
-    def evict(self, target_bytes: int, *, at_least_one: bool = False) -> int:
-        """One eviction pass down to ``target_bytes`` (see `Evictor.evict`); ``at_least_one``:
-        evict one blob even when already below the target. Returns blobs evicted."""
-        return self._evictor.evict(target_bytes, at_least_one=at_least_one)
+    def ingest(self, ns: Namespace, parent: TrieNode, action: ActionKey, node_key: bytes, depth: int,
+               kv_payload: Sequence[Any], latent: Any, *, nbytes: int = 0, n_layers: Optional[int] = None,
+               ) -> TrieNode:
+        """Write one finished chunk (`Ingestor.ingest`; docs/api.md)."""
+        return self.ingestor.ingest(ns, parent, action, node_key, depth, kv_payload, latent,
+                                    nbytes=nbytes, n_layers=n_layers)
 
     def evict_blob(self, node: TrieNode) -> bool:
-        """Free a node's KV and drop its blob, keeping the skeleton. Refuses pinned, referenced,
-        blob-less, being-evicted and in-flight nodes (False). The blob is detached under the
-        forest lock and freed outside it; if freeing fails the blob is put back and the error
-        propagates."""
-        return self._evictor.evict_blob(node, honour_pins=True)
-
-    # -- internals that tests inspect -----------------------------------------------------------
-
-    def _invalidate(self, nodes: Sequence[TrieNode]) -> int:
-        return self._invalidator.invalidate(nodes)
-
-    def _collect(self) -> tuple[list[TrieNode], list[Candidate]]:
-        return self._evictor.collect()
-
-    def _candidate(self, node: Optional[TrieNode]) -> Optional[Candidate]:
-        return self._evictor.candidate(node)
+        """`Evictor.evict_blob` honouring every pin (docs/api.md)."""
+        return self.evictor.evict_blob(node, honour_pins=True)

@@ -1,7 +1,7 @@
 """`Restorer`: restores the window path ending at one trie node into a `RestoreWindow`.
 
 Lifetime of one restore: under one hold of the forest lock it checks the path is whole (every
-window node has KV, every path node a skeleton) and references every path node (``ref_count``),
+window node has KV, every path node a latent) and references every path node (``ref_count``),
 so eviction cannot take them; it fetches and copies outside the lock; only then does it publish
 (``window.set_resume_depth``, the single publication point) and stamp ``last_access``; finally
 (`release`, in a ``finally``) it drops the references, invalidates what it found gone and frees
@@ -36,11 +36,11 @@ from cacheseek.errors import CorruptValueError, HandleStateError, LayoutMismatch
 from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.invalidation import Invalidator, owner_of
-from cacheseek.reuse.exact_prefix.types import TrieNode
+from cacheseek.reuse.exact_prefix.types import NodeState, TrieNode
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NOT_WHOLE", "OK", "Outcome", "RestoreWindow", "Restorer", "is_path_store"]
+__all__ = ["NOT_WHOLE", "OK", "Outcome", "RestoreWindow", "Restorer"]
 
 
 class RestoreWindow(Protocol):
@@ -119,7 +119,7 @@ class Restorer:
                 return Outcome(False, missing)
             t0 = time.perf_counter()
             try:
-                if is_path_store(ctx.store) and hasattr(window, "restore_target"):
+                if ctx.offers.reads_paths and hasattr(window, "restore_target"):
                     target = window.restore_target(len(path), [n.depth for n in win])
                     if not ctx.store.read_path(path, win, target):
                         missing = self.invalidator.find_missing(path, win, None)
@@ -163,7 +163,7 @@ class Restorer:
                     raise HandleStateError(f"ref_count of {n!r} would go below zero")
             for n in path:
                 n.ref_count -= 1
-                if n.ref_count == 0 and n.invalidated:
+                if n.ref_count == 0 and n.state is NodeState.INVALID:
                     settle.append(n)
         if missing:
             self.invalidator.invalidate(missing)
@@ -203,8 +203,3 @@ class Restorer:
         for layer, blobs in enumerate(per_layer):
             window.seed_layer(layer, blobs, path[-1].depth)
         return nbytes
-
-
-def is_path_store(store: Any) -> bool:
-    """The store restores whole paths into device views itself (``read_path``)."""
-    return callable(getattr(store, "read_path", None)) and getattr(store, "accepts_device_views", False)

@@ -71,7 +71,7 @@ class NodeRecord:
     action: ActionKey
     depth: int
     pinned: bool
-    skeleton: Optional[str]
+    latent: Optional[str]  # the file's "skeleton": the latent's locator
     blob: Optional[BlobRecord]
 
 
@@ -101,7 +101,7 @@ def encode_namespace(root_hash: bytes, config_blob_hash: bytes, nodes: Iterable[
         }
         entry.update(_encode_action(node.action))
         b = node.blob
-        if b is not None and b.ready:
+        if node.has_kv:
             entry["blob"] = {"tier": b.tier.value, "locator": b.locator, "nbytes": b.nbytes,
                              "n_layers": b.n_layers, "pairs": b.pairs}
         out.append(entry)
@@ -173,17 +173,17 @@ def _decode_node(nd: Any, where: str, root: bytes) -> NodeRecord:
     if parent is None and depth != 0:
         raise ConfigError(f"{where}.parent", f"missing on a node of depth {depth}", _FIX)
     parent = root if parent is None else parent
-    skeleton = nd.get("skeleton")
-    if skeleton is not None and skeleton != latent_locator(key):
+    latent = nd.get("skeleton")
+    if latent is not None and latent != latent_locator(key):
         raise ConfigError(f"{where}.skeleton", f"must be null or {latent_locator(key)!r} (derived from the "
-                          f"node's key), got {skeleton!r}", _FIX)
+                          f"node's key), got {latent!r}", _FIX)
     action = _decode_action(nd, where)
     blob = _decode_blob(nd.get("blob"), f"{where}.blob")
     if blob is not None and blob.locator != kv_locator(key):
         raise ConfigError(f"{where}.blob.locator", f"must be {kv_locator(key)!r} (derived from the node's "
                           f"key), got {blob.locator!r}", _FIX)
     return NodeRecord(node_key=key, parent_key=parent, action=action, depth=depth,
-                      pinned=_bool(nd, "pinned", where, False), skeleton=skeleton, blob=blob)
+                      pinned=_bool(nd, "pinned", where, False), latent=latent, blob=blob)
 
 
 def _decode_action(nd: Mapping[str, Any], where: str) -> ActionKey:

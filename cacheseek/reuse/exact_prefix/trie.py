@@ -6,7 +6,7 @@ index and the namespace's ``root`` is a virtual node of depth -1. `lookup` desce
 nodes whose blob is ready, so a pending or failed write is never a hit.
 
 Actions are ints, strings or bytes (`ActionKey`), compared exactly. The snapshot persists only
-ready blobs (plus the skeletons on their paths), so a restarted worker finds exactly what the
+ready blobs (plus the latents on their paths), so a restarted worker finds exactly what the
 store committed; its format (`cacheseek.reuse.exact_prefix.snapshot`) is the one upstream
 CacheSeek reads and writes; on disk it is checksummed and keeps its previous generation
 (`cacheseek.reuse.exact_prefix.snapshot_file`). A forest whose newest snapshot could not be
@@ -36,7 +36,7 @@ from typing import Any, Mapping, Optional, Sequence
 from cacheseek.errors import ConfigError
 from cacheseek.reuse.exact_prefix import snapshot as snapshot_format
 from cacheseek.reuse.exact_prefix import snapshot_file
-from cacheseek.reuse.exact_prefix.types import ActionKey, BlobState, Skeleton, TrieNode, check_action
+from cacheseek.reuse.exact_prefix.types import ActionKey, Skeleton, TrieNode, check_action
 
 __all__ = [
     "Namespace",
@@ -258,11 +258,10 @@ class NamespaceForest:
         loaded = 0
         for n in rec.nodes:
             node = self.commit(ns, by_key[n.parent_key], n.action, n.node_key, n.depth)
-            if n.skeleton and node.skeleton is None:
-                node.skeleton = Skeleton(n.skeleton)
+            if n.latent and node.skeleton is None:
+                node.skeleton = Skeleton(n.latent)
             node.pinned = node.pinned or n.pinned
-            held = node.blob is not None and node.blob.state is not BlobState.FAILED
-            if n.blob is not None and not held and not node.evicting:
+            if n.blob is not None and node.state.vacant:
                 node.blob = n.blob.handle()
                 loaded += 1
             by_key[node.node_key] = node
@@ -271,9 +270,7 @@ class NamespaceForest:
 
 def _holds_nothing(node: TrieNode) -> bool:
     """No value in the store (no latent; no blob, or a failed one) and nobody holding it."""
-    blob = node.blob
-    return (node.skeleton is None and (blob is None or blob.state is BlobState.FAILED)
-            and node.ref_count == 0 and not node.evicting and not node.invalidated)
+    return node.skeleton is None and node.state.vacant and node.ref_count == 0
 
 
 def save_forest_snapshot(forest: NamespaceForest, path: str | os.PathLike[str], *,
