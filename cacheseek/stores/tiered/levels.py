@@ -21,20 +21,16 @@ from cacheseek.errors import ConfigError
 from cacheseek.kv.handles import Tier
 from cacheseek.registry import STORES, instantiate
 
-__all__ = ["TIER_OF", "Level", "is_path_store", "build_stores", "make_levels", "storage_format",
+__all__ = ["Level", "tier_of", "is_path_store", "build_stores", "make_levels", "storage_format",
            "shared_transfer", "close_levels"]
 
 log = logging.getLogger(__name__)
 
-# The `Tier` each known backend stands for (persisted on the blob handle; others count as CPU).
-TIER_OF = {
-    "hbm": Tier.HBM_STAGING,
-    "fluxon_plan": Tier.FLUXON_DRAM,
-    "fluxon": Tier.FLUXON_DRAM,
-    "memory": Tier.CPU,
-    "per_tensor": Tier.CPU,
-    "localdisk": Tier.DISK,
-}
+
+def tier_of(name: str, store: Any) -> Tier:
+    """The `Tier` a level stands for (on its blob handles and in the report): the ``tier`` its
+    registered class declares, else the store's own, else CPU."""
+    return getattr(STORES.get(name) if name in STORES else store, "tier", Tier.CPU)
 
 
 @attrs.define(eq=False)
@@ -86,7 +82,7 @@ def make_levels(built: Sequence[tuple[str, Any]]) -> list[Level]:
     """The levels of built ``(name, store)`` pairs, fastest first; none is a `ConfigError`."""
     if not built:
         raise ConfigError("store.tiers", "is empty", "list at least one store, e.g. [hbm,fluxon_plan]")
-    return [Level(i, name, TIER_OF.get(name, Tier.CPU), store, is_path_store(store))
+    return [Level(i, name, tier_of(name, store), store, is_path_store(store))
             for i, (name, store) in enumerate(built)]
 
 

@@ -26,7 +26,7 @@ from cacheseek.stores.tiered.generic_level import read_generic
 from cacheseek.stores.tiered.promotion import promote as promote_path
 from cacheseek.stores.tiered.residency import Copies, Residency
 
-__all__ = ["read_path", "get_skeleton", "get_layer", "contains"]
+__all__ = ["read_path", "get_latent", "get_layer", "contains"]
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ def _forget_missing(book: Residency, level: int, path: list[ChunkNode], window: 
         log.warning("tiered store: could not check %s after a miss: %s", book.levels[level].name, exc)
 
 
-def get_skeleton(book: Residency, locator: str, *args: Any, **kwargs: Any) -> Any:
+def get_latent(book: Residency, locator: str, *args: Any, **kwargs: Any) -> Any:
     """The latent from the nearest level holding it (None when none does)."""
     for level in book.latent_levels(locator) or range(len(book.levels)):
         value = book.levels[level].store.get_skeleton(locator, *args, **kwargs)
