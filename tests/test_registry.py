@@ -94,3 +94,11 @@ def test_plan_client_options_are_typed_and_checked_when_the_client_is_built():
     with pytest.raises(ConfigError, match="store.client_options.staging_bytes") as info:
         PlanTierStore(segment_bytes="1MiB", client_options={"staging_bytes": "1GiB"})
     assert "embedded" in str(info.value)
+
+
+def test_every_store_class_declares_the_tier_it_is():
+    from cacheseek.kv.handles import Tier
+
+    tiers = {name: STORES.get(name).tier for name in STORES.names() if name != "tiered"}
+    assert all(isinstance(t, Tier) for t in tiers.values()), tiers
+    assert (tiers["hbm"], tiers["localdisk"], tiers["memory"]) == (Tier.HBM_STAGING, Tier.DISK, Tier.CPU)

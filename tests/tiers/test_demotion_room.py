@@ -107,7 +107,7 @@ def test_a_full_plan_tier_evicts_its_lru_leaf_and_takes_the_demotion(levels):
     assert row(store, "fluxon_plan")["evictions_for_demotion"] == 1
     m = mgr.metrics.as_dict()
     assert (m["evictions_for_demotion"], m["evictions"], m["demotion_no_room"]) == (1, 1, 0)
-    assert "tier 1 fluxon_plan: 2 chunks" in metrics_block(m) and "1 moved out to make room" in metrics_block(m)
+    assert "tier 1 fluxon_plan (fluxon_dram): 2 chunks" in metrics_block(m) and "1 moved out to make room" in metrics_block(m)
     assert parts["plan_client"].live_handles() == (0, 0)
     check_residency(mgr)
     # the next one: a0 is the Plan tier's leaf now (b1 was just written there)
