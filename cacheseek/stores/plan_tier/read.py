@@ -313,8 +313,7 @@ class Reader:
             if link.read_stream is None:  # a runtime without streams: synchronous, on the caller's stream
                 transfer.copy_batch(batch.descriptors(), device_ranges=ranges)
                 return batch.nbytes
-            fast_on = getattr(transfer, "fast_on", None)
-            if fast_on is not None and fast_on(batch):  # the producer stream orders it: no events
+            if link.fast_on is not None and link.fast_on(batch):  # the producer stream orders it: no events
                 pending = transfer.submit_batch(batch, stream=None, device_ranges=ranges)
                 self._wait(pending)
                 return batch.nbytes
