@@ -32,7 +32,7 @@ import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, List, Optional, TypeVar, Union
 
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 from hydra.core.config_store import ConfigStore
 from hydra.utils import get_object, instantiate as hydra_instantiate
 
@@ -123,7 +123,7 @@ def config_type(annotation: Any, namespace: Mapping[str, Any]) -> Any:
 def schema_of(obj: Callable[..., Any], *, objects: Sequence[str] = (),
               keywords: Iterable[tuple[str, Any, Any]] = ()) -> type:
     """The config dataclass of the constructor ``obj``: one field per named parameter but
-    ``objects`` (a parameter without a default is a required field), and one per ``keywords``
+    ``objects`` (one without a default is required: OmegaConf's ``???``), and one per ``keywords``
     entry ``(name, type, default)`` for what its ``**kwargs`` take."""
     namespace = getattr(obj.__init__ if isinstance(obj, type) else obj, "__globals__", {})  # where it is defined
     params = inspect.signature(obj).parameters
@@ -136,7 +136,7 @@ def schema_of(obj: Callable[..., Any], *, objects: Sequence[str] = (),
              if p.name not in objects and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     for name, typ, default in named + list(keywords):
         if default is inspect.Parameter.empty:
-            fields.append((name, typ))
+            fields.append((name, typ, dataclasses.field(default=MISSING)))
         elif isinstance(default, (list, tuple, dict)) or dataclasses.is_dataclass(default):
             copy = list if isinstance(default, tuple) else copy_module.deepcopy
             fields.append((name, typ, dataclasses.field(default_factory=lambda d=default, c=copy: c(d))))

@@ -64,21 +64,21 @@ def test_a_config_default_is_the_constructors_default(reg, name):
             assert takes_kwargs, f"{reg.group}/{name}: {f.name} is not a constructor parameter"
             continue
         given = params[f.name].default
-        given = list(given) if isinstance(given, tuple) else given
+        given = "???" if given is inspect.Parameter.empty else list(given) if isinstance(given, tuple) else given
         assert default == given, f"{reg.group}/{name}.{f.name}: config {default!r}, constructor {given!r}"
 
 
 def test_the_schema_is_the_signature_less_the_objects_handed_over():
     class Thing:
-        def __init__(self, size: int = 3, name: Optional[str] = None, tags: tuple = ("a",),
+        def __init__(self, path: str, size: int = 3, name: Optional[str] = None, tags: tuple = ("a",),
                      anything: "dict[str, Any] | None" = None, *, client: Any = None) -> None: ...
 
     schema = schema_of(Thing, objects=("client",), keywords=[("extra", Any, None)])
     fields = {f.name: f for f in dataclasses.fields(schema)}
-    assert list(fields) == ["_target_", "size", "name", "tags", "anything", "extra"]
+    assert list(fields) == ["_target_", "path", "size", "name", "tags", "anything", "extra"]
     assert fields["size"].type is int and fields["name"].type == Optional[str] and fields["anything"].type is Any
     cfg = OmegaConf.structured(schema)
-    assert cfg.tags == ["a"] and cfg.size == 3
+    assert cfg.tags == ["a"] and cfg.size == 3 and OmegaConf.is_missing(cfg, "path")
     with pytest.raises(ValidationError, match="size"):
         cfg.size = "big"  # a wrong type is refused, naming the field
     with pytest.raises(TypeError, match="objects"):
