@@ -13,8 +13,8 @@ later frame hash. One module per role:
 - `model`: `SyntheticModel`, one forward pass over a chunk (the model math is described there);
 - `runtime`: `SyntheticWorldRuntime`, the session's sampling and chunk loop;
 - `checks`: the argument checks shared by the runtime and the factory;
-- here: `SyntheticRuntimeFactory`, registered as runtime ``synthetic``, and its Hydra schema
-  (defined in the package itself, so the recorded ``_target_`` stays
+- here: `SyntheticRuntimeFactory`, registered as runtime ``synthetic`` (its signature is its
+  Hydra schema; defined in the package itself, so the recorded ``_target_`` stays
   ``cacheseek.runtime.synthetic.SyntheticRuntimeFactory``).
 
 The package imports torch only inside functions: `import cacheseek.runtime` works without torch.
@@ -70,7 +70,9 @@ __all__ = [
 
 @RUNTIMES.register("synthetic")
 class SyntheticRuntimeFactory:
-    """Validated settings of a synthetic runtime; `make()` builds one session's runtime."""
+    """Validated settings of a synthetic runtime; `make()` builds one session's runtime.
+    ``compute_gemm_dim`` 0 means no extra compute; ``compute_gemms`` chained GEMMs per layer and
+    forward pass (see `compute`)."""
 
     # Its sessions hold the ring as bshd tensors: naming it lets the orchestrator refuse another
     # layout (``layout=telefuser_main``) when the stack is built, not in the first session's hook.
