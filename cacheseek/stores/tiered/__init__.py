@@ -136,9 +136,8 @@ class TieredStore:
         taken: list[StartToken] = []
         try:
             for lv in self._levels:
-                fn = getattr(lv.store, "session_starting", None)
-                if fn is not None:
-                    taken.append(fn())
+                if lv.calls.session_starting is not None:
+                    taken.append(lv.calls.session_starting())
         except BaseException:
             combine(taken).release()  # what was taken before the failure
             raise
@@ -150,9 +149,8 @@ class TieredStore:
         end = None if timeout_s is None else time.monotonic() + timeout_s
         ok = True
         for lv in self._levels:
-            fn = getattr(lv.store, "wait_ready", None)
-            if fn is not None:
-                ok = fn(None if end is None else max(end - time.monotonic(), 0.0)) and ok
+            if lv.calls.wait_ready is not None:
+                ok = lv.calls.wait_ready(None if end is None else max(end - time.monotonic(), 0.0)) and ok
         return ok
 
     # -- residency ------------------------------------------------------------------------------
@@ -261,9 +259,8 @@ class TieredStore:
     def flush(self) -> None:
         """Wait for every level's pending writes, then settle them."""
         for lv in self._levels:
-            fn = getattr(lv.store, "flush", None)
-            if fn is not None:
-                fn()
+            if lv.calls.flush is not None:
+                lv.calls.flush()
         self._book.reap()
 
     def close(self) -> None:
