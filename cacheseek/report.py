@@ -133,7 +133,7 @@ def metrics_block(m: dict[str, Any]) -> str:
         )
     for t in m.get("tiers") or []:
         lines.append(
-            f"  tier {t['level']} {t['name']}: {t['blobs']} chunks, {fmt_bytes(t['used_bytes'] or 0)} of "
+            f"  tier {t['level']} {t['name']} ({t['tier']}): {t['blobs']} chunks, {fmt_bytes(t['used_bytes'] or 0)} of "
             f"{_capacity(t['capacity_bytes'])}; {t.get('hits', 0)} hits, {t.get('writes', 0)} writes, "
             f"{t.get('promotions', 0)} promoted in, {t.get('demotions', 0)} demoted out"
             + (f", {t['evictions_for_demotion']} moved out to make room" if t.get("evictions_for_demotion") else "")

@@ -41,10 +41,12 @@ from cacheseek.errors import ConfigError
 from cacheseek import sizes
 from cacheseek.sizes import AUTO, format_size, parse_size
 
-__all__ = ["CacheNeed", "SizeField", "SizedStore", "ROOM_SHARE", "STAGING_CHUNKS", "need_for",
+__all__ = ["CacheNeed", "SizeField", "SizedStore", "ROOM_SHARE", "STAGING_CHUNKS", "UNFITTED", "need_for",
            "resolve_sizes", "check_capacity", "runtime_device_room"]
 
 ROOM_SHARE = 0.8  # of the free memory (or disk) that ``auto`` may take
+# What ``auto`` is per role when no workload says how many chunks it keeps (a store built directly)
+UNFITTED: dict[str, Optional[int]] = {"segment": 1 << 30, "capacity": None, "staging": 256 << 20}
 STAGING_CHUNKS = 2  # the Plan tier keeps two writes in flight by default (staging_slots)
 _MiB = 1 << 20
 _ROLES = ("segment", "capacity", "staging")
@@ -157,7 +159,7 @@ def _auto(field: SizeField, need: Optional[CacheNeed], high_watermark: float) ->
     room = None if field.room is None else int(field.room * ROOM_SHARE)
     room_words = "" if room is None else f"{ROOM_SHARE:.0%} of {format_size(field.room)} {field.room_label}"
     if need is None:
-        fallback = {"segment": 1 << 30, "capacity": None, "staging": 256 * _MiB}[field.role]
+        fallback = UNFITTED[field.role]
         if fallback is not None and room is not None:
             fallback = min(fallback, room)
         return fallback, "the workload does not say how many chunks it keeps"
@@ -191,6 +193,8 @@ def resolve_sizes(cfg: MutableMapping[str, Any], fields: Sequence[SizeField], ne
     for field in fields:
         name = f"store.{field.path}"
         given = _get(cfg, field.path, field.default)
+        if given is None and field.role != "capacity":  # an option left unset (`ClientOptions`)
+            given = field.default
         value = parse_size(given, name, allow_auto=True, allow_none=field.role == "capacity")
         auto = value == AUTO
         if auto:

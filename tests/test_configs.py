@@ -240,6 +240,9 @@ def _chain(exc: BaseException) -> str:
         (["workload.total_chunks=x"], "workload.total_chunks"),
         (["workload.ring_check=perhaps"], "workload.ring_check"),
         (["namespace.feilds=[seed]"], "namespace.feilds"),
+        (["+store=fluxon_plan", "store.client_options.io_threads=many"], "store.client_options.io_threads"),
+        (["+store=fluxon_plan", "store.client_options.stagin_bytes=1GiB"], "store.client_options.stagin_bytes"),
+        (["+store=fluxon_plan", "store.staging_slots=two"], "store.staging_slots"),
         (["+store=nope"], "store/nope"),
         (["transfer=nope"], "transfer/nope"),
         (["+experiment=nope"], "experiment/nope"),
@@ -272,6 +275,7 @@ def test_typos_and_wrong_types_rejected_at_compose(compose_cfg, overrides, field
         (["manager.break_even_k=-1"], "manager.break_even_k"),
         (["manager.eviction.high_watermark=1.5"], "manager.eviction.high_watermark"),
         (["+store=memory", "store.capacity_bytes=1.5GB"], "store.capacity_bytes"),
+        (["+store=fluxon_plan", "store.client_options.staging_bytes=1GiB"], "store.client_options.staging_bytes"),
     ],
 )
 def test_bad_values_name_the_field(compose_cfg, tmp_path, overrides, field):

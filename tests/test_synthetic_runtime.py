@@ -19,7 +19,6 @@ from cacheseek.runtime.synthetic import (
     RingCursorError,
     SyntheticImage,
     SyntheticRuntimeFactory,
-    SyntheticRuntimeSchema,
     SyntheticWorldRuntime,
     ring_write,
     snapshot_diff,
@@ -451,9 +450,8 @@ def test_registered_factory_composes_and_makes_runtimes():
     from omegaconf import OmegaConf
 
     assert RUNTIMES.get("synthetic") is SyntheticRuntimeFactory
-    assert RUNTIMES.schema("synthetic") is SyntheticRuntimeSchema
     assert "synthetic.yaml" in ConfigStore.instance().repo["schema"]["runtime"]
-    cfg = OmegaConf.structured(SyntheticRuntimeSchema(local_attn_size=7, sink_size=3))
+    cfg = OmegaConf.structured(RUNTIMES.schema("synthetic")(local_attn_size=7, sink_size=3))
     factory = instantiate(cfg)
     assert isinstance(factory, SyntheticRuntimeFactory)
     assert (factory.geometry, factory.local_attn_size, factory.sink_size) == (TINY, 7, 3)

@@ -282,7 +282,7 @@ class FluxonService:
                 f"store.cluster_name={self._cluster_name}",
                 f"store.share_mem_path={self._share_mem_path}",
             ],
-            "plan_hydra_overrides": [  # the Plan tier (store.client_options is an open dict: `+`)
+            "plan_hydra_overrides": [  # the Plan tier (its client options start unset: `+` is accepted)
                 "+store=fluxon_plan",
                 "store.client=fluxon",
                 f"+store.client_options.cluster_name={self._cluster_name}",

@@ -22,7 +22,9 @@ __all__ = ["Tier", "BlobState", "BlobHandle", "Skeleton", "ChunkNode", "kv_pairs
 
 
 class Tier(str, enum.Enum):
-    """Where a blob lives. String values are persisted in snapshots."""
+    """Where a blob lives. String values are persisted in snapshots. Every store class declares
+    the one it is (its ``tier`` class attribute); a tiered store's handles carry their level's,
+    a plain store's the label its caller passes (``put_async(..., tier=)``, upstream's contract)."""
 
     HBM_STAGING = "hbm_staging"
     CPU = "cpu"

@@ -10,7 +10,6 @@ main's.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any
 
@@ -18,12 +17,7 @@ from cacheseek.registry import LAYOUTS
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AutoLayoutSchema", "auto_layout", "layout_name_of_runtime"]
-
-
-@dataclasses.dataclass
-class AutoLayoutSchema:
-    _target_: str = "cacheseek.layout.auto.auto_layout"
+__all__ = ["auto_layout", "layout_name_of_runtime"]
 
 
 def auto_layout(runtime_factory: Any = None) -> Any:
@@ -41,4 +35,4 @@ def layout_name_of_runtime(runtime: Any) -> str:
     return "bshd"
 
 
-LAYOUTS.register("auto", AutoLayoutSchema)(auto_layout)
+LAYOUTS.register("auto", objects=("runtime_factory",))(auto_layout)

@@ -19,7 +19,6 @@ TeleFuser denoises and decodes in its model dtype, whatever dtype its noise was 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 from cacheseek.kv.ring import RingGeometry
@@ -29,12 +28,7 @@ from cacheseek.registry import LAYOUTS
 __all__ = ["BshdLayout", "LatentSpec"]
 
 
-@dataclasses.dataclass
-class BshdSchema:
-    _target_: str = "cacheseek.layout.bshd.BshdLayout"
-
-
-@LAYOUTS.register("bshd", BshdSchema)
+@LAYOUTS.register("bshd")
 class BshdLayout(RingLayout):
     def ring_layers(self, runtime: Any) -> Any:
         return runtime.self_kv_cache

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -118,12 +117,7 @@ def planned_controls(session_config: Any) -> list[Any] | None:
     return _CONTROLS.get(session_config)
 
 
-@dataclasses.dataclass
-class TeleFuserMainSchema:
-    _target_: str = "cacheseek.layout.telefuser_main.TeleFuserMainLayout"
-
-
-@LAYOUTS.register("telefuser_main", TeleFuserMainSchema)
+@LAYOUTS.register("telefuser_main")
 class TeleFuserMainLayout(RingLayout):
     runtime_layout = "telefuser_main"
 

@@ -16,7 +16,6 @@ A reservation that does not fit raises `StoreFullError`, as the embedded store d
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -28,19 +27,9 @@ from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.registry import PLAN_CLIENTS
 from cacheseek.sizes import device_free_bytes
 
-__all__ = ["DevicePlanClient", "DevicePlanSchema", "device_pool_bytes", "resolve_device"]
+__all__ = ["DevicePlanClient", "device_pool_bytes", "resolve_device"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class DevicePlanSchema:
-    _target_: str = "cacheseek.plan.device.DevicePlanClient"
-    segment_bytes: int = 0
-    capacity_fraction: float = 0.0
-    device: str = "cpu"
-    alignment: int = 256
-    table_arena_bytes: int = 1 << 20
 
 
 def resolve_device(device: Any) -> Any:
@@ -87,7 +76,7 @@ class _DeviceSegment:
         self.tensor = None
 
 
-@PLAN_CLIENTS.register("device", DevicePlanSchema)
+@PLAN_CLIENTS.register("device")
 class DevicePlanClient(EmbeddedPlanClient):
     """The embedded Plan store over a device-memory pool (see the module docstring)."""
 

@@ -29,7 +29,6 @@ the index, the allocator and the handles.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import operator
 from collections.abc import Sequence
@@ -47,23 +46,11 @@ from cacheseek.plan.table_arena import TableArena
 from cacheseek.registry import PLAN_CLIENTS
 from cacheseek.sizes import Size, format_size, parse_size
 
-__all__ = ["EmbeddedPlanClient", "EmbeddedPlanSchema"]
+__all__ = ["EmbeddedPlanClient"]
 
 log = logging.getLogger(__name__)
 
 _STORE_FULL_FIX = "raise store.segment_bytes or free values"
-
-
-@dataclasses.dataclass
-class EmbeddedPlanSchema:
-    _target_: str = "cacheseek.plan.embedded.EmbeddedPlanClient"
-    segment_bytes: Any = "1GiB"
-    prefault_threads: int = 0
-    backing: str = "shared"
-    hugepages: bool = True
-    shm_dir: Optional[str] = None
-    alignment: int = 256
-    table_arena_bytes: Any = "1MiB"
 
 
 @attrs.define(eq=False)
@@ -91,7 +78,7 @@ class _GetRecord:
     table: Optional[int] = None
 
 
-@PLAN_CLIENTS.register("embedded", EmbeddedPlanSchema)
+@PLAN_CLIENTS.register("embedded", objects=("prefault",))
 class EmbeddedPlanClient(InProcessPlanClient):
     """In-process Plan store (see the module docstring)."""
 
@@ -100,13 +87,13 @@ class EmbeddedPlanClient(InProcessPlanClient):
 
     def __init__(
         self,
-        segment_bytes: Size = 1 << 30,
+        segment_bytes: Size = "1GiB",
         prefault_threads: int = 0,
         backing: str = "shared",
         hugepages: bool = True,
         shm_dir: Optional[str] = None,
         alignment: int = 256,
-        table_arena_bytes: Size = 1 << 20,
+        table_arena_bytes: Size = "1MiB",
         *,
         prefault: bool = True,
     ) -> None:

@@ -35,12 +35,11 @@ a client raises `PlanUnavailableError` naming the missing calls.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from typing import Any, Dict, Optional
+from typing import Any, Optional
 
 import attrs
 
@@ -71,7 +70,7 @@ from cacheseek.plan.table_arena import TableArena, table_arena_for
 from cacheseek.registry import PLAN_CLIENTS
 from cacheseek.sizes import AUTO, Size, parse_size
 
-__all__ = ["FluxonNativePlanClient", "FluxonNativePlanSchema", "missing_plan_calls"]
+__all__ = ["FluxonNativePlanClient", "missing_plan_calls"]
 
 log = logging.getLogger(__name__)
 
@@ -79,18 +78,6 @@ _OP_FIELD = "store.client_options.op_timeout_s"
 _ATTACH_FIELD = "store.client_options.attach_timeout_s"
 _ARENA_FIELD = "store.client_options.table_arena_bytes"
 _HINT = ": the Fluxon owner may be stopped or overloaded (check that it runs)"
-
-
-@dataclasses.dataclass
-class FluxonNativePlanSchema:
-    _target_: str = "cacheseek.plan.fluxon_native.FluxonNativePlanClient"
-    config: Dict[str, Any] = dataclasses.field(default_factory=dict)
-    op_timeout_s: float = 30.0
-    attach_timeout_s: float = 60.0
-    # auto (or null): sized from the geometry (value_bytes, chunk_bytes; the Plan tier passes them)
-    table_arena_bytes: Any = "auto"
-    value_bytes: Optional[int] = None
-    chunk_bytes: Optional[int] = None
 
 
 @attrs.define(eq=False)
@@ -106,7 +93,7 @@ class _Record:
     end_deferred: bool = False  # the plan was ended while that call was stuck
 
 
-@PLAN_CLIENTS.register("fluxon_native", FluxonNativePlanSchema)
+@PLAN_CLIENTS.register("fluxon_native", objects=("client",))
 class FluxonNativePlanClient:
     """`PlanClient` over a Fluxon client exposing the Plan API (see the module docstring).
 

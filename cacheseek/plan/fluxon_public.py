@@ -65,7 +65,6 @@ Importing this module needs neither fluxon-py, numpy nor torch.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -86,31 +85,11 @@ from cacheseek.plan.pipeline import run_in_order
 from cacheseek.plan.segment import page_round
 from cacheseek.plan.table_arena import TableArena
 from cacheseek.registry import PLAN_CLIENTS
-from cacheseek.sizes import Size, parse_size
+from cacheseek.sizes import AUTO, Size, parse_size
 
-__all__ = ["FluxonPublicPlanClient", "FluxonPublicPlanSchema"]
+__all__ = ["FluxonPublicPlanClient"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class FluxonPublicPlanSchema:
-    _target_: str = "cacheseek.plan.fluxon_public.FluxonPublicPlanClient"
-    cluster_name: str = DEFAULT_CLUSTER_NAME
-    share_mem_path: str = DEFAULT_SHARE_MEM_PATH
-    instance_key: str = "cacheseek-plan"
-    op_timeout_s: float = 30.0
-    attach_timeout_s: float = 60.0
-    settle_s: float = 2.0
-    # auto (or null): sized from the geometry (value_bytes, chunk_bytes; the Plan tier passes them;
-    # the CLI fits auto to the workload); or a size (512MiB)
-    staging_bytes: Any = "auto"
-    value_bytes: Optional[int] = None
-    chunk_bytes: Optional[int] = None
-    io_threads: int = 4
-    prefault: bool = True
-    table_arena_bytes: Any = "1MiB"
-    key_index: bool = False
 
 
 @attrs.define(eq=False)
@@ -126,7 +105,7 @@ class _GetRecord:
     table: Optional[int] = None
 
 
-@PLAN_CLIENTS.register("fluxon_public", FluxonPublicPlanSchema)
+@PLAN_CLIENTS.register("fluxon_public", objects=("client",))
 class FluxonPublicPlanClient(InProcessPlanClient):
     """`PlanClient` emulated over a public fluxon-py client (see the module docstring).
 
@@ -152,10 +131,10 @@ class FluxonPublicPlanClient(InProcessPlanClient):
         op_timeout_s: float = 30.0,
         attach_timeout_s: float = 60.0,
         settle_s: float = 2.0,
-        staging_bytes: Optional[Size] = None,
+        staging_bytes: Optional[Size] = AUTO,
         io_threads: int = 4,
         prefault: bool = True,
-        table_arena_bytes: Size = 1 << 20,
+        table_arena_bytes: Size = "1MiB",
         key_index: bool = False,
         value_bytes: Optional[int] = None,
         chunk_bytes: Optional[int] = None,

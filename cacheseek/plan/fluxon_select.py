@@ -5,7 +5,7 @@ else the emulation over the public client, chosen by capability.
 `native_plan_api_problem`: None means every Plan call is there and `FluxonNativePlanClient` is
 used; otherwise `FluxonPublicPlanClient`. It logs which, and why. ``api: native|public`` forces
 one (native without the API is `PlanUnavailableError`). The options are
-`FluxonPublicPlanSchema`'s; the native client uses the connection options and ``op_timeout_s``
+`FluxonPublicPlanClient`'s; the native client uses the connection options and ``op_timeout_s``
 (as its commit wait).
 
 Importing this module needs neither fluxon-py, numpy nor torch.
@@ -23,21 +23,15 @@ from cacheseek.fluxon.errors import FluxonImportError
 from cacheseek.fluxon.loader import load_fluxon
 from cacheseek.plan.base import REQUIRED_PLAN_CALLS
 from cacheseek.plan.fluxon_native import FluxonNativePlanClient, missing_plan_calls
-from cacheseek.plan.fluxon_public import FluxonPublicPlanClient, FluxonPublicPlanSchema
+from cacheseek.plan.fluxon_public import FluxonPublicPlanClient
 from cacheseek.registry import PLAN_CLIENTS
 
-__all__ = ["FluxonPlanSchema", "native_plan_api_problem", "open_fluxon_plan_client"]
+__all__ = ["native_plan_api_problem", "open_fluxon_plan_client"]
 
 log = logging.getLogger(__name__)
 
 _APIS = ("auto", "native", "public")
 _NATIVE_OPTIONS = ("op_timeout_s", "attach_timeout_s", "table_arena_bytes", "value_bytes", "chunk_bytes")
-
-
-@dataclasses.dataclass
-class FluxonPlanSchema(FluxonPublicPlanSchema):
-    _target_: str = "cacheseek.plan.fluxon_select.open_fluxon_plan_client"
-    api: str = "auto"
 
 
 def native_plan_api_problem() -> Optional[str]:
@@ -61,11 +55,16 @@ def native_plan_api_problem() -> Optional[str]:
             f"(missing {', '.join(missing)})")
 
 
-@PLAN_CLIENTS.register("fluxon", FluxonPlanSchema)
+def _public_options() -> list[tuple[str, Any, Any]]:
+    return [(f.name, f.type, f.default) for f in dataclasses.fields(PLAN_CLIENTS.schema("fluxon_public"))
+            if f.name != "_target_"]
+
+
+@PLAN_CLIENTS.register("fluxon", keywords=_public_options)
 def open_fluxon_plan_client(api: str = "auto", **options: Any) -> Any:
     """The ``fluxon`` Plan client: the native Plan API when the installed fluxon-py has it
     (`FluxonNativePlanClient`), else `FluxonPublicPlanClient`; ``api`` = ``native`` or ``public``
-    forces one. ``options`` are `FluxonPublicPlanSchema`'s; the native client uses the
+    forces one. ``options`` are `FluxonPublicPlanClient`'s; the native client uses the
     connection options, the time bounds, ``table_arena_bytes`` and the geometry."""
     if api not in _APIS:
         raise ConfigError("store.client_options.api", f"unknown api {api!r}", f"use one of: {', '.join(_APIS)}")

@@ -21,7 +21,6 @@ Importing this module needs neither fluxon-py nor torch.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import sys
@@ -30,6 +29,7 @@ from typing import Any, Optional
 from cacheseek.errors import CorruptValueError, StoreClosedError, StoreError
 from cacheseek.fluxon.client import FluxonClient
 from cacheseek.fluxon.service import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
+from cacheseek.kv.handles import Tier
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum
 from cacheseek.stores.kv_tier import KeyValueTier
@@ -38,7 +38,6 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "FluxonBytesStore",
-    "FluxonTierSchema",
     "FluxonTensorTier",
     "FluxonValueBackend",
     "encode_header",
@@ -53,18 +52,6 @@ def _make_client(client: Any, *, cluster_name: str, share_mem_path: str, instanc
         return client, False
     return FluxonClient(cluster_name, share_mem_path, instance_key, op_timeout_s=op_timeout_s,
                         attach_timeout_s=attach_timeout_s, settle_s=settle_s), True
-
-
-@dataclasses.dataclass
-class FluxonTierSchema:
-    _target_: str = "cacheseek.stores.fluxon_bytes.FluxonTensorTier"
-    cluster_name: str = DEFAULT_CLUSTER_NAME
-    share_mem_path: str = DEFAULT_SHARE_MEM_PATH
-    instance_key: str = "cacheseek-client"
-    op_timeout_s: float = 30.0
-    attach_timeout_s: float = 30.0
-    write_back: bool = False
-    queue_depth: int = 4
 
 
 class FluxonBytesStore:
@@ -237,7 +224,7 @@ class FluxonValueBackend:
             self.client.close()
 
 
-@STORES.register("fluxon", FluxonTierSchema)
+@STORES.register("fluxon", objects=("client", "transfer"))
 class FluxonTensorTier(KeyValueTier):
     """The generic per-layer tier over Fluxon (`KeyValueTier` over a `FluxonValueBackend`).
 
@@ -246,6 +233,7 @@ class FluxonTensorTier(KeyValueTier):
     capacity is the service's segment as the client sees it.
     """
 
+    tier = Tier.FLUXON_DRAM
     capacity_fix = "restart the Fluxon service with a larger --dram, or let the manager evict"
 
     def __init__(

@@ -23,32 +23,21 @@ Used alone (``+store=hbm``) it is a bounded cache whose eviction is the manager'
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
 from cacheseek.errors import ConfigError
 from cacheseek.plan.device import DevicePlanClient
+from cacheseek.kv.handles import Tier
 from cacheseek.registry import STORES
 from cacheseek.sizes import AUTO
 from cacheseek.sizing import SizeField
 from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.protocol import TransferRuntime
 
-__all__ = ["HbmTierStore", "HbmTierSchema"]
+__all__ = ["HbmTierStore"]
 
 
-@dataclasses.dataclass
-class HbmTierSchema:
-    _target_: str = "cacheseek.stores.hbm.HbmTierStore"
-    capacity_bytes: Any = AUTO
-    capacity_fraction: float = 0.0
-    device: Optional[str] = None
-    alignment: int = 256
-    commit_timeout_s: float = 30.0
-    overlap: bool = False
-
-
-@STORES.register("hbm", HbmTierSchema)
+@STORES.register("hbm", objects=("transfer", "plan_client"))
 class HbmTierStore(PlanTierStore):
     """The HBM tier (see the module docstring). ``device``: where the pool lives; None = the
     transfer runtime's kind (CUDA: the current device; host: cpu). ``transfer``: the runtime
@@ -56,6 +45,7 @@ class HbmTierStore(PlanTierStore):
     in place of the one these fields describe (the store owns it either way)."""
 
     storage_format = PlanTierStore.storage_format  # the same bare bytes as the Plan tier
+    tier = Tier.HBM_STAGING
 
     @classmethod
     def size_fields(cls, config: dict) -> list:
@@ -69,7 +59,7 @@ class HbmTierStore(PlanTierStore):
 
     def __init__(
         self,
-        capacity_bytes: Any = 0,
+        capacity_bytes: Any = AUTO,
         capacity_fraction: float = 0.0,
         device: Optional[str] = None,
         alignment: int = 256,
@@ -80,7 +70,7 @@ class HbmTierStore(PlanTierStore):
         plan_client: Optional[DevicePlanClient] = None,
     ) -> None:
         if isinstance(capacity_bytes, str) and capacity_bytes.strip().lower() == AUTO:
-            if not capacity_fraction:
+            if not capacity_fraction and plan_client is None:
                 raise ConfigError("store.capacity_bytes", "auto is resolved when a stack is built (orchestrator)",
                                   "give bytes, or store.capacity_fraction=0.3 (of free memory)")
             capacity_bytes = 0  # the fraction sizes the pool

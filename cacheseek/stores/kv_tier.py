@@ -143,6 +143,7 @@ class KeyValueTier:
 
     accepts_device_views = False
     storage_format = "cacheseek.tier.objects.v1"  # a value per layer and key, as the backend encodes it
+    tier = Tier.CPU
     flush_timeout_s: float = 300.0  # the bound of `flush` and `close`; settable per store
     capacity_fix = "raise store.capacity_bytes, or let the manager evict"  # in StoreFullError
 

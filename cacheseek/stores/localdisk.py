@@ -51,7 +51,6 @@ is not counted in usage); only value and temp names this store writes are ever r
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import hashlib
 import json
@@ -67,16 +66,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 from cacheseek.errors import ConfigError, CorruptValueError, StoreError, StoreFullError
+from cacheseek.kv.handles import Tier
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum
 from cacheseek.stores.root_files import NotRegularError, RootFolder
-from cacheseek.sizes import Size, free_bytes
+from cacheseek.sizes import AUTO, Size, free_bytes
 from cacheseek.sizing import SizeField
 from cacheseek.stores.kv_tier import KeyValueTier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalDiskTierStore", "LocalDiskSchema", "DiskBackend", "encode_key", "decode_key"]
+__all__ = ["LocalDiskTierStore", "DiskBackend", "encode_key", "decode_key"]
 
 MAGIC = b"CSKVAL03"  # 03: the header's xxh3 checksum covers the value's key (cacheseek.stores.checksum)
 _HLEN = struct.Struct("<I")
@@ -388,36 +388,22 @@ def _place(key: str) -> tuple[str, str]:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:2], encode_key(key)
 
 
-@dataclasses.dataclass
-class LocalDiskSchema:
-    _target_: str = "cacheseek.stores.localdisk.LocalDiskTierStore"
-    # None: the orchestrator chooses a folder ``kvstore`` under the run's output folder.
-    root: Optional[str] = None
-    write_back: bool = False
-    queue_depth: int = 4
-    # True: every value is on the device before its blob is published (durable commit); False is
-    # the weaker, faster mode (after a crash, values a snapshot names may be gone: read as misses).
-    fsync: bool = True
-    # Bytes of values the tier may hold (files already under root count, by size): a size
-    # (512MiB, 24GiB), null = unbounded, or auto = unbounded when the workload fits on the disk
-    # under root, else capped there (cacheseek.sizing).
-    capacity_bytes: Any = "auto"
-    # Seconds any one file operation may take (a stalled disk or network file system): past it the
-    # session gets a miss or a dropped write and goes on (cacheseek.stores.kv_tier).
-    op_timeout_s: float = 30.0
-
-
-@STORES.register("localdisk", LocalDiskSchema)
+@STORES.register("localdisk")
 class LocalDiskTierStore(KeyValueTier):
-    """`KeyValueTier` over a `DiskBackend` under ``root``.
+    """`KeyValueTier` over a `DiskBackend` under ``root`` (None: the orchestrator fills in
+    ``kvstore`` under the run folder).
 
     ``write_back``: writes run on a background thread fed by a queue of ``queue_depth`` blobs
     (``put_async`` blocks when it is full); otherwise ``put_async`` returns after the files are
     in place. ``fsync`` (default True, durable commit): flush each file and its folder to the device
-before publishing; False is the explicit weaker mode. ``op_timeout_s``: the bound of every file
-    operation (`KeyValueTier`, "Stalled media").
+    before publishing; False is the weaker, faster mode (after a crash, values a snapshot names may
+    be gone: read as misses). ``capacity_bytes``: as `InMemoryTierStore`'s, files already under
+    root counted by size, ``"auto"`` fitted to the disk under root. ``op_timeout_s``: the bound of
+    every file operation (`KeyValueTier`, "Stalled media"): past it a miss or a dropped write.
     A bad root raises `ConfigError` naming ``store.root`` here, not at the first write.
     """
+
+    tier = Tier.DISK
 
     def __init__(
         self,
@@ -426,7 +412,7 @@ before publishing; False is the explicit weaker mode. ``op_timeout_s``: the boun
         write_back: bool = False,
         queue_depth: int = 4,
         fsync: bool = True,
-        capacity_bytes: Optional[Size] = None,
+        capacity_bytes: Optional[Size] = AUTO,
         op_timeout_s: float = 30.0,
     ) -> None:
         if root is None or (isinstance(root, str) and not root.strip()):

@@ -6,12 +6,11 @@ aliases the live ring. Works with plain Python objects as payloads too (tests us
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from typing import Any, Optional
 
 from cacheseek.registry import STORES
-from cacheseek.sizes import Size
+from cacheseek.sizes import AUTO, Size
 from cacheseek.stores.kv_tier import KeyValueTier
 
 __all__ = ["InMemoryTierStore", "DictBackend"]
@@ -48,22 +47,15 @@ class DictBackend:
         pass
 
 
-@dataclasses.dataclass
-class InMemorySchema:
-    _target_: str = "cacheseek.stores.memory.InMemoryTierStore"
-    # Bytes of values (KV and latents) the tier may hold: a size (512MiB, 24GiB), null =
-    # unbounded, or auto = unbounded when the workload fits in free memory, else capped there
-    # (cacheseek.sizing). Above the manager's high watermark the manager evicts (manager.eviction);
-    # a write that does not fit is refused.
-    capacity_bytes: Any = "auto"
-
-
-@STORES.register("memory", InMemorySchema)
+@STORES.register("memory")
 class InMemoryTierStore(KeyValueTier):
     """`KeyValueTier` over a `DictBackend`; writes complete before ``put_async`` returns.
-    ``capacity_bytes``: see `KeyValueTier` (bytes or a size like ``"512MiB"``; None = unbounded)."""
+    ``capacity_bytes``: the bytes of values (KV and latents) it may hold: a size (``"512MiB"``),
+    None = unbounded, or ``"auto"``: unbounded when the workload fits in free memory, else capped
+    there (`cacheseek.sizing`; unbounded when built directly, with no workload to fit). Above the
+    manager's high watermark the manager evicts; a write that does not fit is refused."""
 
-    def __init__(self, capacity_bytes: Optional[Size] = None) -> None:
+    def __init__(self, capacity_bytes: Optional[Size] = AUTO) -> None:
         super().__init__(DictBackend(), name="memory", capacity_bytes=capacity_bytes)
 
     def keys(self) -> list[str]:

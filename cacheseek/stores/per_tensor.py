@@ -19,25 +19,16 @@ baseline is, if anything, faster than the old path that also copied into a store
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 from cacheseek.registry import STORES
 from cacheseek.stores.kv_tier import KeyValueTier
 from cacheseek.stores.memory import DictBackend
 
-__all__ = ["PerTensorTierStore", "PerTensorSchema"]
+__all__ = ["PerTensorTierStore"]
 
 
-@dataclasses.dataclass
-class PerTensorSchema:
-    _target_: str = "cacheseek.stores.per_tensor.PerTensorTierStore"
-    write_back: bool = False
-    queue_depth: int = 4
-    capacity_bytes: Optional[int] = None
-
-
-@STORES.register("per_tensor", PerTensorSchema)
+@STORES.register("per_tensor")
 class PerTensorTierStore(KeyValueTier):
     """`KeyValueTier` over a `DictBackend`, named ``per_tensor`` (see the module docstring).
     ``write_back``/``queue_depth``/``capacity_bytes``: as `KeyValueTier` (write-back off: the old

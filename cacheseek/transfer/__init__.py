@@ -11,7 +11,6 @@ Importing this package needs neither torch nor CUDA.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Optional
 
 from cacheseek.registry import TRANSFERS
@@ -33,16 +32,7 @@ __all__ = [
     "HostTransferRuntime",
     "CudaTransferRuntime",
     "auto_transfer_runtime",
-    "AutoTransferSchema",
 ]
-
-
-@dataclasses.dataclass
-class AutoTransferSchema:
-    _target_: str = "cacheseek.transfer.auto_transfer_runtime"
-    device: str = "cpu"
-    use_batch_api: Optional[bool] = None
-    copy_kernel: Optional[bool] = None
 
 
 def auto_transfer_runtime(
@@ -58,4 +48,4 @@ def auto_transfer_runtime(
     return HostTransferRuntime()
 
 
-TRANSFERS.register("auto", AutoTransferSchema)(auto_transfer_runtime)
+TRANSFERS.register("auto")(auto_transfer_runtime)

@@ -28,7 +28,6 @@ is imported only when none is given. The batch call's signature differs between 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any, Optional
@@ -50,7 +49,7 @@ from cacheseek.transfer.memory import HostMapping
 from cacheseek.transfer.pending import Event
 from cacheseek.transfer.registrations import Registration
 
-__all__ = ["CudaTransferRuntime", "CudaTransferSchema"]
+__all__ = ["CudaTransferRuntime"]
 
 log = logging.getLogger(__name__)
 
@@ -60,17 +59,7 @@ _LEAD_COPIES = 32  # the first batched call of a batch (`CudaTransferRuntime._ca
 _BATCH_13_PARAMS = ("dsts", "srcs", "sizes", "count", "attrs", "attrsIdxs", "numAttrs", "stream")
 
 
-@dataclasses.dataclass
-class CudaTransferSchema:
-    _target_: str = "cacheseek.transfer.cuda_transfer.CudaTransferRuntime"
-    use_batch_api: Optional[bool] = None
-    max_batch: int = 4096
-    copy_kernel: Optional[bool] = None
-    kernel_min_copies: int = 8
-    kernel_h2d_max_mean_bytes: int = 0
-
-
-@TRANSFERS.register("cuda", CudaTransferSchema)
+@TRANSFERS.register("cuda", objects=("cudart", "current_stream", "tensor_device_type", "device", "range_kernel"))
 class CudaTransferRuntime(TransferRuntimeBase):
     """Batched copies between registered host mappings and CUDA memory.
 

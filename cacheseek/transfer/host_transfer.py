@@ -9,7 +9,6 @@ validation, registration bookkeeping and stats are those of every runtime.
 from __future__ import annotations
 
 import ctypes
-import dataclasses
 from typing import Any
 
 from cacheseek.registry import TRANSFERS
@@ -18,15 +17,10 @@ from cacheseek.transfer.batch import CopyBatch
 from cacheseek.transfer.memory import HostMapping
 from cacheseek.transfer.registrations import Registration
 
-__all__ = ["HostTransferRuntime", "HostTransferSchema"]
+__all__ = ["HostTransferRuntime"]
 
 
-@dataclasses.dataclass
-class HostTransferSchema:
-    _target_: str = "cacheseek.transfer.host_transfer.HostTransferRuntime"
-
-
-@TRANSFERS.register("host", HostTransferSchema)
+@TRANSFERS.register("host")
 class HostTransferRuntime(TransferRuntimeBase):
     """Copies with memmove between registered host mappings and declared CPU-tensor ranges."""
 

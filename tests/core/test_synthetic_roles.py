@@ -12,7 +12,7 @@ import torch
 from cacheseek.errors import ConfigError
 from cacheseek.registry import RUNTIMES
 from cacheseek.runtime import get_geometry
-from cacheseek.runtime.synthetic import SyntheticRuntimeFactory, SyntheticRuntimeSchema, control_tensor
+from cacheseek.runtime.synthetic import SyntheticRuntimeFactory, control_tensor
 from cacheseek.runtime.synthetic.checks import check_actions, check_compute, check_device, check_int
 from cacheseek.runtime.synthetic.hashing import lp, splitmix64, tensor_bytes, unit_floats
 from cacheseek.runtime.synthetic.model import SyntheticModel, rope
@@ -171,4 +171,4 @@ def test_control_tensor_has_the_pipeline_shape_and_separates_actions():
 def test_the_factory_is_registered_under_its_package_path():
     assert RUNTIMES.get("synthetic") is SyntheticRuntimeFactory
     target = f"{SyntheticRuntimeFactory.__module__}.{SyntheticRuntimeFactory.__qualname__}"
-    assert target == SyntheticRuntimeSchema._target_ == "cacheseek.runtime.synthetic.SyntheticRuntimeFactory"
+    assert target == RUNTIMES.schema("synthetic")._target_ == "cacheseek.runtime.synthetic.SyntheticRuntimeFactory"

@@ -19,7 +19,6 @@ from cacheseek.registry import STORES
 from cacheseek.reuse.exact_prefix.keys import layer_keys
 from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier
 from cacheseek.stores.fluxon_bytes import (
-    FluxonTierSchema,
     FluxonBytesStore,
     FluxonTensorTier,
     _decode,
@@ -35,7 +34,6 @@ MiB = 1 << 20
 def test_registered_as_store_backend():
     assert STORES.get("fluxon") is FluxonTensorTier
     schema = STORES.schema("fluxon")
-    assert schema is FluxonTierSchema
     s = schema()
     assert (s._target_, s.cluster_name, s.share_mem_path, s.instance_key, s.op_timeout_s, s.attach_timeout_s) == (
         "cacheseek.stores.fluxon_bytes.FluxonTensorTier", "cacheseek", "/dev/shm/cacheseek-fluxon",

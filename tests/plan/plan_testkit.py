@@ -185,3 +185,8 @@ def assert_restores_match(store: Any, geom: RingGeometry, nodes: list, states: l
         cold, local_end, _ = states[k - 1]
         for (rk, rv), (ck, cv) in zip(target.kv, cold):
             assert torch.equal(rk[:, :local_end], ck[:, :local_end]) and torch.equal(rv[:, :local_end], cv[:, :local_end])
+
+
+def latent_levels(store, locator: str) -> tuple[int, ...]:
+    """The levels of a tiered store whose own store holds the latent ``locator``."""
+    return tuple(i for i, lv in enumerate(store.levels) if lv.contains([locator])[0])

@@ -169,6 +169,6 @@ def test_free_latent_forgets_its_size_and_a_failure_is_a_store_error():
     capacity = SegmentCapacity(DictClient(failing=["bb:lat"]), Counters(), sizes)
     capacity.free_latent("aa:lat")
     assert sizes == {"bb:lat": 16}
-    with pytest.raises(StoreError, match="remove of skeleton bb:lat failed: RuntimeError"):
+    with pytest.raises(StoreError, match="remove of latent bb:lat failed: RuntimeError"):
         capacity.free_latent("bb:lat")
     assert sizes == {"bb:lat": 16}  # kept: the value may still be there

@@ -14,6 +14,7 @@ from cacheseek.kv.handles import BlobHandle, Skeleton, Tier
 from cacheseek.kv.payload import RestoreTarget
 from cacheseek.kv.ring import CopyRun
 from cacheseek.plan.embedded import EmbeddedPlanClient
+from cacheseek.stores.plan_tier.client import ClientCalls
 from cacheseek.stores.plan_tier.read import GetRead, check_path
 from cacheseek.stores.plan_tier.stats import Counters
 
@@ -100,7 +101,8 @@ def client():
 
 def test_a_transferred_read_is_released_and_ending_twice_is_one_end(client):
     counters = Counters()
-    read = GetRead(client, counters, {}, client.get_start(["a", "b"], [2]))
+    read = GetRead(client, counters, {}, client.get_start(["a", "b"], [2]),
+                   ClientCalls.of(client).value_lengths)
     table, n = read.transfer([16, 16])
     assert n == 2 and table
     read.end()
@@ -111,13 +113,15 @@ def test_a_transferred_read_is_released_and_ending_twice_is_one_end(client):
 
 def test_a_read_never_transferred_is_cancelled(client):
     counters = Counters()
-    read = GetRead(client, counters, {}, client.get_start(["a"], [1]))
+    read = GetRead(client, counters, {}, client.get_start(["a"], [1]),
+                   ClientCalls.of(client).value_lengths)
     read.end()
     assert client.live_handles() == (0, 0) and counters.get("gets_cancelled") == 1
 
 
 def test_lengths_are_checked_before_anything_is_copied(client):
-    read = GetRead(client, Counters(), {}, client.get_start(["a", "b"], [2]))
+    read = GetRead(client, Counters(), {}, client.get_start(["a", "b"], [2]),
+                   ClientCalls.of(client).value_lengths)
     with pytest.raises(LayoutMismatchError, match="value b holds 16 B but its restore target takes 32 B"):
         read.transfer([16, 32])
     read.end()  # still ended after the mismatch: released, never leaked
@@ -138,10 +142,12 @@ class NoLengths:
 
 def test_without_client_lengths_the_latent_records_are_checked(client):
     proxy = NoLengths(client)
-    read = GetRead(proxy, Counters(), {"a": 16, "b": 8}, proxy.get_start(["a", "b"], [2]))
+    read = GetRead(proxy, Counters(), {"a": 16, "b": 8}, proxy.get_start(["a", "b"], [2]),
+                   ClientCalls.of(proxy).value_lengths)
     with pytest.raises(LayoutMismatchError, match="value b holds 8 B"):
         read.transfer([16, 16])
     read.end()
-    read = GetRead(proxy, Counters(), {}, proxy.get_start(["a", "b"], [2]))
+    read = GetRead(proxy, Counters(), {}, proxy.get_start(["a", "b"], [2]),
+                   ClientCalls.of(proxy).value_lengths)
     assert read.transfer([16, 16])[1] == 2  # nothing recorded: nothing to contradict
     read.end()

@@ -14,7 +14,7 @@ from cacheseek.errors import PlanError, StoreClosedError, StoreError, StoreFullE
 from cacheseek.registry import STORES
 from cacheseek.reuse.exact_prefix.types import BlobState, Tier
 from cacheseek.stores.base import PathReadStore, TierStore
-from cacheseek.stores.plan_tier import PlanTierSchema, PlanTierStore
+from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.batch import Direction
 from cacheseek.transfer.host_transfer import HostTransferRuntime
 
@@ -318,16 +318,17 @@ def test_transfer_chosen_from_first_tensors_when_not_given():
 
 
 def test_built_from_the_registered_schema_with_objects_passed_at_instantiate():
-    fields = {f.name: f.default for f in dataclasses.fields(PlanTierSchema) if f.name != "client_options"}
+    schema = STORES.schema("fluxon_plan")
+    fields = {f.name: f.default for f in dataclasses.fields(schema) if f.name != "client_options"}
     assert fields["client"] == "embedded" and fields["segment_bytes"] == "auto" and fields["prefault_threads"] == 0
     assert fields["overlap"] is None and fields["hugepages"] is True
-    cfg = OmegaConf.structured(PlanTierSchema(segment_bytes=1 << 20, device="cpu"))
+    cfg = OmegaConf.structured(schema(segment_bytes=1 << 20, device="cpu"))
     transfer = HostTransferRuntime()
     store = instantiate(cfg, transfer=transfer)
     assert isinstance(store, PlanTierStore) and store.transfer is transfer
     assert transfer.stats.n_registered == 1  # registered at construction
     store.close()
     assert transfer.stats.n_registered == 0  # unregistered, but the caller's runtime stays open
-    store2 = instantiate(OmegaConf.structured(PlanTierSchema(segment_bytes=1 << 20, device="cpu")))
+    store2 = instantiate(OmegaConf.structured(schema(segment_bytes=1 << 20, device="cpu")))
     assert isinstance(store2.transfer, HostTransferRuntime)
     store2.close()

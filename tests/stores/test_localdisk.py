@@ -16,7 +16,6 @@ from cacheseek.reuse.exact_prefix.keys import layer_keys
 from cacheseek.reuse.exact_prefix.types import Tier
 from cacheseek.stores import localdisk
 from cacheseek.stores.localdisk import (
-    LocalDiskSchema,
     LocalDiskTierStore,
     decode_key,
     encode_key,
@@ -55,8 +54,7 @@ def all_files(root: Path) -> list[Path]:
 
 def test_registered_with_schema():
     assert STORES.get("localdisk") is LocalDiskTierStore
-    assert STORES.schema("localdisk") is LocalDiskSchema
-    fields = {f.name: f.default for f in LocalDiskSchema.__dataclass_fields__.values()}
+    fields = {f.name: f.default for f in STORES.schema("localdisk").__dataclass_fields__.values()}
     assert fields == {
         "_target_": "cacheseek.stores.localdisk.LocalDiskTierStore",
         "root": None,
@@ -72,7 +70,7 @@ def test_instantiates_from_schema(tmp_path):
     from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.structured(LocalDiskSchema)
+    cfg = OmegaConf.structured(STORES.schema("localdisk"))
     cfg.root = str(tmp_path / "kv")
     cfg.write_back = True
     s = instantiate(cfg)

@@ -19,6 +19,7 @@ from cacheseek.kv.locators import blob_keys
 from cacheseek.report import metrics_block
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVConfig, WorldKVManager
 from cacheseek.reuse.exact_prefix.keys import kv_locator, node_key
+from plan_testkit import latent_levels  # tests/plan is on the path (conftest)
 
 ROOT = b"R" * 32
 STORED = 1280  # one chunk and its latent in the HBM or the Plan tier
@@ -71,8 +72,7 @@ def check_residency(mgr) -> None:
             assert n.blob.ready and store.levels_of(n.blob) == holding and holding, (n, holding)
         if n.skeleton is not None:
             loc = n.skeleton.latent_locator
-            assert store.latent_levels(loc) == tuple(
-                i for i, lv in enumerate(store.levels) if lv.contains([loc])[0]), n
+            assert latent_levels(store, loc), f"{n!r}'s latent is in no level"
 
 
 def row(store, name: str) -> dict:
@@ -103,11 +103,11 @@ def test_a_full_plan_tier_evicts_its_lru_leaf_and_takes_the_demotion(levels):
     assert mgr.demoter.demote(b1, 0, frozenset())
     assert a1.blob is None and a1.skeleton is None  # the LRU leaf of the Plan tier, its latent too
     assert store.levels_of(a0.blob) == (1,) and store.levels_of(b0.blob) == (0,)
-    assert store.levels_of(b1.blob) == (1,) and store.latent_levels(b1.skeleton.latent_locator) == (1,)
+    assert store.levels_of(b1.blob) == (1,) and latent_levels(store, b1.skeleton.latent_locator) == (1,)
     assert row(store, "fluxon_plan")["evictions_for_demotion"] == 1
     m = mgr.metrics.as_dict()
     assert (m["evictions_for_demotion"], m["evictions"], m["demotion_no_room"]) == (1, 1, 0)
-    assert "tier 1 fluxon_plan: 2 chunks" in metrics_block(m) and "1 moved out to make room" in metrics_block(m)
+    assert "tier 1 fluxon_plan (fluxon_dram): 2 chunks" in metrics_block(m) and "1 moved out to make room" in metrics_block(m)
     assert parts["plan_client"].live_handles() == (0, 0)
     check_residency(mgr)
     # the next one: a0 is the Plan tier's leaf now (b1 was just written there)
@@ -127,7 +127,7 @@ def test_three_levels_a_middle_victim_is_demoted_further_and_the_lowest_evicts(l
     enable(mgr)
     assert mgr.demoter.demote(b0, 0, frozenset())
     assert c0.blob is None  # evicted from the lowest level to let a1 in
-    assert store.levels_of(a1.blob) == (2,) and store.latent_levels(a1.skeleton.latent_locator) == (2,)
+    assert store.levels_of(a1.blob) == (2,) and latent_levels(store, a1.skeleton.latent_locator) == (2,)
     assert store.levels_of(a0.blob) == (1,) and store.levels_of(b0.blob) == (1,)
     assert row(store, "fluxon_plan")["evictions_for_demotion"] == 1
     assert row(store, "memory")["evictions_for_demotion"] == 1
@@ -229,7 +229,7 @@ def test_a_failed_retry_after_making_room_keeps_the_copy_above(levels):
     assert parts["plan_faults"].fired == ["put_start"]
     assert a0.blob is None  # the victim was evicted: that is what eviction is
     assert store.levels_of(b0.blob) == (0,) and all(parts["hbm"].contains(blob_keys(b0.blob.locator, 2)))
-    assert store.latent_levels(b0.skeleton.latent_locator) == (0,)
+    assert latent_levels(store, b0.skeleton.latent_locator) == (0,)
     hbm, plan = row(store, "hbm"), row(store, "fluxon_plan")
     assert (hbm["demotion_failures"], hbm.get("demotion_no_room", 0), plan["evictions_for_demotion"]) == (1, 0, 1)
     assert parts["plan_client"].live_handles() == (0, 0) and parts["plan_client"].usage().used_bytes == 0

@@ -17,7 +17,7 @@ from cacheseek.kv.ring import RingGeometry
 from cacheseek.reuse.exact_prefix.types import BlobHandle, Skeleton, Tier, TrieNode
 from cacheseek.stores.tiered import TieredHandle, TieredStore
 from cacheseek.transfer.batch import Direction
-from plan_testkit import ingest, restore_target
+from plan_testkit import ingest, latent_levels, restore_target
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "production"))
 from prodkit import cold_hashes, new_manager, run_session  # noqa: E402
@@ -58,7 +58,7 @@ def test_write_through_lands_in_every_tier(levels, transfer_kind):
         assert n.blob.tier is Tier.HBM_STAGING and n.blob.tiers == (Tier.HBM_STAGING, Tier.FLUXON_DRAM)
         keys = blob_keys(n.blob.locator, 2)
         assert all(parts["hbm"].contains(keys)) and all(parts["fluxon_plan"].contains(keys))
-        assert store.latent_levels(n.skeleton.latent_locator) == (0, 1)
+        assert latent_levels(store, n.skeleton.latent_locator) == (0, 1)
     assert [u.blobs for u in store.tier_usages()] == [3, 3]
     assert [u.usage.used_bytes for u in store.tier_usages()] == [3 * (CHUNK + LATENT)] * 2
 
@@ -76,7 +76,7 @@ def test_a_full_top_tier_is_skipped_and_the_write_lands_below(levels):
     assert store.levels_of(nodes[0].blob) == (0, 1) and store.levels_of(nodes[1].blob) == (1,)
     assert nodes[1].blob.ready and nodes[1].blob.tier is Tier.FLUXON_DRAM
     assert tier_row(store, "hbm")["full_skips"] == 1
-    assert store.latent_levels(nodes[1].skeleton.latent_locator) == (1,)  # HBM keeps no latent of it
+    assert latent_levels(store, nodes[1].skeleton.latent_locator) == (1,)  # HBM keeps no latent of it
     assert restore(store, FULL, nodes, states, latents, kv_size, 2)  # from the Plan tier
     assert tier_row(store, "fluxon_plan")["hits"] == 1
 
@@ -88,7 +88,7 @@ def test_a_hit_from_the_tier_below_is_promoted_from_the_ring(levels, transfer_ki
         assert store.demote(n.blob, 0) is True
     assert [store.levels_of(n.blob) for n in nodes] == [(1,)] * 3
     assert parts["hbm"].usage().used_bytes == 0  # a demoted chunk's latent leaves the tier with it
-    assert [store.latent_levels(n.skeleton.latent_locator) for n in nodes] == [(1,)] * 3
+    assert [latent_levels(store, n.skeleton.latent_locator) for n in nodes] == [(1,)] * 3
     rec = parts["transfer"]
     before = len(rec.batches)
     assert restore(store, FULL, nodes, states, latents, kv_size, 3)

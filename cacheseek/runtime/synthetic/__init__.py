@@ -13,8 +13,8 @@ later frame hash. One module per role:
 - `model`: `SyntheticModel`, one forward pass over a chunk (the model math is described there);
 - `runtime`: `SyntheticWorldRuntime`, the session's sampling and chunk loop;
 - `checks`: the argument checks shared by the runtime and the factory;
-- here: `SyntheticRuntimeFactory`, registered as runtime ``synthetic``, and its Hydra schema
-  (defined in the package itself, so the recorded ``_target_`` stays
+- here: `SyntheticRuntimeFactory`, registered as runtime ``synthetic`` (its signature is its
+  Hydra schema; defined in the package itself, so the recorded ``_target_`` stays
   ``cacheseek.runtime.synthetic.SyntheticRuntimeFactory``).
 
 The package imports torch only inside functions: `import cacheseek.runtime` works without torch.
@@ -22,7 +22,6 @@ The package imports torch only inside functions: `import cacheseek.runtime` work
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,7 +60,6 @@ __all__ = [
     "SessionConfig",
     "SyntheticImage",
     "SyntheticRuntimeFactory",
-    "SyntheticRuntimeSchema",
     "SyntheticWorldRuntime",
     "control_tensor",
     "default_image",
@@ -70,27 +68,11 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass
-class SyntheticRuntimeSchema:
-    """Hydra schema of `runtime: synthetic`; `compute_gemm_dim` 0 means no extra compute,
-    `compute_gemms` is the number of chained GEMMs per layer and forward pass (see `compute`)."""
-
-    _target_: str = "cacheseek.runtime.synthetic.SyntheticRuntimeFactory"
-    geometry: str = "tiny"
-    local_attn_size: int = -1
-    sink_size: int = 0
-    num_steps: int = 4
-    device: str = "cpu"
-    dtype: str = "bfloat16"
-    seed: int = 1234
-    prompt: str = "a red car driving along a coast road"
-    compute_gemm_dim: int = 0
-    compute_gemms: int = 1
-
-
-@RUNTIMES.register("synthetic", SyntheticRuntimeSchema)
+@RUNTIMES.register("synthetic")
 class SyntheticRuntimeFactory:
-    """Validated settings of a synthetic runtime; `make()` builds one session's runtime."""
+    """Validated settings of a synthetic runtime; `make()` builds one session's runtime.
+    ``compute_gemm_dim`` 0 means no extra compute; ``compute_gemms`` chained GEMMs per layer and
+    forward pass (see `compute`)."""
 
     # Its sessions hold the ring as bshd tensors: naming it lets the orchestrator refuse another
     # layout (``layout=telefuser_main``) when the stack is built, not in the first session's hook.

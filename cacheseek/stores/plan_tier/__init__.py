@@ -21,8 +21,8 @@ One module per role; each states the lifecycle of what it hands out:
 
 from cacheseek.stores.plan_tier import batches
 from cacheseek.stores.plan_tier.stats import PlanTierStats
-from cacheseek.stores.plan_tier.store import PlanTierSchema, PlanTierStore
+from cacheseek.stores.plan_tier.store import PlanTierStore
 
-__all__ = ["PlanTierSchema", "PlanTierStats", "PlanTierStore"]
+__all__ = ["PlanTierStats", "PlanTierStore"]
 
 _split = batches.split  # the name it had when the Plan tier was one module

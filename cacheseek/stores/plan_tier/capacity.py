@@ -202,7 +202,7 @@ class SegmentCapacity:
         try:
             self._client.remove(locator)
         except Exception as exc:
-            error = as_store_error(exc, f"remove of skeleton {locator}")
+            error = as_store_error(exc, f"remove of latent {locator}")
             if error is exc:
                 raise
             raise error from exc

@@ -1,35 +1,62 @@
-"""The Plan tier's side of the Plan client seam: building a client from its registry name, and
-`ClientCalls`, the optional calls it offers, resolved once when the tier is built."""
+"""The Plan tier's side of the Plan client seam: `ClientOptions`, building a client from its
+registry name, and `ClientCalls`, the optional calls it offers, resolved once when the tier is
+built."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+from collections.abc import Sequence
+from typing import Any, Callable, Optional, Union
 
 import attrs
 
+from cacheseek.errors import ConfigError
 from cacheseek.plan.base import PlanClient
 from cacheseek.registry import PLAN_CLIENTS
 
-__all__ = ["ClientCalls", "build_client", "client_fields", "offered"]
+__all__ = ["ClientCalls", "ClientOptions", "build_client", "client_fields", "given_options", "offered"]
 
 
 def client_fields(name: str) -> set[str]:
-    """The option names the client ``name``'s schema takes (none for a client without one)."""
-    try:
-        return {f.name for f in dataclasses.fields(PLAN_CLIENTS.schema(name))}
-    except KeyError:
-        return set()
+    """The option names the client ``name``'s schema takes."""
+    return {f.name for f in dataclasses.fields(PLAN_CLIENTS.schema(name)) if f.name != "_target_"}
 
 
-def build_client(name: str, given: dict[str, Any], options: Optional[dict[str, Any]]) -> PlanClient:
+def _options_schema() -> type:
+    """Every Plan client's options in one dataclass (``store.client_options.*``), so that Hydra
+    checks their types whichever client is chosen: a field per option of any client, typed as
+    that client's schema types it (``Any`` where two disagree), None where the client's own
+    default holds."""
+    types: dict[str, Any] = {}
+    for name in PLAN_CLIENTS.names():
+        for f in dataclasses.fields(PLAN_CLIENTS.schema(name)):
+            if f.name != "_target_":
+                types[f.name] = f.type if types.get(f.name, f.type) == f.type else Any
+    return dataclasses.make_dataclass("ClientOptions", [
+        (name, Any if typ is Any else Optional[typ], dataclasses.field(default=None))
+        for name, typ in sorted(types.items())])
+
+
+ClientOptions = _options_schema()
+ClientOptions.__module__ = __name__
+
+
+def given_options(options: Union[ClientOptions, dict[str, Any], None]) -> dict[str, Any]:
+    """The options given (not None) in a `ClientOptions` or a plain dict of them."""
+    items = dataclasses.asdict(options) if dataclasses.is_dataclass(options) else dict(options or {})
+    return {k: v for k, v in items.items() if v is not None}
+
+
+def build_client(name: str, given: dict[str, Any], options: Union[ClientOptions, dict[str, Any], None]) -> PlanClient:
     """The `PLAN_CLIENTS` entry ``name``, built with those of ``given`` that its schema takes,
-    then every one of ``options`` (the store's ``client_options``)."""
-    factory = PLAN_CLIENTS.get(name)
+    then every option given (the store's ``client_options``)."""
     accepted = client_fields(name)
     kwargs = {k: v for k, v in given.items() if k in accepted}
-    kwargs.update(options or {})
-    return factory(**kwargs)
+    kwargs.update(given_options(options))
+    for key in sorted(set(kwargs) - accepted):
+        raise ConfigError(f"store.client_options.{key}", f"the {name!r} Plan client has no option {key!r}",
+                          f"use one of: {', '.join(sorted(accepted))}")
+    return PLAN_CLIENTS.get(name)(**kwargs)
 
 
 def offered(client: Any, call: str) -> Optional[Callable[..., Any]]:
@@ -41,7 +68,7 @@ def offered(client: Any, call: str) -> Optional[Callable[..., Any]]:
 @attrs.frozen
 class ClientCalls:
     """The optional calls of one Plan client (`PlanClientInfo`, `PlanSegmentPieces`,
-    ``max_plan_values``), each None where the client does not offer it. Probed by attribute, so
+    `PlanValueLengths`, ``max_plan_values``), each None where the client does not offer it. Probed by attribute, so
     that proxies delegating through ``__getattr__`` keep them (a Protocol ``isinstance`` would
     miss them)."""
 
@@ -51,6 +78,7 @@ class ClientCalls:
     max_plan_values: Optional[Callable[[int], int]] = None
     map_local_segments: Optional[Callable[[], list]] = None
     fault_local_range: Optional[Callable[[int, int], None]] = None
+    value_lengths: Optional[Callable[[Any], Sequence[int]]] = None
 
     @classmethod
     def of(cls, client: Any) -> "ClientCalls":

@@ -38,7 +38,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
 import attrs
@@ -92,8 +92,10 @@ class _Declared:
 class GetRead:
     """One get plan of a read: ``transfer()`` once, then ``end()`` releases or cancels it."""
 
-    def __init__(self, client: PlanClient, counters: Counters, latent_sizes: dict[str, int], plan: GetPlan) -> None:
+    def __init__(self, client: PlanClient, counters: Counters, latent_sizes: dict[str, int], plan: GetPlan,
+                 value_lengths: Optional[Callable[[GetPlan], Sequence[int]]]) -> None:
         self._client = client
+        self._value_lengths = value_lengths  # the client's `PlanValueLengths`, when it has it
         self._counters = counters
         self._latent_sizes = latent_sizes
         self.plan = plan
@@ -112,9 +114,9 @@ class GetRead:
         return table, n
 
     def _check_lengths(self, expected: list[int]) -> None:
-        client, keys = self._client, self.plan.keys
-        if callable(getattr(client, "value_lengths", None)):  # PlanValueLengths (a Protocol isinstance costs ~0.3 ms)
-            lengths = list(client.value_lengths(self.plan))
+        keys = self.plan.keys
+        if self._value_lengths is not None:
+            lengths = list(self._value_lengths(self.plan))
         else:  # the store's own records of what it wrote (latents; KV sizes are on the blob)
             lengths = [self._latent_sizes.get(k, want) for k, want in zip(keys, expected)]
         if lengths[: len(expected)] == expected:  # a list compare: no Python work per value
@@ -141,7 +143,7 @@ def check_path(
     path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget
 ) -> Optional[tuple[list[str], list[BlobHandle]]]:
     """The path's latent keys and the window's blob handles; None on a miss (a node without
-    skeleton or ready blob). Raises `LayoutMismatchError` when sizes, depths or runs disagree
+    latent or ready blob). Raises `LayoutMismatchError` when sizes, depths or runs disagree
     with the target."""
     n_layers, value_nbytes = target.n_layers, target.chunk_value_nbytes
     if n_layers == 0 or len(target.latents) != len(path):
@@ -237,7 +239,8 @@ class Reader:
     def _start(self, keys: list[str], group_lens: list[int]) -> GetRead:
         if self._held:
             self.release_held()
-        read = GetRead(self.client, self._counters, self._latent_sizes, self.client.get_start(keys, group_lens))
+        read = GetRead(self.client, self._counters, self._latent_sizes, self.client.get_start(keys, group_lens),
+                       self.link.calls.value_lengths)
         self._counters.count(gets_started=1)
         return read
 
@@ -258,8 +261,8 @@ class Reader:
 
     def lengths(self, read: GetRead) -> list[int]:
         """Byte lengths of a transferred read's values: the client's, else the latent records."""
-        if callable(getattr(self.client, "value_lengths", None)):  # PlanValueLengths
-            return [int(n) for n in self.client.value_lengths(read.plan)]
+        if self.link.calls.value_lengths is not None:
+            return [int(n) for n in self.link.calls.value_lengths(read.plan)]
         lengths = [self._latent_sizes.get(k) for k in read.plan.keys]
         if any(n is None for n in lengths):
             raise LayoutMismatchError("value lengths unknown: pass lengths= to copy_values_from")
@@ -310,8 +313,7 @@ class Reader:
             if link.read_stream is None:  # a runtime without streams: synchronous, on the caller's stream
                 transfer.copy_batch(batch.descriptors(), device_ranges=ranges)
                 return batch.nbytes
-            fast_on = getattr(transfer, "fast_on", None)
-            if fast_on is not None and fast_on(batch):  # the producer stream orders it: no events
+            if link.fast_on is not None and link.fast_on(batch):  # the producer stream orders it: no events
                 pending = transfer.submit_batch(batch, stream=None, device_ranges=ranges)
                 self._wait(pending)
                 return batch.nbytes
@@ -455,8 +457,8 @@ class Reader:
             raise PlanError(f"read of {keys[0]!r}: {exc}") from exc
         if not raw:
             return srcs  # the transfer runtime checks every copy against the registered mappings
-        lengths_fn = getattr(self.client, "value_lengths", None)
-        lengths = list(lengths_fn(read.plan)) if callable(lengths_fn) else None
+        lengths_fn = self.link.calls.value_lengths
+        lengths = list(lengths_fn(read.plan)) if lengths_fn is not None else None
         spans = self.link.value_spans
         for i, (key, src, size) in enumerate(zip(keys, srcs, sizes)):
             if lengths is not None and lengths[i] != size:

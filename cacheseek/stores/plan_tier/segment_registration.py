@@ -110,6 +110,7 @@ class TransferLink:
         self.value_ranges: list[MemoryRange] = []  # segments on the device (the HBM tier's pool)
         self.write_stream: Any = None
         self.read_stream: Any = None
+        self.fast_on: Optional[Callable[[Any], bool]] = None  # the runtime's, resolved at attach
 
     # -- what the roles read --------------------------------------------------------------------
     @property
@@ -218,6 +219,7 @@ class TransferLink:
                 "set store.overlap=false or use a transfer runtime with the AsyncTransfer capability",
             )
         self._overlap = bool(wanted)
+        self.fast_on = getattr(transfer, "fast_on", None)
         self._counters.note(overlap=self._overlap)
         if can_async:
             self.write_stream = transfer.new_stream()  # type: ignore[attr-defined]

@@ -31,20 +31,19 @@ files, the generic Fluxon tier) carry checksums (`cacheseek.stores.checksum`).
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Dict, Optional, Union
+from typing import Any, Optional, Union
 
 from cacheseek.errors import ConfigError, StoreClosedError, StoreTimeoutError
 from cacheseek.kv.handles import BlobHandle, ChunkNode, Tier
 from cacheseek.kv.payload import LayerPayload, RestoreTarget
 from cacheseek.plan.base import PlanClient
 from cacheseek.registry import STORES
-from cacheseek.sizes import Size, available_memory, free_bytes, parse_size
-from cacheseek.sizing import SizeField
+from cacheseek.sizes import AUTO, Size, available_memory, free_bytes, parse_size
+from cacheseek.sizing import UNFITTED, SizeField
 from cacheseek.stores.plan_tier.capacity import SegmentCapacity, StagingSlots
-from cacheseek.stores.plan_tier.client import build_client, client_fields
+from cacheseek.stores.plan_tier.client import ClientOptions, build_client, client_fields, given_options
 from cacheseek.stores.plan_tier.completion import Completion
 from cacheseek.stores.plan_tier.segment_registration import TransferLink
 from cacheseek.stores.plan_tier.read import Reader
@@ -54,7 +53,7 @@ from cacheseek.stores.plan_tier.write import Writer
 from cacheseek.stores.startup import NO_TOKEN, SessionStarts, StartToken, combine
 from cacheseek.transfer.protocol import TransferRuntime
 
-__all__ = ["PlanTierSchema", "PlanTierStore"]
+__all__ = ["PlanTierStore"]
 
 # Threads that pre-fault the segment of a background warm-up (prefault_threads=0): every fault
 # step holds the mmap lock that the runtime's own cudaMalloc calls wait for, so fewer threads
@@ -72,46 +71,14 @@ _PIECE_ROUND = 2 << 20  # register_piece_bytes rounds up to whole 2 MiB pages
 _BACKGROUND_PIECE_BYTES = 16 << 20
 
 
-@dataclasses.dataclass
-class PlanTierSchema:
-    _target_: str = "cacheseek.stores.plan_tier.PlanTierStore"
-    client: str = "embedded"
-    # The embedded client's segment: a size (24GiB, 512MiB), or auto = the workload's chunks
-    # below the eviction watermark, capped by free memory (cacheseek.sizing).
-    segment_bytes: Any = "auto"
-    prefault_threads: int = 0
-    backing: str = "shared"
-    hugepages: bool = True
-    shm_dir: Optional[str] = None
-    transfer_kind: str = "auto"
-    device: Optional[str] = None
-    commit_timeout_s: float = 30.0
-    overlap: Optional[bool] = None
-    staging_slots: int = 2
-    staging_slot_bytes: Any = 0
-    max_inflight_bytes: Any = 0
-    write_piece_bytes: Any = "32MiB"
-    write_pieces_in_flight: int = 2
-    # foreground: ready when built; background: the segment warms on a thread while the store
-    # serves every read as a miss and drops every write (the first request waits for nothing)
-    warmup: str = "foreground"
-    # register the segment as pieces of this size, each its own cudaHostRegister (faulted, then
-    # registered, piece by piece), so no driver call holds the locks for long; 0 or null: one
-    # call; auto: 16 MiB pieces in a background warm-up, one call in the foreground
-    register_piece_bytes: Any = "auto"
-    # a background warm-up pauses between pieces while a session starts (its binding made, until
-    # its on_runtime_created returns), at most this long per session start; 0: never pauses
-    warmup_yield_s: float = 2.0
-    client_options: Dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@STORES.register("fluxon_plan", PlanTierSchema)
+@STORES.register("fluxon_plan", objects=("transfer", "plan_client", "geometry_bytes"))
 class PlanTierStore:
     """KV tier over a Plan client and a transfer runtime (see the module docstring).
 
-    ``client``: a `PLAN_CLIENTS` name, built with ``segment_bytes``, ``prefault_threads``,
-    ``backing``, ``hugepages``, ``shm_dir`` (where its schema has them) and ``client_options``;
-    or pass a built client as ``plan_client`` (the caller then keeps owning it). ``transfer``: a
+    ``client``: a `PLAN_CLIENTS` name, built with ``segment_bytes`` (``"auto"``: fitted to the
+    workload by the orchestrator, 1 GiB when built directly), ``prefault_threads``, ``backing``,
+    ``hugepages``, ``shm_dir`` (where its schema has them) and ``client_options`` (`ClientOptions`
+    or a dict of them: the given ones, typed by Hydra); or pass a built client as ``plan_client`` (the caller then keeps owning it). ``transfer``: a
     built `TransferRuntime` (the caller keeps owning it); else ``transfer_kind`` from `TRANSFERS`
     is built for ``device`` now, or for the device of the first tensors seen.
     ``overlap``: None = on for a CUDA runtime, off for the host runtime; on needs a runtime with
@@ -135,11 +102,12 @@ class PlanTierStore:
 
     accepts_device_views = True
     storage_format = "cacheseek.plan.raw.v1"  # bare bytes; shapes and dtypes come from the runtime
+    tier = Tier.FLUXON_DRAM
 
     def __init__(
         self,
         client: str = "embedded",
-        segment_bytes: Size = 1 << 30,
+        segment_bytes: Size = AUTO,
         prefault_threads: int = 0,
         backing: str = "shared",
         hugepages: bool = True,
@@ -151,9 +119,9 @@ class PlanTierStore:
         staging_slots: int = 2,
         staging_slot_bytes: Size = 0,
         max_inflight_bytes: Size = 0,
-        write_piece_bytes: Size = 32 << 20,
+        write_piece_bytes: Size = "32MiB",
         write_pieces_in_flight: int = 2,
-        client_options: Optional[dict[str, Any]] = None,
+        client_options: Optional[ClientOptions] = ClientOptions(),
         warmup: str = "foreground",
         register_piece_bytes: Union[Size, str, None] = "auto",
         warmup_yield_s: float = 2.0,
@@ -185,6 +153,8 @@ class PlanTierStore:
         self._first_start = self._starts.begin() if warmup == "background" else NO_TOKEN
         if warmup == "background" and prefault_threads == 0:
             prefault_threads = _BACKGROUND_FAULT_THREADS  # leave the memory system to the requests
+        if isinstance(segment_bytes, str) and segment_bytes.strip().lower() == AUTO:
+            segment_bytes = UNFITTED["segment"]  # built directly: no workload to fit it to
         if plan_client is None:
             given = dict(segment_bytes=segment_bytes, prefault_threads=prefault_threads, backing=backing,
                          hugepages=hugepages, shm_dir=shm_dir)
@@ -228,7 +198,7 @@ class PlanTierStore:
     def size_fields(cls, config: dict[str, Any]) -> list[SizeField]:
         """`SizedStore`: the embedded client's ``segment_bytes``, or the host staging
         (``client_options.staging_bytes``) of a client that stages writes, against free memory."""
-        options = config.get("client_options") or {}
+        options = given_options(config.get("client_options"))
         accepted = client_fields(config.get("client", "embedded"))
         room, label = available_memory(), "free memory"
         if options.get("backing", config.get("backing")) == "shm":
@@ -422,7 +392,7 @@ class PlanTierStore:
         return None if self._closed or not self._warmup.ready else self._capacity.usage()
 
     def free(self, handle: BlobHandle) -> None:
-        """Remove every K/V value of the blob (idempotent); the skeleton stays. Refuses a blob
+        """Remove every K/V value of the blob (idempotent); the latent stays. Refuses a blob
         whose write is still in flight (`WriteNotCompleteError`). Raises `PlanError` if any
         removal fails (the caller keeps the blob)."""
         self._check_open()

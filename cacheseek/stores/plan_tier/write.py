@@ -123,7 +123,7 @@ class Writer:
         try:
             self._put_values([(locator, latent)], stream=stream)
         except Exception as exc:
-            error = as_store_error(exc, f"put of skeleton {locator}")
+            error = as_store_error(exc, f"put of latent {locator}")
             if error is exc:
                 raise
             raise error from exc

@@ -36,7 +36,6 @@ each level's ``contains``. Checksums are the levels' own (a disk level checks wh
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -52,7 +51,6 @@ from cacheseek.stores.base import RestoreTarget
 from cacheseek.stores.startup import StartToken, combine
 from cacheseek.stores.tiered import demotion, read, removal, write
 from cacheseek.stores.tiered.levels import (
-    TIER_OF,
     build_stores,
     close_levels,
     make_levels,
@@ -62,28 +60,18 @@ from cacheseek.stores.tiered.levels import (
 from cacheseek.stores.tiered.residency import Residency, TieredHandle
 from cacheseek.stores.tiered.stats import TieredStats, TierUsage, tier_usages, tiered_stats
 
-__all__ = ["TieredStore", "TieredSchema", "TieredHandle", "TierUsage", "TieredStats", "TIER_OF"]
+__all__ = ["TieredStore", "TieredHandle", "TierUsage", "TieredStats"]
 
 log = logging.getLogger(__name__)
 
 
-# ``_recursive_`` False: the levels are built by the store, only the listed ones. One config node
-# per registered store (``hbm={...}``), whatever the registry names.
-TieredSchema = dataclasses.make_dataclass("TieredSchema", [
-    ("_target_", str, dataclasses.field(default="cacheseek.stores.tiered.TieredStore")),
-    ("_recursive_", bool, dataclasses.field(default=False)),
-    ("tiers", list, dataclasses.field(default_factory=lambda: ["hbm", "fluxon_plan"])),
-    ("write_through", bool, dataclasses.field(default=True)),
-    ("promote", bool, dataclasses.field(default=True)),
-] + [(name, Any, dataclasses.field(default=None)) for name in STORES.names() if name != "tiered"])
-TieredSchema.__module__ = __name__
-
-
-@STORES.register("tiered", TieredSchema)
+@STORES.register("tiered", objects=("transfer", "stores"),
+                 keywords=lambda: [(name, Any, None) for name in STORES.names() if name != "tiered"])
 class TieredStore:
     """Levels fastest first (see the package docstring). ``tiers``: registry names, each with its
     config node passed by that name (``hbm={...}``); or ``stores``: built levels (the caller
-    keeps owning them; tests). ``transfer``: the runtime every level shares."""
+    keeps owning them; tests). ``transfer``: the runtime every level shares. Its config has one
+    node per registered store, whatever the registry names; only the listed ones are built."""
 
     accepts_device_views = True
 
@@ -128,10 +116,6 @@ class TieredStore:
         return [lv.store for lv in self._levels]
 
     @property
-    def tier_names(self) -> list[str]:
-        return [lv.name for lv in self._levels]
-
-    @property
     def transfer(self) -> Any:
         return shared_transfer(self._transfer, self._levels)
 
@@ -152,9 +136,8 @@ class TieredStore:
         taken: list[StartToken] = []
         try:
             for lv in self._levels:
-                fn = getattr(lv.store, "session_starting", None)
-                if fn is not None:
-                    taken.append(fn())
+                if lv.calls.session_starting is not None:
+                    taken.append(lv.calls.session_starting())
         except BaseException:
             combine(taken).release()  # what was taken before the failure
             raise
@@ -166,9 +149,8 @@ class TieredStore:
         end = None if timeout_s is None else time.monotonic() + timeout_s
         ok = True
         for lv in self._levels:
-            fn = getattr(lv.store, "wait_ready", None)
-            if fn is not None:
-                ok = fn(None if end is None else max(end - time.monotonic(), 0.0)) and ok
+            if lv.calls.wait_ready is not None:
+                ok = lv.calls.wait_ready(None if end is None else max(end - time.monotonic(), 0.0)) and ok
         return ok
 
     # -- residency ------------------------------------------------------------------------------
@@ -179,9 +161,6 @@ class TieredStore:
     def pending_levels_of(self, handle: BlobHandle) -> tuple[int, ...]:
         """The levels whose write of ``handle``'s blob is still in flight."""
         return self._book.pending_levels_of(handle)
-
-    def latent_levels(self, locator: str) -> tuple[int, ...]:
-        return self._book.latent_levels(locator)
 
     # -- writes ---------------------------------------------------------------------------------
     def put_async(
@@ -219,7 +198,7 @@ class TieredStore:
     def get_skeleton(self, locator: str, *args: Any, **kwargs: Any) -> Any:
         """The latent from the nearest level holding it (None when none does)."""
         self._check_open()
-        return read.get_skeleton(self._book, locator, *args, **kwargs)
+        return read.get_latent(self._book, locator, *args, **kwargs)
 
     def get_layer(self, handle: BlobHandle, layer: int, **kwargs: Any) -> Any:
         """One layer from the nearest level holding the blob (None when none does)."""
@@ -280,9 +259,8 @@ class TieredStore:
     def flush(self) -> None:
         """Wait for every level's pending writes, then settle them."""
         for lv in self._levels:
-            fn = getattr(lv.store, "flush", None)
-            if fn is not None:
-                fn()
+            if lv.calls.flush is not None:
+                lv.calls.flush()
         self._book.reap()
 
     def close(self) -> None:

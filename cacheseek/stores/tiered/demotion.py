@@ -135,8 +135,8 @@ def drop_latent(book: Residency, level: int, loc: Optional[str]) -> None:
                 break
         else:
             return
-    fn = getattr(book.levels[level].store, "free_skeleton", None)
-    if not callable(fn):
+    fn = book.levels[level].calls.free_skeleton
+    if fn is None:
         return
     try:
         fn(loc)

@@ -11,7 +11,7 @@ Every level shares one transfer runtime, so Plan-style levels copy between one a
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import attrs
@@ -21,32 +21,49 @@ from cacheseek.errors import ConfigError
 from cacheseek.kv.handles import Tier
 from cacheseek.registry import STORES, instantiate
 
-__all__ = ["TIER_OF", "Level", "is_path_store", "build_stores", "make_levels", "storage_format",
+__all__ = ["Level", "LevelCalls", "tier_of", "is_path_store", "build_stores", "make_levels", "storage_format",
            "shared_transfer", "close_levels"]
 
 log = logging.getLogger(__name__)
 
-# The `Tier` each known backend stands for (persisted on the blob handle; others count as CPU).
-TIER_OF = {
-    "hbm": Tier.HBM_STAGING,
-    "fluxon_plan": Tier.FLUXON_DRAM,
-    "fluxon": Tier.FLUXON_DRAM,
-    "memory": Tier.CPU,
-    "per_tensor": Tier.CPU,
-    "localdisk": Tier.DISK,
-}
+
+def tier_of(name: str, store: Any) -> Tier:
+    """The `Tier` a level stands for (on its blob handles and in the report): the ``tier`` its
+    registered class declares, else the store's own, else CPU."""
+    return getattr(STORES.get(name) if name in STORES else store, "tier", Tier.CPU)
+
+
+@attrs.frozen
+class LevelCalls:
+    """The optional calls of one level's store, each None where it lacks it: resolved once when
+    the levels are made, not looked up on every call."""
+
+    contains: Optional[Callable[[Sequence[str]], list[bool]]] = None
+    free_skeleton: Optional[Callable[[str], None]] = None
+    copy_values_from: Optional[Callable[..., Any]] = None
+    session_starting: Optional[Callable[[], Any]] = None
+    wait_ready: Optional[Callable[[Optional[float]], bool]] = None
+    flush: Optional[Callable[[], None]] = None
+    close: Optional[Callable[[], None]] = None
+
+    @classmethod
+    def of(cls, store: Any) -> "LevelCalls":
+        found = {f.name: getattr(store, f.name, None) for f in attrs.fields(cls)}
+        return cls(**{name: fn if callable(fn) else None for name, fn in found.items()})
 
 
 @attrs.define(eq=False)
 class Level:
     """One level: its position (0 = fastest), registry ``name``, `Tier`, store, whether it is a
-    path level, and its counters (hits, writes, promotions, demotions, failures; see stats)."""
+    path level, its optional calls, and its counters (hits, writes, promotions, demotions,
+    failures; see stats)."""
 
     index: int
     name: str
     tier: Tier
     store: Any
     path: bool  # restores into the ring itself (read_path) and takes device views on write
+    calls: LevelCalls = attrs.field(factory=LevelCalls)
     counters: dict = attrs.field(factory=dict)
 
 
@@ -86,7 +103,7 @@ def make_levels(built: Sequence[tuple[str, Any]]) -> list[Level]:
     """The levels of built ``(name, store)`` pairs, fastest first; none is a `ConfigError`."""
     if not built:
         raise ConfigError("store.tiers", "is empty", "list at least one store, e.g. [hbm,fluxon_plan]")
-    return [Level(i, name, TIER_OF.get(name, Tier.CPU), store, is_path_store(store))
+    return [Level(i, name, tier_of(name, store), store, is_path_store(store), LevelCalls.of(store))
             for i, (name, store) in enumerate(built)]
 
 
@@ -114,10 +131,9 @@ def shared_transfer(transfer: Optional[Any], levels: Sequence[Level]) -> Any:
 def close_levels(levels: Sequence[Level]) -> None:
     """Close every level, last first; a failure is logged and the others are still closed."""
     for lv in reversed(levels):
-        close = getattr(lv.store, "close", None)
-        if close is None:
+        if lv.calls.close is None:
             continue
         try:
-            close()
+            lv.calls.close()
         except Exception as exc:  # noqa: BLE001 - close the others
             log.warning("tiered store: closing %s failed: %s", lv.name, exc)

@@ -33,8 +33,8 @@ def copy_blob(book: Residency, src: int, dst: int, rec: Copies) -> Optional[Blob
         return None
     outer = rec.outer
     keys = blob_keys(outer.locator, outer.n_layers, pairs=outer.pairs)
-    copy = getattr(b.store, "copy_values_from", None)
-    if a.path and b.path and callable(copy):
+    copy = b.calls.copy_values_from
+    if a.path and b.path and copy is not None:
         size = outer.nbytes // len(keys)
         if copy(a.store, keys, [size] * len(keys)) is None:
             return None
@@ -66,8 +66,8 @@ def copy_latent(book: Residency, src: int, dst: int, loc: Optional[str]) -> None
         return
     a, b = book.levels[src], book.levels[dst]
     try:
-        copy = getattr(b.store, "copy_values_from", None)
-        if a.path and b.path and callable(copy):
+        copy = b.calls.copy_values_from
+        if a.path and b.path and copy is not None:
             done = copy(a.store, [loc]) is not None
         else:
             value = a.store.get_skeleton(loc)

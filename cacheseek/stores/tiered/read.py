@@ -26,7 +26,7 @@ from cacheseek.stores.tiered.generic_level import read_generic
 from cacheseek.stores.tiered.promotion import promote as promote_path
 from cacheseek.stores.tiered.residency import Copies, Residency
 
-__all__ = ["read_path", "get_skeleton", "get_layer", "contains"]
+__all__ = ["read_path", "get_latent", "get_layer", "contains"]
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ def _holds_path(book: Residency, level: int, path: list[ChunkNode], recs: list[C
 def _probe_latents(book: Residency, level: int, path: list[ChunkNode]) -> bool:
     """Latents not recorded at ``level`` (a forest snapshot): ask the level, record them."""
     keys = [n.skeleton.latent_locator for n in path if level not in book.latents.get(n.skeleton.latent_locator, ())]
-    contains = getattr(book.levels[level].store, "contains", None)
-    if not callable(contains) or any(level in book.probed.get(k, ()) for k in keys):
+    contains = book.levels[level].calls.contains
+    if contains is None or any(level in book.probed.get(k, ()) for k in keys):
         return False  # asked before, or written here: recorded where it is
     try:
         present = contains(keys)
@@ -95,8 +95,8 @@ def _probe_latents(book: Residency, level: int, path: list[ChunkNode]) -> bool:
 def _forget_missing(book: Residency, level: int, path: list[ChunkNode], window: list[ChunkNode]) -> None:
     """A level missed a value it was recorded to hold (lost behind our back): drop the
     records of that level that its ``contains`` no longer confirms."""
-    contains = getattr(book.levels[level].store, "contains", None)
-    if not callable(contains):
+    contains = book.levels[level].calls.contains
+    if contains is None:
         return
     try:
         for n in window:
@@ -110,7 +110,7 @@ def _forget_missing(book: Residency, level: int, path: list[ChunkNode], window: 
         log.warning("tiered store: could not check %s after a miss: %s", book.levels[level].name, exc)
 
 
-def get_skeleton(book: Residency, locator: str, *args: Any, **kwargs: Any) -> Any:
+def get_latent(book: Residency, locator: str, *args: Any, **kwargs: Any) -> Any:
     """The latent from the nearest level holding it (None when none does)."""
     for level in book.latent_levels(locator) or range(len(book.levels)):
         value = book.levels[level].store.get_skeleton(locator, *args, **kwargs)
@@ -133,8 +133,8 @@ def contains(book: Residency, keys: Sequence[str]) -> list[bool]:
     keys = list(keys)
     out = [False] * len(keys)
     for lv in book.levels:
-        fn = getattr(lv.store, "contains", None)
-        if not callable(fn):
+        fn = lv.calls.contains
+        if fn is None:
             continue
         rest = [i for i, ok in enumerate(out) if not ok]
         if not rest:

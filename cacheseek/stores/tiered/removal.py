@@ -43,8 +43,8 @@ def free_latent(book: Residency, locator: str) -> None:
     """Remove a latent from every level that can (idempotent); see the module docstring."""
     errors: list[BaseException] = []
     for lv in book.levels:
-        fn = getattr(lv.store, "free_skeleton", None)
-        if not callable(fn):
+        fn = lv.calls.free_skeleton
+        if fn is None:
             continue
         try:
             fn(locator)

@@ -91,9 +91,9 @@ class Residency:
         keys = blob_keys(handle.locator, handle.n_layers, pairs=handle.pairs)
         rec = Copies(handle)
         for lv in self.levels:
-            contains = getattr(lv.store, "contains", None)
+            contains = lv.calls.contains
             try:
-                whole = callable(contains) and all(contains(keys))
+                whole = contains is not None and all(contains(keys))
             except Exception as exc:  # noqa: BLE001 - cannot tell: not held there
                 log.warning("tiered store: %s cannot say whether it holds %s: %s", lv.name, handle.locator, exc)
                 whole = False
