@@ -54,20 +54,18 @@ class Registry(Generic[T]):
         self._entries: dict[str, T] = {}
         self._schemas: dict[str, type] = {}
 
-    def register(self, name: str, schema: type | None = None, *, objects: Sequence[str] = (),
+    def register(self, name: str, *, objects: Sequence[str] = (),
                  keywords: Callable[[], Iterable[tuple[str, Any, Any]]] | None = None) -> Callable[[T], T]:
         """Register ``obj`` under ``name``; in a configured registry its schema is `schema_of` it
-        (``objects``, ``keywords`` as there). An explicit ``schema`` dataclass is taken as given
-        (the workloads and the TeleFuser runtime, until they move to the derived one)."""
+        (``objects``, ``keywords`` as there)."""
 
         def decorator(obj: T) -> T:
             target = self._targets.setdefault(name, f"{obj.__module__}:{obj.__qualname__}")
             if target != f"{obj.__module__}:{obj.__qualname__}" or self._entries.get(name, obj) is not obj:
                 raise ValueError(f"{self.group} registry: duplicate name {name!r} (taken by {target})")
             self._entries[name] = obj
-            if schema is not None or self.configured:
-                made = schema or schema_of(obj, objects=objects, keywords=keywords() if keywords else ())
-                self._store_schema(name, made, obj)
+            if self.configured:
+                self._store_schema(name, schema_of(obj, objects=objects, keywords=keywords() if keywords else ()), obj)
             return obj
 
         return decorator

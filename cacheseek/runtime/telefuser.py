@@ -38,7 +38,6 @@ not import TeleFuser.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import logging
 import math
@@ -57,7 +56,7 @@ from cacheseek.runtime.geometry import Geometry, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.telefuser_logs import route_telefuser_logs
 
-__all__ = ["TeleFuserRuntimeFactory", "TeleFuserRuntimeSchema", "TeleFuserSession", "camera_path"]
+__all__ = ["TeleFuserRuntimeFactory", "TeleFuserSession", "camera_path"]
 
 log = logging.getLogger(__name__)
 
@@ -99,34 +98,12 @@ def camera_path(actions: Sequence[Sequence[float]], *, chunk_size: int, width: i
     return poses, intrinsics
 
 
-@dataclasses.dataclass
-class TeleFuserRuntimeSchema:
-    """Hydra schema of ``runtime: telefuser``: sizes of the DiT and the video (``ffn_dim`` null = 2 x
-    dim); ``vae`` (``stand_in`` or ``wan``) and ``text_encoder`` (``stand_in`` or ``umt5``, of
-    ``text_layers`` blocks) choose TeleFuser's real part with random weights or the stand-in."""
-
-    _target_: str = "cacheseek.runtime.telefuser.TeleFuserRuntimeFactory"
-    local_attn_size: int = -1
-    sink_size: int = 0
-    device: str = "cpu"
-    seed: int = 42
-    prompt: str = "a red car driving along a coast road"
-    height: int = 64
-    width: int = 64
-    n_layers: int = 2
-    n_heads: int = 2
-    head_dim: int = 12
-    ffn_dim: Optional[int] = None
-    text_dim: int = 32
-    weight_seed: int = 0
-    vae: str = "stand_in"
-    text_encoder: str = "stand_in"
-    text_layers: int = 24
-
-
-@RUNTIMES.register("telefuser", TeleFuserRuntimeSchema)
+@RUNTIMES.register("telefuser")
 class TeleFuserRuntimeFactory:
-    """One real pipeline with random weights; `make()` opens one session on it."""
+    """One real pipeline with random weights; `make()` opens one session on it. Its settings
+    (``runtime: telefuser``): sizes of the DiT and the video (``ffn_dim`` None = 2 x dim);
+    ``vae`` (``stand_in`` or ``wan``) and ``text_encoder`` (``stand_in`` or ``umt5``, of
+    ``text_layers`` blocks) choose TeleFuser's real part with random weights or the stand-in."""
 
     ACTIVATION_HEADROOM = 2 << 30  # beyond the ring and the FFN's activations: allocator slack, the VAE
 

@@ -23,7 +23,6 @@ Runs on every runtime whose ``make`` takes ``streamed=True``: the synthetic one 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import statistics
 import time
@@ -38,22 +37,10 @@ from cacheseek.workloads.action_tree import ActionTree
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InteractiveSchema", "InteractiveWorkload"]
+__all__ = ["InteractiveWorkload"]
 
 
-@dataclasses.dataclass
-class InteractiveSchema:
-    _target_: str = "cacheseek.workloads.interactive.InteractiveWorkload"
-    sessions: int = 12
-    depth: int = 4
-    branching: int = 3
-    skew: float = 1.2
-    images: int = 1
-    seed: int = 7
-    action_dim: int = 4
-
-
-@WORKLOADS.register("interactive", InteractiveSchema)
+@WORKLOADS.register("interactive")
 class InteractiveWorkload:
     def __init__(self, sessions: int = 12, depth: int = 4, branching: int = 3, skew: float = 1.2,
                  images: int = 1, seed: int = 7, action_dim: int = 4) -> None:

@@ -25,7 +25,6 @@ frames fails the first and passes the second; a depth the ring check never resto
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 from typing import Any
@@ -39,16 +38,6 @@ from cacheseek.reuse.exact_prefix import NamespaceForest
 from cacheseek.runtime.snapshot import same_bytes, snapshot_diff
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class PrefixGateSchema:
-    _target_: str = "cacheseek.workloads.prefix_gate.PrefixGate"
-    total_chunks: int = 4
-    prefix_chunks: int = 2
-    ring_check: bool = True
-    action_seed: int = 7
-    action_dim: int = 4
 
 
 @attrs.define
@@ -78,7 +67,7 @@ def _actions(rng: random.Random, n: int, dim: int) -> list[list[float]]:
     return [[round(rng.uniform(-1, 1), 4) for _ in range(dim)] for _ in range(n)]
 
 
-@WORKLOADS.register("abcd", PrefixGateSchema)
+@WORKLOADS.register("abcd")
 class PrefixGate:
     def __init__(self, total_chunks: int = 4, prefix_chunks: int = 2, ring_check: bool = True,
                  action_seed: int = 7, action_dim: int = 4) -> None:

@@ -24,7 +24,6 @@ per session, the usage timeline and the figures under ``"stress"``.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import threading
@@ -40,27 +39,12 @@ from cacheseek.workloads.action_tree import ActionTree, check_count
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StressSchema", "StressWorkload"]
+__all__ = ["StressWorkload"]
 
 _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
-@dataclasses.dataclass
-class StressSchema:
-    _target_: str = "cacheseek.workloads.stress.StressWorkload"
-    sessions: int = 32
-    depth: int = 5
-    branching: int = 3
-    skew: float = 1.0
-    images: int = 1
-    threads: int = 3
-    capacity_chunks: Optional[int] = 8
-    seed: int = 11
-    action_dim: int = 4
-    lose_rate: float = 0.0
-
-
-@WORKLOADS.register("stress", StressSchema)
+@WORKLOADS.register("stress")
 class StressWorkload:
     def __init__(
         self,
