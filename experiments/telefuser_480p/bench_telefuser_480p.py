@@ -84,9 +84,10 @@ def main(argv: list[str]) -> dict:
     write_json(out_dir / "results.json", results)
     (out_dir / "results.md").write_text(_markdown(results))
     try:
-        from plot_telefuser_480p import plot
+        from plot_telefuser_480p import plot, plot_frames_cache
 
         plot(results, out_dir / "telefuser_480p.png")
+        plot_frames_cache(results, out_dir / "frames_cache.png")
     except Exception as exc:  # noqa: BLE001  (the figures are in results.json whatever the plot does)
         print(f"plot failed: {exc!r}", flush=True)
     print(_markdown(results), flush=True)
@@ -167,7 +168,8 @@ def run_one(store: str, argv: list[str]) -> None:
             import frames_cache
 
             m = frames_cache.measure(factory, last[0], sync)
-            m["savings"] = frames_cache.savings(m, kv_bytes_per_chunk=factory.geometry.kv_nbytes_per_chunk(),
+            g = factory.geometry  # a chunk's KV: K and V of every layer
+            m["savings"] = frames_cache.savings(m, kv_bytes_per_chunk=2 * g.n_layers * g.kv_nbytes_per_chunk(),
                                                 hit=len(gate.P))
             row["frames_cache"] = m
             print(f"  frames cache: decode {sum(m['decode_s']):.3f} s + tensor2video {sum(m['tensor2video_s']):.3f} s "

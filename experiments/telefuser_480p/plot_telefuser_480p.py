@@ -1,5 +1,7 @@
-"""The PNG of a telefuser_480p results.json: per store, each request's wall (A-D) beside the mean
-of the no-cache P+X runs that bracketed it, ratios written on the bars.
+"""The PNGs of a telefuser_480p results.json: per store, each request's wall (A-D) beside the mean
+of the no-cache P+X runs that bracketed it, ratios written on the bars (`plot`); and, where the
+nocache process priced it, B and C as measured beside B and C less the VAE work that keeping
+frames and the decoder cache would replace (`plot_frames_cache`, ``frames_cache.png``).
 
     python experiments/telefuser_480p/plot_telefuser_480p.py results.json [out.png]
 """
@@ -40,6 +42,41 @@ def plot(results: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_frames_cache(results: dict, path: Path) -> bool:
+    """B and C per store, measured and less the VAE work a kept copy would replace; False when the
+    run priced nothing."""
+    m = (results["stores"].get("nocache") or {}).get("frames_cache")
+    rows = [r for r in results["table"] if r.get("B_s") is not None and r.get("C_s") is not None]
+    if not m or not rows:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sv = m["savings"]
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    labels = [f"{r['store']} {n}" for r in rows for n in ("B", "C")]
+    now = [r[f"{n}_s"] for r in rows for n in ("B", "C")]
+    kept = [r["B_s"] - sv["full_hit_saves_s"] if n == "B" else r["C_s"] - sv["partial_hit_saves_s"]
+            for r in rows for n in ("B", "C")]
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], now, 0.4, label="measured (the VAE decodes every restored chunk)")
+    ax.bar([x + 0.2 for x in xs], kept, 0.4, label="less the VAE work kept frames + decoder cache replace")
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("wall s")
+    ax.set_title(f"Keeping frames and the Wan decoder's cache beside the KV: {results['env'].get('gpu', 'CPU')}, "
+                 f"git {results['env'].get('git_commit')}", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 if __name__ == "__main__":
     src = Path(sys.argv[1])
-    plot(json.loads(src.read_text()), Path(sys.argv[2]) if len(sys.argv) > 2 else src.with_suffix(".png"))
+    out = Path(sys.argv[2]) if len(sys.argv) > 2 else src.with_suffix(".png")
+    results = json.loads(src.read_text())
+    plot(results, out)
+    plot_frames_cache(results, out.with_name("frames_cache.png"))
