@@ -97,7 +97,8 @@ class StoreOffers:
     """What the manager and the stack use of a store beyond `TierStore`, probed once per store:
     ``contains``, ``reconciles`` (``keys()`` and ``delete_values(keys)``: LocalDisk),
     ``frees_latents`` (``free_skeleton``), ``tiered`` (``tier_usages`` and ``demote``:
-    `TieredStore`), ``reads_paths`` (whole-path restores into device views); ``close`` and
+    `TieredStore`), ``device_views`` (it takes the ring's device views as a chunk's payload and
+    copies them itself), ``reads_paths`` (and restores whole paths into device views); ``close`` and
     ``flush`` (no-ops where it has none), the forest snapshot a persistent store keeps
     (``snapshot_path``), and the fix to print when its capacity cannot hold a chunk."""
 
@@ -105,6 +106,7 @@ class StoreOffers:
     reconciles: bool
     frees_latents: bool
     tiered: bool
+    device_views: bool
     reads_paths: bool
     close: Callable[[], Any]
     flush: Callable[[], Any]
@@ -117,9 +119,10 @@ class StoreOffers:
             return all(callable(getattr(store, n, None)) for n in names)
 
         path = getattr(store, "snapshot_path", None)
+        views = bool(getattr(store, "accepts_device_views", False))
         return cls(contains=has("contains"), reconciles=has("keys", "delete_values"),
                    frees_latents=has("free_skeleton"), tiered=has("tier_usages", "demote"),
-                   reads_paths=has("read_path") and bool(getattr(store, "accepts_device_views", False)),
+                   device_views=views, reads_paths=has("read_path") and views,
                    close=getattr(store, "close", None) or _nothing, flush=getattr(store, "flush", None) or _nothing,
                    snapshot_path=Path(path) if path is not None else None,
                    capacity_fix=getattr(store, "capacity_fix", "give the store more room"))

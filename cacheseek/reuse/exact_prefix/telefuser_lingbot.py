@@ -296,7 +296,7 @@ class LingBotWorldKVBinding(LiveChunks):
         key = node_key(parent.node_key, action)
         views = self.layout.tail_views(runtime, self.ring.chunk_size * self.ring.frame_tokens)
         latent = self._stored_latent(runtime, idx, denoised)
-        if getattr(self.manager.store, "accepts_device_views", False):
+        if self.manager.ctx.offers.device_views:
             payload = views
         else:
             payload = [(k.to("cpu", copy=True), v.to("cpu", copy=True)) for k, v in views]
