@@ -195,7 +195,8 @@ def run_one(store: str, argv: list[str]) -> None:
                 again = gate._request(stack, "B3", px, "P+X")
             row["b_hooks"] = {"wall_s": again.wall_s, "hit_depth": again.hit_depth, **totals,
                               "cacheseek_own_s": own_time(totals)}
-            print(f"  B again with its hooks timed: {again.wall_s:.3f} s, hooks {sum(totals.values()) - totals['copy_wait']:.3f} s"
+            print("  its parts (ms): " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in totals.items()), flush=True)
+            print(f"  B again with its hooks timed: {again.wall_s:.3f} s, hooks {own_time(totals) + totals['copy_wait']:.3f} s"
                   f" of which the copy wait {totals['copy_wait']:.3f} s: CacheSeek's own "
                   f"{own_time(totals) * 1e3:.1f} ms", flush=True)
         row["metrics"] = stack.metrics.as_dict()
