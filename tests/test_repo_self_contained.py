@@ -89,7 +89,7 @@ def test_netns_run_gives_a_private_namespace_and_the_command_status():
     assert out.returncode == 0, out.stderr
     names = sorted(line.split(":", 1)[0].strip() for line in out.stdout.splitlines() if ":" in line)
     assert names == ["fx0", "fx1", "lo"]
-    check = "from cacheseek.fluxon.netns import private_netns_problem as p; print(p())"
+    check = "from cacheseek.fluxon_service.netns import private_netns_problem as p; print(p())"
     out = subprocess.run(["bash", str(NETNS_RUN), sys.executable, "-c", check], capture_output=True, text=True,
                          timeout=60, cwd=REPO)
     assert out.returncode == 0 and out.stdout.strip() == "None", out.stdout + out.stderr  # what the service asks

@@ -113,7 +113,7 @@ def _config_error(exc: Any) -> str:
 
 def _import_service() -> Any:
     try:
-        from cacheseek.fluxon import service
+        from cacheseek.fluxon_service import service
     except ImportError as exc:
         raise SystemExit(_error(f"cannot import cacheseek ({exc}) (fix: python -m pip install -e . from "
                                 "the repository root)"))
@@ -136,7 +136,7 @@ def _started(args: argparse.Namespace) -> tuple[Any, Optional[int]]:
 
 def geometry_sizing(name: str, values: int, itemsize: int = 2) -> Any:
     """The dram rule for ``values`` of the geometry's largest value (a KV value or the latent)."""
-    from cacheseek.fluxon.owner_sizing import OwnerSizing
+    from cacheseek.fluxon_service.owner_sizing import OwnerSizing
     from cacheseek.runtime.geometry import get_geometry
 
     g = get_geometry(name)

@@ -202,7 +202,7 @@ def _refusal(args: argparse.Namespace) -> Optional[str]:
                     "(fix: add them, or --start-service for a private one)")
         return None
     from cacheseek.errors import ConfigError
-    from cacheseek.fluxon.service import fluxon_py_problem, private_netns_problem
+    from cacheseek.fluxon_service.service import fluxon_py_problem, private_netns_problem
     from cacheseek.sizes import parse_size
 
     try:
@@ -245,7 +245,7 @@ def coordinate(args: argparse.Namespace) -> int:
     progress = bar(3 if args.start_service else 2, "workers", unit="step")
     try:
         if args.start_service:
-            from cacheseek.fluxon.service import FluxonService
+            from cacheseek.fluxon_service.service import FluxonService
             from cacheseek.progress import ticking
 
             name = args.cluster_name or f"csworkers{os.getpid()}"

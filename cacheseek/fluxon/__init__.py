@@ -1,17 +1,12 @@
-"""Real Fluxon (the public fluxon-py 0.2.4 package): a local service and a bounded-time client.
+"""Real Fluxon (the public fluxon-py 0.2.4 package): a bounded-time client of a running service.
 
-One role a module:
-
-- the service: `service.FluxonService` starts and stops a single-node service (etcd, KV master,
-  owner) under one folder, used by ``tools/fluxon_service.py`` and the ``fluxon`` test fixture;
-  `config` (defaults, the master's and owner's configs), `etcd` (its binary, command line and
-  health), `netns` (the private network namespace it needs);
-- the client: `client.FluxonClient` attaches to a running service, every call bounded in time;
-  `owner` (finding the serving owner), `loader` (importing fluxon-py), `native_store` and
-  `native_output` (fluxon-py's native client and what it prints), `calls` (bounded calls),
-  `results` (Results to errors), `values` (the value format, `ValueView`), `held_views` (views
-  handed out, removes they hide), `segment` (the owner's segment as mapped here), `key_index`;
-- `errors`: the errors of both.
+One role a module: `client.FluxonClient` attaches to a running service, every call bounded in
+time; `owner` (finding the serving owner), `etcd` (its binary, command line and health),
+`loader` (importing fluxon-py), `native_store` and `native_output` (fluxon-py's native client and
+what it prints), `calls` (bounded calls), `results` (Results to errors), `values` (the value
+format, `ValueView`), `held_views` (views handed out, removes they hide), `segment` (the owner's
+segment as mapped here), `key_index`, `config` (the defaults clients attach with, and the
+master's and owner's configs); `errors`. Starting a service is `cacheseek.fluxon_service`'s.
 
 Importing this package costs nothing: fluxon-py (and numpy) are imported inside functions.
 """
@@ -24,20 +19,16 @@ from cacheseek.fluxon.errors import (
     FluxonValueTooLargeError,
 )
 from cacheseek.fluxon.loader import fluxon_runtime_info
-from cacheseek.fluxon.netns import private_netns_problem
 from cacheseek.fluxon.segment import SegmentMapping
-from cacheseek.fluxon.service import FluxonService
 from cacheseek.fluxon.values import ValueView
 
 __all__ = [
     "FluxonClient",
     "FluxonImportError",
-    "FluxonService",
     "FluxonServiceError",
     "FluxonUnavailableError",
     "FluxonValueTooLargeError",
     "SegmentMapping",
     "ValueView",
     "fluxon_runtime_info",
-    "private_netns_problem",
 ]

@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 from cacheseek.errors import CorruptValueError, StoreClosedError, StoreError
 from cacheseek.fluxon.client import FluxonClient
-from cacheseek.fluxon.service import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
+from cacheseek.fluxon.config import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
 from cacheseek.kv.handles import Tier
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum

@@ -454,7 +454,7 @@ def concurrent_scenario(cfg: dict, work: Path, rng: random.Random) -> dict[str, 
 
 def fluxon_problem() -> Optional[str]:
     """Why a real local Fluxon service cannot start here, or None."""
-    from cacheseek.fluxon.service import local_service_problem
+    from cacheseek.fluxon_service.service import local_service_problem
 
     return local_service_problem()
 
@@ -488,7 +488,7 @@ def fluxon_owner_kill9_round(cfg: dict, work: Path, rng: random.Random, kind: st
     reopened and reconciled, and sessions write and restore again. Run it in a process of its own
     (`fluxon_owner_kill9_scenario`): fluxon-py's side effects of the fault end that process."""
     name = f"{kind}_kill9"
-    from cacheseek.fluxon.service import FluxonService
+    from cacheseek.fluxon_service.service import FluxonService
 
     tag = f"{os.getpid()}{kind.replace('_', '')}"
     svc = FluxonService(work / f"{name}-{os.getpid()}", dram="64MiB", cluster_name=f"csfault{tag}",

@@ -73,7 +73,7 @@ def main() -> int:
 
     from cacheseek.fluxon.client import VALUE_FIELD, FluxonClient, fluxon_runtime_info
     from cacheseek.fluxon.values import writable_u8
-    from cacheseek.fluxon.service import FluxonService
+    from cacheseek.fluxon_service.service import FluxonService
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -240,7 +240,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("FLUXON_LOG", "warn")
     from cacheseek.fluxon.client import FluxonClient, fluxon_runtime_info
-    from cacheseek.fluxon.service import FluxonService
+    from cacheseek.fluxon_service.service import FluxonService
     from cacheseek.plan.embedded import EmbeddedPlanClient
     from cacheseek.plan.fluxon_public import FluxonPublicPlanClient
     from cacheseek.transfer.host_transfer import HostTransferRuntime

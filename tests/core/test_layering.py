@@ -22,7 +22,7 @@ LAYERS = {
     "sizes": 1, "registry": 1, "kv": 1, "progress": 1, "schema": 1, "weights": 1, "bounded_calls": 1,
     "sizing": 2, "namespace": 2, "eviction": 2, "transfer": 2, "fluxon": 2, "layout": 2,
     "hydra_errors": 2,
-    "metrics": 3, "plan": 3, "integrations": 3,
+    "metrics": 3, "plan": 3, "integrations": 3, "fluxon_service": 3,
     "runtime": 4, "stores": 4,
     "reuse": 5,
     "workloads": 6, "orchestrator": 6,

@@ -40,7 +40,7 @@ from typing import Optional
 
 import pytest
 
-from cacheseek.fluxon.service import FluxonService, local_service_problem
+from cacheseek.fluxon_service.service import FluxonService, local_service_problem
 
 # The Plan tests here reuse the Plan test kit (recording proxies, the cold ring, the fake Fluxon
 # with a Plan API) the way tests/plan/conftest.py does: from its folder on sys.path.

@@ -20,9 +20,9 @@ import pytest
 
 from cacheseek.errors import ConfigError, StoreClosedError, StoreError, StoreTimeoutError
 from cacheseek.fluxon import etcd as etcd_mod
-from cacheseek.fluxon import service as service_mod
+from cacheseek.fluxon_service import service as service_mod
 from cacheseek.fluxon.client import FluxonClient, FluxonUnavailableError
-from cacheseek.fluxon.service import (
+from cacheseek.fluxon_service.service import (
     FluxonService,
     FluxonServiceError,
     parse_size,

@@ -36,9 +36,9 @@ The owner's shared-memory segment is ``<share_mem_path>/<cluster_name>/mmap.file
 ``cluster_name`` and ``share_mem_path`` (`attach_info`).
 
 Its parts live beside it: the configs handed to Fluxon (`cacheseek.fluxon.config`), the child
-processes and their logs (`cacheseek.fluxon.children`), the etcd binary and health checks
+processes and their logs (`cacheseek.fluxon_service.children`), the etcd binary and health checks
 (`cacheseek.fluxon.etcd`), the namespace check
-(`cacheseek.fluxon.netns`); this module re-exports what ``tools/fluxon_service.py`` reaches
+(`cacheseek.fluxon_service.netns`); this module re-exports what ``tools/fluxon_service.py`` reaches
 through it.
 
 Lifecycle::
@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from cacheseek.errors import ConfigError
-from cacheseek.fluxon.children import Children, free_ports
+from cacheseek.fluxon_service.children import Children, free_ports
 from cacheseek.fluxon.config import (
     DEFAULT_CLUSTER_NAME,
     DEFAULT_SHARE_MEM_PATH,
@@ -87,9 +87,9 @@ from cacheseek.fluxon.config import (
 from cacheseek.fluxon.errors import FluxonServiceError
 from cacheseek.fluxon.etcd import etcd_command, etcd_healthy, live_endpoints, resolve_etcd_binary
 from cacheseek.fluxon.loader import fluxon_py_problem
-from cacheseek.fluxon.netns import private_netns_problem
+from cacheseek.fluxon_service.netns import private_netns_problem
 from cacheseek.fluxon.owner import SHARED_JSON
-from cacheseek.fluxon.owner_sizing import OwnerSizing
+from cacheseek.fluxon_service.owner_sizing import OwnerSizing
 from cacheseek.sizes import format_size, parse_size
 
 log = logging.getLogger(__name__)
