@@ -117,6 +117,7 @@ def test_telefuser_480p_benchmark_smoke(tmp_path):
     tiny = ["runtime.n_layers=1", "runtime.n_heads=1", "runtime.head_dim=14", "runtime.ffn_dim=32",
             "runtime.text_dim=16", "runtime.text_layers=1", "runtime.height=32", "runtime.width=32"]
     res = load("telefuser_480p").main(["device=cpu", "stores=[nocache,fluxon_plan]", f"out_dir={tmp_path}",
+                                       "store_timeout_s=600", "budget_s=1500",
                                        "runtime_overrides=[" + ",".join(f"'{o}'" for o in tiny) + "]"])
     plan = res["stores"]["fluxon_plan"]
     assert plan["returncode"] == 0 and plan["passed"] and plan["b_profiled"]["hit_depth"] == 3

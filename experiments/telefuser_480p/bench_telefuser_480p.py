@@ -117,6 +117,10 @@ def run_one(store: str, argv: list[str]) -> None:
         hcfg = hydra_compose(config_name="config", overrides=overrides)
     row: dict[str, Any] = {"store": store, "overrides": overrides}
     sync = _sync(cfg.device)
+    if str(cfg.device) == "cpu" and cfg.cpu_threads:
+        import torch
+
+        torch.set_num_threads(int(cfg.cpu_threads))
 
     t0 = time.perf_counter()
     stack = build_stack(hcfg, run_dir=out_dir / f"run_{store}", note=lambda line: print(f"  {line}", flush=True))
