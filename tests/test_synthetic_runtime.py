@@ -61,7 +61,7 @@ def test_presets_have_the_reference_sizes():
     lb = GEOMETRIES["lingbot_480p"]
     assert lb.frame_tokens == 1560 and lb.chunk_tokens == 4680 and lb.hidden == 5120
     assert lb.kv_shape_per_chunk == (1, 4680, 40, 128)
-    assert lb.kv_nbytes_per_chunk(2) == 47_923_200
+    assert lb.kv_nbytes_per_chunk(2) == 47_923_200 and lb.chunk_kv_nbytes(2) == 3_833_856_000  # 3.57 GiB
     assert lb.latent_shape == (1, 16, 3, 60, 104)
     assert lb.latent_nbytes(2) == 599_040
     assert get_geometry("small").frame_tokens == 16

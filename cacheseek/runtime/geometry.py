@@ -95,6 +95,10 @@ class Geometry:
         """Bytes of one layer's K (or V) for one chunk; `itemsize` 2 for bf16/fp16."""
         return self.chunk_tokens * self.hidden * itemsize
 
+    def chunk_kv_nbytes(self, itemsize: int = 2) -> int:
+        """Bytes of one chunk's KV: K and V of every layer (3.57 GiB at lingbot_480p)."""
+        return 2 * self.n_layers * self.kv_nbytes_per_chunk(itemsize)
+
     def latent_nbytes(self, itemsize: int = 2) -> int:
         """Bytes of one chunk's latent."""
         return self.latent_channels * self.chunk_size * self.latent_h * self.latent_w * itemsize

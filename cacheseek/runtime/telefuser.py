@@ -56,7 +56,7 @@ from cacheseek.runtime.geometry import Geometry, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.telefuser_logs import route_telefuser_logs
 
-__all__ = ["TeleFuserRuntimeFactory", "TeleFuserSession", "camera_path"]
+__all__ = ["TeleFuserRuntimeFactory", "TeleFuserSession", "camera_path", "frame_hash"]
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +142,7 @@ class TeleFuserRuntimeFactory:
         self.layout: Any = None
         self._adapter: Any = None
         self._weights: Optional[bytes] = None
+        self._vae_cache_bytes: Optional[int] = None  # the Wan decoder's feature cache, estimated once
         self.build_timings: dict[str, float] = {}  # the DiT's build and its fingerprint, once built
 
     # the settings the orchestrator and workloads read
@@ -201,8 +202,9 @@ class TeleFuserRuntimeFactory:
         activations = 8 * g.chunk_tokens * max(spec.ffn_dim, g.hidden) * 4 + self.ACTIVATION_HEADROOM
         reserve = [("ring", ring), ("activations", activations)]
         if self._parts["vae"] == "wan":  # its causal cache between chunks, and twice that for a decode's activations
-            cache = feature_cache_bytes(self._pipeline.vae.vae, height=self.height, width=self.width)
-            reserve.append(("Wan VAE decode", 3 * cache))
+            if self._vae_cache_bytes is None:
+                self._vae_cache_bytes = feature_cache_bytes(self._pipeline.vae.vae, height=self.height, width=self.width)
+            reserve.append(("Wan VAE decode", 3 * self._vae_cache_bytes))
         return reserve
 
     @property
@@ -341,8 +343,7 @@ class TeleFuserSession:
                 self.pipeline.generate_next_chunk(self.runtime)
             else:
                 self._stream.run(self.next_chunk, self._controls[self.next_chunk])
-            frames = vae.last_frames.detach().to("cpu").contiguous()
-            self.frame_hashes.append(hashlib.sha256(_raw(frames)).digest())
+            self.frame_hashes.append(frame_hash(vae.last_frames))
             self.latents.append(vae.last_latent)
             self.next_chunk += 1
         if self._stream is not None and self.next_chunk == self.total_chunks:
@@ -416,10 +417,13 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize(device)
 
 
-def _raw(t: Any) -> bytes:
+def frame_hash(frames: Any) -> bytes:
+    """A chunk's frame hash: sha256 of the decoded frames' bytes (any device), taken before
+    TeleFuser's uint8 conversion so that one changed latent bit shows."""
     import torch
 
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+    raw = frames.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(raw).digest()
 
 
 def _pil_image(image: Any, width: int, height: int) -> Any:

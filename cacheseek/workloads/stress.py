@@ -206,7 +206,7 @@ class StressWorkload:
             return None
         g = stack.runtime_factory.geometry
         item = _ITEMSIZE[stack.runtime_factory.dtype]
-        chunk = 2 * g.n_layers * g.kv_nbytes_per_chunk(item) + g.latent_nbytes(item)
+        chunk = g.chunk_kv_nbytes(item) + g.latent_nbytes(item)
         store.capacity_bytes = self.capacity_chunks * chunk
         log.info("stress: store %s bounded to %d chunks = %d B", stack.store_name,
                  self.capacity_chunks, store.capacity_bytes)

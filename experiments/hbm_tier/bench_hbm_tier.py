@@ -46,7 +46,7 @@ def chunk_sizes(geometry: str) -> dict[str, int]:
     kv = g.kv_nbytes_per_chunk(2)
     lat = g.latent_nbytes(2)
     block = lambda n: -(-n // ALIGN) * ALIGN  # noqa: E731
-    return {"kv_value": kv, "chunk_kv": 2 * g.n_layers * kv, "latent": lat,
+    return {"kv_value": kv, "chunk_kv": g.chunk_kv_nbytes(2), "latent": lat,
             "stored": 2 * g.n_layers * block(kv) + block(lat)}
 
 

@@ -125,7 +125,7 @@ def main(argv: list[str]) -> dict:
         finally:
             stack.close()
         bs = runs["B"]
-        chunk_bytes = 2 * stack.runtime_factory.geometry.n_layers * stack.runtime_factory.geometry.kv_nbytes_per_chunk(2)
+        chunk_bytes = stack.runtime_factory.geometry.chunk_kv_nbytes(2)
         computed = median(cold_s[1:])
         restored = median([t for b in bs for t in b["chunk_s"][1:]])
         restore_only = median([t for b in bs for t in b["restore_s"][1:]])

@@ -172,8 +172,7 @@ def run_one(store: str, argv: list[str]) -> None:
             import frames_cache
 
             m = frames_cache.measure(factory, last[0], sync)
-            g = factory.geometry  # a chunk's KV: K and V of every layer
-            m["savings"] = frames_cache.savings(m, kv_bytes_per_chunk=2 * g.n_layers * g.kv_nbytes_per_chunk(),
+            m["savings"] = frames_cache.savings(m, kv_bytes_per_chunk=factory.geometry.chunk_kv_nbytes(),
                                                 hit=len(gate.P))
             row["frames_cache"] = m
             print(f"  frames cache: decode {sum(m['decode_s']):.3f} s + tensor2video {sum(m['tensor2video_s']):.3f} s "

@@ -25,7 +25,6 @@ store bytes added against the KV's, for the bench's table.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Any, Callable
 
@@ -36,6 +35,8 @@ def measure(factory: Any, session: Any, sync: Callable[[], None]) -> dict:
     import numpy as np
     import torch
     from PIL import Image
+
+    from cacheseek.runtime.telefuser import frame_hash
 
     pipeline = factory.pipeline
     vae = pipeline.vae.vae  # TeleFuser's WanVideoVAE under the recorder
@@ -61,8 +62,7 @@ def measure(factory: Any, session: Any, sync: Callable[[], None]) -> dict:
     frames, caches = [], []
     for k, latent in enumerate(session.latents):
         decoded, wall = timed(lambda: decode(latent, k == 0))
-        digest = hashlib.sha256(decoded.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        out["replay_equals_session"].append(digest.digest() == session.frame_hashes[k])
+        out["replay_equals_session"].append(frame_hash(decoded) == session.frame_hashes[k])
         images, t2v = timed(lambda: pipeline.tensor2video(decoded))
         kept = np.stack([np.asarray(image) for image in images])  # what a restored chunk would hand out
         start = time.perf_counter()

@@ -46,6 +46,8 @@ def test_the_real_parts_are_telefusers_own_and_seeded(factory):
     assert isinstance(encoder, WanTextEncoder) and len(encoder.blocks) == 1 and encoder.dim == 32
     assert "Wan VAE, umT5 x1" in factory.describe()["model"] and factory.parts["vae"] == "wan"
     assert set(factory.build_timings["parts_parameters"]) == {"vae", "text_encoder"}
+    reserve = factory.device_reserve(3)  # the decoder cache, estimated once, beside the ring
+    assert reserve[-1][0] == "Wan VAE decode" and reserve[-1][1] > 0 and factory.device_reserve(3) == reserve
 
     same = TeleFuserRuntimeFactory(**REAL).pipeline
     other = TeleFuserRuntimeFactory(**REAL, weight_seed=1).pipeline
