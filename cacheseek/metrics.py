@@ -3,7 +3,9 @@ into it); shown in the CLI report and written to ``results.json`` under ``"metri
 
 Who records what:
 
-- the manager: lookups and their outcome (miss, below break-even, hit of depth K, full or
+- the manager: the shared index (``index_*``: probes of the store's chunk records, chunks adopted
+  from them, records published; the store's own record counters and probe latency under
+  ``records``), lookups and their outcome (miss, below break-even, hit of depth K, full or
   partial), a live session's chunks restored instead of computed (``live_lookups``, ``live_hits``
   by chunk index, ``live_misses``, ``live_restore_failures``; each live restore also counts in
   ``restores`` and ``restore_bytes``), restores (bytes, seconds, retries after invalidation, failures), writes (bytes and
@@ -58,6 +60,11 @@ class CacheMetrics:
     restore_seconds: float = 0.0
     restore_retries: int = 0
     restore_failures: int = 0
+    index_probes: int = 0  # batched probes of the store's chunk records (the shared index)
+    index_keys_probed: int = 0
+    index_adopted: int = 0  # chunks found there (another process's, or a previous run's) and adopted
+    index_published: int = 0  # records this manager published (its chunks made findable)
+    index_recheck_misses: int = 0  # restores whose chunk's record went while they read: a miss
     writes: int = 0
     write_bytes: int = 0
     write_seconds: float = 0.0
@@ -161,6 +168,9 @@ class CacheMetrics:
         out["failed_writes"] = _first(stats, "failed_writes", "put_failures", default=0)
         out["pending_writes"] = _first(stats, "pending_writes", default=0)
         out["registration_seconds"] = _first(stats, "register_seconds", default=0.0)
+        records = getattr(store, "records", None) if store is not None else None
+        if records is not None and records.shared:
+            out["records"] = records.stats.as_dict()
         if isinstance(stats.get("tiers"), list):  # a tiered store: capacity and traffic per tier
             out["tiers"] = [{k: v for k, v in row.items() if k != "store"} for row in stats["tiers"]]
         if samples is not None:

@@ -60,6 +60,7 @@ from cacheseek.metrics import CacheMetrics
 from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, instantiate
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager, load_forest_snapshot, save_forest_snapshot
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config, make_rolling_config
+from cacheseek.reuse.exact_prefix.config import SharedIndexConfig
 from cacheseek.sizes import format_size
 from cacheseek.stores.base import TierStore
 from cacheseek.transfer.protocol import TransferRuntime
@@ -91,10 +92,15 @@ class Stack:
     def eviction_config(self):
         return _eviction_config(self.cfg)
 
-    def new_manager(self, forest: Any = None):
+    def new_manager(self, forest: Any = None, *, shared_index: bool = True):
+        """A manager on this stack's store (its forest, or ``forest``). ``shared_index`` False:
+        it finds only what its own trie holds (a cold reference run on a fresh forest)."""
+        index = SharedIndexConfig.from_conf(self.cfg.manager.get("shared_index"))
+        if not shared_index:
+            index = SharedIndexConfig(enabled=False, window=index.window)
         return WorldKVManager(forest if forest is not None else self.forest, self.store,
                               self.manager_config(), eviction=self.eviction_config(),
-                              metrics=self.metrics)
+                              metrics=self.metrics, shared_index=index)
 
     def new_binding(self, manager: Any = None, *, ingest_enabled: bool = True):
         manager = manager if manager is not None else self.new_manager()
@@ -154,6 +160,7 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
     layout = _build_layout(cfg.layout, runtime_factory)
     _manager_config(cfg, runtime_factory)  # the manager section against the runtime, before any store
     _eviction_config(cfg)
+    SharedIndexConfig.from_conf(cfg.manager.get("shared_index"))
     fields = namespace.resolve_fields(
         None if cfg.namespace.fields is None else list(cfg.namespace.fields))
 

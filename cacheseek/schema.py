@@ -28,9 +28,19 @@ class EvictionConf:
 
 
 @dataclasses.dataclass
+class SharedIndexConf:
+    """``manager.shared_index``: lookups past the local trie ask the store's chunk records,
+    ``window`` keys a probe (`cacheseek.reuse.exact_prefix.config.SharedIndexConfig`)."""
+
+    enabled: bool = True
+    window: int = 8
+
+
+@dataclasses.dataclass
 class ManagerConf:
     break_even_k: int = 1
     eviction: EvictionConf = dataclasses.field(default_factory=EvictionConf)
+    shared_index: SharedIndexConf = dataclasses.field(default_factory=SharedIndexConf)
 
 
 @dataclasses.dataclass

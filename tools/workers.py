@@ -113,7 +113,7 @@ def run_worker(role: str, overrides: list[str], snapshot: Path, out: Path, run_d
             result["loaded_ready_nodes"] = sum(n.has_kv for ns in stack.forest.namespaces() for n in ns.iter_nodes())
             b = _request(stack, "B", gate.P + gate.X, "P+X", n)
             c = _request(stack, "C", gate.P + gate.Y, "P+Y", n)
-            fresh = stack.new_manager(forest=NamespaceForest())
+            fresh = stack.new_manager(forest=NamespaceForest(), shared_index=False)
             d = _request(stack, "D", gate.P + gate.Y, "P+Y", n, manager=fresh, ingest=False)
             result["requests"] = [b, c, d]
         result["metrics"] = stack.metrics.as_dict()

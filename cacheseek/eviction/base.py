@@ -35,6 +35,7 @@ from typing import Any, Optional, Protocol
 import attrs
 
 from cacheseek.errors import ConfigError
+from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 
 __all__ = [
     "StoreUsage",
@@ -100,7 +101,8 @@ class StoreOffers:
     `TieredStore`), ``device_views`` (it takes the ring's device views as a chunk's payload and
     copies them itself), ``reads_paths`` (and restores whole paths into device views); ``close`` and
     ``flush`` (no-ops where it has none), the forest snapshot a persistent store keeps
-    (``snapshot_path``), and the fix to print when its capacity cannot hold a chunk."""
+    (``snapshot_path``), the fix to print when its capacity cannot hold a chunk, and its chunk
+    ``records`` (`ChunkRecords`: the shared index; `NO_RECORDS` where it keeps none)."""
 
     contains: bool
     reconciles: bool
@@ -112,6 +114,7 @@ class StoreOffers:
     flush: Callable[[], Any]
     snapshot_path: Optional[Path]
     capacity_fix: str
+    records: ChunkRecords = NO_RECORDS
 
     @classmethod
     def of(cls, store: Any) -> "StoreOffers":
@@ -125,7 +128,8 @@ class StoreOffers:
                    device_views=views, reads_paths=has("read_path") and views,
                    close=getattr(store, "close", None) or _nothing, flush=getattr(store, "flush", None) or _nothing,
                    snapshot_path=Path(path) if path is not None else None,
-                   capacity_fix=getattr(store, "capacity_fix", "give the store more room"))
+                   capacity_fix=getattr(store, "capacity_fix", "give the store more room"),
+                   records=getattr(store, "records", None) or NO_RECORDS)
 
 
 def _nothing() -> None:

@@ -45,7 +45,10 @@ class BlobHandle:
     Mutable by design (the store's completion callback flips it ready). ``error`` holds the
     exception of a failed write; such a handle never becomes ready. ``pairs``: every layer is a
     ``(k, v)`` pair, stored as two values; False when the layers are other objects (upstream's
-    tests store a string per layer), stored as one value each.
+    tests store a string per layer), stored as one value each. ``digests``: each value's
+    checksum, where the store checksums its values: set by the store's write before the handle
+    is ready (the chunk's record carries them), or from the record a handle was adopted from (a
+    read checks each value against it); None where the store keeps none.
     """
 
     tier: Tier
@@ -55,6 +58,7 @@ class BlobHandle:
     ready: bool = False
     error: Optional[BaseException] = None
     pairs: bool = True
+    digests: Optional[dict[str, str]] = None
 
     @property
     def state(self) -> BlobState:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["kv_locator", "latent_locator", "layer_keys", "object_key", "blob_keys"]
+__all__ = ["kv_locator", "latent_locator", "layer_keys", "object_key", "blob_keys", "node_key_of"]
 
 
 def kv_locator(key: bytes) -> str:
@@ -22,6 +22,12 @@ def kv_locator(key: bytes) -> str:
 
 def latent_locator(key: bytes) -> str:
     return f"{key.hex()}:lat"
+
+
+def node_key_of(locator: str) -> bytes:
+    """The node key a KV locator ``{hex}:kv`` (or a latent locator ``{hex}:lat``) was made from."""
+    head, _, _ = locator.partition(":")
+    return bytes.fromhex(head)
 
 
 def layer_keys(locator: str, layer: int) -> tuple[str, str]:

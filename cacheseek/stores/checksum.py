@@ -34,7 +34,7 @@ import xxhash
 
 from cacheseek.errors import CorruptValueError
 
-__all__ = ["FIELD", "seal", "unseal", "Sealed", "digest"]
+__all__ = ["FIELD", "seal", "unseal", "Sealed", "digest", "claimed_digest"]
 
 FIELD = "xxh3"
 
@@ -85,6 +85,11 @@ class Sealed:
         if got != self.claimed:
             raise CorruptValueError(self.key, f"checksum mismatch (stored {self.claimed}, computed {got} for "
                                     "this key): damaged, or another key's value")
+
+
+def claimed_digest(header: bytes) -> str:
+    """The checksum a header `seal` made carries (its ``xxh3`` field)."""
+    return json.loads(header)[FIELD]
 
 
 def unseal(key: str, header: bytes) -> Sealed:

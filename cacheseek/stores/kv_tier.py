@@ -45,6 +45,16 @@ store that evicts by itself (Fluxon) reports the failure on the handle and caps 
 Optional capabilities for the manager: ``contains(keys)`` (which values exist, without reading
 them where the backend has ``exists``) and ``free_skeleton``.
 
+Chunk records (`cacheseek.kv.records`, the shared index): ``records`` is what the tier's medium
+offers other processes (none by default; LocalDisk keeps them as files, the in-memory tier in a
+dict its managers share, the Fluxon tier in the service's etcd). A backend that checksums its
+values (``checks_digests``: LocalDisk, Fluxon) returns each value's checksum from ``write``; the
+tier puts them on the handle (``BlobHandle.digests``) before it is ready, the manager copies them
+into the chunk's record, and a read of a blob whose handle carries them (adopted from a record)
+passes each to ``read(key, expect)``: a value another writer replaced with other bytes is a
+corrupt value, so a chunk is never mixed from two writers. ``free`` retracts the chunk's record
+before it removes a value.
+
 Stalled media: with ``op_timeout_s`` (LocalDisk: ``store.op_timeout_s``) every backend call
 (write, read, delete, exists, listing) runs through `BoundedCalls`: a call that does not return
 within the bound is a `StoreTimeoutError` for its caller (a read is a failed restore and the
@@ -81,8 +91,9 @@ from cacheseek.errors import (
 )
 from cacheseek.eviction.base import StoreUsage
 from cacheseek.kv.handles import BlobHandle, Tier, kv_pairs
-from cacheseek.kv.locators import blob_keys, layer_keys, object_key
+from cacheseek.kv.locators import blob_keys, layer_keys, node_key_of, object_key
 from cacheseek.kv.payload import layer_nbytes, payload_nbytes
+from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 from cacheseek.sizes import AUTO, available_memory, parse_size
 from cacheseek.sizing import SizeField
 from cacheseek.stores.flush import wait_drained
@@ -97,9 +108,14 @@ __all__ = ["ValueBackend", "KeyValueTier", "TierStats"]
 class ValueBackend(Protocol):
     """Where a generic tier's values live. Values are CPU tensors or plain Python objects."""
 
-    def write(self, key: str, value: Any) -> None: ...
+    def write(self, key: str, value: Any) -> Any:
+        """Store ``value``; a backend with ``checks_digests`` returns the value's checksum."""
+        ...
 
-    def read(self, key: str) -> Optional[Any]: ...
+    def read(self, key: str) -> Optional[Any]:
+        """The value or None. A backend with ``checks_digests`` takes ``expect`` (a checksum
+        ``write`` returned) and raises `CorruptValueError` when the value's differs."""
+        ...
 
     def delete(self, key: str) -> None:
         """Remove ``key``; a missing key is not an error."""
@@ -156,8 +172,11 @@ class KeyValueTier:
         name: str = "tier",
         capacity_bytes: Optional[int] = None,
         op_timeout_s: Optional[float] = None,
+        records: ChunkRecords = NO_RECORDS,
     ) -> None:
         self.backend = backend
+        self.records = records
+        self._digests = bool(getattr(backend, "checks_digests", False))  # decided once, here
         self._calls = None if op_timeout_s is None else BoundedCalls(
             op_timeout_s, name=name, field="store.op_timeout_s", hint=" (a stalled disk or file system?)")
         self.name = name
@@ -179,16 +198,16 @@ class KeyValueTier:
             return fn()
         return self._calls.run(op, fn, key=key, on_late=on_late)
 
-    def _write(self, key: str, value: Any) -> None:
-        """One bounded backend write; one that lands after its caller gave up is removed again
-        unless a later write reserved the key meanwhile."""
+    def _write(self, key: str, value: Any) -> Any:
+        """One bounded backend write (its checksum, where the backend has one); one that lands
+        after its caller gave up is removed again unless a later write reserved the key meanwhile."""
         def late(_: Any, error: Optional[BaseException]) -> None:
             if error is None:
                 with self._lock:
                     if key not in self._ledger.sizes:
                         self.backend.delete(key)
 
-        self._io("write", lambda: self.backend.write(key, value), key, on_late=late)
+        return self._io("write", lambda: self.backend.write(key, value), key, on_late=late)
 
     def _delete(self, key: str) -> None:
         self._io("delete", lambda: self.backend.delete(key), key)
@@ -243,10 +262,13 @@ class KeyValueTier:
     ) -> None:
         t0 = time.perf_counter()
         touched: list[str] = []
+        digests: dict[str, str] = {}
         try:
             for key, value in items:
                 touched.append(key)  # before the write: a failed write may leave part of it
-                self._write(key, value)
+                digest = self._write(key, value)
+                if self._digests and isinstance(digest, str):
+                    digests[key] = digest
         except BaseException as exc:  # noqa: BLE001 - every failure is surfaced on the handle
             removed = []
             for key in touched:
@@ -272,6 +294,7 @@ class KeyValueTier:
             self.stats.puts += 1
             self.stats.put_bytes += handle.nbytes
             self.stats.put_seconds += time.perf_counter() - t0
+        handle.digests = digests or None
         handle.ready = True
         try:
             if on_ready is not None:
@@ -362,10 +385,15 @@ class KeyValueTier:
         self._check_open()
         return self._read(locator)
 
-    def _read(self, key: str) -> Optional[Any]:
-        """The backend's value, or None when it is missing or corrupt (then it is removed)."""
+    def _read(self, key: str, expect: Optional[str] = None) -> Optional[Any]:
+        """The backend's value, or None when it is missing or corrupt (then it is removed);
+        ``expect``: the checksum the chunk's record names (a backend with ``checks_digests``)."""
+        if expect is not None and self._digests:
+            read = lambda: self.backend.read(key, expect)  # noqa: E731
+        else:
+            read = lambda: self.backend.read(key)  # noqa: E731
         try:
-            return self._io("read", lambda: self.backend.read(key), key)
+            return self._io("read", read, key)
         except CorruptValueError as exc:
             log.error("%s: %s; removing it and reading it as missing", self.name, exc)
             with self._lock:
@@ -386,13 +414,15 @@ class KeyValueTier:
             raise IndexError(f"layer {layer} out of range for a blob of {handle.n_layers} layers")
         t0 = time.perf_counter()
         out: Any
+        expect = handle.digests or {}
         if handle.pairs:
             kk, vk = layer_keys(handle.locator, layer)
-            k = self._read(kk)
-            v = self._read(vk) if k is not None else None
+            k = self._read(kk, expect.get(kk))
+            v = self._read(vk, expect.get(vk)) if k is not None else None
             out = None if k is None or v is None else (k, v)
         else:
-            out = self._read(object_key(handle.locator, layer))
+            key = object_key(handle.locator, layer)
+            out = self._read(key, expect.get(key))
         if out is None:
             return None
         with self._lock:
@@ -407,6 +437,7 @@ class KeyValueTier:
         self._check_open()
         if handle.in_flight:
             raise WriteNotCompleteError(f"{handle.locator}: write still in flight; cannot free")
+        self.records.retract(node_key_of(handle.locator))  # unfindable first, then its values go
         for key in blob_keys(handle.locator, handle.n_layers, pairs=handle.pairs):
             self._delete(key)
             with self._lock:

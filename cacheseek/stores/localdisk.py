@@ -62,11 +62,15 @@ import re
 import secrets
 import sys
 import threading
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 from cacheseek.errors import ConfigError, CorruptValueError, StoreError, StoreFullError
+from cacheseek.eviction.base import StoreUsage
 from cacheseek.kv.handles import Tier
+from cacheseek.kv.records import RECORD_SUFFIX, ChunkRecords
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum
 from cacheseek.stores.root_files import NotRegularError, RootFolder
@@ -117,7 +121,37 @@ def _is_value_name(name: str) -> bool:
     return "." not in name
 
 
-_TEMP_NAME = re.compile(r"\A\.[A-Za-z0-9_%-]+\.[A-Za-z0-9_]{6,32}\.tmp\Z")  # .{value}.{token}.tmp
+# .{value}.{token}.tmp; the token of this version is w{pid}x{random} (its writer's process)
+_TEMP_NAME = re.compile(r"\A\.[A-Za-z0-9_%-]+\.([A-Za-z0-9_]{6,32})\.tmp\Z")
+_WRITER = re.compile(r"\Aw(\d{1,10})x[0-9a-f]{8,16}\Z")
+TEMP_GRACE_S = 3600.0  # a temp file whose writer cannot be told from its name is kept this long
+
+
+def temp_name(name: str) -> str:
+    """The temp file a write of value file ``name`` goes through, named for this process."""
+    return f".{name}.w{os.getpid()}x{secrets.token_hex(6)}.tmp"
+
+
+def _writer_gone(name: str, age_s: float) -> bool:
+    """Whether the temp file ``name`` is an interrupted write: its writer (named in it) is no
+    longer running on this host, or, for a name without a writer, older than `TEMP_GRACE_S`.
+    Never another live process's write in flight."""
+    m = _TEMP_NAME.match(name)
+    if m is None:
+        return False
+    w = _WRITER.match(m.group(1))
+    if w is None:
+        return age_s > TEMP_GRACE_S
+    pid = int(w.group(1))
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
 
 
 def _tensor_bytes(t: Any) -> memoryview:
@@ -135,6 +169,7 @@ class DiskBackend:
     """`ValueBackend` over files under ``root``; see the module docstring for the format."""
 
     full_caps_tier = True  # ENOSPC caps the tier at what it holds (`KeyValueTier`)
+    checks_digests = True  # write returns each value's checksum; read checks one (`KeyValueTier`)
 
     def __init__(self, root: Path, *, fsync: bool = True) -> None:
         self.root = root
@@ -161,24 +196,39 @@ class DiskBackend:
 
     # -- ValueBackend -------------------------------------------------------------------------
 
-    def write(self, key: str, value: Any) -> None:
-        header, body = self._encode(key, value)
+    def write(self, key: str, value: Any) -> str:
+        """Write ``key``'s file atomically (replacing one that is there); the value's checksum."""
+        return self._put(key, value, replace=True)[1]
+
+    def write_new(self, key: str, value: Any) -> bool:
+        """Write ``key``'s file unless one is there (the first writer wins); whether it was written."""
+        return self._put(key, value, replace=False)[0]
+
+    def _put(self, key: str, value: Any, *, replace: bool) -> tuple[bool, str]:
+        header, body, digest = self._encode(key, value)
         shard, name = _place(key)
         path = self.root / shard / name
         tmp: Optional[str] = None
+        stored = True
         try:
             with self.folder.shard(shard, create=True) as sfd:
                 try:
-                    tmp = f".{name}.{secrets.token_hex(8)}.tmp"
+                    tmp = temp_name(name)
                     with os.fdopen(RootFolder.create_file(sfd, tmp), "wb") as f:
                         f.write(header)
                         f.write(body)
                         if self.fsync:
                             f.flush()
                             os.fsync(f.fileno())
-                    os.replace(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd)
-                    tmp = None
-                    if self.fsync:
+                    if replace:
+                        os.replace(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd)
+                        tmp = None
+                    else:
+                        try:
+                            os.link(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd, follow_symlinks=False)
+                        except FileExistsError:
+                            stored = False
+                    if self.fsync and stored:
                         os.fsync(sfd)
                 finally:
                     if tmp is not None:
@@ -194,8 +244,9 @@ class DiskBackend:
             raise StoreError(f"localdisk: cannot write {path}: {exc}") from exc
         except NotRegularError as exc:
             raise StoreError(f"localdisk: cannot write {path}: {exc}") from exc
+        return stored, digest
 
-    def read(self, key: str) -> Optional[Any]:
+    def read(self, key: str, expect: Optional[str] = None) -> Optional[Any]:
         shard, name = _place(key)
         path = self.root / shard / name
         try:
@@ -209,7 +260,7 @@ class DiskBackend:
             return None
         with os.fdopen(fd, "rb") as f:
             try:
-                return self._decode(key, path, f)
+                return self._decode(key, path, f, expect)
             except CorruptValueError as exc:
                 if str(path) in exc.problem:
                     raise
@@ -229,8 +280,18 @@ class DiskBackend:
         except OSError as exc:
             raise StoreError(f"localdisk: cannot delete {self.root / shard / name}: {exc}") from exc
 
-    def keys(self) -> list[str]:
-        return sorted(key for key, _ in self._stored())
+    def keys(self, older_than_s: float = 0.0) -> list[str]:
+        """Every value's key; with ``older_than_s``, only files at least that old."""
+        if older_than_s <= 0:
+            return sorted(key for key, _ in self._stored())
+        cutoff = time.time() - older_than_s
+        out = []
+        for shard in self.folder.shard_names():
+            with self.folder.shard(shard) as fd:
+                if fd is not None:
+                    out.extend(decode_key(n) for n, _, mtime in self.folder.files_aged(fd)
+                               if _is_value_name(n) and mtime <= cutoff)
+        return sorted(out)
 
     def exists(self, key: str) -> bool:
         shard, name = _place(key)
@@ -271,10 +332,10 @@ class DiskBackend:
         temp files (`RootFolder`). ConfigError naming ``store.root`` on failure, the lock released."""
         self.folder.open()
         try:
-            self.folder.probe(f".probe-{os.getpid()}-{threading.get_ident()}")
+            self.folder.probe(f".probe-{os.getpid()}-{secrets.token_hex(6)}")
             self._lock_fd = self.folder.lock(_LOCK_NAME)
             self.folder.refuse_planted()
-            for path in self.folder.sweep(_TEMP_NAME):
+            for path in self.folder.sweep(_writer_gone):
                 log.warning("localdisk: removed the temp file of an interrupted write: %s", path)
         except ConfigError:
             self.close()
@@ -285,11 +346,12 @@ class DiskBackend:
 
     # -- format -------------------------------------------------------------------------------
 
-    def _encode(self, key: str, value: Any) -> tuple[bytes, Any]:
-        """``(header, body)``: the file's first bytes (magic, length, sealed JSON) and its payload."""
+    def _encode(self, key: str, value: Any) -> tuple[bytes, Any, str]:
+        """``(header, body, checksum)``: the file's first bytes (magic, length, sealed JSON), its
+        payload, and the checksum the header carries."""
         meta, body = self._meta(key, value)
         header = checksum.seal(key, meta, body)
-        return MAGIC + _HLEN.pack(len(header)) + header, body
+        return MAGIC + _HLEN.pack(len(header)) + header, body, checksum.claimed_digest(header)
 
     def stored_nbytes(self, key: str, value: Any) -> int:
         """The size of the file ``write(key, value)`` makes (the unit of the tier's usage)."""
@@ -324,7 +386,7 @@ class DiskBackend:
         meta["nbytes"] = memoryview(body).nbytes
         return meta, body
 
-    def _decode(self, key: str, path: Path, f: Any) -> Any:
+    def _decode(self, key: str, path: Path, f: Any, expect: Optional[str] = None) -> Any:
         def corrupt(problem: str) -> CorruptValueError:
             return CorruptValueError(key, f"file {path}: {problem}")
 
@@ -336,6 +398,9 @@ class DiskBackend:
         if _PREFIX + hlen > size:
             raise corrupt(f"{size} bytes on disk, shorter than its header (truncated)")
         sealed = checksum.unseal(key, f.read(hlen))
+        if expect is not None and sealed.claimed != expect:
+            raise corrupt(f"checksum {sealed.claimed} is not the {expect} its chunk's record names "
+                          "(another writer's bytes)")
         meta = sealed.meta
         try:
             kind, nbytes = meta["kind"], int(meta["nbytes"])
@@ -388,6 +453,50 @@ def _place(key: str) -> tuple[str, str]:
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:2], encode_key(key)
 
 
+class DiskRecords(ChunkRecords):
+    """A LocalDisk root's chunk records: one file each, ``{node hex}:rec`` in the value format
+    (its own checksum over its key), created only where none is (a hard link of a complete temp
+    file: the first writer wins, a reader never sees half a record). Every process on the root
+    sees them; each call is bounded like the root's other file operations."""
+
+    shared = True
+
+    def __init__(self, tier: "LocalDiskTierStore") -> None:
+        super().__init__()
+        self._tier = tier
+
+    def _put_new(self, name: str, data: bytes) -> bool:
+        disk = self._tier.disk
+        stored = self._tier._io("write", lambda: disk.write_new(name, data), name)
+        if stored:
+            with self._tier._lock:
+                self._tier._ledger.seed({name: disk.stored_nbytes(name, data)})
+        return stored
+
+    def _get_many(self, names: Sequence[str]) -> list[Optional[bytes]]:
+        disk = self._tier.disk
+
+        def read_all() -> list[Optional[bytes]]:
+            out = []
+            for n in names:
+                try:
+                    out.append(disk.read(n))
+                except CorruptValueError as exc:
+                    log.warning("localdisk: %s", exc)
+                    out.append(b"")  # present but unreadable: the record's checks reject it
+            return out
+
+        return self._tier._io("read", read_all)
+
+    def _delete(self, name: str) -> None:
+        self._tier._delete(name)
+        with self._tier._lock:
+            self._tier._forget(name)
+
+    def _names(self) -> list[str]:
+        return [k for k in self._tier._io("scan", self._tier.disk.keys) if k.endswith(RECORD_SUFFIX)]
+
+
 @STORES.register("localdisk")
 class LocalDiskTierStore(KeyValueTier):
     """`KeyValueTier` over a `DiskBackend` under ``root`` (None: the orchestrator fills in
@@ -404,6 +513,7 @@ class LocalDiskTierStore(KeyValueTier):
     """
 
     tier = Tier.DISK
+    usage_scan_s = 1.0  # how old the root's usage scan may be (other processes write the root too)
 
     def __init__(
         self,
@@ -414,6 +524,7 @@ class LocalDiskTierStore(KeyValueTier):
         fsync: bool = True,
         capacity_bytes: Optional[Size] = AUTO,
         op_timeout_s: float = 30.0,
+        orphan_grace_s: float = 600.0,
     ) -> None:
         if root is None or (isinstance(root, str) and not root.strip()):
             raise ConfigError(
@@ -425,13 +536,19 @@ class LocalDiskTierStore(KeyValueTier):
             raise ConfigError("store.root", f"must be a path, got {type(root).__name__}", _ROOT_FIX)
         if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:
             raise ConfigError("store.queue_depth", f"must be an integer >= 1, got {queue_depth!r}")
+        if isinstance(orphan_grace_s, bool) or not isinstance(orphan_grace_s, (int, float)) or orphan_grace_s < 0:
+            raise ConfigError("store.orphan_grace_s", f"must be a number of seconds >= 0, got {orphan_grace_s!r}",
+                              "store.orphan_grace_s=600 (the default: longer than any chunk's write)")
+        self.orphan_grace_s = float(orphan_grace_s)
         disk = DiskBackend(Path(root).expanduser().absolute(), fsync=bool(fsync))
         disk.open()
         self.disk = disk
         try:
             super().__init__(disk, write_back=bool(write_back), queue_depth=queue_depth, name="localdisk",
-                             capacity_bytes=capacity_bytes, op_timeout_s=op_timeout_s)
+                             capacity_bytes=capacity_bytes, op_timeout_s=op_timeout_s, records=DiskRecords(self))
             self._seed_usage(self._io("scan", disk.key_sizes))
+            self._scan_total = self._scan_mine = self.stats.used_bytes
+            self._scanned_at = time.monotonic()
         except BaseException:
             disk.close()
             raise
@@ -448,15 +565,41 @@ class LocalDiskTierStore(KeyValueTier):
     def root(self) -> Path:
         return self.disk.root
 
-    @property
-    def snapshot_path(self) -> Path:
-        """The root's forest snapshot (`build_stack` loads it at start and saves it at close)."""
-        return self.disk.root / SNAPSHOT_NAME
-
-    def keys(self) -> list[str]:
-        """Every stored key (values only; temp files of writes in flight are not listed)."""
+    def keys(self, older_than_s: float = 0.0) -> list[str]:
+        """Every stored key (values and records; temp files of writes in flight are not listed);
+        ``older_than_s``: only those whose files were written at least that long ago."""
         self._check_open()
-        return self._io("scan", self.disk.keys)
+        if older_than_s <= 0:
+            return self._io("scan", self.disk.keys)
+        return self._io("scan", lambda: self.disk.keys(older_than_s))
+
+    def orphans(self) -> list[str]:
+        """Values of chunks that were never committed (no record names their chunk) and are older
+        than ``orphan_grace_s``: a killed writer's half chunk, never another live process's write
+        in flight. `WorldKVManager.reconcile` removes them."""
+        keys = self.keys(self.orphan_grace_s)
+        committed = {k.partition(":")[0] for k in self.keys() if k.endswith(RECORD_SUFFIX)}
+        return [k for k in keys if not k.endswith(RECORD_SUFFIX) and k.partition(":")[0] not in committed]
+
+    def usage(self) -> StoreUsage:
+        """The root's usage, every process's writes included (the capacity is the cache's): the
+        bytes of the files found by a scan at most ``usage_scan_s`` old, plus what this process
+        wrote and freed since that scan."""
+        now = time.monotonic()
+        with self._lock:
+            mine, stale = self.stats.used_bytes, now - self._scanned_at > self.usage_scan_s
+        if stale and not self._closed:
+            try:
+                total = sum(self._io("scan", self.disk.key_sizes).values())
+            except StoreError as exc:
+                log.warning("localdisk: usage scan failed (%s); counting this process's writes only", exc)
+                total = None
+            with self._lock:
+                if total is not None:
+                    self._scan_total, self._scan_mine, self._scanned_at = total, mine, now
+        with self._lock:
+            used = max(0, self._scan_total + self.stats.used_bytes - self._scan_mine)
+            return StoreUsage(used, self.stats.capacity_bytes, max(self.stats.peak_bytes, used), len(self._ledger))
 
     def disk_usage_bytes(self) -> int:
         self._check_open()

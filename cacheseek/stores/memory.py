@@ -9,6 +9,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Optional
 
+from cacheseek.kv.records import DictRecords
 from cacheseek.registry import STORES
 from cacheseek.sizes import AUTO, Size
 from cacheseek.stores.kv_tier import KeyValueTier
@@ -53,10 +54,12 @@ class InMemoryTierStore(KeyValueTier):
     ``capacity_bytes``: the bytes of values (KV and latents) it may hold: a size (``"512MiB"``),
     None = unbounded, or ``"auto"``: unbounded when the workload fits in free memory, else capped
     there (`cacheseek.sizing`; unbounded when built directly, with no workload to fit). Above the
-    manager's high watermark the manager evicts; a write that does not fit is refused."""
+    manager's high watermark the manager evicts; a write that does not fit is refused. Its chunk
+    records live in a dict beside the values: every manager (trie) on this store finds what the
+    others wrote, as the workers of one process would."""
 
     def __init__(self, capacity_bytes: Optional[Size] = AUTO) -> None:
-        super().__init__(DictBackend(), name="memory", capacity_bytes=capacity_bytes)
+        super().__init__(DictBackend(), name="memory", capacity_bytes=capacity_bytes, records=DictRecords())
 
     def keys(self) -> list[str]:
         return self.backend.keys()

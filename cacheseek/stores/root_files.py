@@ -23,9 +23,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import re
 import stat
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -92,8 +92,9 @@ class RootFolder:
                           f"store.root that does not exist yet (it is created 0700)")
 
     def probe(self, name: str) -> None:
-        """Write and remove a small file ``name``: `ConfigError` when the root is not writable."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+        """Write and remove a new small file ``name``: `ConfigError` when the root is not
+        writable. Created exclusively: a planted file or link of that name is never written."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
             fd = os.open(name, flags, 0o600, dir_fd=self.fd)
             try:
@@ -105,30 +106,31 @@ class RootFolder:
             raise ConfigError("store.root", f"folder {self.path} is not writable: {exc}", self.fix) from None
 
     def lock(self, name: str) -> int:
-        """An exclusive ``flock`` on the file ``name`` (created ``0600``, never through a link),
-        held by the returned descriptor; a root another store holds is a `ConfigError`."""
+        """A shared ``flock`` on the file ``name``, held by the returned descriptor while the
+        store is open: every process of a root holds one (several stores share a root; something
+        that must have it alone takes it exclusively). Opened read-only and never through a link;
+        a hard link, a FIFO or another user's file in its place is a `ConfigError` (never written)."""
         import fcntl
 
         try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.fd)
+            fd = os.open(name, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600,
+                         dir_fd=self.fd)
         except OSError as exc:
             raise ConfigError("store.root", f"cannot open the lock {self.path / name}: {exc}", self.fix) from None
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_uid != os.geteuid():
+            os.close(fd)
+            raise ConfigError("store.root", f"{self.path / name} is not the root's own lock file (a link, a FIFO "
+                              "or another user's file: someone put it there)",
+                              f"remove it (rm {self.path / name}), or use a new store.root")
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError as exc:
-            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
             os.close(fd)
             if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise ConfigError(
-                    "store.root",
-                    f"{self.path} is in use by another open LocalDisk store"
-                    + (f" (process {holder})" if holder.isdigit() else ""),
-                    "wait for that run to end or close that store, or give each run its own store.root "
-                    "(one root has one forest snapshot: two writers would reconcile each other's values away)",
-                ) from None
+                raise ConfigError("store.root", f"{self.path} is held exclusively by another process",
+                                  "wait for it to finish, or use another store.root") from None
             raise ConfigError("store.root", f"cannot lock {self.path}: {exc}", self.fix) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, str(os.getpid()).encode(), 0)  # named in a second opener's error
         return fd
 
     def refuse_planted(self) -> None:
@@ -233,12 +235,27 @@ class RootFolder:
             return False
         return True
 
-    def sweep(self, pattern: "re.Pattern[str]") -> list[str]:
-        """Remove the regular files in every shard whose names match ``pattern``; their paths."""
+    def sweep(self, gone: "Callable[[str, float], bool]") -> list[str]:
+        """Remove the regular files in every shard for which ``gone(name, age in seconds)``
+        says so; their paths."""
         removed = []
+        now = time.time()
         for shard in self.shard_names():
             with self.shard(shard) as fd:
-                for name, _ in self.files(fd) if fd is not None else ():
-                    if pattern.match(name) and self.remove(fd, name):
+                for name, _, mtime in self.files_aged(fd) if fd is not None else ():
+                    if gone(name, now - mtime) and self.remove(fd, name):
                         removed.append(str(self.path / shard / name))
         return removed
+
+    def files_aged(self, shard_fd: int) -> list[tuple[str, int, float]]:
+        """``(name, size, mtime)`` of every regular file in a shard (as `files`)."""
+        out = []
+        with os.scandir(shard_fd) as it:
+            for e in it:
+                try:
+                    if e.is_file(follow_symlinks=False):
+                        st = e.stat(follow_symlinks=False)
+                        out.append((e.name, st.st_size, st.st_mtime))
+                except FileNotFoundError:  # removed meanwhile
+                    pass
+        return out

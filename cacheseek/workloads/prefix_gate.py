@@ -11,7 +11,7 @@ Ring check: for every resume depth K in 1..n-1, a session whose first K actions 
 depth K; its ring ``[:local_end]``, both cursors, cached latents and RNG state right after
 ``on_runtime_created`` equal a cold run's state before chunk K.
 
-A warm store (a persistent root whose snapshot a previous run left, `build_stack`): A and C may
+A warm store (a persistent root or a shared store whose chunk records a previous run left): A and C may
 hit what that run wrote, so their depths are minimums (A: K>=0, C: K>=|P|, reported as ``warm``)
 and A's frames are compared with a cold run of P+X on an empty cache (R, no ingest) instead of
 being taken as the reference. B, D and the ring check are unchanged.
@@ -110,7 +110,7 @@ class PrefixGate:
         wait_ready = getattr(stack.store, "wait_ready", None)
         if wait_ready is not None and not wait_ready(None):  # a background warm-up: the gate needs hits
             log.warning("the store's warm-up failed; the gate runs against a store that refuses writes")
-        warm = _holds_kv(stack.forest)
+        warm = _holds_kv(stack)
         steps = 4 + warm + (self.n if self.ring_check else 0)
         with bar(steps, "gate", unit="req") as progress:
             reqs = []
@@ -121,7 +121,7 @@ class PrefixGate:
             for name, actions, label, extra in plan:
                 progress.set_postfix_str(f"{name} ({label})")
                 if extra is None:  # D (and R): a fresh trie, no ingest: a cold reference
-                    extra = {"manager": stack.new_manager(forest=_fresh_forest()), "ingest": False}
+                    extra = {"manager": stack.new_manager(forest=_fresh_forest(), shared_index=False), "ingest": False}
                 reqs.append(self._request(stack, name, actions, label, **extra))
                 progress.update()
             a, b, c, d = reqs[:4]
@@ -196,7 +196,11 @@ def _fresh_forest():
     return NamespaceForest()
 
 
-def _holds_kv(forest: NamespaceForest) -> bool:
-    """Whether the forest already names committed chunks (a warm root's snapshot)."""
+def _holds_kv(stack: Any) -> bool:
+    """Whether the cache already holds committed chunks: the stack's forest names some, or the
+    store's records do (a persistent root or a shared store a previous run wrote)."""
+    forest = stack.forest
     with forest.lock:
-        return any(n.has_kv for ns in forest.namespaces() for n in ns.iter_nodes())
+        if any(n.has_kv for ns in forest.namespaces() for n in ns.iter_nodes()):
+            return True
+    return bool(stack.offers.records.node_keys())

@@ -380,7 +380,7 @@ def section_cold_a(cfg, dev, sync, prog, out_dir: Path) -> dict:
         a = request(stack, gate.P + gate.X, sync)
         b = request(stack, gate.P + gate.X, sync)
         cq = request(stack, gate.P + gate.Y, sync)
-        d = request(stack, gate.P + gate.Y, sync, manager=stack.new_manager(forest=NamespaceForest()), ingest=False)
+        d = request(stack, gate.P + gate.Y, sync, manager=stack.new_manager(forest=NamespaceForest(), shared_index=False), ingest=False)
         forest_nodes = sorted((nd for ns in stack.forest.namespaces() for nd in ns.iter_nodes() if nd.has_kv),
                               key=lambda nd: -nd.depth)
         for nd in forest_nodes:

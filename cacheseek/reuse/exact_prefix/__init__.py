@@ -1,6 +1,6 @@
 """Exact-prefix KV reuse: keys, trie, manager and the in-memory tier. Torch-free at import."""
 
-from cacheseek.reuse.exact_prefix.config import WorldKVConfig
+from cacheseek.reuse.exact_prefix.config import SharedIndexConfig, WorldKVConfig
 from cacheseek.reuse.exact_prefix.keys import (
     build_action_chain,
     canonical_json_bytes,
@@ -34,6 +34,7 @@ __all__ = [
     "PrefixMatch",
     "WorldKVManager",
     "WorldKVConfig",
+    "SharedIndexConfig",
     "InMemoryTierStore",
     "build_action_chain",
     "derive_seed",

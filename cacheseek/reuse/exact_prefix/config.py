@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from cacheseek.errors import ConfigError
 from cacheseek.reuse.exact_prefix.types import Tier
 
-__all__ = ["WorldKVConfig"]
+__all__ = ["WorldKVConfig", "SharedIndexConfig"]
 
 
 @dataclass(frozen=True)
@@ -52,3 +52,32 @@ class WorldKVConfig:
         recent = range(max(0, k - self.window_chunks), k)
         sinks = range(min(self.sink_chunks, k))
         return sorted(set(recent) | set(sinks))
+
+
+@dataclass(frozen=True)
+class SharedIndexConfig:
+    """``manager.shared_index``: whether a lookup that runs off the local trie asks the store's
+    chunk records for the session's next keys (`SharedIndex`), and how many keys one probe asks
+    for (``window``; a live session asks for one a chunk). Off, each process finds only what
+    its own trie holds (the behaviour before the shared index)."""
+
+    enabled: bool = True
+    window: int = 8
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError("manager.shared_index.enabled", f"must be true or false, got {self.enabled!r}",
+                              "manager.shared_index.enabled=true (the default)")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or not 1 <= self.window <= 256:
+            raise ConfigError("manager.shared_index.window", f"must be an integer in [1, 256], got {self.window!r}",
+                              "manager.shared_index.window=8 (the default)")
+
+    @classmethod
+    def from_conf(cls, node: object) -> "SharedIndexConfig":
+        """From the ``manager.shared_index`` section (a mapping, an instance, or None: defaults)."""
+        if isinstance(node, cls):
+            return node
+        if node is None:
+            return cls()
+        get = node.get if hasattr(node, "get") else lambda k, d=None: getattr(node, k, d)
+        return cls(enabled=get("enabled", True), window=get("window", 8))

@@ -3,8 +3,10 @@
 Lifetime of one write: the node is committed and claimed with a *pending* placeholder handle (so
 a concurrent ingest of the same chunk keeps it and eviction skips it); the latent is
 stored, then the KV is written asynchronously; the store's completion callback flips the handle
-ready (the publication bit, set last). Re-ingesting a ready, in-flight or being-evicted node keeps
-it. A write that reports `StoreFullError` makes room (an eviction pass) and is retried once; a
+ready (the publication bit, set last), right after the chunk's record is published to the store
+(`SharedIndex.publish`: other processes find it from then on). A chunk another process has
+committed meanwhile is adopted instead of written again. Re-ingesting a ready, in-flight or
+being-evicted node keeps it. A write that reports `StoreFullError` makes room (an eviction pass) and is retried once; a
 second refusal drops the write (counted) and raises. A failed write leaves the handle unready with
 ``error`` set: never a hit, and a later ingest of the same chunk replaces it. After every ingest
 the capacity pass runs (`Evictor.maybe_evict`).
@@ -22,6 +24,7 @@ from cacheseek.eviction import store_usage
 from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.eviction import Evictor
+from cacheseek.reuse.exact_prefix.shared_index import SharedIndex
 from cacheseek.reuse.exact_prefix.keys import kv_locator, latent_locator
 from cacheseek.reuse.exact_prefix.trie import Namespace
 from cacheseek.reuse.exact_prefix.types import ActionKey, BlobHandle, Skeleton, TrieNode, kv_pairs
@@ -34,9 +37,10 @@ __all__ = ["Ingestor"]
 class Ingestor:
     """Writes chunks (see the module docstring); the evictor makes room and bounds the store."""
 
-    def __init__(self, ctx: ManagerContext, evictor: Evictor) -> None:
+    def __init__(self, ctx: ManagerContext, evictor: Evictor, index: SharedIndex) -> None:
         self.ctx = ctx
         self.evictor = evictor
+        self.index = index
 
     def ingest(
         self,
@@ -53,6 +57,11 @@ class Ingestor:
     ) -> TrieNode:
         ctx = self.ctx
         forest = ctx.forest
+        found = self.index.child(ns, parent, action)
+        if found is not None and found.node_key == node_key:  # another process committed it meanwhile
+            ctx.metrics.add(reingest_kept=1)
+            forest.touch(ns)
+            return found
         with forest.lock:  # one hold from commit to placeholder: a prune never takes the node between
             node = forest.commit(ns, parent, action, node_key, depth)
             forest.touch(ns)
@@ -76,6 +85,7 @@ class Ingestor:
             # CacheSeek returns no handle and calls ``on_ready()``: the placeholder is its handle.
             if handle is None:
                 handle = placeholder
+            self.index.publish(ns, node, handle, payload_nbytes(latent))  # the shared commit point: last
             with forest.lock:
                 if handle.error is None:
                     handle.ready = True

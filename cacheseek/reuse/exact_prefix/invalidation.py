@@ -10,7 +10,8 @@ lookup, eviction or re-ingest touches it) and its blob is freed by the last read
 Which nodes are gone: the one a fetch met, plus every node the store's optional
 ``contains(keys)`` reports (`find_missing`). `audit` checks every ready node that way;
 `reconcile` first removes the values no node names (a previous process's leftovers, where the
-store offers ``keys()`` and ``delete_values(keys)``), unless the
+store offers ``keys()`` and ``delete_values(keys)``; on a store with shared chunk records, the
+values no record names and no writer can still be writing: the store's ``orphans()``), unless the
 forest's snapshot did not load whole (then the unnamed values may be committed chunks: kept).
 """
 
@@ -129,7 +130,15 @@ class Invalidator:
         ctx = self.ctx
         removed = 0
         incomplete = ctx.forest.incomplete
-        if incomplete and ctx.offers.reconciles:
+        if ctx.offers.reconciles and ctx.offers.records.shared:
+            # The records name what is committed; other processes may be writing: the store removes
+            # only values without a record that are older than any write in flight.
+            orphans = ctx.store.orphans()
+            if orphans:
+                ctx.store.delete_values(orphans)
+                removed = len(orphans)
+                log.info("reconcile: removed %d values of chunks never committed (no record)", removed)
+        elif incomplete and ctx.offers.reconciles:
             log.warning("reconcile removes nothing: the forest snapshot did not load whole (%s); the "
                         "values it named stay until a snapshot that names them, or none, is loaded", incomplete)
         elif ctx.offers.reconciles:

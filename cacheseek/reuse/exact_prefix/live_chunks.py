@@ -12,7 +12,8 @@ integration's per-chunk seam (`cacheseek.integrations.telefuser`) names each to 
 - ``restore_chunk(runtime, idx)``: the runtime is about to compute chunk ``idx`` (TeleFuser main's
   denoise actor): restore it instead, returning its stored latent, or None.
 
-A chunk is restored when the trie cursor sits at depth ``idx - 1`` with a ready child for its key:
+A chunk is restored when the trie cursor sits at depth ``idx - 1`` with a ready child for its key
+(in the local trie, or found by its key in the store's chunk records: `SharedIndex.child`):
 the manager restores that node alone into a `ChunkWindow` (its values into staging first, then
 one publication point: RNG draws, ring append, latent), so a miss or a failure leaves the runtime
 as a cold chunk finds it. A restored chunk's key must be the one it runs with; a chunk restored at
@@ -143,14 +144,16 @@ class LiveChunks:
         """Restore chunk ``idx`` when the cursor sits at depth ``idx - 1`` with a ready child for
         its key (computed here only when the cursor has children): its latent, or None."""
         parent = self._cursor
-        if self._ns is None or parent is None or parent.depth != idx - 1 or not parent.children:
+        index = self.manager.index
+        if self._ns is None or parent is None or parent.depth != idx - 1 or not (parent.children or index.active):
             return None
         self.manager.metrics.add(live_lookups=1)
         try:
-            child = parent.children.get(self._keys[idx])
+            action = self._keys[idx]
         except ValueError:  # no key: the chunk is computed, and its ingest says why
             return None
-        if child is None or not child.has_kv:
+        child = index.child(self._ns, parent, action)  # the local trie's, else the store's record of it
+        if child is None:
             return None
         k, _ = self.layout.layers(runtime)[0]
         shape = (1, self.ring.chunk_size * self.ring.frame_tokens, int(k.shape[2]), int(k.shape[3]))

@@ -1,6 +1,7 @@
 """`FastForward`: decides how many chunks of a new session are restored instead of computed.
 
-It looks up the longest ready prefix of the session's actions, refuses hits below break-even,
+It looks up the longest ready prefix of the session's actions (the local trie, then the store's
+chunk records past its end: `SharedIndex`), refuses hits below break-even,
 and restores the window path ending there (`Restorer`). For a live session it also restores one
 chunk at a time (`restore_chunk`) while the session follows a cached path. When the restore finds values gone (the
 stale nodes are invalidated by then) or the path changed under it, it retries the longest shorter
@@ -19,6 +20,7 @@ from cacheseek.errors import CacheSeekError
 from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.demotion import Demoter
 from cacheseek.reuse.exact_prefix.restore import Outcome, Restorer, RestoreWindow
+from cacheseek.reuse.exact_prefix.shared_index import SharedIndex
 from cacheseek.reuse.exact_prefix.trie import Namespace
 from cacheseek.reuse.exact_prefix.types import ActionKey, FastForwardResult, TrieNode
 
@@ -31,10 +33,11 @@ class FastForward:
     """The read side's decision loop (see the module docstring). After a hit it runs a demotion
     pass: a promotion by a tiered store may have filled its top tier."""
 
-    def __init__(self, ctx: ManagerContext, restorer: Restorer, demoter: Demoter) -> None:
+    def __init__(self, ctx: ManagerContext, restorer: Restorer, demoter: Demoter, index: SharedIndex) -> None:
         self.ctx = ctx
         self.restorer = restorer
         self.demoter = demoter
+        self.index = index
 
     def try_fast_forward(
         self, root_hash: bytes, actions: Sequence[ActionKey], window: RestoreWindow
@@ -45,7 +48,7 @@ class FastForward:
         requested = len(actions)
         limit = requested
         while True:
-            match = ctx.forest.lookup(root_hash, actions[:limit])
+            match = self.index.extend(ctx.forest.lookup(root_hash, actions[:limit]), actions, limit)
             if match.namespace is None or match.matched_len == 0 or match.node is None:
                 ctx.metrics.add(misses=1)
                 return cold(match.namespace)

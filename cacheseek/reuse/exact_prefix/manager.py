@@ -5,6 +5,9 @@ clock, eviction settings and policy, metrics, locks); each role is an attribute 
 
 - ``fast_forward`` (`lookup.FastForward`): the longest ready prefix, break-even, and the retry of
   the longest whole shorter prefix when a restore finds values gone;
+- ``index`` (`shared_index.SharedIndex`): where the local trie ends, the store's chunk records
+  (other processes' chunks, a previous run's) are asked for the next keys and adopted; a written
+  chunk's record is published last;
 - ``restorer`` (`restore.Restorer`): references the path, fetches everything, then publishes;
 - ``invalidator`` (`invalidation.Invalidator`): drops the nodes whose values the store lost;
 - ``ingestor`` (`ingest.Ingestor`): the write side; the store's completion callback publishes;
@@ -24,7 +27,7 @@ from typing import Any, Optional
 
 from cacheseek.eviction import EvictionConfig, make_policy
 from cacheseek.metrics import CacheMetrics
-from cacheseek.reuse.exact_prefix.config import WorldKVConfig
+from cacheseek.reuse.exact_prefix.config import SharedIndexConfig, WorldKVConfig
 from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.demotion import Demoter
 from cacheseek.reuse.exact_prefix.eviction import Evictor
@@ -32,6 +35,7 @@ from cacheseek.reuse.exact_prefix.ingest import Ingestor
 from cacheseek.reuse.exact_prefix.invalidation import Invalidator
 from cacheseek.reuse.exact_prefix.lookup import FastForward
 from cacheseek.reuse.exact_prefix.restore import Restorer, RestoreWindow
+from cacheseek.reuse.exact_prefix.shared_index import SharedIndex
 from cacheseek.reuse.exact_prefix.trie import Namespace, NamespaceForest
 from cacheseek.reuse.exact_prefix.types import ActionKey, FastForwardResult, TrieNode
 
@@ -57,7 +61,9 @@ class WorldKVManager:
 
     ``eviction``: an `EvictionConfig` (or a mapping with its fields; default LRU, 0.9/0.7).
     ``metrics``: a `CacheMetrics` to report into (default: a new one). ``clock``: the time
-    source of ``last_access`` and the usage timeline (default ``time.monotonic``)."""
+    source of ``last_access`` and the usage timeline (default ``time.monotonic``).
+    ``shared_index``: a `SharedIndexConfig` (or a mapping of its fields; default on, 8 keys a
+    probe): lookups continue past the local trie in the store's chunk records."""
 
     forest = _Shared()
     store = _Shared()
@@ -76,6 +82,7 @@ class WorldKVManager:
         clock: Optional[Callable[[], float]] = None,
         eviction: Any = None,
         metrics: Optional[CacheMetrics] = None,
+        shared_index: Any = None,
     ) -> None:
         if not isinstance(eviction, EvictionConfig):
             eviction = EvictionConfig.from_conf(eviction)
@@ -85,12 +92,13 @@ class WorldKVManager:
             forest=forest, store=store, cfg=cfg, clock=clock or time.monotonic,
             eviction=eviction, policy=make_policy(eviction.policy), metrics=metrics,
         )
+        self.index = SharedIndex(ctx, SharedIndexConfig.from_conf(shared_index))
         self.invalidator = Invalidator(ctx)
-        self.restorer = Restorer(ctx, self.invalidator)
+        self.restorer = Restorer(ctx, self.invalidator, self.index)
         self.demoter = Demoter(ctx)
         self.evictor = Evictor(ctx, self.demoter)
-        self.ingestor = Ingestor(ctx, self.evictor)
-        self.fast_forward = FastForward(ctx, self.restorer, self.demoter)
+        self.ingestor = Ingestor(ctx, self.evictor, self.index)
+        self.fast_forward = FastForward(ctx, self.restorer, self.demoter, self.index)
 
     def try_fast_forward(
         self, root_hash: bytes, actions: Sequence[ActionKey], window: RestoreWindow

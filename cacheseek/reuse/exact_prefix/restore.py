@@ -6,6 +6,8 @@ so eviction cannot take them; it fetches and copies outside the lock; only then 
 (``window.set_resume_depth``, the single publication point) and stamp ``last_access``; finally
 (`release`, in a ``finally``) it drops the references, invalidates what it found gone and frees
 the blobs whose invalidation waited for this, their last reader. A failure publishes nothing.
+On a store shared with other processes, the path's chunk records are read again after the copies
+and before publication (`SharedIndex.gone`): a chunk freed by another process meanwhile is a miss.
 
 Two store paths, chosen by capability:
 
@@ -36,6 +38,7 @@ from cacheseek.errors import CorruptValueError, HandleStateError, LayoutMismatch
 from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.invalidation import Invalidator, owner_of
+from cacheseek.reuse.exact_prefix.shared_index import SharedIndex
 from cacheseek.reuse.exact_prefix.types import NodeState, TrieNode
 
 log = logging.getLogger(__name__)
@@ -84,9 +87,10 @@ NOT_WHOLE = Outcome(False, not_whole=True)
 class Restorer:
     """Restores paths (see the module docstring); the invalidator drops what a restore finds gone."""
 
-    def __init__(self, ctx: ManagerContext, invalidator: Invalidator) -> None:
+    def __init__(self, ctx: ManagerContext, invalidator: Invalidator, index: SharedIndex) -> None:
         self.ctx = ctx
         self.invalidator = invalidator
+        self.index = index
 
     def window_path(self, node: TrieNode) -> list[TrieNode]:
         """The nodes of ``node``'s path whose KV a restore reads: the config's window depths."""
@@ -141,6 +145,12 @@ class Restorer:
                 # A store that raises on a corrupt value instead of reading it as missing: the same miss.
                 log.warning("restore of depth %d met %s", len(path), exc)
                 missing = self.invalidator.find_missing(path, win, owner_of(exc.key, path, win))
+                return Outcome(False, missing)
+            lost = self.index.gone(path)
+            if lost:  # another process freed a chunk while this one read it: what was read is not trusted
+                log.info("restore of depth %d: %d chunks were freed by another process while read; a miss",
+                         len(path), len(lost))
+                missing = lost
                 return Outcome(False, missing)
             window.set_resume_depth(node.depth)
             now = ctx.clock()

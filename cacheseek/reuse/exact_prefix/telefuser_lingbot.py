@@ -233,10 +233,10 @@ class LingBotWorldKVBinding(LiveChunks):
         self._keys = keys = LazyActionKeys(planned + [UNKNOWN] * (n_chunks - len(planned)))
         self.actions = keys
         known = keys.known_prefix()
+        self._ns = self.forest.get_or_create_namespace(self.root, cbh)  # the lookup may adopt into it
         if known:
             window = PrefixWindow(self.layout, runtime, self.ring, self._published)
             result = self.manager.try_fast_forward(self.root, keys[:known], window)  # keys as the walk needs them
-        self._ns = self.forest.get_or_create_namespace(self.root, cbh)
         if not known:
             self._cursor = self._ns.root
         elif result.start_chunk > 0:

@@ -1,0 +1,180 @@
+"""`SharedIndex`: the store's chunk records as the truth, this process's trie as a cache of them.
+
+A service runs one worker per GPU, on several hosts, and restarts them; each worker has its own
+trie. A chunk's key is a pure function of its session (the namespace root, then one key per
+action), so where the local trie ends (or is empty: a new or restarted worker) the lookup asks
+the store for the session's next node keys, batched: a window of ``window`` keys per probe, each
+probe bounded by the store's own operation timeout. Every record found in order is *adopted*: its
+node is committed to the local trie with a ready handle built from the record (the record's
+geometry and checksums; a read checks each value against them), and the lookup goes on from there.
+A live session streamed one action per chunk asks for one key per chunk (`child`).
+
+Publication (`publish`) is the writer's last step: the store's completion callback has reported
+every value of the chunk committed; only then is the record written (`cacheseek.kv.records`: the
+first writer wins, a second is a no-op). A chunk whose record could not be written stays this
+process's alone.
+
+A read that raced a deletion: a store that deletes a chunk retracts its record first, then its
+values. A restore that found its records before it read, and finds them still there after
+(`still_there`), read values that were not deleted under it; one whose record went meanwhile is a
+miss (``index_recheck_misses``), never a restore of values another process freed.
+
+Adoption checks the record against the path walked: its parent's key, its depth and its
+namespace must be the ones the lookup expects (the node key already binds all three; a record that
+disagrees is not trusted). A node this process is writing, freeing or has invalidated is not
+replaced by a record.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from cacheseek.kv.handles import BlobHandle, Skeleton
+from cacheseek.kv.locators import kv_locator, latent_locator
+from cacheseek.kv.records import ChunkRecord
+from cacheseek.reuse.exact_prefix.config import SharedIndexConfig
+from cacheseek.reuse.exact_prefix.context import ManagerContext
+from cacheseek.reuse.exact_prefix.keys import node_key
+from cacheseek.reuse.exact_prefix.trie import Namespace, PrefixMatch
+from cacheseek.reuse.exact_prefix.types import ActionKey, TrieNode
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SharedIndex"]
+
+
+def _action_bytes(action: ActionKey) -> Optional[bytes]:
+    """The bytes a node key hashes for ``action``: the binding's actions are digests
+    (``node key = H(parent, action)``); an int or str action's key is its caller's to derive,
+    so the index cannot name it (None)."""
+    return action if isinstance(action, bytes) else None
+
+
+class SharedIndex:
+    """Finds chunks past the local trie in the store's records and publishes this process's."""
+
+    def __init__(self, ctx: ManagerContext, cfg: SharedIndexConfig) -> None:
+        self.ctx = ctx
+        self.cfg = cfg
+
+    @property
+    def active(self) -> bool:
+        """Whether lookups ask the store: the index is on and the store's records are shared."""
+        return self.cfg.enabled and self.ctx.offers.records.shared
+
+    # -- lookup ---------------------------------------------------------------------------------
+
+    def extend(self, match: PrefixMatch, actions: Sequence[ActionKey], limit: int) -> PrefixMatch:
+        """``match`` (the local trie's longest ready prefix of ``actions``) continued through the
+        store's records, at most ``limit`` chunks deep: probes of ``window`` keys until one is
+        not found whole."""
+        ns, node, matched = match.namespace, match.node, match.matched_len
+        if ns is None or node is None or not self.active:
+            return match
+        while matched < limit:
+            want = min(self.cfg.window, limit - matched)
+            chain: list[tuple[ActionKey, bytes]] = []
+            parent_key = node.node_key
+            for i in range(matched, matched + want):
+                try:
+                    action = actions[i]  # a lazy key is computed here
+                except (IndexError, ValueError, LookupError):  # a control without a key ends the walk
+                    break
+                raw = _action_bytes(action)
+                if raw is None:
+                    break
+                parent_key = node_key(parent_key, raw)
+                chain.append((action, parent_key))
+            if not chain:
+                break
+            records = self._find([key for _, key in chain])
+            for (action, _), record in zip(chain, records):
+                child = self.adopt(ns, node, action, record) if record is not None else None
+                if child is None:
+                    return PrefixMatch(ns, node, matched)
+                node, matched = child, matched + 1
+            if len(chain) < want:
+                break
+        return PrefixMatch(ns, node, matched)
+
+    def child(self, ns: Namespace, parent: TrieNode, action: ActionKey) -> Optional[TrieNode]:
+        """The ready child of ``parent`` for ``action``: the local trie's, else one adopted from
+        the store's record of it (one key probed), else None."""
+        with self.ctx.forest.lock:
+            child = parent.children.get(action)
+            if child is not None and child.has_kv:
+                return child
+        raw = _action_bytes(action)
+        if not self.active or raw is None:
+            return None
+        key = node_key(parent.node_key, raw)
+        (record,) = self._find([key])
+        return self.adopt(ns, parent, action, record) if record is not None else None
+
+    def _find(self, keys: list[bytes]) -> list[Optional[ChunkRecord]]:
+        self.ctx.metrics.add(index_probes=1, index_keys_probed=len(keys))
+        return self.ctx.offers.records.find(keys)
+
+    def adopt(self, ns: Namespace, parent: TrieNode, action: ActionKey, record: ChunkRecord) -> Optional[TrieNode]:
+        """``record``'s chunk as ``parent``'s child for ``action``, ready (None when the record
+        does not belong there, or the node is this process's own write, free or invalidation)."""
+        ctx = self.ctx
+        raw = _action_bytes(action)
+        if (raw is None or record.node_key != node_key(parent.node_key, raw) or record.parent_key != parent.node_key
+                or record.depth != parent.depth + 1 or record.root_hash != ns.root_hash):
+            log.warning("chunk record %s does not belong at depth %d under %s: not adopted",
+                        record.node_key.hex()[:16], parent.depth + 1, parent.node_key.hex()[:16])
+            return None
+        with ctx.forest.lock:
+            node = ctx.forest.commit(ns, parent, action, record.node_key, record.depth)
+            if node.has_kv:
+                return node
+            if not node.state.vacant:
+                return None
+            node.blob = BlobHandle(ctx.cfg.commit_tier, kv_locator(record.node_key), record.nbytes,
+                                   record.n_layers, ready=True, pairs=record.pairs,
+                                   digests=dict(record.digests) or None)
+            node.skeleton = Skeleton(latent_locator(record.node_key))
+            if record.depth < ctx.cfg.sink_chunks:
+                node.pinned = True
+            node.last_access = ctx.clock()
+        ctx.metrics.add(index_adopted=1)
+        return node
+
+    # -- the write side -------------------------------------------------------------------------
+
+    def publish(self, ns: Namespace, node: TrieNode, handle: BlobHandle, latent_nbytes: int) -> None:
+        """Make ``node``'s chunk findable by every process: its values are committed (the
+        store's completion callback called this), so its record goes last."""
+        if not self.active or handle.error is not None or node.parent is None:
+            return
+        record = ChunkRecord(
+            node_key=node.node_key, parent_key=node.parent.node_key, root_hash=ns.root_hash,
+            depth=node.depth, n_layers=handle.n_layers, nbytes=int(handle.nbytes), pairs=handle.pairs,
+            latent_nbytes=int(latent_nbytes), storage_format=str(getattr(self.ctx.store, "storage_format", "")),
+            digests=handle.digests or {})
+        if self.ctx.offers.records.publish(record):
+            self.ctx.metrics.add(index_published=1)
+
+    def is_published(self, node_key_: bytes) -> bool:
+        """Whether another writer has made this chunk findable already (its write can be skipped)."""
+        if not self.active:
+            return False
+        (record,) = self.ctx.offers.records.find([node_key_])
+        return record is not None
+
+    # -- the read side's re-check ---------------------------------------------------------------
+
+    def gone(self, nodes: Sequence[TrieNode]) -> tuple[TrieNode, ...]:
+        """The nodes of ``nodes`` whose records are no longer in the store (read after a
+        restore's copies, before it publishes): their values may have been freed under it."""
+        if not self.active or not nodes:
+            return ()
+        records = self.ctx.offers.records.find([n.node_key for n in nodes])
+        lost = tuple(n for n, r in zip(nodes, records) if r is None)
+        if lost:
+            self.ctx.metrics.add(index_recheck_misses=1)
+        return lost
+
