@@ -13,6 +13,8 @@ Store capabilities, each optional (probed once per store: `StoreOffers`):
   restore name the nodes whose values are gone (`WorldKVManager` invalidates exactly those).
 - ``free_skeleton(locator)``: removes a latent (idempotent). Lets the manager reclaim the latents
   of dead subtrees (no blob anywhere below); without it latents are kept.
+- ``get_layers(requests) -> list``: the layers of a whole restore in one call (`KeyValueTier`:
+  up to ``read_parallelism`` values read at once); without it the manager calls ``get_layer``.
 
 A victim is a READY leaf, not pinned by a live namespace, that no restore reads; its eviction
 is the node's READY --> FREEING --> EMPTY (`cacheseek.reuse.exact_prefix.types.TrieNode`).
@@ -99,7 +101,8 @@ class StoreOffers:
     ``contains``, ``reconciles`` (``keys()`` and ``delete_values(keys)``: LocalDisk),
     ``frees_latents`` (``free_skeleton``), ``tiered`` (``tier_usages`` and ``demote``:
     `TieredStore`), ``device_views`` (it takes the ring's device views as a chunk's payload and
-    copies them itself), ``reads_paths`` (and restores whole paths into device views); ``close`` and
+    copies them itself), ``reads_paths`` (and restores whole paths into device views),
+    ``reads_layers`` (``get_layers``: a generic tier's layers of one restore in one call); ``close`` and
     ``flush`` (no-ops where it has none), the forest snapshot a persistent store keeps
     (``snapshot_path``), the fix to print when its capacity cannot hold a chunk, and its chunk
     ``records`` (`ChunkRecords`: the shared index; `NO_RECORDS` where it keeps none)."""
@@ -115,6 +118,7 @@ class StoreOffers:
     snapshot_path: Optional[Path]
     capacity_fix: str
     records: ChunkRecords = NO_RECORDS
+    reads_layers: bool = False
 
     @classmethod
     def of(cls, store: Any) -> "StoreOffers":
@@ -129,7 +133,7 @@ class StoreOffers:
                    close=getattr(store, "close", None) or _nothing, flush=getattr(store, "flush", None) or _nothing,
                    snapshot_path=Path(path) if path is not None else None,
                    capacity_fix=getattr(store, "capacity_fix", "give the store more room"),
-                   records=getattr(store, "records", None) or NO_RECORDS)
+                   records=getattr(store, "records", None) or NO_RECORDS, reads_layers=has("get_layers"))
 
 
 def _nothing() -> None:

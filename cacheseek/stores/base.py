@@ -7,6 +7,10 @@ snapshot of each layer (the runtime overwrites its ring right after the hook ret
 A generic tier also takes layers that are not ``(k, v)`` pairs (any object, as upstream CacheSeek's
 tests store strings) and returns each as it was stored (``BlobHandle.pairs`` is then False).
 
+A generic tier may also offer ``get_layers(requests)``: every ``(handle, layer)`` a restore
+reads, in one call, so that it can overlap the reads (`KeyValueTier.read_parallelism`); the
+manager then uses it instead of ``get_layer`` (`StoreOffers.reads_layers`).
+
 A store that also satisfies `PathReadStore` (checked with ``isinstance``, a runtime-checkable
 Protocol) moves bytes itself: it accepts detached views of the live ring on write
 (``accepts_device_views``) and restores a whole window path straight into the runtime's buffers

@@ -32,7 +32,7 @@ from cacheseek.fluxon.config import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
 from cacheseek.kv.handles import Tier
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum
-from cacheseek.stores.kv_tier import KeyValueTier
+from cacheseek.stores.kv_tier import KeyValueTier, check_read_parallelism
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +230,10 @@ class FluxonTensorTier(KeyValueTier):
 
     Same connection arguments as `FluxonBytesStore`; ``write_back``/``queue_depth`` as in
     `KeyValueTier`; ``client`` shares an attached `FluxonClient` (left open by `close`). The
-    capacity is the service's segment as the client sees it.
+    capacity is the service's segment as the client sees it. ``read_parallelism``: values of one
+    restore read at once (`KeyValueTier.get_layers`): a value on another host's owner is pulled
+    over the link on its first read, which waits on Fluxon's transfer rather than on this process,
+    so overlapping reads pays (experiments/shared_index, "Cross-host first read").
     """
 
     tier = Tier.FLUXON_DRAM
@@ -247,15 +250,17 @@ class FluxonTensorTier(KeyValueTier):
         write_back: bool = False,
         queue_depth: int = 4,
         settle_s: float = 2.0,
+        read_parallelism: int = 4,
         client: Any = None,
         transfer: Any = None,
     ) -> None:
+        check_read_parallelism(read_parallelism)  # before attaching: a bad config attaches nothing
         client, owns = _make_client(
             client, cluster_name=cluster_name, share_mem_path=share_mem_path, instance_key=instance_key,
             op_timeout_s=op_timeout_s, attach_timeout_s=attach_timeout_s, settle_s=settle_s)
         segment = getattr(client, "segment_bytes", None)
         super().__init__(FluxonValueBackend(client, owns_client=owns), write_back=write_back,
-                         queue_depth=queue_depth, name="fluxon",
+                         queue_depth=queue_depth, name="fluxon", read_parallelism=read_parallelism,
                          capacity_bytes=segment if isinstance(segment, int) and segment > 0 else None)
 
     def keys(self, prefix: str = "") -> list[str]:

@@ -43,7 +43,11 @@ refusal, so the manager evicts and retries once; a write-back blob fails on its 
 store that evicts by itself (Fluxon) reports the failure on the handle and caps nothing.
 
 Optional capabilities for the manager: ``contains(keys)`` (which values exist, without reading
-them where the backend has ``exists``) and ``free_skeleton``.
+them where the backend has ``exists``), ``free_skeleton``, and ``get_layers`` (`LayerBatchStore`:
+the layers of a whole restore in one call). ``get_layers`` reads up to ``read_parallelism`` values
+at once (default 1: one after another, as ``get_layer``): a backend whose reads wait on a network
+rather than on this process's CPU (Fluxon, a value pulled from another host's owner) overlaps
+them; after the first missing value no new read starts.
 
 Chunk records (`cacheseek.kv.records`, the shared index): ``records`` is what the tier's medium
 offers other processes (none by default; LocalDisk keeps them as files, the in-memory tier in a
@@ -76,12 +80,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Protocol
 
 import attrs
 
 from cacheseek.bounded_calls import BoundedCalls
 from cacheseek.errors import (
+    ConfigError,
     CorruptValueError,
     StoreClosedError,
     StoreError,
@@ -102,7 +108,7 @@ from cacheseek.stores.write_back import WriteBackWorker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ValueBackend", "KeyValueTier", "TierStats"]
+__all__ = ["ValueBackend", "KeyValueTier", "TierStats", "check_read_parallelism"]
 
 
 class ValueBackend(Protocol):
@@ -148,6 +154,14 @@ class TierStats:
         return attrs.asdict(self)
 
 
+def check_read_parallelism(value: Any) -> int:
+    """``store.read_parallelism``: an int >= 1, else `ConfigError`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError("store.read_parallelism", f"must be an integer >= 1, got {value!r}",
+                          "1 reads one value after another; 4 overlaps the reads of a restore's values")
+    return value
+
+
 def _check_capacity(value: Any) -> Optional[int]:
     """Bytes or None; ``auto`` that no workload resolved (the store built directly) is unbounded."""
     n = parse_size(value, "store.capacity_bytes", allow_none=True, allow_auto=True)
@@ -173,7 +187,9 @@ class KeyValueTier:
         capacity_bytes: Optional[int] = None,
         op_timeout_s: Optional[float] = None,
         records: ChunkRecords = NO_RECORDS,
+        read_parallelism: int = 1,
     ) -> None:
+        self.read_parallelism = check_read_parallelism(read_parallelism)
         self.backend = backend
         self.records = records
         self._digests = bool(getattr(backend, "checks_digests", False))  # decided once, here
@@ -430,6 +446,34 @@ class KeyValueTier:
             self.stats.get_bytes += layer_nbytes(out)
             self.stats.get_seconds += time.perf_counter() - t0
         return out
+
+    def get_layers(self, requests: Sequence[tuple[BlobHandle, int]]) -> list[Optional[Any]]:
+        """`get_layer` of every ``(handle, layer)``, in order, up to ``read_parallelism`` layers
+        at once. After the first miss (or error) no new read starts; the layers not read are
+        None. The first error, in request order, is raised once every started read is done."""
+        self._check_open()
+        if self.read_parallelism == 1 or len(requests) < 2:
+            out: list[Optional[Any]] = []
+            for handle, layer in requests:
+                out.append(self.get_layer(handle, layer) if all(x is not None for x in out[-1:]) else None)
+            return out
+        stop = threading.Event()
+
+        def one(handle: BlobHandle, layer: int) -> Optional[Any]:
+            if stop.is_set():
+                return None
+            try:
+                got = self.get_layer(handle, layer)
+            except BaseException:
+                stop.set()
+                raise
+            if got is None:
+                stop.set()
+            return got
+
+        with ThreadPoolExecutor(min(self.read_parallelism, len(requests)), thread_name_prefix=f"{self.name}-read") as pool:
+            futures = [pool.submit(one, handle, layer) for handle, layer in requests]
+        return [f.result() for f in futures]
 
     # -- lifetime -----------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from cacheseek.errors import HandleStateError, StoreClosedError, StoreError, StoreFullError, WriteNotCompleteError
+from cacheseek.errors import ConfigError, HandleStateError, StoreClosedError, StoreError, StoreFullError, WriteNotCompleteError
 from cacheseek.fluxon.client import FluxonValueTooLargeError, VALUE_FIELD
 from cacheseek.registry import STORES
 from cacheseek.reuse.exact_prefix.keys import layer_keys
@@ -35,9 +35,16 @@ def test_registered_as_store_backend():
     assert STORES.get("fluxon") is FluxonTensorTier
     schema = STORES.schema("fluxon")
     s = schema()
-    assert (s._target_, s.cluster_name, s.share_mem_path, s.instance_key, s.op_timeout_s, s.attach_timeout_s) == (
+    assert (s._target_, s.cluster_name, s.share_mem_path, s.instance_key, s.op_timeout_s, s.attach_timeout_s,
+            s.read_parallelism) == (
         "cacheseek.stores.fluxon_bytes.FluxonTensorTier", "cacheseek", "/dev/shm/cacheseek-fluxon",
-        "cacheseek-client", 30.0, 30.0)
+        "cacheseek-client", 30.0, 30.0, 4)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_a_bad_read_parallelism_is_refused_before_attaching(bad):
+    with pytest.raises(ConfigError, match="store.read_parallelism"):
+        FluxonTensorTier(share_mem_path="/nonexistent/segment", read_parallelism=bad)
 
 
 class _FakeView:
@@ -286,9 +293,13 @@ def test_tensor_tier_round_trip_partial_layer_skeleton_free(fluxon_client, key_p
     for i, (k, v) in enumerate(payload):
         got = tier.get_layer(h, i)
         assert got is not None and _same_bits(got[0], k) and _same_bits(got[1], v)
+    assert tier.read_parallelism == 4  # a restore's reads overlap (get_layers)
+    for got, (k, v) in zip(tier.get_layers([(h, i) for i in range(3)]), payload, strict=True):
+        assert got is not None and _same_bits(got[0], k) and _same_bits(got[1], v)
     # a partially present layer is a miss, not a crash
     fluxon_client.remove(layer_keys(loc, 1)[1])
     assert tier.get_layer(h, 1) is None and tier.get_layer(h, 0) is not None
+    assert [x is None for x in tier.get_layers([(h, 0), (h, 1)])] == [False, True]
     lat = torch.randn(1, 16, 3, 6, 10).to(torch.bfloat16)
     tier.put_skeleton(f"{key_prefix}lat", lat)
     assert _same_bits(tier.get_skeleton(f"{key_prefix}lat"), lat)

@@ -157,6 +157,36 @@ def test_get_layer_round_trips_bf16_bit_exact(store):
         store.get_layer(h, 3)
 
 
+@pytest.mark.parametrize("parallelism", [1, 3])
+def test_get_layers_reads_every_layer_in_order_and_stops_at_a_miss(store, parallelism):
+    store.read_parallelism = parallelism
+    payload = bf16_payload(n_layers=4)
+    h = put(store, clone_payload(payload))
+    store.flush()
+    got = store.get_layers([(h, i) for i in range(4)])
+    assert len(got) == 4 and all(same_bits(g[0], k) and same_bits(g[1], v) for g, (k, v) in zip(got, payload))
+    store.backend.delete(layer_keys(LOC, 1)[1])
+    got = store.get_layers([(h, i) for i in range(4)])
+    assert got[0] is not None and got[1] is None  # later layers: not read (serial) or read meanwhile
+    if parallelism == 1:
+        assert got[2:] == [None, None]
+
+
+def test_get_layers_overlaps_up_to_read_parallelism_reads(store):
+    h = put(store, clone_payload(bf16_payload(n_layers=3)))
+    store.flush()
+    store.read_parallelism = 3
+    meet = threading.Barrier(3, timeout=WAIT_S)  # passes only while 3 reads are in flight at once
+
+    class Meeting(_Wrapper):
+        def read(self, key, *args):
+            meet.wait()
+            return self.inner.read(key, *args)
+
+    store.backend = Meeting(store.backend)
+    assert all(g is not None for g in store.get_layers([(h, i) for i in range(3)]))
+
+
 def test_string_payloads(store):
     h = put(store, [("k0", "v0"), ("k1", "v1")])
     store.flush()

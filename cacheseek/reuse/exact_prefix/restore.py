@@ -11,8 +11,9 @@ and before publication (`SharedIndex.gone`): a chunk freed by another process me
 
 Two store paths, chosen by capability:
 
-- generic `TierStore`: latents via ``get_skeleton``, then every window layer via ``get_layer``;
-  all of it is fetched before the first ``seed_layer`` call;
+- generic `TierStore`: latents via ``get_skeleton``, then every window layer via ``get_layer``
+  (a store that offers ``get_layers``: all of them in one call, which may overlap the reads); all
+  of it is fetched before the first ``seed_layer`` call;
 - `PathReadStore` (and a window that offers ``restore_target``): the store restores the whole
   window path into the runtime's buffers itself (``read_path``); when it returns False, the
   store's ``contains`` names what is gone.
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -197,17 +198,20 @@ class Restorer:
         n_layers = {n.blob.n_layers for n in win}
         if len(n_layers) != 1:
             return Outcome(False)
+        reads = [(n, layer) for layer in range(n_layers.pop()) for n in win]
+        if self.ctx.offers.reads_layers:
+            values: Iterable[Any] = store.get_layers([(n.blob, layer) for n, layer in reads])
+        else:
+            values = (store.get_layer(n.blob, layer) for n, layer in reads)  # lazy: stops at a miss
         per_layer: list[list[tuple[int, Any]]] = []
-        for layer in range(n_layers.pop()):
-            blobs = []
-            for n in win:
-                kv = store.get_layer(n.blob, layer)
-                if kv is None or (n.blob.pairs and (kv[0] is None or kv[1] is None)):
-                    log.info("layer %d of depth %d missing", layer, n.depth)
-                    return Outcome(False, self.invalidator.find_missing(path, win, n))
-                blobs.append((n.depth, kv))
-                nbytes += layer_nbytes(kv)
-            per_layer.append(blobs)
+        for (n, layer), kv in zip(reads, values):
+            if kv is None or (n.blob.pairs and (kv[0] is None or kv[1] is None)):
+                log.info("layer %d of depth %d missing", layer, n.depth)
+                return Outcome(False, self.invalidator.find_missing(path, win, n))
+            if layer == len(per_layer):
+                per_layer.append([])
+            per_layer[layer].append((n.depth, kv))
+            nbytes += layer_nbytes(kv)
         if hasattr(window, "seed_latents"):
             window.seed_latents(latents)
         for layer, blobs in enumerate(per_layer):
