@@ -332,7 +332,7 @@ class DiskBackend:
         temp files (`RootFolder`). ConfigError naming ``store.root`` on failure, the lock released."""
         self.folder.open()
         try:
-            self.folder.probe(f".probe-{os.getpid()}-{secrets.token_hex(6)}")
+            self.folder.probe(f".probe-{os.getpid()}-{threading.get_ident()}")
             self._lock_fd = self.folder.lock(_LOCK_NAME)
             self.folder.refuse_planted()
             for path in self.folder.sweep(_writer_gone):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import attrs
 
@@ -87,10 +87,10 @@ NOT_WHOLE = Outcome(False, not_whole=True)
 class Restorer:
     """Restores paths (see the module docstring); the invalidator drops what a restore finds gone."""
 
-    def __init__(self, ctx: ManagerContext, invalidator: Invalidator, index: SharedIndex) -> None:
+    def __init__(self, ctx: ManagerContext, invalidator: Invalidator, index: Optional[SharedIndex] = None) -> None:
         self.ctx = ctx
         self.invalidator = invalidator
-        self.index = index
+        self.index = index if index is not None else SharedIndex.off(ctx)
 
     def window_path(self, node: TrieNode) -> list[TrieNode]:
         """The nodes of ``node``'s path whose KV a restore reads: the config's window depths."""

@@ -3,8 +3,9 @@
 A service runs one worker per GPU, on several hosts, and restarts them; each worker has its own
 trie. A chunk's key is a pure function of its session (the namespace root, then one key per
 action), so where the local trie ends (or is empty: a new or restarted worker) the lookup asks
-the store for the session's next node keys, batched: a window of ``window`` keys per probe, each
-probe bounded by the store's own operation timeout. Every record found in order is *adopted*: its
+the store for the session's next node keys, batched: one key first (a cold session computes one
+action key ahead of its first chunk, not a window of them), then windows of ``window`` keys per
+probe, each probe bounded by the store's own operation timeout. Every record found in order is *adopted*: its
 node is committed to the local trie with a ready handle built from the record (the record's
 geometry and checksums; a read checks each value against them), and the lookup goes on from there.
 A live session streamed one action per chunk asks for one key per chunk (`child`).
@@ -59,6 +60,11 @@ class SharedIndex:
         self.ctx = ctx
         self.cfg = cfg
 
+    @classmethod
+    def off(cls, ctx: ManagerContext) -> "SharedIndex":
+        """An index that never asks the store (a role built on its own: it sees only its trie)."""
+        return cls(ctx, SharedIndexConfig(enabled=False))
+
     @property
     def active(self) -> bool:
         """Whether lookups ask the store: the index is on and the store's records are shared."""
@@ -68,13 +74,15 @@ class SharedIndex:
 
     def extend(self, match: PrefixMatch, actions: Sequence[ActionKey], limit: int) -> PrefixMatch:
         """``match`` (the local trie's longest ready prefix of ``actions``) continued through the
-        store's records, at most ``limit`` chunks deep: probes of ``window`` keys until one is
-        not found whole."""
+        store's records, at most ``limit`` chunks deep: a probe of one key, then of ``window``
+        keys, until one is not found whole."""
         ns, node, matched = match.namespace, match.node, match.matched_len
         if ns is None or node is None or not self.active:
             return match
+        step = 1  # the first probe asks for one key: a miss computes one action key, not a window's
         while matched < limit:
-            want = min(self.cfg.window, limit - matched)
+            want = min(step, limit - matched)
+            step = self.cfg.window
             chain: list[tuple[ActionKey, bytes]] = []
             parent_key = node.node_key
             for i in range(matched, matched + want):
@@ -113,6 +121,12 @@ class SharedIndex:
         (record,) = self._find([key])
         return self.adopt(ns, parent, action, record) if record is not None else None
 
+    def keys_as(self, parent: TrieNode, action: ActionKey, key: bytes) -> bool:
+        """Whether ``key`` is ``parent``'s child key for ``action`` as the index derives it (a
+        caller that derives node keys its own way writes chunks the index cannot name)."""
+        raw = _action_bytes(action)
+        return raw is not None and node_key(parent.node_key, raw) == key
+
     def _find(self, keys: list[bytes]) -> list[Optional[ChunkRecord]]:
         self.ctx.metrics.add(index_probes=1, index_keys_probed=len(keys))
         return self.ctx.offers.records.find(keys)
@@ -128,14 +142,18 @@ class SharedIndex:
                         record.node_key.hex()[:16], parent.depth + 1, parent.node_key.hex()[:16])
             return None
         with ctx.forest.lock:
-            node = ctx.forest.commit(ns, parent, action, record.node_key, record.depth)
+            try:
+                node = ctx.forest.commit(ns, parent, action, record.node_key, record.depth)
+            except ValueError as exc:  # the trie holds another key for this action (a crafted snapshot)
+                log.warning("chunk record %s not adopted: %s", record.node_key.hex()[:16], exc)
+                return None
             if node.has_kv:
                 return node
             if not node.state.vacant:
                 return None
             node.blob = BlobHandle(ctx.cfg.commit_tier, kv_locator(record.node_key), record.nbytes,
                                    record.n_layers, ready=True, pairs=record.pairs,
-                                   digests=dict(record.digests) or None)
+                                   digests=dict(record.digests) or None, recorded=True)
             node.skeleton = Skeleton(latent_locator(record.node_key))
             if record.depth < ctx.cfg.sink_chunks:
                 node.pinned = True
@@ -148,7 +166,8 @@ class SharedIndex:
     def publish(self, ns: Namespace, node: TrieNode, handle: BlobHandle, latent_nbytes: int) -> None:
         """Make ``node``'s chunk findable by every process: its values are committed (the
         store's completion callback called this), so its record goes last."""
-        if not self.active or handle.error is not None or node.parent is None:
+        if (not self.active or handle.error is not None or node.parent is None
+                or not self.keys_as(node.parent, node.action, node.node_key)):
             return
         record = ChunkRecord(
             node_key=node.node_key, parent_key=node.parent.node_key, root_hash=ns.root_hash,
@@ -156,6 +175,7 @@ class SharedIndex:
             latent_nbytes=int(latent_nbytes), storage_format=str(getattr(self.ctx.store, "storage_format", "")),
             digests=handle.digests or {})
         if self.ctx.offers.records.publish(record):
+            handle.recorded = True
             self.ctx.metrics.add(index_published=1)
 
     def is_published(self, node_key_: bytes) -> bool:
@@ -168,10 +188,13 @@ class SharedIndex:
     # -- the read side's re-check ---------------------------------------------------------------
 
     def gone(self, nodes: Sequence[TrieNode]) -> tuple[TrieNode, ...]:
-        """The nodes of ``nodes`` whose records are no longer in the store (read after a
-        restore's copies, before it publishes): their values may have been freed under it."""
-        if not self.active or not nodes:
+        """The nodes of ``nodes`` with a record (their chunks shared with other processes) whose
+        records are no longer in the store (read after a restore's copies, before it publishes):
+        their values may have been freed under it. Other nodes are this process's alone."""
+        shared = [n for n in nodes if n.blob is not None and n.blob.recorded]
+        if not self.active or not shared:
             return ()
+        nodes = shared
         records = self.ctx.offers.records.find([n.node_key for n in nodes])
         lost = tuple(n for n, r in zip(nodes, records) if r is None)
         if lost:
