@@ -2,8 +2,8 @@
 
 Layout: one file per value, ``{root}/{sha256(key)[:2]}/{escaped key}``. The escape keeps
 ``[A-Za-z0-9_-]`` and writes every other UTF-8 byte as ``%XX``, so it is reversible (`keys`) and
-an escaped name never contains a dot; temporary files (``.{name}.{random}.tmp``) always do, so
-they are never mistaken for values.
+an escaped name never contains a dot; temporary files (``.{name}.w{pid}x{random}.tmp``, named for
+the process writing them) always do, so they are never mistaken for values.
 
 File format: ``MAGIC`` (8 bytes), header length (u32 little-endian), a JSON header, the raw
 payload. The header says the kind (``tensor``, ``bytes``, ``str`` or ``json``: plain data such as a
@@ -15,12 +15,24 @@ included, no numpy dtype needed) and read back as contiguous CPU tensors.
 Writes are atomic: a temp file in the value's folder, ``fsync``, ``os.replace``, ``fsync`` of the
 folder. A reader sees the old value, the new one or none, never a partial file.
 
-Durable commit is the default (``fsync=True``): every value of a blob is on the device before the
-blob's handle is ready, and the forest snapshot names only ready blobs (and is itself fsynced), so
-a snapshot never names a value a power loss can take. ``fsync=False`` is the explicit weaker mode
-(faster on slow disks): after a crash a snapshot may name values that are gone or torn; they read
-as missing or corrupt and the manager invalidates those nodes (data lost, never wrong). A temp file left by a
-killed process is invisible to reads and ``keys()`` and is removed when the root is next opened.
+One root, many processes (issue 31: one worker per GPU): any number of stores, in this process
+or others, open one root at once (each holds a shared ``flock`` on ``{root}/.lock``, never
+written). The root is its own index: after every value of a chunk is written, its *record*
+(`DiskRecords`, ``{node hex}:rec``: the chunk's geometry and each value's checksum) is created
+where none is, by hard-linking a complete temp file: the commit point, last, and the first writer
+wins. Any process finds a chunk by its key in the records (`cacheseek.kv.records`); a read checks
+each value against the record's checksum, so a chunk is never mixed from two writers' bytes.
+``free`` removes the record first, then the values: a process that found the record and reads a
+value already gone gets a miss. No forest snapshot is loaded or saved; a ``forest.json`` in the
+root is never opened.
+
+Durable commit is the default (``fsync=True``): every value of a blob, and then its record, is on
+the device before the blob's handle is ready, so a record never names a value a power loss can
+take. ``fsync=False`` is the explicit weaker mode (faster on slow disks): after a crash a record
+may name values that are gone or torn; they read as missing or corrupt and the manager
+invalidates those nodes (data lost, never wrong). A temp file is invisible to reads and
+``keys()``; one whose writer is gone (its pid, on this host) is removed when the root is next
+opened, never another live process's write in flight.
 
 Reads return None for a missing value. A file that exists but is truncated, fails its checksum
 or is not in this format raises `CorruptValueError` naming the key and the file; `KeyValueTier`
@@ -29,18 +41,14 @@ whole shorter prefix (a poisoned file never outlives the read that found it).
 
 A full disk (``ENOSPC``, ``EDQUOT``) is `StoreFullError`: the tier caps itself at the bytes it
 holds and the manager evicts (`KeyValueTier`). Usage is counted in file bytes (header included)
-at write time and at reopen alike (``stored_nbytes``).
+at write time and at reopen alike (``stored_nbytes``); ``usage()`` is the root's, every process's
+files included (a periodic scan), so the capacity is the cache's, not one process's.
 
-Files that no snapshot names (a previous process's, when this process loaded no snapshot or an
-older one) are garbage: `WorldKVManager.reconcile` removes every value no node of its forest names
-(``keys`` and ``delete_values`` here), so a reopened store does not start full of unreachable
-values. The orchestrator runs it after loading the root's snapshot. ``delete`` unlinks the file, so freeing a blob
-gives its disk space back at once.
-
-One open store owns a root at a time (an ``flock`` on ``{root}/.lock``, released by `close`);
-a second store on the same root, in this process or another, is a `ConfigError` naming
-``store.root``, the holder's pid and the fix. The root also keeps its forest snapshot
-(``snapshot_path``, ``{root}/forest.json``), which `build_stack` loads and saves under that lock.
+Values of a chunk that was never committed (no record names it: a killed writer's half chunk)
+and older than ``orphan_grace_s`` are garbage: `WorldKVManager.reconcile` removes them
+(``orphans`` and ``delete_values`` here), so a reopened root does not fill with unreachable values;
+a younger one may be another process's write in flight and stays. ``delete`` unlinks the file, so
+freeing a blob gives its disk space back at once.
 
 Links and other files nobody here wrote (`cacheseek.stores.root_files`): the root is created
 ``0700`` and must be this user's and writable by nobody else; every file is reached through the
@@ -88,7 +96,6 @@ _PREFIX = len(MAGIC) + _HLEN.size
 _MAX_NAME = 200  # escaped key length limit; leaves room for the temp-file decoration in 255
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _LOCK_NAME = ".lock"
-SNAPSHOT_NAME = "forest.json"  # the root's forest snapshot (cacheseek.orchestrator)
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _ROOT_FIX = "set store.root to a writable folder, e.g. +store=localdisk store.root=/tmp/kv"
 
@@ -607,7 +614,7 @@ class LocalDiskTierStore(KeyValueTier):
 
     def delete_values(self, keys: list[str]) -> None:
         """Remove these values (idempotent), giving their bytes back; `WorldKVManager.reconcile`
-        uses it for files no snapshot names."""
+        uses it for the values of chunks never committed (`orphans`)."""
         self._check_open()
         for key in keys:
             self._delete(key)

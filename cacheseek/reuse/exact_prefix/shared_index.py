@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Optional
 
 from cacheseek.kv.handles import BlobHandle, Skeleton
 from cacheseek.kv.locators import kv_locator, latent_locator
