@@ -1,0 +1,184 @@
+"""`EtcdRecords`: a Fluxon cluster's chunk records (the shared index), kept in the cluster's etcd.
+
+Every Fluxon cluster runs an etcd (its master and owners register there); every client learns
+its endpoints when it attaches (``get_etcd_config``). A chunk's record (`cacheseek.kv.records`)
+is one etcd key, ``/cacheseek/records/<cluster>/<node hex>:rec``, so every worker of the cluster,
+on any host, finds a chunk by its key. fluxon-py 0.2.4 itself has no batched existence check
+(``is_exist`` costs 10-50 ms a key) and its ``EtcdKvClient`` offers single gets only; etcd's
+transaction does what the index needs in one round trip each:
+
+- ``_get_many(names)``: ONE transaction of up to 128 range reads (etcd's default
+  ``--max-txn-ops``; more keys take one transaction per 128), linearizable;
+- ``_put_new(name, data)``: one transaction "if the key's create revision is 0, put": the first
+  writer wins, a second writer's record is not stored;
+- ``_delete``: one delete; ``_names``: one keys-only range read of the cluster's prefix.
+
+The calls go straight to etcd's gRPC API (the ``etcd3`` package's generated stubs, a dependency
+of fluxon-py) on one channel, each with a gRPC deadline of ``op_timeout_s``: a hung etcd costs a
+call at most that (``StoreTimeoutError``), a stopped one fails at once (connection refused). After
+either, the etcd is not asked again for ``retry_after_s``: calls fail at once meanwhile (the base
+class makes a failed probe a miss and a failed publication an unshared chunk), so sessions run
+cold without waiting on every probe. With several endpoints, a failure moves to the next one.
+
+Lifecycle: built when a `FluxonClient` attaches (no connection is made before the first call);
+`close` (idempotent) closes the channel; calls after it raise `StoreClosedError` (misses).
+
+Importing this module needs neither grpc nor fluxon-py: the stubs are imported at construction.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
+
+from cacheseek.errors import ConfigError, StoreClosedError, StoreError, StoreTimeoutError
+from cacheseek.kv.records import ChunkRecords
+
+__all__ = ["EtcdRecords", "MAX_TXN_OPS", "RECORDS_ROOT"]
+
+RECORDS_ROOT = "/cacheseek/records/"
+MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+
+
+def _prefix_end(prefix: bytes) -> bytes:
+    """The range end of every key starting with ``prefix`` (etcd's convention)."""
+    return prefix[:-1] + bytes([prefix[-1] + 1])
+
+
+class EtcdRecords(ChunkRecords):
+    """The chunk records of cluster ``cluster_name`` in its etcd at ``endpoints`` (``host:port``
+    each, as fluxon-py reports them); see the module docstring."""
+
+    shared = True
+    retry_after_s = 5.0  # after an unreachable or timed-out etcd, calls fail at once this long
+
+    def __init__(self, endpoints: Sequence[str], cluster_name: str, *, op_timeout_s: float = 30.0) -> None:
+        eps = [str(e) for e in endpoints or ()]
+        if not eps or not all(e.rpartition(":")[0] and e.rpartition(":")[2].isdigit() for e in eps):
+            raise StoreError(f"fluxon cluster {cluster_name!r}: etcd endpoints {list(endpoints or ())!r} are not "
+                             "host:port entries (what the client's get_etcd_config reported)")
+        if isinstance(op_timeout_s, bool) or not isinstance(op_timeout_s, (int, float)) or op_timeout_s <= 0:
+            raise ConfigError("store.op_timeout_s", f"must be a positive number of seconds, got {op_timeout_s!r}")
+        super().__init__()
+        import grpc
+
+        with warnings.catch_warnings():  # etcd3's generated code uses protobuf's deprecated descriptors
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from etcd3 import etcdrpc
+
+        self._grpc, self._rpc = grpc, etcdrpc
+        self.endpoints = tuple(eps)
+        self.cluster_name = cluster_name
+        self.op_timeout_s = float(op_timeout_s)
+        self.prefix = f"{RECORDS_ROOT}{cluster_name}/"
+        self._state = threading.Lock()
+        self._at = 0  # the endpoint in use
+        self._channel: Any = None
+        self._kv: Any = None
+        self._down_until = 0.0
+        self._down_why = ""
+        self._closed = False
+        self._connect()
+
+    def _connect(self) -> None:
+        """Under ``_state`` (or in the constructor): a channel to the current endpoint (lazy:
+        gRPC connects on the first call)."""
+        self._channel = self._grpc.insecure_channel(self.endpoints[self._at])
+        self._kv = self._rpc.KVStub(self._channel)
+
+    @property
+    def endpoint(self) -> str:
+        return self.endpoints[self._at]
+
+    def key(self, name: str) -> bytes:
+        """The etcd key of record ``name``."""
+        return (self.prefix + name).encode("utf-8")
+
+    # -- one bounded call -----------------------------------------------------------------------
+
+    def _call(self, op: str, send: Callable[[Any, float], Any]) -> Any:
+        """``send(stub, timeout)``: one RPC on the KV stub, with ``op_timeout_s`` as its deadline."""
+        with self._state:
+            if self._closed:
+                raise StoreClosedError(f"the chunk records of fluxon cluster {self.cluster_name!r} are closed")
+            left = self._down_until - time.monotonic()
+            if left > 0:
+                raise StoreError(f"etcd {op} not sent: {self._down_why}; asked again in {left:.1f} s")
+            endpoint, stub = self.endpoints[self._at], self._kv
+        grpc = self._grpc
+        try:
+            return send(stub, self.op_timeout_s)
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            timed_out = code == grpc.StatusCode.DEADLINE_EXCEEDED
+            where = f"etcd {op} at {endpoint} (records of fluxon cluster {self.cluster_name!r})"
+            if timed_out:
+                what = f"{where} did not answer within {self.op_timeout_s:.1f} s (store.op_timeout_s)"
+            else:
+                detail = exc.details() if isinstance(exc, grpc.Call) else str(exc)
+                what = f"{where} failed: {code.name if code is not None else 'RpcError'}: {detail}"
+            if timed_out or code == grpc.StatusCode.UNAVAILABLE:
+                self._mark_down(endpoint, what)
+            raise (StoreTimeoutError(what) if timed_out else StoreError(what)) from None
+
+    def _mark_down(self, endpoint: str, why: str) -> None:
+        with self._state:
+            self._down_until = time.monotonic() + self.retry_after_s
+            self._down_why = why
+            if len(self.endpoints) > 1 and self.endpoints[self._at] == endpoint and not self._closed:
+                self._channel.close()
+                self._at = (self._at + 1) % len(self.endpoints)
+                self._connect()
+
+    # -- the raw operations of ChunkRecords -----------------------------------------------------
+
+    def _put_new(self, name: str, data: bytes) -> bool:
+        rpc, key = self._rpc, self.key(name)
+        request = rpc.TxnRequest(
+            compare=[rpc.Compare(key=key, target=rpc.Compare.CREATE, result=rpc.Compare.EQUAL, create_revision=0)],
+            success=[rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=bytes(data)))])
+        return bool(self._call("put", lambda kv, t: kv.Txn(request, timeout=t)).succeeded)
+
+    def _get_many(self, names: Sequence[str]) -> list[Optional[bytes]]:
+        rpc = self._rpc
+        out: list[Optional[bytes]] = []
+        for i in range(0, len(names), MAX_TXN_OPS):
+            request = rpc.TxnRequest(success=[rpc.RequestOp(request_range=rpc.RangeRequest(key=self.key(n)))
+                                              for n in names[i:i + MAX_TXN_OPS]])
+            for op in self._call("get", lambda kv, t, r=request: kv.Txn(r, timeout=t)).responses:
+                kvs = op.response_range.kvs
+                out.append(bytes(kvs[0].value) if kvs else None)
+        if len(out) != len(names):
+            raise StoreError(f"etcd answered {len(out)} reads for {len(names)} record names")
+        return out
+
+    def _delete(self, name: str) -> None:
+        request = self._rpc.DeleteRangeRequest(key=self.key(name))
+        self._call("delete", lambda kv, t: kv.DeleteRange(request, timeout=t))
+
+    def _names(self) -> list[str]:
+        root = self.prefix.encode("utf-8")
+        request = self._rpc.RangeRequest(key=root, range_end=_prefix_end(root), keys_only=True)
+        reply = self._call("list", lambda kv, t: kv.Range(request, timeout=t))
+        return [bytes(kv.key)[len(root):].decode("utf-8") for kv in reply.kvs]
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Close the channel; later calls fail (`StoreClosedError`: misses). Idempotent."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            channel, self._channel, self._kv = self._channel, None, None
+        channel.close()
+
+    def __repr__(self) -> str:
+        return f"EtcdRecords(cluster={self.cluster_name!r}, etcd={self.endpoint}, closed={self._closed})"
