@@ -186,3 +186,52 @@ def test_native_output_goes_to_the_log_not_the_terminal(capfd, caplog):
     out, err = capfd.readouterr()
     assert "banner" not in out and "config" not in err
     assert [r.getMessage() for r in caplog.records] == ["fluxon-py: banner", "fluxon-py: config: x=1"]
+
+
+# -- EtcdRecords without an etcd ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_etcd_records_refused_at_once_then_not_asked_until_retry_after(caplog):
+    """Nothing listens on the endpoint: the probe fails at once (a miss the caller can tell from
+    an absent record), and the next calls fail without a connection attempt for retry_after_s."""
+    import time
+
+    from cacheseek.fluxon.records import EtcdRecords
+    from cacheseek.kv.records import ChunkRecord
+
+    records = EtcdRecords([f"127.0.0.1:{_free_port()}"], "c1", op_timeout_s=2.0)
+    records.retry_after_s = 0.5
+    assert records.shared and records.key("ab:rec") == b"/cacheseek/records/c1/ab:rec"
+    key = bytes(range(32))
+    t0 = time.monotonic()
+    assert records.probe([key]) is None and records.find([key]) == [None]
+    assert time.monotonic() - t0 < 1.5
+    assert "UNAVAILABLE" in caplog.text and "not sent" in caplog.text  # the second one was not sent
+    rec = ChunkRecord(node_key=key, parent_key=key, root_hash=key, depth=1, n_layers=1, nbytes=1)
+    assert not records.publish(rec) and records.stats.publish_errors == 1
+    records.retract(key)  # never raises
+    assert records.stats.probe_errors == 2 and records.stats.retracted == 0
+    time.sleep(0.6)
+    caplog.clear()
+    assert records.probe([key]) is None and "UNAVAILABLE" in caplog.text  # asked again after the pause
+    records.close()
+    records.close()
+    caplog.clear()
+    assert records.probe([key]) is None and "closed" in caplog.text
+
+
+def test_etcd_records_need_host_port_endpoints():
+    from cacheseek.errors import ConfigError, StoreError
+    from cacheseek.fluxon.records import EtcdRecords
+
+    for bad in ([], ["localhost"], ["http://h:1x"]):
+        with pytest.raises(StoreError, match="host:port"):
+            EtcdRecords(bad, "c1")
+    with pytest.raises(ConfigError, match="op_timeout_s"):
+        EtcdRecords(["127.0.0.1:1"], "c1", op_timeout_s=0)
