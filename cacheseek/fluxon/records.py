@@ -16,9 +16,10 @@ transaction does what the index needs in one round trip each:
 The calls go straight to etcd's gRPC API (the ``etcd3`` package's generated stubs, a dependency
 of fluxon-py) on one channel, each with a gRPC deadline of ``op_timeout_s``: a hung etcd costs a
 call at most that (``StoreTimeoutError``), a stopped one fails at once (connection refused). After
-either, the etcd is not asked again for ``retry_after_s``: calls fail at once meanwhile (the base
-class makes a failed probe a miss and a failed publication an unshared chunk), so sessions run
-cold without waiting on every probe. With several endpoints, a failure moves to the next one.
+either, the next endpoint is used; once every endpoint failed in a row (a single-host service has
+one), none is asked again for ``retry_after_s``: calls fail at once meanwhile (the base class makes
+a failed probe a miss and a failed publication an unshared chunk), so sessions run cold without
+waiting on every probe.
 
 Lifecycle: built when a `FluxonClient` attaches (no connection is made before the first call);
 `close` (idempotent) closes the channel; calls after it raise `StoreClosedError` (misses).
@@ -80,6 +81,7 @@ class EtcdRecords(ChunkRecords):
         self._kv: Any = None
         self._down_until = 0.0
         self._down_why = ""
+        self._failures = 0  # endpoints that failed in a row
         self._closed = False
         self._connect()
 
@@ -110,7 +112,7 @@ class EtcdRecords(ChunkRecords):
             endpoint, stub = self.endpoints[self._at], self._kv
         grpc = self._grpc
         try:
-            return send(stub, self.op_timeout_s)
+            reply = send(stub, self.op_timeout_s)
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             timed_out = code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -123,12 +125,23 @@ class EtcdRecords(ChunkRecords):
             if timed_out or code == grpc.StatusCode.UNAVAILABLE:
                 self._mark_down(endpoint, what)
             raise (StoreTimeoutError(what) if timed_out else StoreError(what)) from None
+        if self._failures:
+            with self._state:
+                self._failures = 0
+        return reply
 
     def _mark_down(self, endpoint: str, why: str) -> None:
+        """``endpoint`` is unreachable or hung: the next endpoint is used from now on; once every
+        endpoint failed in a row, none is asked for ``retry_after_s``."""
         with self._state:
-            self._down_until = time.monotonic() + self.retry_after_s
-            self._down_why = why
-            if len(self.endpoints) > 1 and self.endpoints[self._at] == endpoint and not self._closed:
+            if self._closed or self.endpoints[self._at] != endpoint:
+                return  # closed, or another call moved on already
+            self._failures += 1
+            if self._failures >= len(self.endpoints):
+                self._down_until = time.monotonic() + self.retry_after_s
+                self._down_why = why
+                self._failures = 0
+            if len(self.endpoints) > 1:
                 self._channel.close()
                 self._at = (self._at + 1) % len(self.endpoints)
                 self._connect()

@@ -12,6 +12,9 @@ attaches one `FluxonClient`. Then, ``--reps`` times each (after ``--warmup`` unt
   records_find_1_hit/miss   one key (a live session asks for one chunk at a time)
   records_publish           ``records.publish`` of a new record (create-if-absent: one transaction)
   records_retract           ``records.retract`` (one delete)
+  etcdkv_8_gets             the alternative not taken: fluxon-py's own etcd client
+                            (``fluxon_pyo3.EtcdKvClient``: get, put, delete, get_prefix; no
+                            transaction, no deadline), one ``get`` per key of the 8 hit keys
   is_exist_8_serial         the baseline: ``FluxonClient.exists`` of 8 value keys one after another
                             (4 of them stored, 4 not), as a probe without records would cost
   is_exist_8_threads        the same 8 calls on 8 threads at once
@@ -124,7 +127,7 @@ def main() -> int:
     from cacheseek.fluxon_service.service import FluxonService
 
     load_before = os.getloadavg()
-    progress = benchlib.Progress(11, "probe_fluxon")
+    progress = benchlib.Progress(12, "probe_fluxon")
     name = f"probe{os.getpid()}"
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="probe-fluxon-") as tmp:
@@ -171,6 +174,12 @@ def main() -> int:
             rows.append(measure("records_find_1_miss", lambda: records.find(miss[:1]), r, w, progress))
             rows.append(measure("records_publish", publish, r, w, progress))
             rows.append(measure("records_retract", retract, r, 0, progress))
+            from fluxon_py.tool import import_fluxon_pyo3_local
+
+            etcdkv = import_fluxon_pyo3_local().EtcdKvClient(list(client.etcd_endpoints))
+            tiny_keys = [records.key(x.name).decode() for x in tiny]
+            assert all(etcdkv.get(k) for k in tiny_keys)
+            rows.append(measure("etcdkv_8_gets", lambda: [etcdkv.get(k) for k in tiny_keys], r, w, progress))
             b, bw = args.baseline_reps, 3
             rows.append(measure("is_exist_8_serial", lambda: [client.exists(v) for v in values], b, bw, progress))
             rows.append(measure("is_exist_8_threads", exists_threads, b, bw, progress))

@@ -235,3 +235,17 @@ def test_etcd_records_need_host_port_endpoints():
             EtcdRecords(bad, "c1")
     with pytest.raises(ConfigError, match="op_timeout_s"):
         EtcdRecords(["127.0.0.1:1"], "c1", op_timeout_s=0)
+
+
+def test_etcd_records_move_to_the_next_endpoint_and_pause_once_every_one_failed(caplog):
+    from cacheseek.fluxon.records import EtcdRecords
+
+    first, second = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+    records = EtcdRecords([first, second], "c1", op_timeout_s=2.0)
+    key = bytes(32)
+    assert records.probe([key]) is None and records.endpoint == second and first in caplog.text
+    caplog.clear()
+    assert records.probe([key]) is None and records.endpoint == first and second in caplog.text  # asked
+    caplog.clear()
+    assert records.probe([key]) is None and "not sent" in caplog.text  # both failed in a row: paused
+    records.close()
