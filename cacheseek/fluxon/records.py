@@ -13,8 +13,11 @@ transaction does what the index needs in one round trip each:
   writer wins, a second writer's record is not stored;
 - ``_delete``: one delete; ``_names``: one keys-only range read of the cluster's prefix.
 
-The calls go straight to etcd's gRPC API (the ``etcd3`` package's generated stubs, a dependency
-of fluxon-py) on one channel, each with a gRPC deadline of ``op_timeout_s``: a hung etcd costs a
+The calls go straight to etcd's gRPC API on one channel: the two transactions as bytes encoded by
+hand (`cacheseek.fluxon.etcd_txn`: the protobuf fluxon-py pins runs as pure Python, half of a
+probe's time through the generated classes), the delete and the listing through the ``etcd3``
+package's generated stubs (a dependency of fluxon-py); each with a gRPC deadline of
+``op_timeout_s``: a hung etcd costs a
 call at most that (``StoreTimeoutError``), a stopped one fails at once (connection refused). After
 either, the next endpoint is used; once every endpoint failed in a row (a single-host service has
 one), none is asked again for ``retry_after_s``: calls fail at once meanwhile (the base class makes
@@ -35,13 +38,25 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
+import attrs
+
 from cacheseek.errors import ConfigError, StoreClosedError, StoreError, StoreTimeoutError
+from cacheseek.fluxon import etcd_txn
 from cacheseek.kv.records import ChunkRecords
 
 __all__ = ["EtcdRecords", "MAX_TXN_OPS", "RECORDS_ROOT"]
 
 RECORDS_ROOT = "/cacheseek/records/"
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
+
+
+@attrs.frozen
+class _Stubs:
+    """The calls on one channel: etcd's KV service (generated stubs) and the raw transaction
+    (`cacheseek.fluxon.etcd_txn`: bytes in, bytes out)."""
+
+    kv: Any
+    txn: Callable[..., bytes]
 
 
 def _prefix_end(prefix: bytes) -> bytes:
@@ -78,7 +93,7 @@ class EtcdRecords(ChunkRecords):
         self._state = threading.Lock()
         self._at = 0  # the endpoint in use
         self._channel: Any = None
-        self._kv: Any = None
+        self._stubs: Optional[_Stubs] = None
         self._down_until = 0.0
         self._down_why = ""
         self._failures = 0  # endpoints that failed in a row
@@ -87,9 +102,9 @@ class EtcdRecords(ChunkRecords):
 
     def _connect(self) -> None:
         """Under ``_state`` (or in the constructor): a channel to the current endpoint (lazy:
-        gRPC connects on the first call)."""
+        gRPC connects on the first call), its KV stub and the raw transaction call."""
         self._channel = self._grpc.insecure_channel(self.endpoints[self._at])
-        self._kv = self._rpc.KVStub(self._channel)
+        self._stubs = _Stubs(self._rpc.KVStub(self._channel), self._channel.unary_unary(etcd_txn.TXN_METHOD))
 
     @property
     def endpoint(self) -> str:
@@ -101,18 +116,18 @@ class EtcdRecords(ChunkRecords):
 
     # -- one bounded call -----------------------------------------------------------------------
 
-    def _call(self, op: str, send: Callable[[Any, float], Any]) -> Any:
-        """``send(stub, timeout)``: one RPC on the KV stub, with ``op_timeout_s`` as its deadline."""
+    def _call(self, op: str, send: Callable[["_Stubs", float], Any]) -> Any:
+        """``send(stubs, timeout)``: one RPC, with ``op_timeout_s`` as its deadline."""
         with self._state:
             if self._closed:
                 raise StoreClosedError(f"the chunk records of fluxon cluster {self.cluster_name!r} are closed")
             left = self._down_until - time.monotonic()
             if left > 0:
                 raise StoreError(f"etcd {op} not sent: {self._down_why}; asked again in {left:.1f} s")
-            endpoint, stub = self.endpoints[self._at], self._kv
+            endpoint, stubs = self.endpoints[self._at], self._stubs
         grpc = self._grpc
         try:
-            reply = send(stub, self.op_timeout_s)
+            reply = send(stubs, self.op_timeout_s)
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
             timed_out = code == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -149,33 +164,29 @@ class EtcdRecords(ChunkRecords):
     # -- the raw operations of ChunkRecords -----------------------------------------------------
 
     def _put_new(self, name: str, data: bytes) -> bool:
-        rpc, key = self._rpc, self.key(name)
-        request = rpc.TxnRequest(
-            compare=[rpc.Compare(key=key, target=rpc.Compare.CREATE, result=rpc.Compare.EQUAL, create_revision=0)],
-            success=[rpc.RequestOp(request_put=rpc.PutRequest(key=key, value=bytes(data)))])
-        return bool(self._call("put", lambda kv, t: kv.Txn(request, timeout=t)).succeeded)
+        request = etcd_txn.put_new_request(self.key(name), bytes(data))
+        return etcd_txn.succeeded(self._call("put", lambda s, t: s.txn(request, timeout=t)))
 
     def _get_many(self, names: Sequence[str]) -> list[Optional[bytes]]:
-        rpc = self._rpc
         out: list[Optional[bytes]] = []
         for i in range(0, len(names), MAX_TXN_OPS):
-            request = rpc.TxnRequest(success=[rpc.RequestOp(request_range=rpc.RangeRequest(key=self.key(n)))
-                                              for n in names[i:i + MAX_TXN_OPS]])
-            for op in self._call("get", lambda kv, t, r=request: kv.Txn(r, timeout=t)).responses:
-                kvs = op.response_range.kvs
-                out.append(bytes(kvs[0].value) if kvs else None)
-        if len(out) != len(names):
-            raise StoreError(f"etcd answered {len(out)} reads for {len(names)} record names")
+            batch = names[i:i + MAX_TXN_OPS]
+            request = etcd_txn.gets_request([self.key(n) for n in batch])
+            reply = self._call("get", lambda s, t: s.txn(request, timeout=t))
+            try:
+                out += etcd_txn.values_of(reply, len(batch))
+            except ValueError as exc:
+                raise StoreError(f"etcd at {self.endpoint}: {exc}") from None
         return out
 
     def _delete(self, name: str) -> None:
         request = self._rpc.DeleteRangeRequest(key=self.key(name))
-        self._call("delete", lambda kv, t: kv.DeleteRange(request, timeout=t))
+        self._call("delete", lambda s, t: s.kv.DeleteRange(request, timeout=t))
 
     def _names(self) -> list[str]:
         root = self.prefix.encode("utf-8")
         request = self._rpc.RangeRequest(key=root, range_end=_prefix_end(root), keys_only=True)
-        reply = self._call("list", lambda kv, t: kv.Range(request, timeout=t))
+        reply = self._call("list", lambda s, t: s.kv.Range(request, timeout=t))
         return [bytes(kv.key)[len(root):].decode("utf-8") for kv in reply.kvs]
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -190,7 +201,7 @@ class EtcdRecords(ChunkRecords):
             if self._closed:
                 return
             self._closed = True
-            channel, self._channel, self._kv = self._channel, None, None
+            channel, self._channel, self._stubs = self._channel, None, None
         channel.close()
 
     def __repr__(self) -> str:
