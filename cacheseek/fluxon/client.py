@@ -54,7 +54,6 @@ from pathlib import Path
 from typing import Any, Optional, TypeVar
 
 from cacheseek.errors import ConfigError, StoreClosedError, StoreError, StoreTimeoutError
-from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 from cacheseek.fluxon.calls import MAX_STUCK_CALLS, FluxonCalls
 from cacheseek.fluxon.config import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
 from cacheseek.fluxon.errors import FluxonImportError, FluxonUnavailableError, FluxonValueTooLargeError
@@ -81,6 +80,7 @@ from cacheseek.fluxon.values import (
     too_large_text,
     writable_u8,
 )
+from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 
 log = logging.getLogger(__name__)
 
