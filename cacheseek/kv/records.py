@@ -244,7 +244,14 @@ class ChunkRecords:
 
     def find(self, node_keys: Sequence[bytes]) -> list[Optional[ChunkRecord]]:
         """The record of each key (None: not findable), in one batched, bounded probe. A record
-        that fails its checks is removed (it can never become valid) and reads as None."""
+        that fails its checks is removed (it can never become valid) and reads as None; a probe
+        that fails reads as None for every key."""
+        found = self.probe(node_keys)
+        return [None] * len(node_keys) if found is None else found
+
+    def probe(self, node_keys: Sequence[bytes]) -> Optional[list[Optional[ChunkRecord]]]:
+        """`find`, except that a probe that failed (the medium unreachable, a timeout: counted,
+        logged) is None, not a list of misses: the caller cannot tell which chunks are there."""
         n = len(node_keys)
         if not self.shared or n == 0:
             return [None] * n
@@ -256,7 +263,7 @@ class ChunkRecords:
             with self._lock:
                 self.stats.probe_errors += 1
             log.warning("chunk-record probe of %d keys failed (read as misses): %s", n, exc)
-            return [None] * n
+            return None
         finally:
             dt = time.perf_counter() - t0
             with self._lock:

@@ -17,12 +17,16 @@ process's alone.
 
 A read that raced a deletion: a store that deletes a chunk retracts its record first, then its
 values. A restore that found its records before it read, and finds them still there after
-(`still_there`), read values that were not deleted under it; one whose record went meanwhile is a
-miss (``index_recheck_misses``), never a restore of values another process freed.
+(`gone`), read values that were not deleted under it; one whose record went meanwhile is a
+miss (``index_recheck_misses``), never a restore of values another process freed. One whose
+re-check could not be made (the records' medium unreachable: a stopped etcd) is a miss too, but
+nothing is invalidated: the values are not known gone, and freeing them would empty the cache for
+every process while the medium is down.
 
 Adoption checks the record against the path walked: its parent's key, its depth and its
 namespace must be the ones the lookup expects (the node key already binds all three; a record that
-disagrees is not trusted). A node this process is writing, freeing or has invalidated is not
+disagrees is not trusted), and its storage format this store's (two kinds of store on one medium,
+such as the Plan tier and the per-layer tier on one Fluxon cluster, lay values out otherwise). A node this process is writing, freeing or has invalidated is not
 replaced by a record.
 """
 
@@ -59,6 +63,7 @@ class SharedIndex:
     def __init__(self, ctx: ManagerContext, cfg: SharedIndexConfig) -> None:
         self.ctx = ctx
         self.cfg = cfg
+        self._format = str(getattr(ctx.store, "storage_format", ""))  # what records name, and must name
 
     @classmethod
     def off(cls, ctx: ManagerContext) -> "SharedIndex":
@@ -141,6 +146,12 @@ class SharedIndex:
             log.warning("chunk record %s does not belong at depth %d under %s: not adopted",
                         record.node_key.hex()[:16], parent.depth + 1, parent.node_key.hex()[:16])
             return None
+        if record.storage_format != self._format:
+            # another kind of store on the same medium (the Plan tier and the per-layer tier on one
+            # Fluxon cluster): its values are laid out otherwise
+            log.info("chunk record %s was written by a %r store, this one reads %r: not adopted",
+                     record.node_key.hex()[:16], record.storage_format, self._format)
+            return None
         with ctx.forest.lock:
             try:
                 node = ctx.forest.commit(ns, parent, action, record.node_key, record.depth)
@@ -172,7 +183,7 @@ class SharedIndex:
         record = ChunkRecord(
             node_key=node.node_key, parent_key=node.parent.node_key, root_hash=ns.root_hash,
             depth=node.depth, n_layers=handle.n_layers, nbytes=int(handle.nbytes), pairs=handle.pairs,
-            latent_nbytes=int(latent_nbytes), storage_format=str(getattr(self.ctx.store, "storage_format", "")),
+            latent_nbytes=int(latent_nbytes), storage_format=self._format,
             digests=handle.digests or {})
         if self.ctx.offers.records.publish(record):
             handle.recorded = True
@@ -187,15 +198,19 @@ class SharedIndex:
 
     # -- the read side's re-check ---------------------------------------------------------------
 
-    def gone(self, nodes: Sequence[TrieNode]) -> tuple[TrieNode, ...]:
+    def gone(self, nodes: Sequence[TrieNode]) -> Optional[tuple[TrieNode, ...]]:
         """The nodes of ``nodes`` with a record (their chunks shared with other processes) whose
         records are no longer in the store (read after a restore's copies, before it publishes):
-        their values may have been freed under it. Other nodes are this process's alone."""
+        their values may have been freed under it. Other nodes are this process's alone. None
+        when the records could not be read (the medium unreachable): nothing is known gone, but
+        what was read cannot be trusted either."""
         shared = [n for n in nodes if n.blob is not None and n.blob.recorded]
         if not self.active or not shared:
             return ()
         nodes = shared
-        records = self.ctx.offers.records.find([n.node_key for n in nodes])
+        records = self.ctx.offers.records.probe([n.node_key for n in nodes])
+        if records is None:
+            return None
         lost = tuple(n for n, r in zip(nodes, records) if r is None)
         if lost:
             self.ctx.metrics.add(index_recheck_misses=1)
