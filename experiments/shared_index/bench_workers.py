@@ -14,7 +14,13 @@ checking every session's frames against its own cold run. Cases:
   fast a restarted worker is warm (its first session: chunks restored, seconds);
 - the added cost per cold chunk: one process with the index on and off, ``cost_reps`` times:
   the median time of a computed chunk (the same 50 chunks computed either way), and the record
-  probes a computed chunk pays (``records.probe_p50_ms`` / ``probe_p99_ms`` from the metrics).
+  probes a computed chunk pays (``records.probe_p50_ms`` / ``probe_p99_ms`` from the metrics);
+- the record operations themselves (``ops``), in this process, per store (memory, LocalDisk with
+  its default durable commit), ``ops_reps`` times each, p50/p99: a probe of one key (hit, miss)
+  and of 8, a claim, a publication, a claim's release, and what the index adds to one cold chunk
+  (the sequence a computed live chunk runs: its probe, the claim, the re-check, the ingest's
+  probe, the record, the release) next to writing that chunk's values (tiny geometry: 4 KV
+  values and the latent), interleaved rep by rep.
 
 Ratios are against one process on LocalDisk measured in the same run. Writes ``results.json``,
 ``results.md`` and ``hit_rate.png`` to ``out_dir``; each run's work folder (root, logs) goes
@@ -107,7 +113,7 @@ def main(argv: list[str]) -> dict[str, Any]:
     out_dir, runs_dir = REPO / cfg.out_dir, REPO / cfg.runs_dir
     timeout = float(cfg.worker_timeout)
     extra = list(cfg.extra)
-    loads = {"interactive": list(cfg.interactive), "stress": list(cfg.stress)}
+    loads = {name: list(cfg[name]) for name in ("interactive", "stress") if cfg[name] is not None}  # null: skipped
     plan: list[tuple[str, str, str, int, bool, Optional[int], list[str]]] = []
     for workload, overrides in loads.items():
         plan.append((f"{workload}-memory-1", workload, "memory", 1, True, None, overrides))
@@ -115,11 +121,11 @@ def main(argv: list[str]) -> dict[str, Any]:
             for index in (True, False):
                 plan.append((f"{workload}-localdisk-{n}-{'index' if index else 'noindex'}", workload, "localdisk",
                              n, index, None, overrides))
-    for n in cfg.restart_workers:
+    for n in cfg.restart_workers if "interactive" in loads else ():
         for index in (True, False):
             plan.append((f"interactive-restart-{n}-{'index' if index else 'noindex'}", "interactive", "localdisk",
                          n, index, int(cfg.restart_after), loads["interactive"]))
-    for rep in range(1, int(cfg.cost_reps)):
+    for rep in range(1, int(cfg.cost_reps) if "interactive" in loads else 0):
         for index in (True, False):
             plan.append((f"cost-{rep}-{'index' if index else 'noindex'}", "interactive", "localdisk", 1, index, None,
                          loads["interactive"]))
@@ -130,6 +136,8 @@ def main(argv: list[str]) -> dict[str, Any]:
     env["git_dirty"] = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
                                            capture_output=True, text=True).stdout.strip())
     env["loadavg_start"] = Path("/proc/loadavg").read_text().split()[:3]
+    progress.note(f"record operations, {cfg.ops_reps} reps per store")
+    op_costs = ops(int(cfg.ops_reps), runs_dir / "ops")
     rows = []
     for label, workload, store, n, index, restart, overrides in plan:
         args = ["--workers", str(n), "--store", store, "--workload", workload]
@@ -141,14 +149,85 @@ def main(argv: list[str]) -> dict[str, Any]:
         progress.step(f"{label}: {row['chunks_restored']} of {row['chunks_total']} restored "
                       f"({100 * row['hit_rate']:.1f}%), {'PASS' if row['passed'] else 'FAIL'}, {row['wall_s']:.0f} s")
     env["loadavg_end"] = Path("/proc/loadavg").read_text().split()[:3]
-    results = {"config": {k: (list(v) if not isinstance(v, (str, int, float)) else v) for k, v in cfg.items()},
-               "env": env, "runs": rows, "summary": summarize(rows)}
+    results = {"config": {k: (list(v) if not isinstance(v, (str, int, float, type(None))) else v) for k, v in cfg.items()},
+               "env": env, "runs": rows, "ops": op_costs, "summary": summarize(rows)}
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json(out_dir / "results.json", results)
     (out_dir / "results.md").write_text(table(results))
     plot(results, out_dir / "hit_rate.png")
     print(table(results))
     return results
+
+
+def _p(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def ops(reps: int, root: Path) -> dict[str, Any]:
+    """Each record operation timed ``reps`` times per store (ms, p50 and p99): see the module
+    docstring. Fresh keys for every rep (a miss stays a miss, a claim is new)."""
+    import torch
+
+    from cacheseek.kv.handles import Tier
+    from cacheseek.kv.locators import kv_locator, latent_locator
+    from cacheseek.kv.records import ChunkRecord
+    from cacheseek.runtime.synthetic import SyntheticRuntimeFactory
+    from cacheseek.stores.localdisk import LocalDiskTierStore
+    from cacheseek.stores.memory import InMemoryTierStore
+
+    g = SyntheticRuntimeFactory(geometry="tiny").geometry
+    value = torch.zeros(g.chunk_kv_nbytes(2) // (4 * g.n_layers), dtype=torch.bfloat16)  # one K (or V) of a layer
+    latent = torch.zeros(g.latent_nbytes(2) // 2, dtype=torch.bfloat16)
+    shutil.rmtree(root, ignore_errors=True)
+    out: dict[str, Any] = {}
+    for name, store in (("memory", InMemoryTierStore()), ("localdisk", LocalDiskTierStore(root / "kv"))):
+        r, t = store.records, {k: [] for k in ("find_miss", "find_hit", "find_8_hits", "find_8_misses", "claim",
+                                               "publish", "drop_claim", "index_per_cold_chunk", "chunk_values_write")}
+        parent = os.urandom(32)
+        hits = []
+        for i in range(reps):
+            key = os.urandom(32)
+            record = ChunkRecord(node_key=key, parent_key=parent, root_hash=parent, depth=1, n_layers=g.n_layers,
+                                 nbytes=g.chunk_kv_nbytes(2))
+            t0 = time.perf_counter()  # the values of a chunk, as the ingest writes them
+            store.put_skeleton(latent_locator(key), latent)
+            store.put_async(kv_locator(key), [(value, value)] * g.n_layers, tier=Tier.DISK)
+            t1 = time.perf_counter()  # what the index adds to that cold chunk
+            r.find([key])
+            r.claim(key)
+            r.find([key])
+            r.find([key])
+            r.publish(record)
+            r.drop_claim(key)
+            t2 = time.perf_counter()
+            t["chunk_values_write"].append(t1 - t0)
+            t["index_per_cold_chunk"].append(t2 - t1)
+            hits.append(key)
+            miss = [os.urandom(32) for _ in range(8)]
+            for op, fn in (("find_miss", lambda: r.find(miss[:1])), ("find_hit", lambda: r.find([key])),
+                           ("find_8_hits", lambda: r.find(hits[-8:])), ("find_8_misses", lambda: r.find(miss))):
+                t0 = time.perf_counter()
+                fn()
+                t[op].append(time.perf_counter() - t0)
+            other = os.urandom(32)
+            for op, fn in (("claim", lambda: r.claim(other)), ("drop_claim", lambda: r.drop_claim(other)),
+                           ("publish", lambda: r.publish(attrs_evolve(record, node_key=other)))):
+                t0 = time.perf_counter()
+                fn()
+                t[op].append(time.perf_counter() - t0)
+        store.close()
+        out[name] = {op: {"p50_ms": _p(xs, 0.5), "p99_ms": _p(xs, 0.99)} for op, xs in t.items()}
+        out[name]["index_over_values_write_p50"] = (out[name]["index_per_cold_chunk"]["p50_ms"]
+                                                    / out[name]["chunk_values_write"]["p50_ms"])
+    shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def attrs_evolve(record: Any, **changes: Any) -> Any:
+    import attrs
+
+    return attrs.evolve(record, **changes)
 
 
 def _row(rows: list[dict], **match: Any) -> Optional[dict]:
@@ -270,6 +349,21 @@ def table(results: dict[str, Any]) -> str:
               f"(every probe of the run, hits' included, over the chunks computed), p50 {_x(c['probe_p50_ms'])} ms, "
               f"p99 {_x(c['probe_p99_ms'])} ms: about {_x(c.get('probe_ms_per_computed_chunk_p50'))} ms of probes "
               "per computed chunk.", ""]
+    o = results.get("ops")
+    if o:
+        names = [("find_miss", "probe, 1 key, miss"), ("find_hit", "probe, 1 key, hit"),
+                 ("find_8_hits", "probe, 8 keys, hits"), ("find_8_misses", "probe, 8 keys, misses"),
+                 ("claim", "claim"), ("publish", "record (publication)"), ("drop_claim", "claim release"),
+                 ("index_per_cold_chunk", "all the index adds to one cold chunk"),
+                 ("chunk_values_write", "that chunk's values (tiny: 4 KV values, latent)")]
+        lines += [f"Record operations in one process ({results['config']['ops_reps']} reps each, ms):", "",
+                  "| operation | " + " | ".join(f"{k} p50 | {k} p99" for k in o) + " |",
+                  "| --- | " + " | ".join("--- | ---" for _ in o) + " |"]
+        for op, label in names:
+            lines.append(f"| {label} | " + " | ".join(f"{_x(o[k][op]['p50_ms'])} | {_x(o[k][op]['p99_ms'])}" for k in o)
+                         + " |")
+        lines += ["", "Index over the chunk's values write (p50): " + ", ".join(
+            f"{k} {_x(o[k]['index_over_values_write_p50'], 2)}x" for k in o) + ".", ""]
     return "\n".join(lines)
 
 
@@ -285,6 +379,9 @@ def plot(results: dict[str, Any], path: Path) -> None:
     rows = [r for r in results["runs"] if r["restart_after"] is None and not r["label"].startswith("cost-")]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for ax, workload in zip(axes[:2], ("interactive", "stress")):
+        if not any(r["workload"] == workload for r in rows):
+            ax.set_axis_off()
+            continue
         for index, style in ((True, "o-"), (False, "s--")):
             pts = sorted((r["workers"], 100 * r["hit_rate"]) for r in rows
                          if r["workload"] == workload and r["store"] == "localdisk" and r["index"] == index)
