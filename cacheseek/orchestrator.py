@@ -38,6 +38,7 @@ A `Stack` hands out managers and bindings that share one forest, one store and o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -95,7 +96,7 @@ class Stack:
         it finds only what its own trie holds (a cold reference run on a fresh forest)."""
         index = SharedIndexConfig.from_conf(self.cfg.manager.get("shared_index"))
         if not shared_index:
-            index = SharedIndexConfig(enabled=False, window=index.window)
+            index = dataclasses.replace(index, enabled=False)
         return WorldKVManager(forest if forest is not None else self.forest, self.store,
                               self.manager_config(), eviction=self.eviction_config(),
                               metrics=self.metrics, shared_index=index)

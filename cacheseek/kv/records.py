@@ -19,7 +19,11 @@ processes implements four raw operations over bytes (create-if-absent, a batched
 listing); the base class does the encoding, the checks and the counting. The first publication of
 a record wins; a second writer of the same chunk (same key, same bytes) is a no-op.
 
-Torch-free; imports only `cacheseek.errors`.
+The same four operations keep chunk *claims* (`cacheseek.kv.claims`): a live session about to
+compute a chunk no record names claims it (`claim`), and one that finds another process's claim
+waits for that chunk's record instead of computing it too (`SharedIndex.claim_or_wait`).
+
+Torch-free; imports only `cacheseek.errors` and `cacheseek.kv.claims`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import attrs
 import xxhash
 
 from cacheseek.errors import CorruptValueError
+from cacheseek.kv.claims import ChunkClaim, claim_name
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +179,9 @@ class RecordStats:
     already_there: int = 0
     publish_errors: int = 0
     retracted: int = 0
+    claims: int = 0  # claims this process took (it computes the chunk)
+    claims_held_elsewhere: int = 0  # claims found held by another process (the caller may wait)
+    claim_errors: int = 0
     probe_seconds: list = attrs.field(factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -303,6 +311,54 @@ class ChunkRecords:
         if counted:
             with self._lock:
                 self.stats.retracted += 1
+
+    # -- claims (see the module docstring) --------------------------------------------------------
+
+    def claim(self, node_key: bytes) -> Optional[ChunkClaim]:
+        """Claim the write of a chunk no record names yet. None when this process holds the
+        claim now (it computes the chunk; `drop_claim` once its record is published), and also
+        when the store is not shared or the claim could not be stored (compute without one);
+        else the claim another process holds (an unreadable one reads as stale)."""
+        if not self.shared:
+            return None
+        name = claim_name(node_key)
+        try:
+            for _ in range(2):  # a holder may release between our put and our read: try once more
+                mine = ChunkClaim.mine()
+                if self._put_new(name, mine.encode()):
+                    with self._lock:
+                        self.stats.claims += 1
+                    return None
+                (data,) = self._get_many([name])
+                if data is not None:
+                    with self._lock:
+                        self.stats.claims_held_elsewhere += 1
+                    return ChunkClaim.decode(data) or ChunkClaim("?", 0, "", 0.0)
+        except Exception as exc:  # noqa: BLE001 - no claim: the caller computes, as without claims
+            with self._lock:
+                self.stats.claim_errors += 1
+            log.warning("could not claim chunk %s: %s", node_key.hex()[:16], exc)
+        return None
+
+    def holder(self, node_key: bytes) -> Optional[ChunkClaim]:
+        """The claim on a chunk (None: none, or it cannot be read now)."""
+        if not self.shared:
+            return None
+        try:
+            (data,) = self._get_many([claim_name(node_key)])
+        except Exception:  # noqa: BLE001 - cannot tell: no claim
+            return None
+        return None if data is None else ChunkClaim.decode(data) or ChunkClaim("?", 0, "", 0.0)
+
+    def drop_claim(self, node_key: bytes) -> None:
+        """Remove the chunk's claim (this process's, once its record is published, or a stale
+        one). Never raises: a claim left behind goes stale."""
+        if not self.shared:
+            return
+        try:
+            self._delete(claim_name(node_key))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not remove the claim of chunk %s: %s", node_key.hex()[:16], exc)
 
     def node_keys(self) -> list[bytes]:
         """The key of every chunk with a record (a listing; for reconciling values, not lookups)."""

@@ -78,6 +78,7 @@ from typing import Any, Optional
 from cacheseek.errors import ConfigError, CorruptValueError, StoreError, StoreFullError
 from cacheseek.eviction.base import StoreUsage
 from cacheseek.kv.handles import Tier
+from cacheseek.kv.claims import CLAIM_SUFFIX
 from cacheseek.kv.records import RECORD_SUFFIX, ChunkRecords
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum
@@ -207,11 +208,12 @@ class DiskBackend:
         """Write ``key``'s file atomically (replacing one that is there); the value's checksum."""
         return self._put(key, value, replace=True)[1]
 
-    def write_new(self, key: str, value: Any) -> bool:
-        """Write ``key``'s file unless one is there (the first writer wins); whether it was written."""
-        return self._put(key, value, replace=False)[0]
+    def write_new(self, key: str, value: Any, *, durable: bool = True) -> bool:
+        """Write ``key``'s file unless one is there (the first writer wins); whether it was
+        written. ``durable`` False skips the fsyncs (a chunk claim: a hint no crash must keep)."""
+        return self._put(key, value, replace=False, durable=durable)[0]
 
-    def _put(self, key: str, value: Any, *, replace: bool) -> tuple[bool, str]:
+    def _put(self, key: str, value: Any, *, replace: bool, durable: bool = True) -> tuple[bool, str]:
         header, body, digest = self._encode(key, value)
         shard, name = _place(key)
         path = self.root / shard / name
@@ -224,7 +226,7 @@ class DiskBackend:
                     with os.fdopen(RootFolder.create_file(sfd, tmp), "wb") as f:
                         f.write(header)
                         f.write(body)
-                        if self.fsync:
+                        if self.fsync and durable:
                             f.flush()
                             os.fsync(f.fileno())
                     if replace:
@@ -235,7 +237,7 @@ class DiskBackend:
                             os.link(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd, follow_symlinks=False)
                         except FileExistsError:
                             stored = False
-                    if self.fsync and stored:
+                    if self.fsync and durable and stored:
                         os.fsync(sfd)
                 finally:
                     if tmp is not None:
@@ -474,7 +476,8 @@ class DiskRecords(ChunkRecords):
 
     def _put_new(self, name: str, data: bytes) -> bool:
         disk = self._tier.disk
-        stored = self._tier._io("write", lambda: disk.write_new(name, data), name)
+        durable = not name.endswith(CLAIM_SUFFIX)  # a claim is a hint: no fsync
+        stored = self._tier._io("write", lambda: disk.write_new(name, data, durable=durable), name)
         if stored:
             with self._tier._lock:
                 self._tier._ledger.seed({name: disk.stored_nbytes(name, data)})
@@ -583,10 +586,12 @@ class LocalDiskTierStore(KeyValueTier):
     def orphans(self) -> list[str]:
         """Values of chunks that were never committed (no record names their chunk) and are older
         than ``orphan_grace_s``: a killed writer's half chunk, never another live process's write
-        in flight. `WorldKVManager.reconcile` removes them."""
+        in flight; and chunk claims that old (`cacheseek.kv.claims`: a killed writer's).
+        `WorldKVManager.reconcile` removes them."""
         keys = self.keys(self.orphan_grace_s)
         committed = {k.partition(":")[0] for k in self.keys() if k.endswith(RECORD_SUFFIX)}
-        return [k for k in keys if not k.endswith(RECORD_SUFFIX) and k.partition(":")[0] not in committed]
+        return [k for k in keys if k.endswith(CLAIM_SUFFIX)
+                or (not k.endswith(RECORD_SUFFIX) and k.partition(":")[0] not in committed)]
 
     def usage(self) -> StoreUsage:
         """The root's usage, every process's writes included (the capacity is the cache's): the

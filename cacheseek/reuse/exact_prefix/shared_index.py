@@ -23,6 +23,13 @@ re-check could not be made (the records' medium unreachable: a stopped etcd) is 
 nothing is invalidated: the values are not known gone, and freeing them would empty the cache for
 every process while the medium is down.
 
+Chunks in flight (`cacheseek.kv.claims`): workers started at once reach the same uncached chunks
+together. A live session about to compute a chunk no record names claims it (`claim_or_wait`);
+one that finds another live process's claim waits, at most ``wait_s``, for that chunk's record
+and adopts it instead of computing it too, so N concurrent workers compute each chunk about once,
+as one process would. The claim goes when the record is published (`publish`) or when the
+session ends without it (`release_claims`); a dead or slow holder's claim is stale and ignored.
+
 Adoption checks the record against the path walked: its parent's key, its depth and its
 namespace must be the ones the lookup expects (the node key already binds all three; a record that
 disagrees is not trusted), and its storage format this store's (two kinds of store on one medium,
@@ -33,6 +40,8 @@ replaced by a record.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Sequence
 from typing import Optional
 
@@ -64,6 +73,8 @@ class SharedIndex:
         self.ctx = ctx
         self.cfg = cfg
         self._format = str(getattr(ctx.store, "storage_format", ""))  # what records name, and must name
+        self._claims: dict[bytes, int] = {}  # node key -> id of the owner (a session) holding its claim
+        self._claims_lock = threading.Lock()
 
     @classmethod
     def off(cls, ctx: ManagerContext) -> "SharedIndex":
@@ -132,6 +143,73 @@ class SharedIndex:
         raw = _action_bytes(action)
         return raw is not None and node_key(parent.node_key, raw) == key
 
+    def claim_or_wait(self, ns: Namespace, parent: TrieNode, action: ActionKey, owner: object) -> Optional[TrieNode]:
+        """A live session (``owner``) is about to compute ``parent``'s child for ``action``,
+        which no record names: claim the chunk's write and return None (compute it), or, while
+        another live process holds its claim, wait at most ``wait_s`` for its record and return
+        the chunk adopted from it. None also when waiting gave up (compute it, unclaimed)."""
+        raw = _action_bytes(action)
+        if not self.active or raw is None or self.cfg.wait_s <= 0:
+            return None
+        records, metrics = self.ctx.offers.records, self.ctx.metrics
+        key = node_key(parent.node_key, raw)
+        t0 = time.monotonic()
+        deadline, pause, waited = t0 + self.cfg.wait_s, 0.001, False
+        try:
+            holder = records.claim(key)
+            while holder is not None:
+                if holder.stale(self.cfg.wait_s):
+                    records.drop_claim(key)  # a dead or expired holder's: nobody computes it
+                else:
+                    while holder is not None and time.monotonic() < deadline:
+                        (record,) = records.find([key])
+                        if record is not None:
+                            break
+                        waited = True
+                        time.sleep(pause)
+                        pause = min(2 * pause, 0.02)
+                        holder = records.holder(key)
+                    else:
+                        (record,) = records.find([key])  # released: its record is there, or it gave up
+                    if record is not None:
+                        node = self.adopt(ns, parent, action, record)
+                        if node is not None and waited:
+                            metrics.add(index_wait_adopted=1)
+                        return node
+                    if holder is not None and not holder.stale(self.cfg.wait_s):
+                        log.info("chunk %s: still claimed by %s pid %d after %.1f s; computing it here",
+                                 key.hex()[:16], holder.host, holder.pid, self.cfg.wait_s)
+                        return None
+                if time.monotonic() >= deadline:
+                    return None
+                holder = records.claim(key)  # released without a record, or stale: claim it
+            (record,) = records.find([key])  # committed between the caller's probe and the claim
+            if record is not None:
+                records.drop_claim(key)
+                return self.adopt(ns, parent, action, record)
+            with self._claims_lock:
+                self._claims[key] = id(owner)
+            metrics.add(index_claims=1)
+            return None
+        finally:
+            if waited:
+                metrics.add(index_waits=1, index_wait_seconds=time.monotonic() - t0)
+
+    def release_claims(self, owner: object) -> None:
+        """Drop the claims ``owner`` (a session) still holds: it ends without their records."""
+        with self._claims_lock:
+            mine = [k for k, o in self._claims.items() if o == id(owner)]
+            for k in mine:
+                del self._claims[k]
+        for k in mine:
+            self.ctx.offers.records.drop_claim(k)
+
+    def _release(self, key: bytes) -> None:
+        with self._claims_lock:
+            held = self._claims.pop(key, None) is not None
+        if held:
+            self.ctx.offers.records.drop_claim(key)
+
     def _find(self, keys: list[bytes]) -> list[Optional[ChunkRecord]]:
         self.ctx.metrics.add(index_probes=1, index_keys_probed=len(keys))
         return self.ctx.offers.records.find(keys)
@@ -188,6 +266,7 @@ class SharedIndex:
         if self.ctx.offers.records.publish(record):
             handle.recorded = True
             self.ctx.metrics.add(index_published=1)
+        self._release(node.node_key)  # the record is there (or could not be): waiters stop waiting
 
     def is_published(self, node_key_: bytes) -> bool:
         """Whether another writer has made this chunk findable already (its write can be skipped)."""
