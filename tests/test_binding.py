@@ -128,10 +128,10 @@ def nodes_by_depth(forest: NamespaceForest) -> dict[int, object]:
 
 
 def stored_bytes(store, key: str) -> bytes:
+    if key.endswith(":rec"):  # a chunk record: its own bytes
+        return store.disk.read_raw(key)
     v = store.backend.read(key)
     assert v is not None, key
-    if isinstance(v, bytes):  # a chunk record
-        return v
     return v.contiguous().view(torch.uint8).numpy().tobytes()
 
 

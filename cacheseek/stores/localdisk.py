@@ -208,13 +208,37 @@ class DiskBackend:
         """Write ``key``'s file atomically (replacing one that is there); the value's checksum."""
         return self._put(key, value, replace=True)[1]
 
-    def write_new(self, key: str, value: Any, *, durable: bool = True) -> bool:
-        """Write ``key``'s file unless one is there (the first writer wins); whether it was
-        written. ``durable`` False skips the fsyncs (a chunk claim: a hint no crash must keep)."""
-        return self._put(key, value, replace=False, durable=durable)[0]
+    def write_raw_new(self, key: str, data: bytes, *, durable: bool = True) -> bool:
+        """Write ``data`` as ``key``'s whole file unless one is there (the first writer wins: a
+        chunk record, which carries its own seal, or a claim); whether it was written. ``durable``
+        False skips the fsyncs (a chunk claim: a hint no crash must keep)."""
+        return self._put_file(key, (data,), replace=False, durable=durable)
 
-    def _put(self, key: str, value: Any, *, replace: bool, durable: bool = True) -> tuple[bool, str]:
+    def read_raw(self, key: str, limit: int = 1 << 20) -> Optional[bytes]:
+        """The bytes of ``key``'s file, written by `write_raw_new` (None: absent). A file that is
+        not a regular one, or larger than ``limit``, is `CorruptValueError`."""
+        shard, name = _place(key)
+        path = self.root / shard / name
+        try:
+            with self.folder.shard(shard) as sfd:
+                fd = None if sfd is None else RootFolder.open_file(sfd, name)
+        except NotRegularError as exc:
+            raise CorruptValueError(key, f"file {path}: {exc}") from None
+        except (OSError, StoreError) as exc:
+            raise StoreError(f"localdisk: cannot read {path}: {exc}") from exc
+        if fd is None:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise CorruptValueError(key, f"file {path}: larger than {limit} bytes")
+        return data
+
+    def _put(self, key: str, value: Any, *, replace: bool) -> tuple[bool, str]:
         header, body, digest = self._encode(key, value)
+        return self._put_file(key, (header, body), replace=replace), digest
+
+    def _put_file(self, key: str, parts: tuple, *, replace: bool, durable: bool = True) -> bool:
         shard, name = _place(key)
         path = self.root / shard / name
         tmp: Optional[str] = None
@@ -224,8 +248,8 @@ class DiskBackend:
                 try:
                     tmp = temp_name(name)
                     with os.fdopen(RootFolder.create_file(sfd, tmp), "wb") as f:
-                        f.write(header)
-                        f.write(body)
+                        for part in parts:
+                            f.write(part)
                         if self.fsync and durable:
                             f.flush()
                             os.fsync(f.fileno())
@@ -253,7 +277,7 @@ class DiskBackend:
             raise StoreError(f"localdisk: cannot write {path}: {exc}") from exc
         except NotRegularError as exc:
             raise StoreError(f"localdisk: cannot write {path}: {exc}") from exc
-        return stored, digest
+        return stored
 
     def read(self, key: str, expect: Optional[str] = None) -> Optional[Any]:
         shard, name = _place(key)
@@ -463,8 +487,8 @@ def _place(key: str) -> tuple[str, str]:
 
 
 class DiskRecords(ChunkRecords):
-    """A LocalDisk root's chunk records: one file each, ``{node hex}:rec`` in the value format
-    (its own checksum over its key), created only where none is (a hard link of a complete temp
+    """A LocalDisk root's chunk records: one file each, ``{node hex}:rec``, the record's own bytes
+    (`encode_record`, sealed with its name: no value header around it), created only where none is (a hard link of a complete temp
     file: the first writer wins, a reader never sees half a record). Every process on the root
     sees them; each call is bounded like the root's other file operations."""
 
@@ -477,10 +501,10 @@ class DiskRecords(ChunkRecords):
     def _put_new(self, name: str, data: bytes) -> bool:
         disk = self._tier.disk
         durable = not name.endswith(CLAIM_SUFFIX)  # a claim is a hint: no fsync
-        stored = self._tier._io("write", lambda: disk.write_new(name, data, durable=durable), name)
+        stored = self._tier._io("write", lambda: disk.write_raw_new(name, data, durable=durable), name)
         if stored:
             with self._tier._lock:
-                self._tier._ledger.seed({name: disk.stored_nbytes(name, data)})
+                self._tier._ledger.seed({name: len(data)})
         return stored
 
     def _get_many(self, names: Sequence[str]) -> list[Optional[bytes]]:
@@ -490,7 +514,7 @@ class DiskRecords(ChunkRecords):
             out = []
             for n in names:
                 try:
-                    out.append(disk.read(n))
+                    out.append(disk.read_raw(n))
                 except CorruptValueError as exc:
                     log.warning("localdisk: %s", exc)
                     out.append(b"")  # present but unreadable: the record's checks reject it

@@ -70,7 +70,7 @@ import benchlib  # noqa: E402  (puts the repository root on sys.path)
 
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager  # noqa: E402
 from cacheseek.reuse.exact_prefix.keys import layer_keys  # noqa: E402
-from cacheseek.kv.records import record_name  # noqa: E402
+from cacheseek.kv.records import decode_record, record_name  # noqa: E402
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import (  # noqa: E402
     LingBotWorldKVBinding,
     make_rolling_config,
@@ -180,11 +180,14 @@ def sound_prefix(store: Any, nodes: list) -> int:
         if not n.has_kv or n.skeleton is None:
             break
         keys = [n.skeleton.latent_locator] + [k for i in range(n.blob.n_layers) for k in layer_keys(n.blob.locator, i)]
-        if store.records.shared:
-            keys.append(record_name(n.node_key))
         try:
             if not all(regular(k) for k in keys) or any(store.disk.read(k) is None for k in keys):
                 break
+            if store.records.shared:  # the record, read raw and checked (no side effect)
+                rec = record_name(n.node_key)
+                if not regular(rec):
+                    break
+                decode_record(n.node_key, store.disk.read_raw(rec) or b"")
         except CorruptValueError:
             break
         depth += 1

@@ -67,21 +67,19 @@ def _put_all(peer, prefix: str, n: int, seed0: int) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def two_host_workers(cluster):
-    """tools/workers.py's workers at once, one on a and one on b (its own process, hostname and
-    /dev/shm), on the one cache: interactive sessions, no snapshot exchanged."""
-    return cluster.workers(["a", "b"], "fluxon_plan", ["namespace.model_fingerprint=hosts-workers",
-                                                       "workload.sessions=8"], tag="two-hosts")
+    """tools/workers.py's workers at once, two on a and two on b (each its own process; each host
+    its own hostname and /dev/shm), on the one cache: interactive sessions, no snapshot exchanged."""
+    return cluster.workers(["a", "a", "b", "b"], "fluxon_plan", ["namespace.model_fingerprint=hosts-workers",
+                                                                 "workload.sessions=8"], tag="two-hosts")
 
 
 def test_workers_on_two_hosts_run_on_one_cache(two_host_workers):
     out = two_host_workers
     assert out["passed"], (out["failures"], out["errors"], out["mismatches"])
-    assert sorted((p["worker"], p["host"]) for p in out["processes"]) == [(0, "a"), (1, "b")]
+    assert sorted((p["worker"], p["host"]) for p in out["processes"]) == [(0, "a"), (1, "a"), (2, "b"), (3, "b")]
     assert out["all"]["sessions"] == 8 and out["all"]["chunks_restored"] > 0
 
 
-@pytest.mark.xfail(strict=True, reason="the Fluxon stores publish no chunk records yet (issue 31, item 3: Fluxon "
-                   "records); remove this mark when they do")
 def test_a_worker_on_b_adopts_what_the_worker_on_a_wrote(two_host_workers):
     adopted = sum(p["metrics"]["index_adopted"] for p in two_host_workers["processes"])
     assert adopted > 0
