@@ -35,6 +35,7 @@ KEYS = {
     "live_lookups", "live_hits", "live_hits_by_chunk", "live_misses", "live_restore_failures",
     "store_used_bytes", "store_capacity_bytes", "store_peak_bytes", "peak_used_bytes",
     "index_probes", "index_keys_probed", "index_adopted", "index_published", "index_recheck_misses",
+    "index_claims", "index_waits", "index_wait_adopted", "index_wait_seconds",
 }  # and "records" where the store's chunk records are shared (the memory and LocalDisk tiers)
 
 
