@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchlib import GiB, env_info, write_json  # noqa: E402
+from benchlib import GiB, env_info, git_state, write_json  # noqa: E402
 
 REPO = HERE.parent.parent
 
@@ -132,7 +132,7 @@ def main() -> int:
         print(f"{t['process']:8} {t['session']:7} {t['hit_depth']:>2} {t['adopted']:>7} {t['restore_s']:>9.4f} "
               f"{t['restore_gib_s'] or 0:>6.2f} {t['vs_same_process']:>6.3f}x  {t['what']}")
     print(f"\n{'PASS' if ok else 'FAIL'}: every B equals A's frames and hits all {args.chunks} chunks")
-    results = {"experiment": "shared_index/cross_process", "env": env_info(), "device": args.device,
+    results = {"experiment": "shared_index/cross_process", "env": env_info(), **git_state(), "device": args.device,
                "geometry": args.geometry, "chunks": args.chunks, "A_wall_s": a["wall_s"],
                "chunk_bytes_restored": a["bytes_restored"], "rows": table, "passed": ok}
     write_json(Path(args.out) / "results.json", results)
