@@ -65,6 +65,10 @@ class CacheMetrics:
     index_adopted: int = 0  # chunks found there (another process's, or a previous run's) and adopted
     index_published: int = 0  # records this manager published (its chunks made findable)
     index_recheck_misses: int = 0  # restores whose chunk's record went while they read: a miss
+    index_claims: int = 0  # chunks a live session claimed before computing them (in flight, for others)
+    index_waits: int = 0  # live chunks that waited for another process's claimed chunk
+    index_wait_adopted: int = 0  # ... and were adopted from its record, not computed
+    index_wait_seconds: float = 0.0
     writes: int = 0
     write_bytes: int = 0
     write_seconds: float = 0.0

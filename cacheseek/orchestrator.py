@@ -7,15 +7,13 @@ backend, logged). Objects that OmegaConf cannot hold (a transfer runtime, a fake
 passed at the call site to the classes whose constructors name them: that is also how tests
 inject fakes.
 
-A persistent store keeps its own forest snapshot (``snapshot_path``: LocalDisk's
-``{root}/forest.json``): the stack loads it into its forest when it is built and saves it when it
-is closed (under the root's lock, after a bounded flush), so a second run on the same root hits
-what the first committed. A store that can list and remove its values (LocalDisk) is then
-reconciled with that forest (`WorldKVManager.reconcile`): values that no node names (writes a
-killed process never committed) are removed instead of counting against the capacity; committed
-ones stay. A second process on a root in use is refused by the store's lock (a `ConfigError`
-naming ``store.root``), never given a forest of its own that would reconcile the first's values
-away.
+A stack starts with an empty forest: what the store holds (a previous run's chunks, or a live
+neighbour's on a shared store) is found by key in the store's chunk records as sessions look it
+up (`cacheseek.reuse.exact_prefix.shared_index`), so no snapshot is loaded or saved and any
+number of processes may share one store. A store that can list and remove its values (LocalDisk)
+is reconciled when the stack is built (`WorldKVManager.reconcile`): values of chunks never
+committed (no record names them) and older than any write in flight (a killed writer's) are
+removed instead of counting against the capacity; committed ones stay.
 
 Sizes: the store's size fields (``size_fields``, `cacheseek.sizing`) are resolved before it is
 built: ``auto`` is fitted to the workload (``workload``, else ``cfg.workload``) and the runtime's
@@ -40,6 +38,7 @@ A `Stack` hands out managers and bindings that share one forest, one store and o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -58,7 +57,7 @@ from cacheseek.hydra_errors import appended_key, choose_a_store
 from cacheseek.layout.ring_layout import RingLayout
 from cacheseek.metrics import CacheMetrics
 from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, instantiate
-from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager, load_forest_snapshot, save_forest_snapshot
+from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config, make_rolling_config
 from cacheseek.reuse.exact_prefix.config import SharedIndexConfig
 from cacheseek.sizes import format_size
@@ -97,7 +96,7 @@ class Stack:
         it finds only what its own trie holds (a cold reference run on a fresh forest)."""
         index = SharedIndexConfig.from_conf(self.cfg.manager.get("shared_index"))
         if not shared_index:
-            index = SharedIndexConfig(enabled=False, window=index.window)
+            index = dataclasses.replace(index, enabled=False)
         return WorldKVManager(forest if forest is not None else self.forest, self.store,
                               self.manager_config(), eviction=self.eviction_config(),
                               metrics=self.metrics, shared_index=index)
@@ -123,16 +122,8 @@ class Stack:
         return binding, hashes, time.perf_counter() - t0
 
     def close(self) -> None:
-        """Save the forest into a persistent store's root (after a flush: the snapshot names only
-        committed chunks either way), then close the store."""
-        try:
-            if self.offers.snapshot_path is not None:
-                try:
-                    self.offers.flush()
-                finally:
-                    save_forest_snapshot(self.forest, self.offers.snapshot_path)
-        finally:
-            self.offers.close()
+        """Close the store (it flushes what is pending, bounded)."""
+        self.offers.close()
 
 
 def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = None,
@@ -204,14 +195,14 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
         capacity = _check_reported_capacity(store, offers, need)
         if capacity is not None:
             tell(f"store capacity: {format_size(capacity)} (as the {store_name} store reports it)")
-    forest = _load_root_snapshot(offers, store_name, tell)
+    forest = NamespaceForest()
     stack = Stack(cfg=cfg, runtime_factory=runtime_factory, store=store, store_name=store_name,
                   transfer=transfer, layout=layout, fields=fields, forest=forest,
                   run_dir=run_dir, workload=workload, notes=notes, offers=offers)
     try:
         stack.metrics.bind_store(store)
         if offers.reconciles:
-            # What no node of the root's snapshot names (a killed writer's uncommitted values) is unreachable.
+            # A killed writer's uncommitted values (no record names them) are unreachable.
             done = stack.new_manager().reconcile()
             if done["orphans_removed"] or done["invalidated"]:
                 log.info("store %s: removed %d values no node names, invalidated %d nodes whose values are gone",
@@ -220,23 +211,6 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
         stack.close()  # never a failed build holding the store (a LocalDisk root's lock)
         raise
     return stack
-
-
-def _load_root_snapshot(offers: StoreOffers, store_name: str, tell: Callable[[str], None]) -> NamespaceForest:
-    """The forest a persistent store's root keeps (empty for other stores, or a first run); a
-    snapshot that cannot be loaded closes the store (its lock) and raises its `ConfigError`."""
-    forest = NamespaceForest()
-    path = offers.snapshot_path
-    if path is None or not path.exists():
-        return forest
-    try:
-        load_forest_snapshot(path, into=forest)
-    except BaseException:
-        offers.close()
-        raise
-    ready = sum(n.has_kv for ns in forest.namespaces() for n in ns.iter_nodes())
-    tell(f"store {store_name}: {ready} committed chunks from a previous run ({path})")
-    return forest
 
 
 def _manager_config(cfg: Any, runtime_factory: Any) -> Any:

@@ -30,10 +30,12 @@ class EvictionConf:
 @dataclasses.dataclass
 class SharedIndexConf:
     """``manager.shared_index``: lookups past the local trie ask the store's chunk records,
-    ``window`` keys a probe (`cacheseek.reuse.exact_prefix.config.SharedIndexConfig`)."""
+    ``window`` keys a probe; a live session waits up to ``wait_s`` for a chunk another process
+    is computing (`cacheseek.reuse.exact_prefix.config.SharedIndexConfig`)."""
 
     enabled: bool = True
     window: int = 8
+    wait_s: float = 10.0
 
 
 @dataclasses.dataclass

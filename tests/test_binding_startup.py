@@ -30,9 +30,10 @@ ACTS = [[0.1 * i, -0.05 * i, 0.02, 0.3 * (i % 2)] for i in range(N)]
 FACTORY = SyntheticRuntimeFactory(geometry="tiny")
 
 
-def binding_for(store, forest=None, **kw) -> LingBotWorldKVBinding:
+def binding_for(store, forest=None, *, shared_index=True, **kw) -> LingBotWorldKVBinding:
     forest = forest if forest is not None else NamespaceForest()
-    return LingBotWorldKVBinding(WorldKVManager(forest, store, make_full_kv_config()), forest, **kw)
+    manager = WorldKVManager(forest, store, make_full_kv_config(), shared_index={"enabled": shared_index})
+    return LingBotWorldKVBinding(manager, forest, **kw)
 
 
 def chain_actions(forest: NamespaceForest) -> list[bytes]:
@@ -146,13 +147,15 @@ def test_the_start_up_token_is_released_on_every_path():
 
 # -- lazy action keys ------------------------------------------------------------------------------
 
-def test_a_cold_session_at_a_fresh_namespace_computes_no_key_before_its_first_chunk(calls):
+@pytest.mark.parametrize("shared_index", [False, True])
+def test_a_cold_session_at_a_fresh_namespace_computes_no_key_before_its_first_chunk(calls, shared_index):
+    """Without the shared index, no key at all; with it, the one key the store is asked for."""
     store = InMemoryTierStore()
     forest = NamespaceForest()
-    b = binding_for(store, forest)
+    b = binding_for(store, forest, shared_index=shared_index)
     rt = FACTORY.make(ACTS, hooks=b)
     rt.run_chunks(0)  # on_runtime_created only
-    assert calls == [] and b.last_fast_forward == 0 and len(forest) == 1
+    assert calls == ([("MainThread", 0)] if shared_index else []) and b.last_fast_forward == 0 and len(forest) == 1
     calls.go.set()
     rt.generate()
     store.flush()
@@ -160,21 +163,24 @@ def test_a_cold_session_at_a_fresh_namespace_computes_no_key_before_its_first_ch
     assert chain_actions(forest) == action_keys(rt.control_chunks)
 
 
-def test_a_hit_computes_exactly_the_matched_keys_and_a_miss_at_depth_0_one(calls):
+@pytest.mark.parametrize("shared_index", [False, True])
+def test_a_hit_computes_exactly_the_matched_keys_and_a_miss_at_depth_0_one(calls, shared_index):
+    """With the shared index, the key after the trie's end too (the one the store is asked for)."""
     store = InMemoryTierStore()
     forest = NamespaceForest()
     calls.go.set()
-    first = binding_for(store, forest)
+    first = binding_for(store, forest, shared_index=shared_index)
     FACTORY.make(ACTS, hooks=first).generate(stop_after=3)  # a chain of 3 chunks: the session stopped
     store.flush()
     first.close()
     calls.clear()
     calls.go.clear()
 
-    b = binding_for(store, forest)
+    b = binding_for(store, forest, shared_index=shared_index)
     rt = FACTORY.make(ACTS, hooks=b)
     rt.run_chunks(0)
-    assert b.last_fast_forward == 3 and calls == [("MainThread", 0), ("MainThread", 1), ("MainThread", 2)]
+    asked = [("MainThread", 3)] if shared_index else []
+    assert b.last_fast_forward == 3 and calls == [("MainThread", 0), ("MainThread", 1), ("MainThread", 2)] + asked
     calls.go.set()
     rt.generate()
     store.flush()
@@ -182,7 +188,7 @@ def test_a_hit_computes_exactly_the_matched_keys_and_a_miss_at_depth_0_one(calls
 
     calls.clear()
     calls.go.clear()
-    other = binding_for(store, forest)
+    other = binding_for(store, forest, shared_index=shared_index)
     rt = FACTORY.make([[9.0, 9.0, 9.0, 9.0]] + ACTS[1:], hooks=other)
     rt.run_chunks(0)
     assert other.last_fast_forward == 0 and calls == [("MainThread", 0)]

@@ -428,19 +428,18 @@ HOLD_ROOT = ("import sys; from cacheseek.stores.localdisk import LocalDiskTierSt
              "s = LocalDiskTierStore(sys.argv[1]); print('held', flush=True); sys.stdin.read(); s.close()")
 
 
-def test_a_persistent_root_hits_on_the_second_run_and_refuses_a_second_process(tmp_path):
-    """Issue 23 item 4: the root keeps its snapshot, so the second run hits what the first wrote
-    and its reconcile removes nothing committed; a run beside a process holding the root is one
-    error line naming store.root, and wipes nothing."""
+def test_a_persistent_root_hits_on_the_second_run_and_is_shared_by_a_live_process(tmp_path):
+    """Issue 31: the root is its own index (chunk records), so the second run hits what the first
+    wrote and its reconcile removes nothing committed; a run beside a process holding the root
+    shares it: it passes, hits what was committed, and wipes nothing."""
     root = tmp_path / "kv"
     args = ["+store=localdisk", f"store.root={root}"]
     first = _cli(args, tmp_path / "run1")
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr
     committed = _value_files(root)
-    assert committed and (root / "forest.json").is_file()
+    assert committed and not (root / "forest.json").exists()
     second = _cli(args, tmp_path / "run2")
     assert second.returncode == 0 and "PASS" in second.stdout, second.stdout[-2000:] + second.stderr
-    assert "committed chunks from a previous run" in second.stdout
     res = json.loads((tmp_path / "run2" / "results.json").read_text())
     rows = {r["name"]: r for r in res["requests"]}
     assert res["warm"] and rows["A"]["hit_depth"] == res["config"]["workload"]["total_chunks"]
@@ -455,8 +454,5 @@ def test_a_persistent_root_hits_on_the_second_run_and_refuses_a_second_process(t
         third = _cli(args, tmp_path / "run3")
     finally:
         holder.communicate("", timeout=TIMEOUT_S)
-    assert third.returncode == 2, third.stdout[-2000:] + third.stderr
-    lines = third.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: store.root:"), third.stderr
-    assert f"process {holder.pid}" in lines[0] and "fix:" in lines[0] and "Traceback" not in third.stderr
-    assert _value_files(root) == before
+    assert third.returncode == 0 and "PASS" in third.stdout, third.stdout[-2000:] + third.stderr
+    assert _value_files(root) >= before

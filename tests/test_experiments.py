@@ -125,3 +125,22 @@ def test_telefuser_480p_benchmark_smoke(tmp_path):
     row = next(r for r in res["table"] if r["store"] == "fluxon_plan")
     assert row["B_k"] == 3 and row["B_ratio"] > 0 and (tmp_path / "telefuser_480p.png").stat().st_size > 0
     assert "| fluxon_plan |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.slow
+def test_shared_index_workers_benchmark_smoke(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_workers", REPO / "experiments" / "shared_index" / "bench_workers.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(REPO / "experiments"))
+    spec.loader.exec_module(module)
+    res = module.main(['interactive=["workload.sessions=4"]', "stress=null", "workers=[1]", "restart_after=2",
+                       "restart_workers=[1]", "cost_reps=1", "ops_reps=3", f"out_dir={tmp_path}", f"runs_dir={tmp_path / 'runs'}"])
+    assert [r["label"] for r in res["runs"]] == [
+        "interactive-memory-1", "interactive-localdisk-1-index", "interactive-localdisk-1-noindex",
+        "interactive-restart-1-index", "interactive-restart-1-noindex"]
+    assert all(r["passed"] for r in res["runs"])
+    (restart_on, restart_off) = res["summary"]["restart"]
+    assert restart_on["second_half_restored"] >= restart_off["second_half_restored"]
+    assert "| interactive | localdisk | 1 | on |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "hit_rate.png").stat().st_size > 0
+    assert res["ops"]["localdisk"]["find_8_hits"]["p50_ms"] > 0

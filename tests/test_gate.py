@@ -112,9 +112,10 @@ class CorruptingMemoryStore(InMemoryTierStore):
 
 
 class CorruptingDiskStore(LocalDiskTierStore):
-    """Rewrites layer 0's K of the ``target``-th blob written with one byte flipped, through the
-    backend, so the file's checksum covers the wrong bytes: a writer bug, which only the gate can
-    see (a flip on the medium is caught by the checksum: tests/production/test_integrity.py)."""
+    """Writes layer 0's K of the ``target``-th blob with one byte flipped before it is written,
+    so the file's checksum and the chunk's record cover the wrong bytes: a writer bug, which only
+    the gate can see (a flip on the medium, or bytes another writer put there, are caught by the
+    checksums: tests/production/test_integrity.py)."""
 
     def __init__(self, root, target: int) -> None:
         super().__init__(root)
@@ -122,14 +123,11 @@ class CorruptingDiskStore(LocalDiskTierStore):
         self.puts_seen = 0
 
     def put_async(self, locator, payload, *, tier, on_ready=None):
-        handle = super().put_async(locator, payload, tier=tier, on_ready=on_ready)
         if self.puts_seen == self.target:
-            key = layer_keys(locator, 0)[0]
-            value = self.disk.read(key)
-            _flip(value)  # low byte of the last bf16 element
-            self.disk.write(key, value)
+            payload = [(k.clone(), v) if i == 0 else (k, v) for i, (k, v) in enumerate(payload)]
+            _flip(payload[0][0])  # low byte of the last bf16 element
         self.puts_seen += 1
-        return handle
+        return super().put_async(locator, payload, tier=tier, on_ready=on_ready)
 
 
 @pytest.mark.parametrize("tier", ["memory", "localdisk"])

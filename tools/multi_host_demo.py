@@ -2,16 +2,19 @@
 """One CacheSeek cache over several emulated hosts: a Fluxon control plane on the first, an owner
 joining it on each other, workers on their own host's owner (needs root).
 
-    python tools/multi_host_demo.py [--hosts a,b] [--store fluxon_plan|fluxon] [--dram 64MiB]
+    python tools/multi_host_demo.py [--hosts a,b] [--workers-per-host 1] [--store fluxon_plan|fluxon]
+                                    [--dram 64MiB] [HYDRA_OVERRIDE ...]
 
 Host ``a`` runs ``tools/fluxon_service.py start --listen 10.78.0.1`` (etcd, master, its owner),
-host ``b`` ``start --join 10.78.0.1:2379`` (its owner); worker 1 on ``a`` runs the gate's A (P+X,
-cold: every chunk written), worker 2 on ``b`` loads its forest snapshot and runs B, C and D; the
-verdict is `workers.check` (tools/workers.py) (B hits every chunk with A's frames, C |P| with D's). It
-prints the bytes ``b`` received over its link, PASS or FAIL, and tears every host down.
+host ``b`` ``start --join 10.78.0.1:2379`` (its owner); then the workers of ``tools/workers.py``
+start at once, ``--workers-per-host`` on each host, and run ``workload=interactive``'s sessions
+(session ``i`` on worker ``i % N``) on the one cache, with no snapshot exchange. The verdict is
+the tool's: every session's frames equal its worker's cold run. It prints the chunks restored,
+the bytes ``b`` received over its link, PASS or FAIL, and tears every host down.
 
-`FluxonHosts` (a cluster on `EmulatedHosts`) and `Peer` (a `tools/fluxon_peer.py` on one host)
-are what tests/fluxon/test_cross_host.py and experiments/multi_host use.
+`FluxonHosts` (a cluster on `EmulatedHosts`), `OnHosts` (where each worker runs) and `Peer` (a
+`tools/fluxon_peer.py` on one host) are what tests/fluxon/test_cross_host.py and
+experiments/multi_host use.
 """
 
 from __future__ import annotations
@@ -30,9 +33,9 @@ TOOLS = Path(__file__).resolve().parent
 REPO = TOOLS.parent
 sys.path.insert(0, str(TOOLS))
 
-from emulated_hosts import SHARED_MOUNT, EmulatedHosts  # noqa: E402
+from emulated_hosts import SHARED_MOUNT, EmulatedHosts, clean_env  # noqa: E402
 
-__all__ = ["FluxonHosts", "Peer"]
+__all__ = ["FluxonHosts", "OnHosts", "Peer"]
 
 SERVICE = [sys.executable, str(TOOLS / "fluxon_service.py")]
 SVC_DIR = "/tmp/fluxon-service"  # inside each host's own /tmp
@@ -86,6 +89,23 @@ class Peer:
                 self.proc.wait(timeout=10)
 
 
+class OnHosts:
+    """A `workers.run_generation` launcher: worker ``k`` runs on host ``placement[k]``, in its
+    namespaces; the work folder is under the hosts' shared folder (``SHARED_MOUNT`` inside them)."""
+
+    def __init__(self, hosts: EmulatedHosts, placement: list[str]) -> None:
+        self.hosts, self.placement = hosts, placement
+
+    def argv(self, worker: int, cmd: list[str]) -> list[str]:
+        return self.hosts.command(self.placement[worker], cmd, cwd=str(REPO))
+
+    def path(self, path: Path) -> str:
+        return f"{SHARED_MOUNT}/{Path(path).relative_to(self.hosts.shared_dir)}"
+
+    def env(self, env: dict[str, str]) -> dict[str, str]:
+        return clean_env(dict(env, HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1"))
+
+
 class FluxonHosts:
     """A Fluxon cluster over ``hosts``: the control plane and an owner on ``hosts.names[0]``, an
     owner on each other host, each with ``dram`` (checked against ``geometry``). The same
@@ -135,18 +155,24 @@ class FluxonHosts:
     def peer(self, host: str, op_timeout_s: float = 10.0) -> Peer:
         return Peer(self.hosts, host, self.cluster, self.share, op_timeout_s)
 
-    def worker(self, host: str, role: str, store: str, extra: list[str], timeout_s: float = 400.0) -> dict[str, Any]:
-        """`tools/workers.py` worker ``role`` (first: A; second: B, C, D) on ``host``."""
-        from workers import store_overrides
+    def workers(self, placement: list[str], store: str, extra: list[str], *, tag: str = "workers",
+                timeout_s: float = 400.0) -> dict[str, Any]:
+        """`tools/workers.py`'s workers at once, worker ``k`` on host ``placement[k]``, all on this
+        cluster with ``store``, running ``workload=interactive`` (``extra``: more overrides).
+        The tool's summary (`workers.summarize`) with ``passed``, ``processes`` and ``failures``."""
+        from workers import plan_size, run_generation, shares, store_overrides, summarize
 
-        out = f"{SHARED_MOUNT}/worker-{role}.json"
-        cmd = [sys.executable, str(TOOLS / "workers.py"), "--role", role, "--snapshot", f"{SHARED_MOUNT}/forest.json",
-               "--out", out, "--workdir", f"/tmp/worker-{role}",
-               *store_overrides(store, self.cluster, self.share, 20.0), *extra]
-        run = self.hosts.run(host, cmd, timeout=timeout_s, env=_env(), cwd=str(REPO))
-        if run.returncode != 0:
-            raise RuntimeError(f"worker {role} on {host} exited with {run.returncode}: {run.stdout[-3000:]}")
-        return json.loads((Path(self.hosts.shared_dir) / f"worker-{role}.json").read_text())
+        overrides = ["workload=interactive", *store_overrides(store, self.cluster, self.share, 20.0), *extra]
+        n = plan_size(overrides)
+        workdir = Path(self.hosts.shared_dir) / tag
+        workdir.mkdir(mode=0o777, exist_ok=True)
+        (share,) = shares(n, len(placement))
+        processes, failures = run_generation(0, share, overrides, workdir, worker_timeout=timeout_s,
+                                             launcher=OnHosts(self.hosts, placement))
+        out = summarize(processes, n, None)
+        out.update(processes=processes, failures=failures,
+                   passed=not failures and out["mismatches"] == 0 and not out["errors"] and not out["missing_sessions"])
+        return out
 
     def close(self) -> None:
         for host in reversed(sorted(self.running, key=self.hosts.names.index)):
@@ -160,15 +186,17 @@ class FluxonHosts:
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hosts", default="a,b")
+    p.add_argument("--workers-per-host", type=int, default=1)
     p.add_argument("--store", choices=("fluxon_plan", "fluxon"), default="fluxon_plan")
     p.add_argument("--dram", default="64MiB")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides for both workers")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides for every worker (workload.sessions=8 ...)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    from workers import check
 
     names = args.hosts.split(",")
+    placement = [h for _ in range(args.workers_per_host) for h in names]
     with tempfile.TemporaryDirectory(prefix="cacheseek-hosts-") as shared:
+        os.chmod(shared, 0o777)
         with EmulatedHosts(names, shared_dir=shared) as hosts:
             cluster = FluxonHosts(hosts, dram=args.dram)
             try:
@@ -176,19 +204,20 @@ def main(argv: Optional[list[str]] = None) -> int:
                 cluster.start()
                 print(f"hosts {', '.join(f'{n}={hosts.address(n)}' for n in names)}: control plane on {names[0]}, "
                       f"owners on all ({args.dram} each), ready in {time.monotonic() - t0:.1f} s", flush=True)
-                first = cluster.worker(names[0], "first", args.store, list(args.overrides))
-                rx0 = hosts.link_bytes(names[1])[0]
-                second = cluster.worker(names[1], "second", args.store, list(args.overrides))
-                rx = hosts.link_bytes(names[1])[0] - rx0
+                rx0 = hosts.link_bytes(names[1])[0] if len(names) > 1 else 0
+                out = cluster.workers(placement, args.store, list(args.overrides))
+                rx = (hosts.link_bytes(names[1])[0] - rx0) if len(names) > 1 else 0
             finally:
                 cluster.close()
-    passed, rows = check(first, second)
-    for name, ok, expect in rows:
-        print(f"  {name}: {'ok' if ok else 'MISMATCH'}  ({expect})")
-    print(f"worker 2 on {names[1]} received {rx / 2**20:.2f} MiB over its link while it ran B, C, D")
-    print(f"{'PASS' if passed else 'FAIL'}: worker on {names[1]} restored what the worker on {names[0]} wrote "
-          f"(store={args.store})")
-    return 0 if passed else 1
+    for f in out["failures"]:
+        print(f"FAIL: {f}")
+    print(f"{len(placement)} workers ({', '.join(f'w{k} on {h}' for k, h in enumerate(placement))}): "
+          f"{out['all']['chunks_restored']} of {out['all']['chunks_total']} chunks restored, "
+          f"{out['mismatches']} sessions differ from a cold run")
+    if len(names) > 1:
+        print(f"host {names[1]} received {rx / 2**20:.2f} MiB over its link while the workers ran")
+    print(f"{'PASS' if out['passed'] else 'FAIL'}: workers on {', '.join(names)} on one cache (store={args.store})")
+    return 0 if out["passed"] else 1
 
 
 if __name__ == "__main__":

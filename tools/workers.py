@@ -1,34 +1,45 @@
-"""One cache, several workers: two worker processes share one Fluxon service.
+"""One cache, many live workers: N worker processes run one workload's sessions at once on ONE
+shared store, as a service runs one worker per GPU. No snapshot is exchanged: a worker finds what
+the others wrote by its key in the store's chunk records (the shared index, issue 31).
 
-    python tools/workers.py --cluster-name NAME --share-mem-path PATH [--store fluxon_plan]
+    python tools/workers.py --workers N [--store memory|localdisk|fluxon_plan|fluxon]
+                            [--workload interactive|stress] [--restart-after S] [--no-index]
                             [--workdir DIR] [HYDRA_OVERRIDE ...]
-    python tools/workers.py --start-service [...]     # a private service for the run
+    python tools/workers.py --store fluxon_plan --cluster-name NAME --share-mem-path PATH ...
+    python tools/workers.py --store fluxon_plan --start-service ...    # a private Fluxon service
 
-The coordinator (this command) starts two fresh worker processes, one after the other, each
-attached to the same Fluxon cluster through the chosen store:
+The coordinator (this command) composes the config (``workload=interactive`` by default, so
+``workload.sessions=48`` and any other override of ``python -m cacheseek`` can follow), splits
+the plan's sessions over the workers (session ``i`` on worker ``i % N``) and starts the N worker
+processes at once. Each worker builds its own stack on the shared store with an empty trie,
+computes cold references of its sessions' paths itself (no cache), waits for the other workers
+(a bounded barrier, so their sessions start together), then runs its sessions through the
+workload's own session loop (``workload.run(stack, sessions=...)``): ``interactive`` streams one
+action per chunk (TeleFuser's service streams one action per chunk), ``stress`` runs whole
+sessions on its thread pool. Each worker reports, per session, the chunks restored and whether
+the frames equal its cold run.
 
-1. worker 1 runs A = P+X cold (empty trie): every chunk is written to Fluxon; it then saves its
-   forest snapshot (``save_forest_snapshot``, an atomic JSON replace) and exits;
-2. worker 2 starts with an empty trie, loads worker 1's snapshot, and runs B = P+X (must hit
-   every chunk, frames equal to worker 1's A), C = P+Y (must hit |P| chunks) and D = P+Y cold on
-   a fresh trie without ingest (the reference: C's frames must equal D's).
+``--restart-after S``: the workers exit after their share of sessions ``0..S-1``, and a fresh set
+of N processes (empty tries) runs the rest: what a restart costs. ``--no-index`` sets
+``manager.shared_index.enabled=false``: each worker finds only what its own trie holds (the
+behaviour before the shared index).
 
-It prints each request's hit depth and PASS or FAIL (exit 0 / 1; 2 for a usage, config or
-attach error, as one ``error:`` line), and writes ``results.json``, the snapshot, each worker's
-log and its own (``workers.log``) under ``--workdir``: by default a new run folder
-``outputs/workers/DATE/TIME`` beside Hydra's, created only once the invocation is accepted; no
-temporary folder is left anywhere. A progress bar shows on a terminal while the workers run. The actions, the geometry and the sizes come from the usual Hydra config
-(``workload`` abcd: ``total_chunks``, ``prefix_chunks``, ``action_seed``), so any override of
-``python -m cacheseek`` can follow the options, e.g. ``runtime.local_attn_size=7
-runtime.sink_size=3 workload.total_chunks=5 workload.prefix_chunks=3``.
+Stores (``--store``): ``localdisk`` (default; one root shared by every worker, ``store.root``
+defaults to ``kvstore`` in the work folder), ``memory`` (each process's own: nothing is shared
+between processes, the baseline of N separate caches), ``fluxon_plan`` (the Plan tier with
+``store.client=fluxon``) and ``fluxon`` (the generic per-layer tier) on a running Fluxon service
+(``--cluster-name``, ``--share-mem-path``) or a private one (``--start-service``; its master and
+owner advertise a non-loopback address: run the command inside a private network namespace,
+``tools/netns-run.sh``, which ``--start-service`` checks before it creates anything).
 
-Stores (``--store``): ``fluxon_plan`` (the Plan tier with ``store.client=fluxon``: zero-copy
-reads, staged writes) or ``fluxon`` (the generic per-layer tier, `FluxonTensorTier`).
-
-The service's master and owner advertise a non-loopback address: on a shared machine run the
-whole command inside a private network namespace (``tools/netns-run.sh``); with
-``--start-service`` this command refuses to start a service outside one, before it creates
-anything.
+It prints one row per session and per worker, the chunks restored of all (and of the sessions
+after the restart), and PASS (exit 0) when every session's frames equal the cold run and no
+worker failed, else FAIL (exit 1); a usage, config or attach error is one ``error:`` line (exit
+2). ``results.json``, each worker's log and result, and the coordinator's log (``workers.log``)
+go to ``--workdir``: by default a new run folder ``outputs/workers/DATE/TIME`` beside Hydra's,
+created only once the invocation is accepted. Every wait is bounded: a worker that does not
+finish within ``--worker-timeout`` is killed and the run fails. Each worker's torch gets an equal
+share of the CPU cores (``OMP_NUM_THREADS``, unless set), as each would get its own GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -45,12 +57,16 @@ from typing import Any, Optional
 
 log = logging.getLogger("cacheseek.workers")
 SCRIPT = str(Path(__file__).resolve())
+REPO = str(Path(__file__).resolve().parents[1])
 
-STORES = ("fluxon_plan", "fluxon")
+STORES = ("localdisk", "memory", "fluxon_plan", "fluxon")
+FLUXON_STORES = ("fluxon_plan", "fluxon")
+WORKLOADS = ("interactive", "stress")
+POLL_S = 0.05
 
 
 def store_overrides(store: str, cluster_name: str, share_mem_path: str, op_timeout_s: float) -> list[str]:
-    """The Hydra overrides that attach ``store`` to a Fluxon cluster."""
+    """The Hydra overrides that attach a Fluxon ``store`` to a Fluxon cluster."""
     if store == "fluxon_plan":
         opts = {"cluster_name": cluster_name, "share_mem_path": share_mem_path, "op_timeout_s": op_timeout_s}
         return ["+store=fluxon_plan", "store.client=fluxon"] + [
@@ -58,7 +74,16 @@ def store_overrides(store: str, cluster_name: str, share_mem_path: str, op_timeo
     if store == "fluxon":
         return ["+store=fluxon", f"store.cluster_name={cluster_name}", f"store.share_mem_path={share_mem_path}",
                 f"store.op_timeout_s={op_timeout_s}"]
-    raise ValueError(f"unknown store {store!r}: use one of {', '.join(STORES)}")
+    raise ValueError(f"unknown store {store!r}: use one of {', '.join(FLUXON_STORES)}")
+
+
+def shares(n_sessions: int, workers: int, restart_after: Optional[int] = None) -> list[list[list[int]]]:
+    """The sessions each worker runs, per generation: ``[generation][worker] -> indices``.
+    Session ``i`` runs on worker ``i % workers``; with ``restart_after`` S, generation 0 runs
+    sessions ``0..S-1`` and a fresh generation the rest."""
+    cuts = [0, n_sessions] if restart_after is None else [0, restart_after, n_sessions]
+    return [[[i for i in range(lo, hi) if i % workers == k] for k in range(workers)]
+            for lo, hi in zip(cuts, cuts[1:])]
 
 
 # -- a worker -----------------------------------------------------------------------------------
@@ -70,55 +95,101 @@ def _compose(overrides: list[str]) -> Any:
 
     import cacheseek.schema  # noqa: F401  (the root schema)
     from cacheseek.cli_help import CONF_DIR
-
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
-
-
-def _request(stack: Any, name: str, actions: list, label: str, n: int, *, manager: Any = None,
-             ingest: bool = True) -> dict[str, Any]:
-    binding, hashes, wall = stack.run_session(actions, manager=manager, ingest=ingest)
-    k = binding.last_fast_forward
-    return {"name": name, "actions": label, "hit_depth": k, "chunks_computed": n - k,
-            "wall_s": round(wall, 3), "bytes_restored": binding.bytes_restored,
-            "bytes_written": binding.bytes_written, "ingest_errors": binding.ingest_errors,
-            "frame_hashes": [h if isinstance(h, str) else h.hex() for h in hashes]}
-
-
-def run_worker(role: str, overrides: list[str], snapshot: Path, out: Path, run_dir: Path) -> dict[str, Any]:
-    """Worker ``first`` runs A and saves the snapshot; worker ``second`` loads it and runs B, C, D."""
     from cacheseek.errors import ConfigError
-    from cacheseek.orchestrator import build_stack, instantiate
-    from cacheseek.reuse.exact_prefix import NamespaceForest
-    from cacheseek.reuse.exact_prefix.trie import load_forest_snapshot, save_forest_snapshot
-    from cacheseek.workloads.prefix_gate import PrefixGate
+    from cacheseek.hydra_errors import config_error_from_hydra
+    from cacheseek.registry import import_backends
 
-    cfg = _compose(overrides)
-    gate = instantiate(cfg.workload)
-    if not isinstance(gate, PrefixGate):
-        raise ConfigError("workload", f"tools/workers.py runs the abcd workload, not {cfg.workload._target_}")
-    n = gate.n
-    stack = build_stack(cfg, run_dir=run_dir, workload=gate)
-    result: dict[str, Any] = {"role": role, "pid": os.getpid(), "store": stack.store_name,
-                              "store_class": type(stack.store).__name__, "total_chunks": n,
-                              "prefix_chunks": gate.p}
+    import_backends()
+    GlobalHydra.instance().clear()
     try:
-        if role == "first":
-            result["requests"] = [_request(stack, "A", gate.P + gate.X, "P+X", n)]
-            save_forest_snapshot(stack.forest, snapshot)
-            result["snapshot_nodes"] = sum(len(ns["nodes"]) for ns in stack.forest.snapshot()["namespaces"])
-        else:
-            load_forest_snapshot(snapshot, into=stack.forest)  # checked, the previous generation as fallback
-            result["loaded_ready_nodes"] = sum(n.has_kv for ns in stack.forest.namespaces() for n in ns.iter_nodes())
-            b = _request(stack, "B", gate.P + gate.X, "P+X", n)
-            c = _request(stack, "C", gate.P + gate.Y, "P+Y", n)
-            fresh = stack.new_manager(forest=NamespaceForest(), shared_index=False)
-            d = _request(stack, "D", gate.P + gate.Y, "P+Y", n, manager=fresh, ingest=False)
-            result["requests"] = [b, c, d]
+        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+            return compose(config_name="config", overrides=overrides)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a bad override: one ConfigError naming it
+        found = config_error_from_hydra(exc)
+        if found is None:
+            raise
+        raise found from None
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def _workload(cfg: Any) -> Any:
+    """The configured workload: one whose ``run`` takes a subset of its sessions."""
+    from cacheseek.errors import ConfigError
+    from cacheseek.orchestrator import instantiate
+    from cacheseek.workloads.interactive import InteractiveWorkload
+    from cacheseek.workloads.stress import StressWorkload
+
+    wl = instantiate(cfg.workload)
+    if not isinstance(wl, (InteractiveWorkload, StressWorkload)):
+        raise ConfigError("workload", f"tools/workers.py runs {' or '.join(WORKLOADS)}, not {cfg.workload._target_}",
+                          "--workload interactive (the default) or --workload stress")
+    return wl
+
+
+def plan_size(overrides: list[str]) -> int:
+    """How many sessions the configured workload's plan has (a bad override raises here, as one
+    `ConfigError`, before any worker starts)."""
+    return len(_workload(_compose(overrides)).tree.plan)
+
+
+def wait_for_all(ready_dir: Path, me: int, n: int, timeout_s: float) -> bool:
+    """The start barrier: mark worker ``me`` ready in ``ready_dir`` and wait (at most
+    ``timeout_s``) until all ``n`` are; whether they all were (else this one starts anyway)."""
+    (ready_dir / f"w{me}").touch()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        count = sum(1 for p in ready_dir.iterdir() if p.name.startswith("w"))
+        if count >= n:
+            return True
+        if time.monotonic() > deadline:
+            log.warning("start barrier: %d of %d workers ready after %.0f s; starting anyway", count, n, timeout_s)
+            return False
+        time.sleep(POLL_S / 2)
+
+
+def run_worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One worker: its stack on the shared store (empty trie), its sessions through the
+    workload's loop; writes its result (rows, figures, metrics) to ``args.out``."""
+    from cacheseek.orchestrator import build_stack
+
+    t0 = time.monotonic()
+    sessions = [int(s) for s in args.sessions.split(",") if s]
+    out, progress = Path(args.out), Path(args.out).with_suffix(".progress")
+    cfg = _compose(list(args.overrides))
+    wl = _workload(cfg)
+    stack = build_stack(cfg, run_dir=Path(args.workdir), workload=wl)
+    marks: dict[str, float] = {"built_s": time.monotonic() - t0}
+    result: dict[str, Any] = {"worker": args.worker, "generation": args.generation, "host": socket.gethostname(),
+                              "pid": os.getpid(),
+                              "store": stack.store_name, "store_class": type(stack.store).__name__,
+                              "sessions": sessions}
+
+    def on_ready() -> None:
+        marks["references_s"] = time.monotonic() - t0 - marks["built_s"]
+        result["barrier_complete"] = wait_for_all(Path(args.ready_dir), args.worker, args.workers,
+                                                  args.barrier_timeout)
+        marks["live_at"] = time.monotonic()
+
+    def on_session(row: dict[str, Any]) -> None:
+        row["finished_s"] = round(time.monotonic() - marks["live_at"], 4)  # since the live sessions began
+        with open(progress, "a") as f:
+            f.write(f"{row['name']}\n")
+
+    try:
+        res = wl.run(stack, sessions, on_ready=on_ready, on_session=on_session)
+        stack.offers.flush()
         result["metrics"] = stack.metrics.as_dict()
     finally:
         stack.close()
+    figures = res[res["workload"]]
+    figures.pop("timeline", None)
+    result.update(workload=res["workload"], rows=res["requests"], figures=figures, summary=res["summary"],
+                  errors=list(figures.get("errors", [])), built_s=round(marks["built_s"], 3),
+                  references_s=round(marks.get("references_s", 0.0), 3),
+                  live_s=round(time.monotonic() - marks.get("live_at", t0), 3))
     out.write_text(json.dumps(result, indent=2, default=str))
     return result
 
@@ -126,33 +197,9 @@ def run_worker(role: str, overrides: list[str], snapshot: Path, out: Path, run_d
 # -- the coordinator ----------------------------------------------------------------------------
 
 
-def _spawn(role: str, overrides: list[str], workdir: Path, timeout_s: float, progress: Any = None) -> dict[str, Any]:
-    from cacheseek.progress import ticking
-
-    out, logf = workdir / f"worker-{role}.json", workdir / f"worker-{role}.log"
-    cmd = [sys.executable, SCRIPT, "--role", role, "--snapshot", str(workdir / "forest.json"),
-           "--out", str(out), "--workdir", str(workdir), *overrides]
-    env = dict(os.environ)
-    repo = str(Path(__file__).resolve().parents[1])
-    env["PYTHONPATH"] = repo + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    t0 = time.monotonic()
-    with open(logf, "wb") as f, ticking(progress):
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
-        try:
-            rc = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            raise WorkerFailed(role, f"did not finish within {timeout_s:.0f} s", logf) from None
-    if rc != 0 or not out.exists():
-        raise WorkerFailed(role, f"exited with status {rc}", logf)
-    result = json.loads(out.read_text())
-    result["process_wall_s"] = round(time.monotonic() - t0, 2)
-    return result
-
-
 class WorkerFailed(RuntimeError):
-    def __init__(self, role: str, what: str, logf: Path) -> None:
+    def __init__(self, name: str, what: str, logf: Path) -> None:
+        self.name = name
         tail = ""
         try:
             lines = [ln for ln in logf.read_text(errors="replace").splitlines()
@@ -160,32 +207,151 @@ class WorkerFailed(RuntimeError):
             tail = "\n".join("    " + ln[:300] for ln in lines[-15:])
         except OSError:
             pass
-        super().__init__(f"worker {role} {what} (log {logf}):\n{tail}")
+        super().__init__(f"worker {name} {what} (log {logf}):\n{tail}")
 
 
-def check(first: dict[str, Any], second: dict[str, Any]) -> tuple[bool, list[tuple[str, bool, str]]]:
-    """The verdicts: B hits every chunk with A's frames, C hits |P| with D's frames, D is cold."""
-    (a,) = first["requests"]
-    b, c, d = second["requests"]
-    n, p = first["total_chunks"], first["prefix_chunks"]
-    rows = [
-        ("A", a["hit_depth"] == 0 and a["ingest_errors"] == 0, "cold, writes every chunk"),
-        ("B", b["hit_depth"] == n and b["frame_hashes"] == a["frame_hashes"], f"K={n}, frames == A (worker 1)"),
-        ("C", c["hit_depth"] == p and c["frame_hashes"] == d["frame_hashes"], f"K={p}, frames == D"),
-        ("D", d["hit_depth"] == 0 and d["frame_hashes"][:p] == a["frame_hashes"][:p], "cold reference"),
-    ]
-    return all(ok for _, ok, _ in rows), rows
+def _worker_env(workers: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    threads = str(max(1, (os.cpu_count() or 1) // workers))
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(var, threads)
+    return env
 
 
-def _table(first: dict[str, Any], second: dict[str, Any], rows: list[tuple[str, bool, str]]) -> str:
-    reqs = [(first, first["requests"][0])] + [(second, r) for r in second["requests"]]
-    verdict = {name: ("ok" if ok else "MISMATCH", expect) for name, ok, expect in rows}
-    lines = ["worker  pid      req  actions  hit K  computed  wall s  expected                      frames",
-             "------  -------  ---  -------  -----  --------  ------  ----------------------------  ------"]
-    for w, r in reqs:
-        ok, expect = verdict[r["name"]]
-        lines.append(f"{'1' if w is first else '2':<6}  {w['pid']:<7}  {r['name']:<3}  {r['actions']:<7}  "
-                     f"{r['hit_depth']:<5}  {r['chunks_computed']:<8}  {r['wall_s']:<6.2f}  {expect:<28}  {ok}")
+class Local:
+    """Where the workers run: here (a `run_generation` launcher). Workers on other hosts take
+    another with the same three methods (tools/multi_host_demo.py's `OnHosts`): the command
+    line that runs a worker, a path as the worker sees it, its environment."""
+
+    def argv(self, worker: int, cmd: list[str]) -> list[str]:
+        return cmd
+
+    def path(self, path: Path) -> str:
+        return str(path)
+
+    def env(self, env: dict[str, str]) -> dict[str, str]:
+        return env
+
+
+def run_generation(gen: int, share: list[list[int]], overrides: list[str], workdir: Path, *,
+                   worker_timeout: float = 600.0, barrier_timeout: float = 120.0, progress: Any = None,
+                   launcher: Any = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """Start one worker process per share at once (``launcher``: where, default `Local`); wait,
+    at most ``worker_timeout``, for all. Their results and the failures (one message each; a
+    worker past the bound is killed)."""
+    launcher = launcher or Local()
+    ready = workdir / f"ready-g{gen}"
+    ready.mkdir(parents=True, exist_ok=True)
+    for p in ready.iterdir():
+        p.unlink()
+    env = launcher.env(_worker_env(len(share)))
+    procs = []
+    for k, sessions in enumerate(share):
+        name = f"g{gen}w{k}"
+        out, logf = workdir / f"worker-{name}.json", workdir / f"worker-{name}.log"
+        out.unlink(missing_ok=True)
+        out.with_suffix(".progress").unlink(missing_ok=True)
+        cmd = [sys.executable, SCRIPT, "--worker", str(k), "--generation", str(gen), "--workers", str(len(share)),
+               "--sessions", ",".join(map(str, sessions)), "--out", launcher.path(out),
+               "--ready-dir", launcher.path(ready), "--workdir", launcher.path(workdir / f"run-{name}"),
+               "--barrier-timeout", str(barrier_timeout), *overrides]
+        f = open(logf, "wb")
+        procs.append((name, out, logf, f, subprocess.Popen(launcher.argv(k, cmd), stdout=f, stderr=subprocess.STDOUT,
+                                                           env=env, cwd=REPO)))
+    t0 = time.monotonic()
+    deadline = t0 + worker_timeout
+    shown = 0
+    try:
+        while any(p.poll() is None for *_, p in procs) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+            if progress is not None:
+                done = sum(_lines(out.with_suffix(".progress")) for _, out, *_ in procs)
+                if done > shown:
+                    progress.update(done - shown)
+                    shown = done
+                progress.refresh()
+    finally:
+        late = [p for *_, p in procs if p.poll() is None]
+        for p in late:
+            p.kill()
+        for *_, p in procs:
+            p.wait()
+        for *_, f, _ in procs:
+            f.close()
+    results, failures = [], []
+    for name, out, logf, _, p in procs:
+        if any(p is q for q in late):
+            failures.append(str(WorkerFailed(name, f"did not finish within {worker_timeout:.0f} s (killed)", logf)))
+        elif p.returncode != 0 or not out.exists():
+            failures.append(str(WorkerFailed(name, f"exited with status {p.returncode}", logf)))
+        else:
+            res = json.loads(out.read_text())
+            res["process_wall_s"] = round(time.monotonic() - t0, 2)
+            results.append(res)
+    return results, failures
+
+
+def _lines(path: Path) -> int:
+    try:
+        return path.read_text().count("\n")
+    except OSError:
+        return 0
+
+
+def summarize(processes: list[dict[str, Any]], n_sessions: int, restart_after: Optional[int]) -> dict[str, Any]:
+    """The run's figures from the workers' results: every session's row (with its worker), the
+    chunks restored of all, and of the sessions after a restart."""
+    rows = sorted(({**r, "worker": p["worker"], "generation": p["generation"]} for p in processes for r in p["rows"]),
+                  key=lambda r: r["session"])
+
+    def part(sel: list[dict[str, Any]]) -> dict[str, Any]:
+        restored = sum(r["hit_depth"] for r in sel)
+        total = sum(r["hit_depth"] + r["chunks_computed"] for r in sel)
+        return {"sessions": len(sel), "chunks_restored": restored, "chunks_total": total,
+                "hit_rate": restored / total if total else None}
+
+    out = {"all": part(rows), "rows": rows,
+           "mismatches": sum(r["verdict"] != "ok" for r in rows),
+           "errors": [e for p in processes for e in p["errors"]],
+           "missing_sessions": sorted(set(range(n_sessions)) - {r["session"] for r in rows})}
+    if restart_after is not None:
+        out["before_restart"] = part([r for r in rows if r["session"] < restart_after])
+        out["after_restart"] = part([r for r in rows if r["session"] >= restart_after])
+        out["restarted_first_sessions"] = [_first_session(p) for p in processes if p["generation"] == 1 and p["rows"]]
+    return out
+
+
+def _first_session(p: dict[str, Any]) -> dict[str, Any]:
+    """How warm a (restarted) worker is: its first session's chunks restored and seconds, and
+    the time from its process start to the end of that session."""
+    r = min(p["rows"], key=lambda r: r["finished_s"])
+    return {"worker": p["worker"], "session": r["session"], "chunks_restored": r["hit_depth"],
+            "chunks": r["hit_depth"] + r["chunks_computed"], "seconds": round(r["wall_s"], 4),
+            "process_start_to_end_s": round(p["built_s"] + p["references_s"] + r["finished_s"], 3)}
+
+
+def _pct(part: dict[str, Any]) -> str:
+    rate = part["hit_rate"]
+    return f"{part['chunks_restored']} of {part['chunks_total']}" + ("" if rate is None else f" ({100 * rate:.1f}%)")
+
+
+def table(summary: dict[str, Any], processes: list[dict[str, Any]]) -> str:
+    lines = ["session  worker  actions          restored  computed  frames",
+             "-------  ------  ---------------  --------  --------  --------"]
+    for r in summary["rows"]:
+        lines.append(f"{r['name']:<7}  g{r['generation']}w{r['worker']:<3}  {r['actions']:<15}  {r['hit_depth']:<8}  "
+                     f"{r['chunks_computed']:<8}  {'ok' if r['verdict'] == 'ok' else 'MISMATCH'}")
+    lines += ["", "worker  pid      sessions  restored        adopted  probes  probe p50 ms  live s",
+              "------  -------  --------  --------------  -------  ------  ------------  ------"]
+    for p in sorted(processes, key=lambda p: (p["generation"], p["worker"])):
+        m = p["metrics"]
+        restored = sum(r["hit_depth"] for r in p["rows"])
+        total = restored + sum(r["chunks_computed"] for r in p["rows"])
+        p50 = (m.get("records") or {}).get("probe_p50_ms")
+        lines.append(f"g{p['generation']}w{p['worker']:<3}  {p['pid']:<7}  {len(p['rows']):<8}  "
+                     f"{f'{restored} of {total}':<14}  {m['index_adopted']:<7}  {m['index_probes']:<6}  "
+                     f"{'-' if p50 is None else f'{p50:.3f}':<12}  {p['live_s']:.2f}")
     return "\n".join(lines)
 
 
@@ -196,6 +362,20 @@ def default_workdir() -> Path:
 
 def _refusal(args: argparse.Namespace) -> Optional[str]:
     """Why this invocation cannot run, found before anything is created; None when it can."""
+    if args.workers < 1:
+        return f"--workers: must be >= 1, got {args.workers}"
+    for o in args.overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if key == "workload":
+            return f"{o}: pick the workload with --workload {' or --workload '.join(WORKLOADS)}"
+        if key == "store":
+            return f"{o}: pick the store with --store ({', '.join(STORES)}); its fields (store.KEY=VALUE) may follow"
+        if key == "manager.shared_index.enabled":
+            return f"{o}: use --no-index to turn the shared index off"
+    if args.store not in FLUXON_STORES:
+        if args.start_service or args.cluster_name or args.share_mem_path:
+            return f"--start-service, --cluster-name and --share-mem-path are for --store {' or '.join(FLUXON_STORES)}"
+        return None
     if not args.start_service:
         if not (args.cluster_name and args.share_mem_path):
             return ("--cluster-name: give --cluster-name and --share-mem-path of a running service "
@@ -230,7 +410,21 @@ def _log_to(workdir: Path) -> logging.Handler:
     return handler
 
 
+def _overrides(args: argparse.Namespace, workdir: Path, cluster: Optional[str], share: Optional[str]) -> list[str]:
+    out = [f"workload={args.workload}"]
+    if args.store in FLUXON_STORES:
+        out += store_overrides(args.store, cluster, share, args.op_timeout)
+    else:
+        out.append(f"+store={args.store}")
+        if args.store == "localdisk" and not any(o.split("=", 1)[0] == "store.root" for o in args.overrides):
+            out.append(f"store.root={workdir / 'kvstore'}")
+    if args.no_index:
+        out.append("manager.shared_index.enabled=false")
+    return out + list(args.overrides)
+
+
 def coordinate(args: argparse.Namespace) -> int:
+    from cacheseek.errors import ConfigError
     from cacheseek.progress import bar
 
     refused = _refusal(args)
@@ -238,56 +432,76 @@ def coordinate(args: argparse.Namespace) -> int:
         print(f"error: {refused}", file=sys.stderr)
         return 2
     workdir = Path(args.workdir or default_workdir()).absolute()
+    probe = _overrides(args, workdir, "c", "/dev/shm/c")
+    n_sessions = plan_size(probe)  # a bad override fails here, before any process
+    if args.restart_after is not None and not 0 < args.restart_after < n_sessions:
+        raise ConfigError("--restart-after", f"must be in [1, {n_sessions - 1}] (the plan has {n_sessions} sessions), "
+                          f"got {args.restart_after}", f"--restart-after {n_sessions // 2}")
     workdir.mkdir(parents=True, exist_ok=True)
-    (workdir / "forest.json").unlink(missing_ok=True)
     handler = _log_to(workdir)
     service = None
-    progress = bar(3 if args.start_service else 2, "workers", unit="step")
+    generations = shares(n_sessions, args.workers, args.restart_after)
+    progress = bar(n_sessions, "workers", unit="session")
     try:
-        if args.start_service:
-            from cacheseek.fluxon_service.service import FluxonService
-            from cacheseek.progress import ticking
+        cluster = share = None
+        if args.store in FLUXON_STORES:
+            if args.start_service:
+                from cacheseek.fluxon_service.service import FluxonService
+                from cacheseek.progress import ticking
 
-            name = args.cluster_name or f"csworkers{os.getpid()}"
-            service = FluxonService(workdir / "service", dram=args.dram, cluster_name=name,
-                                    share_mem_path=args.share_mem_path or f"/dev/shm/cacheseek-workers-{os.getpid()}")
-            progress.set_postfix_str("starting the Fluxon service")
-            with ticking(progress):
-                service.start()
-            progress.update()
-            cluster, share = service.cluster_name, service.share_mem_path
+                name = args.cluster_name or f"csworkers{os.getpid()}"
+                service = FluxonService(workdir / "service", dram=args.dram, cluster_name=name,
+                                        share_mem_path=args.share_mem_path or f"/dev/shm/cacheseek-workers-{os.getpid()}")
+                progress.set_postfix_str("starting the Fluxon service")
+                with ticking(progress):
+                    service.start()
+                cluster, share = service.cluster_name, service.share_mem_path
+            else:
+                cluster, share = args.cluster_name, args.share_mem_path
+        overrides = _overrides(args, workdir, cluster, share)
+        if args.store == "localdisk":
+            where = "root " + next(o for o in overrides if o.startswith("store.root=")).split("=", 1)[1]
+        elif args.store == "memory":
+            where = "each process its own: nothing is shared between processes"
         else:
-            cluster, share = args.cluster_name, args.share_mem_path
-        overrides = store_overrides(args.store, cluster, share, args.op_timeout) + list(args.overrides)
-        print(f"one cache, two workers: store={args.store}, Fluxon cluster {cluster!r} at {share}; "
-              f"work folder {workdir}", flush=True)
-        try:
-            progress.set_postfix_str("worker 1: A")
-            first = _spawn("first", overrides, workdir, args.worker_timeout, progress)
-            progress.update()
-            progress.write(f"worker 1 (pid {first['pid']}): ran A, wrote the forest snapshot "
-                           f"({first['snapshot_nodes']} nodes) in {first['process_wall_s']:.1f} s")
-            progress.set_postfix_str("worker 2: B, C, D")
-            second = _spawn("second", overrides, workdir, args.worker_timeout, progress)
-            progress.update()
-            progress.write(f"worker 2 (pid {second['pid']}): fresh process, empty trie, loaded "
-                           f"{second['loaded_ready_nodes']} ready nodes from the snapshot; ran B, C, D in "
-                           f"{second['process_wall_s']:.1f} s")
-        except WorkerFailed as exc:
-            progress.close()
-            print(f"FAIL: {exc}", flush=True)
-            return 1
+            where = f"Fluxon cluster {cluster!r} at {share}"
+        print(f"one cache, {args.workers} workers: workload={args.workload}, {n_sessions} sessions, "
+              f"store={args.store} ({where}), shared index {'off' if args.no_index else 'on'}"
+              + (f", restart after session {args.restart_after - 1}" if args.restart_after else "")
+              + f"; work folder {workdir}", flush=True)
+        processes, failures = [], []
+        for gen, share_g in enumerate(generations):
+            progress.set_postfix_str(f"generation {gen}: {args.workers} workers" if len(generations) > 1
+                                     else f"{args.workers} workers")
+            got, failed = run_generation(gen, share_g, overrides, workdir, worker_timeout=args.worker_timeout,
+                                         barrier_timeout=args.barrier_timeout, progress=progress)
+            processes += got
+            failures += failed
+            if failed:
+                break
         progress.close()
-        passed, rows = check(first, second)
-        print(_table(first, second, rows))
-        b, c, _ = second["requests"]
-        n, p = first["total_chunks"], first["prefix_chunks"]
-        print(f"hit depths: B={b['hit_depth']} (all {n} chunks), C={c['hit_depth']} (|P|={p})")
-        results = {"passed": passed, "store": args.store, "cluster_name": cluster, "share_mem_path": share,
-                   "overrides": overrides, "workers": [first, second]}
+        summary = summarize(processes, n_sessions, args.restart_after)
+        passed = not failures and summary["mismatches"] == 0 and not summary["errors"] \
+            and not summary["missing_sessions"]
+        rows = summary.pop("rows")
+        if processes:
+            print(table({**summary, "rows": rows}, processes))
+        for f in failures:
+            print(f"FAIL: {f}", flush=True)
+        print(f"chunks restored: {_pct(summary['all'])}"
+              + (f"; sessions {args.restart_after}.. (after the restart): {_pct(summary['after_restart'])}"
+                 if args.restart_after and "after_restart" in summary else ""))
+        results = {"passed": passed, "workload": args.workload, "store": args.store, "workers": args.workers,
+                   "restart_after": args.restart_after, "shared_index": not args.no_index,
+                   "sessions_total": n_sessions, "overrides": overrides, "cluster_name": cluster,
+                   "share_mem_path": share, **summary, "sessions": rows, "failures": failures,
+                   "processes": processes}
         (workdir / "results.json").write_text(json.dumps(results, indent=2, default=str))
-        print(f"{'PASS' if passed else 'FAIL'}: one Fluxon cache shared by two worker processes "
-              f"(store={args.store}) -> {workdir / 'results.json'}", flush=True)
+        what = "every frame equals a cold run" if passed else (
+            f"{summary['mismatches']} sessions differ from a cold run, {len(summary['errors'])} errors, "
+            f"{len(failures)} workers failed, {len(summary['missing_sessions'])} sessions not run")
+        print(f"{'PASS' if passed else 'FAIL'}: {args.workers} workers on one {args.store} store "
+              f"(shared index {'off' if args.no_index else 'on'}): {what} -> {workdir / 'results.json'}", flush=True)
         return 0 if passed else 1
     finally:
         progress.close()
@@ -300,19 +514,32 @@ def coordinate(args: argparse.Namespace) -> int:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python tools/workers.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="Run inside a private network namespace on a shared machine: "
-                                       "tools/netns-run.sh python tools/workers.py --start-service")
-    p.add_argument("--store", choices=STORES, default="fluxon_plan", help="default: fluxon_plan (store.client=fluxon)")
-    p.add_argument("--cluster-name", help="the running service's cluster name")
-    p.add_argument("--share-mem-path", help="the running service's segment folder root (/dev/shm/...)")
-    p.add_argument("--start-service", action="store_true", help="start a private service for the run (needs a "
-                   "private network namespace, fluxon-py and etcd)")
+                                epilog="e.g. python tools/workers.py --workers 4 workload.sessions=48; on Fluxon, in a "
+                                       "private network namespace: tools/netns-run.sh python tools/workers.py "
+                                       "--store fluxon_plan --start-service --workers 2")
+    p.add_argument("--workers", type=int, default=2, help="worker processes started at once (default 2)")
+    p.add_argument("--store", choices=STORES, default="localdisk",
+                   help="default: localdisk (store.root defaults to kvstore in the work folder)")
+    p.add_argument("--workload", choices=WORKLOADS, default="interactive", help="default: interactive")
+    p.add_argument("--restart-after", type=int, metavar="S",
+                   help="the workers exit after sessions 0..S-1; fresh processes run the rest")
+    p.add_argument("--no-index", action="store_true",
+                   help="manager.shared_index.enabled=false: each worker finds only what it wrote")
+    p.add_argument("--workdir", help="results and logs (default: a new outputs/workers/DATE/TIME)")
+    p.add_argument("--worker-timeout", type=float, default=600.0,
+                   help="bound of each generation of workers, seconds (default 600)")
+    p.add_argument("--barrier-timeout", type=float, default=120.0,
+                   help="how long a worker waits for the others before its sessions, seconds (default 120)")
+    p.add_argument("--cluster-name", help="Fluxon stores: the running service's cluster name")
+    p.add_argument("--share-mem-path", help="Fluxon stores: the running service's segment folder root (/dev/shm/...)")
+    p.add_argument("--start-service", action="store_true", help="Fluxon stores: start a private service for the "
+                   "run (needs a private network namespace, fluxon-py and etcd)")
     p.add_argument("--dram", default="64MiB", help="segment size with --start-service (default 64MiB)")
-    p.add_argument("--workdir", help="results, snapshot and logs (default: a new outputs/workers/DATE/TIME)")
     p.add_argument("--op-timeout", type=float, default=30.0, help="bound of every Fluxon call, seconds")
-    p.add_argument("--worker-timeout", type=float, default=600.0, help="bound of each worker process, seconds")
-    p.add_argument("--role", choices=("first", "second"), help=argparse.SUPPRESS)
-    p.add_argument("--snapshot", help=argparse.SUPPRESS)
+    p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--generation", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--sessions", help=argparse.SUPPRESS)
+    p.add_argument("--ready-dir", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m cacheseek")
     return p
@@ -320,17 +547,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = _parser().parse_args(argv)
+    worker = args.worker is not None
     # A worker logs everything to its log file (its stdout); the coordinator shows warnings and
     # keeps the rest in workers.log.
-    logging.basicConfig(level=logging.INFO if args.role else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if worker else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from cacheseek.cli import error_line
     from cacheseek.errors import CacheSeekError, ConfigError
 
     try:
-        if args.role:
-            run_worker(args.role, list(args.overrides), Path(args.snapshot), Path(args.out),
-                       Path(args.workdir or ".") / f"run-{args.role}")
+        if worker:
+            run_worker(args)
             return 0
         return coordinate(args)
     except ConfigError as exc:

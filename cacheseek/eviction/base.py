@@ -31,7 +31,6 @@ never breaks the prefix of another cached node: lookups descend only through rea
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, Optional, Protocol
 
 import attrs
@@ -103,8 +102,7 @@ class StoreOffers:
     `TieredStore`), ``device_views`` (it takes the ring's device views as a chunk's payload and
     copies them itself), ``reads_paths`` (and restores whole paths into device views),
     ``reads_layers`` (``get_layers``: a generic tier's layers of one restore in one call); ``close`` and
-    ``flush`` (no-ops where it has none), the forest snapshot a persistent store keeps
-    (``snapshot_path``), the fix to print when its capacity cannot hold a chunk, and its chunk
+    ``flush`` (no-ops where it has none), the fix to print when its capacity cannot hold a chunk, and its chunk
     ``records`` (`ChunkRecords`: the shared index; `NO_RECORDS` where it keeps none)."""
 
     contains: bool
@@ -115,7 +113,6 @@ class StoreOffers:
     reads_paths: bool
     close: Callable[[], Any]
     flush: Callable[[], Any]
-    snapshot_path: Optional[Path]
     capacity_fix: str
     records: ChunkRecords = NO_RECORDS
     reads_layers: bool = False
@@ -125,13 +122,11 @@ class StoreOffers:
         def has(*names: str) -> bool:
             return all(callable(getattr(store, n, None)) for n in names)
 
-        path = getattr(store, "snapshot_path", None)
         views = bool(getattr(store, "accepts_device_views", False))
         return cls(contains=has("contains"), reconciles=has("keys", "delete_values"),
                    frees_latents=has("free_skeleton"), tiered=has("tier_usages", "demote"),
                    device_views=views, reads_paths=has("read_path") and views,
                    close=getattr(store, "close", None) or _nothing, flush=getattr(store, "flush", None) or _nothing,
-                   snapshot_path=Path(path) if path is not None else None,
                    capacity_fix=getattr(store, "capacity_fix", "give the store more room"),
                    records=getattr(store, "records", None) or NO_RECORDS, reads_layers=has("get_layers"))
 

@@ -22,6 +22,9 @@ invisible to a holder until its views are released. An overwrite of an existing 
 visible after up to ~1 s (the old value is returned meanwhile). CacheSeek's keys are
 content-addressed, so an overwrite rewrites the same bytes.
 
+Chunk records. ``records`` (`EtcdRecords`): the shared index of the cluster, in the service's own
+etcd (its endpoints are read at attach), closed with the client.
+
 Keys. 0.2.4 can count keys by prefix but not list them; with ``key_index`` the client keeps a
 `KeyIndex` in the service's etcd (`put_*` adds the key before the value is written, `remove`
 drops it after) and `list_keys` reads and repairs it (`cacheseek.fluxon.key_index`).
@@ -65,6 +68,7 @@ from cacheseek.fluxon.native_store import (
     new_native_store,
 )
 from cacheseek.fluxon.owner import owner_info
+from cacheseek.fluxon.records import EtcdRecords
 from cacheseek.fluxon.results import Miss, unwrap
 from cacheseek.fluxon.segment import SegmentMapping, file_generation, mappings_of, zero_copy_mapping
 from cacheseek.fluxon.values import (
@@ -76,6 +80,7 @@ from cacheseek.fluxon.values import (
     too_large_text,
     writable_u8,
 )
+from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +150,8 @@ class FluxonClient:
         self._store: Any = None
         self._index: Optional[KeyIndex] = None
         self._held = HeldViews(self._lock)  # the views handed out, and the removes they hide
+        self._records: Optional[EtcdRecords] = None
+        self.etcd_endpoints: tuple[str, ...] = ()
         if fluxon_log:
             os.environ.setdefault("FLUXON_LOG", fluxon_log)
         self._attach(float(settle_s), key_index)
@@ -173,10 +180,12 @@ class FluxonClient:
                 self._run("exists", PROBE_KEY,
                           lambda: self._unwrap("exists", PROBE_KEY, self._store.is_exist(PROBE_KEY)),
                           self.attach_timeout_s)
+            endpoints = self._run("attach", None, lambda: [str(e) for e in self._store.get_etcd_config()])
+            self.etcd_endpoints = tuple(endpoints)
+            self._records = EtcdRecords(endpoints, self.cluster_name, op_timeout_s=self.op_timeout_s)
             if key_index:
                 from fluxon_py.tool import import_fluxon_pyo3_local
 
-                endpoints = self._run("attach", None, lambda: list(self._store.get_etcd_config()))
                 etcd = import_fluxon_pyo3_local().EtcdKvClient(endpoints)
                 self._index = KeyIndex(etcd, self.cluster_name, self._run, log)
         except BaseException:
@@ -341,6 +350,14 @@ class FluxonClient:
                              "count keys by prefix (count_prefix) but not list them")
         return self._index.list_keys(prefix, self.count_prefix, self.exists)
 
+    # -- the shared index -----------------------------------------------------------------------
+
+    @property
+    def records(self) -> ChunkRecords:
+        """The cluster's chunk records (`EtcdRecords`, in the service's etcd): what every worker
+        of this cluster finds chunks by; `NO_RECORDS` before attaching."""
+        return self._records if self._records is not None else NO_RECORDS
+
     # -- the segment ----------------------------------------------------------------------------
 
     def segment_mappings(self) -> list[SegmentMapping]:
@@ -383,6 +400,8 @@ class FluxonClient:
         if views:
             log.warning("fluxon client %s: %d value views were still open at close: released",
                         self.instance_key, len(views))
+        if self._records is not None:
+            self._records.close()
         stuck, inflight = self._calls.drain(self.op_timeout_s)
         store, self._store, self._index = self._store, None, None
         if store is None:

@@ -48,7 +48,9 @@ class BlobHandle:
     tests store a string per layer), stored as one value each. ``digests``: each value's
     checksum, where the store checksums its values: set by the store's write before the handle
     is ready (the chunk's record carries them), or from the record a handle was adopted from (a
-    read checks each value against it); None where the store keeps none.
+    read checks each value against it); None where the store keeps none. ``recorded``: the
+    chunk is findable by other processes through its record in the store (its record was
+    published, or the handle was adopted from it), so another process may free it.
     """
 
     tier: Tier
@@ -59,6 +61,7 @@ class BlobHandle:
     error: Optional[BaseException] = None
     pairs: bool = True
     digests: Optional[dict[str, str]] = None
+    recorded: bool = False  # the store holds the chunk's record (published here, or adopted from it)
 
     @property
     def state(self) -> BlobState:

@@ -19,7 +19,11 @@ processes implements four raw operations over bytes (create-if-absent, a batched
 listing); the base class does the encoding, the checks and the counting. The first publication of
 a record wins; a second writer of the same chunk (same key, same bytes) is a no-op.
 
-Torch-free; imports only `cacheseek.errors`.
+The same four operations keep chunk *claims* (`cacheseek.kv.claims`): a live session about to
+compute a chunk no record names claims it (`claim`), and one that finds another process's claim
+waits for that chunk's record instead of computing it too (`SharedIndex.claim_or_wait`).
+
+Torch-free; imports only `cacheseek.errors` and `cacheseek.kv.claims`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ import attrs
 import xxhash
 
 from cacheseek.errors import CorruptValueError
+from cacheseek.kv.locators import blob_keys, kv_locator
+from cacheseek.kv.claims import ChunkClaim, claim_name
 
 log = logging.getLogger(__name__)
 
@@ -117,14 +123,28 @@ def _seal(name: str, body: bytes) -> bytes:
     return h.hexdigest().encode("ascii")
 
 
+def _blob_order(record: ChunkRecord) -> list[str]:
+    return blob_keys(kv_locator(record.node_key), record.n_layers, pairs=record.pairs)
+
+
 def encode_record(record: ChunkRecord) -> bytes:
-    """``MAGIC``, the 16-hex-digit seal, a newline, then the record as canonical JSON."""
-    body = json.dumps({
+    """``MAGIC``, the 16-hex-digit seal, a newline, then the record as canonical JSON. Checksums
+    of exactly the blob's values (the usual case) are written as one string in the blob's key
+    order (``digest_list``: 16 hex digits each), a 480p record's 80 of them in 1.3 KB instead of
+    repeating each 70-character key; any other set as ``[key, checksum]`` pairs."""
+    fields = {
         "format": _FORMAT, "node": record.node_key.hex(), "parent": record.parent_key.hex(),
         "root": record.root_hash.hex(), "depth": record.depth, "n_layers": record.n_layers,
         "nbytes": record.nbytes, "pairs": record.pairs, "latent_nbytes": record.latent_nbytes,
-        "storage_format": record.storage_format, "digests": [list(d) for d in record.digests],
-    }, sort_keys=True, separators=(",", ":")).encode("utf-8")
+        "storage_format": record.storage_format,
+    }
+    by_key = dict(record.digests)
+    order = _blob_order(record) if record.digests else []
+    if order and set(by_key) == set(order) and all(len(by_key[k]) == 16 for k in order):
+        fields["digest_list"] = "".join(by_key[k] for k in order)
+    else:
+        fields["digests"] = [list(d) for d in record.digests]
+    body = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")
     return _MAGIC + _seal(record.name, body) + b"\n" + body
 
 
@@ -146,11 +166,19 @@ def decode_record(node_key: bytes, data: bytes) -> ChunkRecord:
         d = json.loads(body.decode("utf-8"))
         if d["format"] != _FORMAT:
             raise bad(f"has format {d['format']!r}, this version reads {_FORMAT}")
+        node = bytes.fromhex(d["node"])
+        digests = [tuple(x) for x in d.get("digests", ())]
+        if "digest_list" in d:
+            packed = str(d["digest_list"])
+            order = blob_keys(kv_locator(node), d["n_layers"], pairs=bool(d["pairs"]))
+            if len(packed) != 16 * len(order):
+                raise bad(f"has {len(packed) // 16} checksums for {len(order)} values")
+            digests = [(k, packed[16 * i:16 * i + 16]) for i, k in enumerate(order)]
         rec = ChunkRecord(
-            node_key=bytes.fromhex(d["node"]), parent_key=bytes.fromhex(d["parent"]),
+            node_key=node, parent_key=bytes.fromhex(d["parent"]),
             root_hash=bytes.fromhex(d["root"]), depth=d["depth"], n_layers=d["n_layers"],
             nbytes=d["nbytes"], pairs=bool(d["pairs"]), latent_nbytes=d["latent_nbytes"],
-            storage_format=str(d["storage_format"]), digests=[tuple(x) for x in d["digests"]])
+            storage_format=str(d["storage_format"]), digests=digests)
     except CorruptValueError:
         raise
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
@@ -174,6 +202,9 @@ class RecordStats:
     already_there: int = 0
     publish_errors: int = 0
     retracted: int = 0
+    claims: int = 0  # claims this process took (it computes the chunk)
+    claims_held_elsewhere: int = 0  # claims found held by another process (the caller may wait)
+    claim_errors: int = 0
     probe_seconds: list = attrs.field(factory=list, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
@@ -244,7 +275,14 @@ class ChunkRecords:
 
     def find(self, node_keys: Sequence[bytes]) -> list[Optional[ChunkRecord]]:
         """The record of each key (None: not findable), in one batched, bounded probe. A record
-        that fails its checks is removed (it can never become valid) and reads as None."""
+        that fails its checks is removed (it can never become valid) and reads as None; a probe
+        that fails reads as None for every key."""
+        found = self.probe(node_keys)
+        return [None] * len(node_keys) if found is None else found
+
+    def probe(self, node_keys: Sequence[bytes]) -> Optional[list[Optional[ChunkRecord]]]:
+        """`find`, except that a probe that failed (the medium unreachable, a timeout: counted,
+        logged) is None, not a list of misses: the caller cannot tell which chunks are there."""
         n = len(node_keys)
         if not self.shared or n == 0:
             return [None] * n
@@ -256,7 +294,7 @@ class ChunkRecords:
             with self._lock:
                 self.stats.probe_errors += 1
             log.warning("chunk-record probe of %d keys failed (read as misses): %s", n, exc)
-            return [None] * n
+            return None
         finally:
             dt = time.perf_counter() - t0
             with self._lock:
@@ -296,6 +334,54 @@ class ChunkRecords:
         if counted:
             with self._lock:
                 self.stats.retracted += 1
+
+    # -- claims (see the module docstring) --------------------------------------------------------
+
+    def claim(self, node_key: bytes) -> Optional[ChunkClaim]:
+        """Claim the write of a chunk no record names yet. None when this process holds the
+        claim now (it computes the chunk; `drop_claim` once its record is published), and also
+        when the store is not shared or the claim could not be stored (compute without one);
+        else the claim another process holds (an unreadable one reads as stale)."""
+        if not self.shared:
+            return None
+        name = claim_name(node_key)
+        try:
+            for _ in range(2):  # a holder may release between our put and our read: try once more
+                mine = ChunkClaim.mine()
+                if self._put_new(name, mine.encode()):
+                    with self._lock:
+                        self.stats.claims += 1
+                    return None
+                (data,) = self._get_many([name])
+                if data is not None:
+                    with self._lock:
+                        self.stats.claims_held_elsewhere += 1
+                    return ChunkClaim.decode(data) or ChunkClaim("?", 0, "", 0.0)
+        except Exception as exc:  # noqa: BLE001 - no claim: the caller computes, as without claims
+            with self._lock:
+                self.stats.claim_errors += 1
+            log.warning("could not claim chunk %s: %s", node_key.hex()[:16], exc)
+        return None
+
+    def holder(self, node_key: bytes) -> Optional[ChunkClaim]:
+        """The claim on a chunk (None: none, or it cannot be read now)."""
+        if not self.shared:
+            return None
+        try:
+            (data,) = self._get_many([claim_name(node_key)])
+        except Exception:  # noqa: BLE001 - cannot tell: no claim
+            return None
+        return None if data is None else ChunkClaim.decode(data) or ChunkClaim("?", 0, "", 0.0)
+
+    def drop_claim(self, node_key: bytes) -> None:
+        """Remove the chunk's claim (this process's, once its record is published, or a stale
+        one). Never raises: a claim left behind goes stale."""
+        if not self.shared:
+            return
+        try:
+            self._delete(claim_name(node_key))
+        except Exception as exc:  # noqa: BLE001
+            log.warning("could not remove the claim of chunk %s: %s", node_key.hex()[:16], exc)
 
     def node_keys(self) -> list[bytes]:
         """The key of every chunk with a record (a listing; for reconciling values, not lookups)."""

@@ -60,6 +60,7 @@ __all__ = [
     "GetPlan",
     "PlanClient",
     "PlanClientInfo",
+    "PlanSharedRecords",
     "PlanValueLengths",
     "PlanSegmentPieces",
     "PlanUsage",
@@ -235,6 +236,19 @@ class PlanClientInfo(Protocol):
     def usage(self) -> PlanUsage: ...
 
     def segment_timers(self) -> SegmentTimers: ...
+
+
+@runtime_checkable
+class PlanSharedRecords(Protocol):
+    """Optional capability: a client whose values other processes read too (a Fluxon cluster)
+    offers the chunk records of its store (`cacheseek.kv.records.ChunkRecords`, the shared
+    index), so that a chunk any of them committed is found by its key. A client without it (the
+    embedded client: its segment lives in one process) keeps none."""
+
+    @property
+    def records(self) -> Any:
+        """The store's `ChunkRecords`."""
+        ...
 
 
 @runtime_checkable

@@ -44,6 +44,8 @@ embedded store: `cacheseek.plan.inprocess`)::
         release every holder. The caller's H2D (or memmove) reads straight from the segment:
         the one copy of a read.
     remove(key)            Fluxon remove; a missing key is not an error.
+    records                the cluster's chunk records (`PlanSharedRecords`): the Fluxon client's,
+                           in the service's etcd; the Plan tier publishes and finds chunks there.
     close()                waits (bounded) for commits in flight, releases every view still
                            held (a view read after fluxon-py's close crashes the process), closes
                            the Fluxon client if this Plan client attached it, unmaps staging.
@@ -77,6 +79,7 @@ import attrs
 from cacheseek.errors import ConfigError, PlanError, StoreClosedError
 from cacheseek.fluxon.client import FluxonClient
 from cacheseek.fluxon.config import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
+from cacheseek.kv.records import ChunkRecords
 from cacheseek.plan.base import GetPlan, PutCommitResult, PutPlan, SegmentMapping
 from cacheseek.plan.fluxon_calls import CommitOutcome, fetch_prefix, release_all
 from cacheseek.plan.fluxon_staging import Staging, max_values, resolve_staging_bytes
@@ -211,6 +214,12 @@ class FluxonPublicPlanClient(InProcessPlanClient):
     def fluxon_client(self) -> Any:
         """The underlying `FluxonClient`."""
         return self._client
+
+    # -- capability: PlanSharedRecords ----------------------------------------------------------
+    @property
+    def records(self) -> ChunkRecords:
+        """The cluster's chunk records (`FluxonClient.records`: in the service's etcd)."""
+        return self._client.records
 
     # -- put ------------------------------------------------------------------------------------
     def max_plan_values(self, value_len: int) -> int:

@@ -15,6 +15,9 @@ tensors (any dtype, bf16 included), bytes or str; each is stored as its raw byte
 JSON header (kind, dtype, shape and an xxh3 checksum, `cacheseek.stores.checksum`) in the
 value's metadata field, and read back as a new contiguous CPU tensor (one copy out of the
 segment), verified after that copy: a mismatch reads as a missing value (`KeyValueTier`). Keys ``{locator}:L{i}:k|v`` and ``{hex}:lat``.
+Its chunk records are the client's (`cacheseek.fluxon.records.EtcdRecords`): a chunk committed by
+any worker of the cluster is found by its key, and a value whose checksum is not the one its
+record names (another writer's bytes) is corrupt, read as missing.
 
 Importing this module needs neither fluxon-py nor torch.
 """
@@ -166,10 +169,14 @@ def encode_header(key: str, value: Any) -> tuple[bytes, Any]:
     return checksum.seal(key, head, body), body
 
 
-def _decode(key: str, meta: bytes, view: Any) -> Any:
+def _decode(key: str, meta: bytes, view: Any, expect: Optional[str] = None) -> Any:
     """The value of a sealed header and its payload view, verified after the copy out of the
-    segment; `CorruptValueError` on a missing or wrong checksum or an inconsistent header."""
+    segment; `CorruptValueError` on a missing or wrong checksum, an inconsistent header, or a
+    checksum other than ``expect`` (the one the chunk's record names: another writer's bytes)."""
     sealed = checksum.unseal(key, meta)
+    if expect is not None and sealed.claimed != expect:
+        raise CorruptValueError(key, f"checksum {sealed.claimed} is not the {expect} its chunk's record names "
+                                     "(another writer's bytes)")
     head = sealed.meta
     kind = head.get("kind")
     if kind in ("bytes", "str"):
@@ -199,19 +206,25 @@ def _decode(key: str, meta: bytes, view: Any) -> Any:
 class FluxonValueBackend:
     """`ValueBackend` over a `FluxonClient`: values are tensors, bytes or str."""
 
+    checks_digests = True  # write returns each value's checksum; read checks one (`KeyValueTier`)
+
     def __init__(self, client: Any, *, owns_client: bool = True) -> None:
         self.client = client
         self._owns_client = owns_client
 
-    def write(self, key: str, value: Any) -> None:
+    def write(self, key: str, value: Any) -> str:
+        """Store ``value`` under ``key`` (replacing one that is there); the value's checksum."""
         header, body = encode_header(key, value)
         self.client.put_bytes(key, body, meta=header)
+        return checksum.claimed_digest(header)
 
-    def read(self, key: str) -> Optional[Any]:
+    def read(self, key: str, expect: Optional[str] = None) -> Optional[Any]:
+        """The value, None when missing; `CorruptValueError` when damaged or, with ``expect``,
+        when its checksum is not that one."""
         with self.client.read(key) as view:
             if view is None:
                 return None
-            return _decode(key, view.meta, view)
+            return _decode(key, view.meta, view, expect)
 
     def delete(self, key: str) -> None:
         self.client.remove(key)
@@ -230,10 +243,13 @@ class FluxonTensorTier(KeyValueTier):
 
     Same connection arguments as `FluxonBytesStore`; ``write_back``/``queue_depth`` as in
     `KeyValueTier`; ``client`` shares an attached `FluxonClient` (left open by `close`). The
-    capacity is the service's segment as the client sees it. ``read_parallelism``: values of one
-    restore read at once (`KeyValueTier.get_layers`): a value on another host's owner is pulled
-    over the link on its first read, which waits on Fluxon's transfer rather than on this process,
-    so overlapping reads pays (experiments/shared_index, "Cross-host first read").
+    capacity is the service's segment as the client sees it. ``records``: the cluster's chunk
+    records (`EtcdRecords` in the service's etcd, the client's): every worker attached to the
+    cluster finds the chunks this one committed by their keys; each value's checksum is in its
+    chunk's record and checked on read. ``read_parallelism``: values of one restore read at once
+    (`KeyValueTier.get_layers`): a value on another host's owner is pulled over the link on its
+    first read, which waits on Fluxon's transfer rather than on this process, so overlapping
+    reads pays (experiments/shared_index, "Cross-host first read").
     """
 
     tier = Tier.FLUXON_DRAM
@@ -261,7 +277,8 @@ class FluxonTensorTier(KeyValueTier):
         segment = getattr(client, "segment_bytes", None)
         super().__init__(FluxonValueBackend(client, owns_client=owns), write_back=write_back,
                          queue_depth=queue_depth, name="fluxon", read_parallelism=read_parallelism,
-                         capacity_bytes=segment if isinstance(segment, int) and segment > 0 else None)
+                         capacity_bytes=segment if isinstance(segment, int) and segment > 0 else None,
+                         records=client.records)
 
     def keys(self, prefix: str = "") -> list[str]:
         self._check_open()

@@ -2,8 +2,8 @@
 
 Layout: one file per value, ``{root}/{sha256(key)[:2]}/{escaped key}``. The escape keeps
 ``[A-Za-z0-9_-]`` and writes every other UTF-8 byte as ``%XX``, so it is reversible (`keys`) and
-an escaped name never contains a dot; temporary files (``.{name}.{random}.tmp``) always do, so
-they are never mistaken for values.
+an escaped name never contains a dot; temporary files (``.{name}.w{pid}x{random}.tmp``, named for
+the process writing them) always do, so they are never mistaken for values.
 
 File format: ``MAGIC`` (8 bytes), header length (u32 little-endian), a JSON header, the raw
 payload. The header says the kind (``tensor``, ``bytes``, ``str`` or ``json``: plain data such as a
@@ -15,12 +15,24 @@ included, no numpy dtype needed) and read back as contiguous CPU tensors.
 Writes are atomic: a temp file in the value's folder, ``fsync``, ``os.replace``, ``fsync`` of the
 folder. A reader sees the old value, the new one or none, never a partial file.
 
-Durable commit is the default (``fsync=True``): every value of a blob is on the device before the
-blob's handle is ready, and the forest snapshot names only ready blobs (and is itself fsynced), so
-a snapshot never names a value a power loss can take. ``fsync=False`` is the explicit weaker mode
-(faster on slow disks): after a crash a snapshot may name values that are gone or torn; they read
-as missing or corrupt and the manager invalidates those nodes (data lost, never wrong). A temp file left by a
-killed process is invisible to reads and ``keys()`` and is removed when the root is next opened.
+One root, many processes (issue 31: one worker per GPU): any number of stores, in this process
+or others, open one root at once (each holds a shared ``flock`` on ``{root}/.lock``, never
+written). The root is its own index: after every value of a chunk is written, its *record*
+(`DiskRecords`, ``{node hex}:rec``: the chunk's geometry and each value's checksum) is created
+where none is, by hard-linking a complete temp file: the commit point, last, and the first writer
+wins. Any process finds a chunk by its key in the records (`cacheseek.kv.records`); a read checks
+each value against the record's checksum, so a chunk is never mixed from two writers' bytes.
+``free`` removes the record first, then the values: a process that found the record and reads a
+value already gone gets a miss. No forest snapshot is loaded or saved; a ``forest.json`` in the
+root is never opened.
+
+Durable commit is the default (``fsync=True``): every value of a blob, and then its record, is on
+the device before the blob's handle is ready, so a record never names a value a power loss can
+take. ``fsync=False`` is the explicit weaker mode (faster on slow disks): after a crash a record
+may name values that are gone or torn; they read as missing or corrupt and the manager
+invalidates those nodes (data lost, never wrong). A temp file is invisible to reads and
+``keys()``; one whose writer is gone (its pid, on this host) is removed when the root is next
+opened, never another live process's write in flight.
 
 Reads return None for a missing value. A file that exists but is truncated, fails its checksum
 or is not in this format raises `CorruptValueError` naming the key and the file; `KeyValueTier`
@@ -29,18 +41,14 @@ whole shorter prefix (a poisoned file never outlives the read that found it).
 
 A full disk (``ENOSPC``, ``EDQUOT``) is `StoreFullError`: the tier caps itself at the bytes it
 holds and the manager evicts (`KeyValueTier`). Usage is counted in file bytes (header included)
-at write time and at reopen alike (``stored_nbytes``).
+at write time and at reopen alike (``stored_nbytes``); ``usage()`` is the root's, every process's
+files included (a periodic scan), so the capacity is the cache's, not one process's.
 
-Files that no snapshot names (a previous process's, when this process loaded no snapshot or an
-older one) are garbage: `WorldKVManager.reconcile` removes every value no node of its forest names
-(``keys`` and ``delete_values`` here), so a reopened store does not start full of unreachable
-values. The orchestrator runs it after loading the root's snapshot. ``delete`` unlinks the file, so freeing a blob
-gives its disk space back at once.
-
-One open store owns a root at a time (an ``flock`` on ``{root}/.lock``, released by `close`);
-a second store on the same root, in this process or another, is a `ConfigError` naming
-``store.root``, the holder's pid and the fix. The root also keeps its forest snapshot
-(``snapshot_path``, ``{root}/forest.json``), which `build_stack` loads and saves under that lock.
+Values of a chunk that was never committed (no record names it: a killed writer's half chunk)
+and older than ``orphan_grace_s`` are garbage: `WorldKVManager.reconcile` removes them
+(``orphans`` and ``delete_values`` here), so a reopened root does not fill with unreachable values;
+a younger one may be another process's write in flight and stays. ``delete`` unlinks the file, so
+freeing a blob gives its disk space back at once.
 
 Links and other files nobody here wrote (`cacheseek.stores.root_files`): the root is created
 ``0700`` and must be this user's and writable by nobody else; every file is reached through the
@@ -70,6 +78,7 @@ from typing import Any, Optional
 from cacheseek.errors import ConfigError, CorruptValueError, StoreError, StoreFullError
 from cacheseek.eviction.base import StoreUsage
 from cacheseek.kv.handles import Tier
+from cacheseek.kv.claims import CLAIM_SUFFIX
 from cacheseek.kv.records import RECORD_SUFFIX, ChunkRecords
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum
@@ -88,7 +97,6 @@ _PREFIX = len(MAGIC) + _HLEN.size
 _MAX_NAME = 200  # escaped key length limit; leaves room for the temp-file decoration in 255
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _LOCK_NAME = ".lock"
-SNAPSHOT_NAME = "forest.json"  # the root's forest snapshot (cacheseek.orchestrator)
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _ROOT_FIX = "set store.root to a writable folder, e.g. +store=localdisk store.root=/tmp/kv"
 
@@ -200,12 +208,37 @@ class DiskBackend:
         """Write ``key``'s file atomically (replacing one that is there); the value's checksum."""
         return self._put(key, value, replace=True)[1]
 
-    def write_new(self, key: str, value: Any) -> bool:
-        """Write ``key``'s file unless one is there (the first writer wins); whether it was written."""
-        return self._put(key, value, replace=False)[0]
+    def write_raw_new(self, key: str, data: bytes, *, durable: bool = True) -> bool:
+        """Write ``data`` as ``key``'s whole file unless one is there (the first writer wins: a
+        chunk record, which carries its own seal, or a claim); whether it was written. ``durable``
+        False skips the fsyncs (a chunk claim: a hint no crash must keep)."""
+        return self._put_file(key, (data,), replace=False, durable=durable)
+
+    def read_raw(self, key: str, limit: int = 1 << 20) -> Optional[bytes]:
+        """The bytes of ``key``'s file, written by `write_raw_new` (None: absent). A file that is
+        not a regular one, or larger than ``limit``, is `CorruptValueError`."""
+        shard, name = _place(key)
+        path = self.root / shard / name
+        try:
+            with self.folder.shard(shard) as sfd:
+                fd = None if sfd is None else RootFolder.open_file(sfd, name)
+        except NotRegularError as exc:
+            raise CorruptValueError(key, f"file {path}: {exc}") from None
+        except (OSError, StoreError) as exc:
+            raise StoreError(f"localdisk: cannot read {path}: {exc}") from exc
+        if fd is None:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(limit + 1)
+        if len(data) > limit:
+            raise CorruptValueError(key, f"file {path}: larger than {limit} bytes")
+        return data
 
     def _put(self, key: str, value: Any, *, replace: bool) -> tuple[bool, str]:
         header, body, digest = self._encode(key, value)
+        return self._put_file(key, (header, body), replace=replace), digest
+
+    def _put_file(self, key: str, parts: tuple, *, replace: bool, durable: bool = True) -> bool:
         shard, name = _place(key)
         path = self.root / shard / name
         tmp: Optional[str] = None
@@ -215,9 +248,9 @@ class DiskBackend:
                 try:
                     tmp = temp_name(name)
                     with os.fdopen(RootFolder.create_file(sfd, tmp), "wb") as f:
-                        f.write(header)
-                        f.write(body)
-                        if self.fsync:
+                        for part in parts:
+                            f.write(part)
+                        if self.fsync and durable:
                             f.flush()
                             os.fsync(f.fileno())
                     if replace:
@@ -228,7 +261,7 @@ class DiskBackend:
                             os.link(tmp, name, src_dir_fd=sfd, dst_dir_fd=sfd, follow_symlinks=False)
                         except FileExistsError:
                             stored = False
-                    if self.fsync and stored:
+                    if self.fsync and durable and stored:
                         os.fsync(sfd)
                 finally:
                     if tmp is not None:
@@ -244,7 +277,7 @@ class DiskBackend:
             raise StoreError(f"localdisk: cannot write {path}: {exc}") from exc
         except NotRegularError as exc:
             raise StoreError(f"localdisk: cannot write {path}: {exc}") from exc
-        return stored, digest
+        return stored
 
     def read(self, key: str, expect: Optional[str] = None) -> Optional[Any]:
         shard, name = _place(key)
@@ -332,7 +365,7 @@ class DiskBackend:
         temp files (`RootFolder`). ConfigError naming ``store.root`` on failure, the lock released."""
         self.folder.open()
         try:
-            self.folder.probe(f".probe-{os.getpid()}-{secrets.token_hex(6)}")
+            self.folder.probe(f".probe-{os.getpid()}-{threading.get_ident()}")
             self._lock_fd = self.folder.lock(_LOCK_NAME)
             self.folder.refuse_planted()
             for path in self.folder.sweep(_writer_gone):
@@ -454,8 +487,8 @@ def _place(key: str) -> tuple[str, str]:
 
 
 class DiskRecords(ChunkRecords):
-    """A LocalDisk root's chunk records: one file each, ``{node hex}:rec`` in the value format
-    (its own checksum over its key), created only where none is (a hard link of a complete temp
+    """A LocalDisk root's chunk records: one file each, ``{node hex}:rec``, the record's own bytes
+    (`encode_record`, sealed with its name: no value header around it), created only where none is (a hard link of a complete temp
     file: the first writer wins, a reader never sees half a record). Every process on the root
     sees them; each call is bounded like the root's other file operations."""
 
@@ -467,10 +500,11 @@ class DiskRecords(ChunkRecords):
 
     def _put_new(self, name: str, data: bytes) -> bool:
         disk = self._tier.disk
-        stored = self._tier._io("write", lambda: disk.write_new(name, data), name)
+        durable = not name.endswith(CLAIM_SUFFIX)  # a claim is a hint: no fsync
+        stored = self._tier._io("write", lambda: disk.write_raw_new(name, data, durable=durable), name)
         if stored:
             with self._tier._lock:
-                self._tier._ledger.seed({name: disk.stored_nbytes(name, data)})
+                self._tier._ledger.seed({name: len(data)})
         return stored
 
     def _get_many(self, names: Sequence[str]) -> list[Optional[bytes]]:
@@ -480,7 +514,7 @@ class DiskRecords(ChunkRecords):
             out = []
             for n in names:
                 try:
-                    out.append(disk.read(n))
+                    out.append(disk.read_raw(n))
                 except CorruptValueError as exc:
                     log.warning("localdisk: %s", exc)
                     out.append(b"")  # present but unreadable: the record's checks reject it
@@ -576,10 +610,12 @@ class LocalDiskTierStore(KeyValueTier):
     def orphans(self) -> list[str]:
         """Values of chunks that were never committed (no record names their chunk) and are older
         than ``orphan_grace_s``: a killed writer's half chunk, never another live process's write
-        in flight. `WorldKVManager.reconcile` removes them."""
+        in flight; and chunk claims that old (`cacheseek.kv.claims`: a killed writer's).
+        `WorldKVManager.reconcile` removes them."""
         keys = self.keys(self.orphan_grace_s)
         committed = {k.partition(":")[0] for k in self.keys() if k.endswith(RECORD_SUFFIX)}
-        return [k for k in keys if not k.endswith(RECORD_SUFFIX) and k.partition(":")[0] not in committed]
+        return [k for k in keys if k.endswith(CLAIM_SUFFIX)
+                or (not k.endswith(RECORD_SUFFIX) and k.partition(":")[0] not in committed)]
 
     def usage(self) -> StoreUsage:
         """The root's usage, every process's writes included (the capacity is the cache's): the
@@ -607,7 +643,7 @@ class LocalDiskTierStore(KeyValueTier):
 
     def delete_values(self, keys: list[str]) -> None:
         """Remove these values (idempotent), giving their bytes back; `WorldKVManager.reconcile`
-        uses it for files no snapshot names."""
+        uses it for the values of chunks never committed (`orphans`)."""
         self._check_open()
         for key in keys:
             self._delete(key)

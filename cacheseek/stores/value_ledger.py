@@ -52,7 +52,7 @@ class ValueLedger:
         delta = sum(n for _, n in sizes) - sum(n or 0 for n in old.values())
         used, cap = self.stats.used_bytes, self.stats.capacity_bytes
         if cap is not None and delta > 0 and used + delta > cap and self._lowered:
-            cap = self._reprobe(name)
+            cap = self.reprobe(name)
         if cap is not None and delta > 0 and used + delta > cap:
             self.stats.refused_full += 1
             raise StoreFullError(f"{name} store full: need {delta} more bytes, {used} of {cap} used ({fix})")
@@ -96,9 +96,15 @@ class ValueLedger:
                         "held now); the manager evicts from here on", name, exc,
                         "unbounded" if cap is None else cap, used)
 
-    def _reprobe(self, name: str) -> Optional[int]:
+    @property
+    def lowered(self) -> bool:
+        """The capacity is a full medium's cap (`cap_at_used`), not the configured one."""
+        return self._lowered
+
+    def reprobe(self, name: str) -> Optional[int]:
         """After a full medium's cap: the capacity the medium allows now (held plus free), at
-        most the one before the cap; the cap itself when the medium cannot say or has no room."""
+        most the one before the cap; the cap itself when the medium cannot say or has no room.
+        A write the cap refuses calls it."""
         cap = self.stats.capacity_bytes
         free = self._free_bytes() if self._free_bytes is not None else None
         if not free:

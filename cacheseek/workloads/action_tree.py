@@ -10,7 +10,8 @@ distinct start images give as many namespaces. Deterministic in ``seed``. Shared
 from __future__ import annotations
 
 import random
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from cacheseek.errors import ConfigError
 from cacheseek.runtime.synthetic import SyntheticImage
@@ -47,6 +48,18 @@ class ActionTree:
 
     def actions(self, path: tuple[int, ...]) -> list[list[float]]:
         return [self.choices[d][c] for d, c in enumerate(path)]
+
+    def chosen(self, sessions: Optional[Sequence[int]] = None) -> list[int]:
+        """The session indices a run takes: ``sessions`` (a subset of the plan, in the order
+        given: a worker's share), else every session. `ValueError` on an index outside the plan
+        or given twice (a caller's mistake, not a config one)."""
+        if sessions is None:
+            return list(range(len(self.plan)))
+        out = [int(i) for i in sessions]
+        bad = [i for i in out if not 0 <= i < len(self.plan)]
+        if bad or len(set(out)) != len(out):
+            raise ValueError(f"sessions must be distinct indices in [0, {len(self.plan)}), got {list(sessions)!r}")
+        return out
 
     def distinct_prefixes(self) -> int:
         return len({(img, path[:d + 1]) for img, path in self.plan for d in range(len(path))})

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Optional
 
@@ -54,10 +55,18 @@ class InteractiveWorkload:
 
     cache_chunks_why = "every distinct prefix"
 
-    def run(self, stack: Any) -> dict[str, Any]:
+    def run(self, stack: Any, sessions: Optional[Sequence[int]] = None, *,
+            on_ready: Optional[Callable[[], None]] = None,
+            on_session: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+        """Run the plan's sessions (``sessions``: the indices of a chosen subset, in order; a
+        worker of `tools/workers.py` runs its share this way) and return the results. The cold
+        references of the chosen sessions' paths come first; then ``on_ready()`` is called (the
+        workers wait there for each other, so their live sessions start at once), and
+        ``on_session(row)`` after each live session."""
         tree, factory = self.tree, stack.runtime_factory
-        distinct = sorted(set(tree.plan))
-        progress = bar(len(distinct) + len(tree.plan), "interactive", unit="session")
+        chosen = self.tree.chosen(sessions)
+        distinct = sorted({tree.plan[i] for i in chosen})
+        progress = bar(len(distinct) + len(chosen), "interactive", unit="session")
         progress.set_postfix_str("cold references")
         reference, cold_chunk_s = {}, []
         for key in distinct:
@@ -65,12 +74,15 @@ class InteractiveWorkload:
             reference[key] = hashes
             cold_chunk_s += times[1:]  # chunk 0's time holds the session's creation
             progress.update()
+        if on_ready is not None:
+            on_ready()
         progress.set_postfix_str("live sessions")
         manager = stack.new_manager()
         rows, errors = [], []
         restored_s, computed_s, ttff = [], [], {"restored": [], "computed": []}
         try:
-            for i, (image, path) in enumerate(tree.plan):
+            for i in chosen:
+                image, path = tree.plan[i]
                 binding = stack.new_binding(manager)
                 try:
                     hashes, times = _stream(factory, tree.actions(path), binding, tree.images[image])
@@ -84,13 +96,15 @@ class InteractiveWorkload:
                 if times:
                     ttff["restored" if 0 in restored else "computed"].append(times[0])
                 rows.append({
-                    "name": f"s{i:02d}", "actions": f"i{image}:" + ".".join(map(str, path)),
+                    "name": f"s{i:02d}", "session": i, "actions": f"i{image}:" + ".".join(map(str, path)),
                     "hit_depth": len(restored), "chunks_computed": len(path) - len(restored),
                     "wall_s": sum(times), "bytes_restored": binding.bytes_restored,
                     "bytes_written": binding.bytes_written, "expect": "== cold",
                     "verdict": "ok" if hashes == reference[(image, path)] else "MISMATCH",
                 })
                 binding.close()
+                if on_session is not None:
+                    on_session(rows[-1])
                 progress.update()
         finally:
             progress.close()
@@ -100,7 +114,7 @@ class InteractiveWorkload:
             "sessions": len(rows), "distinct_paths": len(distinct), "depth": len(tree.plan[0][1]),
             "live_hits_by_chunk": m["live_hits_by_chunk"],
             "chunks_restored": sum(r["hit_depth"] for r in rows),
-            "chunks_total": sum(len(p) for _, p in tree.plan),
+            "chunks_total": sum(len(tree.plan[i][1]) for i in chosen),
             "restored_chunk_s": _stats(restored_s), "computed_chunk_s": _stats(computed_s),
             "cold_chunk_s": _stats(cold_chunk_s),
             "ttff_restored_s": _stats(ttff["restored"]), "ttff_computed_s": _stats(ttff["computed"]),

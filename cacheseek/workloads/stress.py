@@ -28,6 +28,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
@@ -88,11 +89,18 @@ class StressWorkload:
         return self.tree.actions(path)
 
     # -- run ------------------------------------------------------------------------------------
-    def run(self, stack: Any) -> dict[str, Any]:
+    def run(self, stack: Any, sessions: Optional[Sequence[int]] = None, *,
+            on_ready: Optional[Callable[[], None]] = None,
+            on_session: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+        """Run the plan's sessions (``sessions``: a chosen subset's indices; a worker of
+        `tools/workers.py` runs its share this way) on the thread pool. The cold references come
+        first, then ``on_ready()`` (the workers wait there for each other); ``on_session(row)``
+        after each session (from the pool's threads, one at a time)."""
         factory = stack.runtime_factory
         capacity = self._bound_capacity(stack)
-        distinct = sorted(set(self.plan))
-        progress = bar(len(distinct) + len(self.plan), "stress", unit="run")
+        chosen = self.tree.chosen(sessions)
+        distinct = sorted({self.plan[i] for i in chosen})
+        progress = bar(len(distinct) + len(chosen), "stress", unit="run")
         progress.set_postfix_str("cold references")
         t0 = time.perf_counter()
         reference = {}
@@ -100,6 +108,8 @@ class StressWorkload:
             reference[key] = factory.make(self.actions(key[1]), hooks=None, image=self.images[key[0]]).generate()
             progress.update()
         reference_s = time.perf_counter() - t0
+        if on_ready is not None:
+            on_ready()
         progress.set_postfix_str("sessions")
 
         manager = stack.new_manager()
@@ -128,19 +138,22 @@ class StressWorkload:
                 hashes = []
             ok = hashes == reference[(image, path)]
             k = binding.last_fast_forward
-            with lock:
-                progress.update()
-            return {
-                "name": f"s{i:02d}", "actions": f"i{image}:" + ".".join(map(str, path)),
+            row = {
+                "name": f"s{i:02d}", "session": i, "actions": f"i{image}:" + ".".join(map(str, path)),
                 "hit_depth": k, "chunks_computed": len(path) - k, "wall_s": time.perf_counter() - t,
                 "bytes_restored": binding.bytes_restored, "bytes_written": binding.bytes_written,
                 "dropped": binding.ingest_errors, "expect": "== cold", "verdict": "ok" if ok else "MISMATCH",
             }
+            with lock:
+                progress.update()
+                if on_session is not None:
+                    on_session(row)
+            return row
 
         t1 = time.perf_counter()
         try:
             with ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="stress") as pool:
-                rows = list(pool.map(session, range(len(self.plan))))
+                rows = list(pool.map(session, chosen))
         finally:
             progress.close()
         stack.offers.flush()

@@ -70,6 +70,7 @@ import benchlib  # noqa: E402  (puts the repository root on sys.path)
 
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager  # noqa: E402
 from cacheseek.reuse.exact_prefix.keys import layer_keys  # noqa: E402
+from cacheseek.kv.records import decode_record, record_name  # noqa: E402
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import (  # noqa: E402
     LingBotWorldKVBinding,
     make_rolling_config,
@@ -162,7 +163,8 @@ def lost_values(mgr: WorldKVManager) -> int:
 
 def sound_prefix(store: Any, nodes: list) -> int:
     """Leading committed chunks every value of which is in ``store`` and passes its checksum
-    (read straight from the disk backend: no side effect): what a restore must reach."""
+    (read straight from the disk backend: no side effect), and whose chunk record (the commit point
+    other processes and the restore's re-check read) is too: what a restore must reach."""
     from cacheseek.errors import CorruptValueError
 
     import stat
@@ -181,6 +183,11 @@ def sound_prefix(store: Any, nodes: list) -> int:
         try:
             if not all(regular(k) for k in keys) or any(store.disk.read(k) is None for k in keys):
                 break
+            if store.records.shared:  # the record, read raw and checked (no side effect)
+                rec = record_name(n.node_key)
+                if not regular(rec):
+                    break
+                decode_record(n.node_key, store.disk.read_raw(rec) or b"")
         except CorruptValueError:
             break
         depth += 1

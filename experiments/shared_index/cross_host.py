@@ -136,10 +136,10 @@ class Worker:
         self.client._store = TimedNative()
         decode = fluxon_bytes._decode
 
-        def timed_decode(key: str, meta: bytes, view: Any) -> Any:
+        def timed_decode(key: str, *args: Any, **kw: Any) -> Any:
             t = time.perf_counter()
             try:
-                return decode(key, meta, view)
+                return decode(key, *args, **kw)
             finally:
                 self._add(key, "decode_s", time.perf_counter() - t)
 

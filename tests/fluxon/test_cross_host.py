@@ -65,23 +65,24 @@ def _put_all(peer, prefix: str, n: int, seed0: int) -> dict[str, str]:
     return expected
 
 
-@pytest.mark.parametrize("store,extra", [
-    ("fluxon_plan", []),
-    ("fluxon", ["runtime.local_attn_size=7", "runtime.sink_size=3", "workload.total_chunks=5",
-                "workload.prefix_chunks=3"]),
-])
-def test_the_gate_across_hosts(cluster, store, extra):
-    """Worker 1 on a runs A (every chunk written); worker 2 on b, its own process, hostname and
-    /dev/shm, loads a's forest snapshot and runs B (all chunks hit, a's frames), C and D."""
-    from workers import check
+@pytest.fixture(scope="module")
+def two_host_workers(cluster):
+    """tools/workers.py's workers at once, two on a and two on b (each its own process; each host
+    its own hostname and /dev/shm), on the one cache: interactive sessions, no snapshot exchanged."""
+    return cluster.workers(["a", "a", "b", "b"], "fluxon_plan", ["namespace.model_fingerprint=hosts-workers",
+                                                                 "workload.sessions=8"], tag="two-hosts")
 
-    extra = [f"namespace.model_fingerprint=hosts-{store}", *extra]
-    first = cluster.worker("a", "first", store, extra)
-    second = cluster.worker("b", "second", store, extra)
-    passed, rows = check(first, second)
-    assert passed, rows
-    b = second["requests"][0]
-    assert b["hit_depth"] == first["total_chunks"] and b["bytes_restored"] > 0 and b["bytes_written"] == 0
+
+def test_workers_on_two_hosts_run_on_one_cache(two_host_workers):
+    out = two_host_workers
+    assert out["passed"], (out["failures"], out["errors"], out["mismatches"])
+    assert sorted((p["worker"], p["host"]) for p in out["processes"]) == [(0, "a"), (1, "a"), (2, "b"), (3, "b")]
+    assert out["all"]["sessions"] == 8 and out["all"]["chunks_restored"] > 0
+
+
+def test_a_worker_on_b_adopts_what_the_worker_on_a_wrote(two_host_workers):
+    adopted = sum(p["metrics"]["index_adopted"] for p in two_host_workers["processes"])
+    assert adopted > 0
 
 
 def test_values_cross_hosts_bit_exact_and_overwrite_and_removal_are_seen(peers):

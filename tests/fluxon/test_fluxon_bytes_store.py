@@ -6,6 +6,7 @@ in the normal suite.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 
@@ -13,14 +14,25 @@ import numpy as np
 import pytest
 import torch
 
-from cacheseek.errors import ConfigError, HandleStateError, StoreClosedError, StoreError, StoreFullError, WriteNotCompleteError
+from cacheseek.errors import (
+    ConfigError,
+    CorruptValueError,
+    HandleStateError,
+    StoreClosedError,
+    StoreError,
+    StoreFullError,
+    WriteNotCompleteError,
+)
 from cacheseek.fluxon.client import FluxonValueTooLargeError, VALUE_FIELD
+from cacheseek.kv.records import ChunkRecord
 from cacheseek.registry import STORES
 from cacheseek.reuse.exact_prefix.keys import layer_keys
 from cacheseek.reuse.exact_prefix.types import BlobHandle, Tier
+from cacheseek.stores.checksum import claimed_digest
 from cacheseek.stores.fluxon_bytes import (
     FluxonBytesStore,
     FluxonTensorTier,
+    FluxonValueBackend,
     _decode,
     encode_header,
 )
@@ -74,8 +86,6 @@ def test_value_codec_round_trips(value):
 
 @pytest.mark.parametrize("where", ["body", "header", "no-checksum", "another-key"])
 def test_value_codec_detects_corruption(where):
-    from cacheseek.errors import CorruptValueError
-
     header, body = encode_header("j" if where == "another-key" else "k", torch.arange(16, dtype=torch.bfloat16))
     body = bytearray(bytes(body))
     if where == "body":
@@ -87,6 +97,16 @@ def test_value_codec_detects_corruption(where):
     with pytest.raises(CorruptValueError) as info:
         _decode("k", header, _FakeView(bytes(body)))
     assert info.value.key == "k"
+
+
+def test_value_checksum_is_returned_and_checked_against_the_record():
+    header, body = encode_header("k", torch.arange(8, dtype=torch.int32))
+    digest = claimed_digest(header)
+    assert _decode("k", header, _FakeView(bytes(body)), digest).tolist() == list(range(8))
+    other, _ = encode_header("k", torch.arange(8, dtype=torch.int32) + 1)  # another writer's bytes
+    with pytest.raises(CorruptValueError, match="is not the .* its chunk's record names"):
+        _decode("k", other, _FakeView(bytes(body)), digest)
+    assert FluxonValueBackend.checks_digests
 
 
 def test_value_codec_rejects_mismatched_header():
@@ -282,7 +302,8 @@ def _same_bits(a, b) -> bool:
 @pytest.mark.parametrize("write_back", [False, True])
 def test_tensor_tier_round_trip_partial_layer_skeleton_free(fluxon_client, key_prefix, write_back):
     tier = FluxonTensorTier(client=fluxon_client, write_back=write_back, queue_depth=2)
-    loc = f"{key_prefix}{'ab' * 32}:kv"
+    node = hashlib.sha256(key_prefix.encode()).digest()  # a chunk's locator names its node key
+    loc = f"{node.hex()}:kv"
     payload = _payload(3)
     ready = []
     h = tier.put_async(loc, [(k.clone(), v.clone()) for k, v in payload], tier=Tier.FLUXON_DRAM,
@@ -290,6 +311,10 @@ def test_tensor_tier_round_trip_partial_layer_skeleton_free(fluxon_client, key_p
     tier.flush()
     assert isinstance(h, BlobHandle) and h.ready and ready == [h] and h.error is None
     assert h.nbytes == sum(k.nbytes + v.nbytes for k, v in payload) and h.n_layers == 3
+    assert sorted(h.digests) == sorted(k for i in range(3) for k in layer_keys(loc, i))  # for the record
+    assert tier.records is fluxon_client.records and tier.records.shared
+    tier.records.publish(ChunkRecord(node_key=node, parent_key=bytes(32), root_hash=bytes(32), depth=0,
+                                     n_layers=3, nbytes=h.nbytes, digests=h.digests))
     for i, (k, v) in enumerate(payload):
         got = tier.get_layer(h, i)
         assert got is not None and _same_bits(got[0], k) and _same_bits(got[1], v)
@@ -304,12 +329,12 @@ def test_tensor_tier_round_trip_partial_layer_skeleton_free(fluxon_client, key_p
     tier.put_skeleton(f"{key_prefix}lat", lat)
     assert _same_bits(tier.get_skeleton(f"{key_prefix}lat"), lat)
     assert tier.get_skeleton(f"{key_prefix}nolat") is None
-    assert set(tier.keys(key_prefix)) == {f"{key_prefix}lat", *layer_keys(loc, 0), layer_keys(loc, 1)[0],
-                                          *layer_keys(loc, 2)}
+    assert tier.keys(key_prefix) == [f"{key_prefix}lat"]
+    assert set(tier.keys(node.hex())) == {*layer_keys(loc, 0), layer_keys(loc, 1)[0], *layer_keys(loc, 2)}
     tier.free(h)
     tier.free(h)  # idempotent
     assert tier.get_layer(h, 0) is None
-    assert tier.keys(key_prefix) == [f"{key_prefix}lat"]
+    assert tier.keys(node.hex()) == [] and tier.records.find([node]) == [None]  # the record went first
     fluxon_client.remove(f"{key_prefix}lat")
     tier.close()
     assert not fluxon_client.closed  # a shared client stays open

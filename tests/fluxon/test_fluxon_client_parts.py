@@ -186,3 +186,119 @@ def test_native_output_goes_to_the_log_not_the_terminal(capfd, caplog):
     out, err = capfd.readouterr()
     assert "banner" not in out and "config" not in err
     assert [r.getMessage() for r in caplog.records] == ["fluxon-py: banner", "fluxon-py: config: x=1"]
+
+
+# -- EtcdRecords without an etcd ------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_etcd_records_refused_at_once_then_not_asked_until_retry_after(caplog):
+    """Nothing listens on the endpoint: the probe fails at once (a miss the caller can tell from
+    an absent record), and the next calls fail without a connection attempt for retry_after_s."""
+    import time
+
+    from cacheseek.fluxon.records import EtcdRecords
+    from cacheseek.kv.records import ChunkRecord
+
+    records = EtcdRecords([f"127.0.0.1:{_free_port()}"], "c1", op_timeout_s=2.0)
+    records.retry_after_s = 0.5
+    assert records.shared and records.key("ab:rec") == b"/cacheseek/records/c1/ab:rec"
+    key = bytes(range(32))
+    t0 = time.monotonic()
+    assert records.probe([key]) is None and records.find([key]) == [None]
+    assert time.monotonic() - t0 < 1.5
+    assert "UNAVAILABLE" in caplog.text and "not sent" in caplog.text  # the second one was not sent
+    rec = ChunkRecord(node_key=key, parent_key=key, root_hash=key, depth=1, n_layers=1, nbytes=1)
+    assert not records.publish(rec) and records.stats.publish_errors == 1
+    records.retract(key)  # never raises
+    assert records.stats.probe_errors == 2 and records.stats.retracted == 0
+    time.sleep(0.6)
+    caplog.clear()
+    assert records.probe([key]) is None and "UNAVAILABLE" in caplog.text  # asked again after the pause
+    records.close()
+    records.close()
+    caplog.clear()
+    assert records.probe([key]) is None and "closed" in caplog.text
+
+
+def test_etcd_records_need_host_port_endpoints():
+    from cacheseek.errors import ConfigError, StoreError
+    from cacheseek.fluxon.records import EtcdRecords
+
+    for bad in ([], ["localhost"], ["http://h:1x"]):
+        with pytest.raises(StoreError, match="host:port"):
+            EtcdRecords(bad, "c1")
+    with pytest.raises(ConfigError, match="op_timeout_s"):
+        EtcdRecords(["127.0.0.1:1"], "c1", op_timeout_s=0)
+
+
+def test_etcd_records_move_to_the_next_endpoint_and_pause_once_every_one_failed(caplog):
+    from cacheseek.fluxon.records import EtcdRecords
+
+    first, second = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+    records = EtcdRecords([first, second], "c1", op_timeout_s=2.0)
+    key = bytes(32)
+    assert records.probe([key]) is None and records.endpoint == second and first in caplog.text
+    caplog.clear()
+    assert records.probe([key]) is None and records.endpoint == first and second in caplog.text  # asked
+    caplog.clear()
+    assert records.probe([key]) is None and "not sent" in caplog.text  # both failed in a row: paused
+    records.close()
+
+
+# -- the records' etcd transactions, encoded by hand ------------------------------------------------
+
+
+def _etcdrpc():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from etcd3 import etcdrpc
+        from etcd3.etcdrpc import kv_pb2
+    return etcdrpc, kv_pb2
+
+
+def test_hand_encoded_transactions_are_the_generated_classes_bytes():
+    from cacheseek.fluxon import etcd_txn
+
+    rpc, _ = _etcdrpc()
+    keys = [b"/cacheseek/records/c/" + bytes([i]) * 70 for i in range(3)] + [b"k" * 300]
+    want = rpc.TxnRequest(success=[rpc.RequestOp(request_range=rpc.RangeRequest(key=k)) for k in keys])
+    assert etcd_txn.gets_request(keys) == want.SerializeToString()
+    value = bytes(range(256)) * 40
+    want = rpc.TxnRequest(
+        compare=[rpc.Compare(key=keys[3], target=rpc.Compare.CREATE, result=rpc.Compare.EQUAL, create_revision=0)],
+        success=[rpc.RequestOp(request_put=rpc.PutRequest(key=keys[3], value=value))])
+    assert etcd_txn.put_new_request(keys[3], value) == want.SerializeToString()
+
+
+def test_hand_decoded_replies_read_what_the_generated_classes_wrote():
+    from cacheseek.fluxon import etcd_txn
+
+    rpc, kv_pb2 = _etcdrpc()
+    header = rpc.ResponseHeader(cluster_id=2**63 + 5, member_id=7, revision=123456, raft_term=3)
+
+    def found(value: bytes):
+        kv = kv_pb2.KeyValue(key=b"k" * 90, value=value, create_revision=99, mod_revision=2**40, version=1, lease=5)
+        return rpc.ResponseOp(response_range=rpc.RangeResponse(header=header, kvs=[kv], count=1))
+
+    absent = rpc.ResponseOp(response_range=rpc.RangeResponse(header=header))
+    reply = rpc.TxnResponse(header=header, succeeded=True,
+                            responses=[found(b"x" * 9000), absent, found(b""), found(b"rec")]).SerializeToString()
+    assert etcd_txn.values_of(reply, 4) == [b"x" * 9000, None, b"", b"rec"]
+    assert etcd_txn.succeeded(reply)
+    assert not etcd_txn.succeeded(rpc.TxnResponse(header=header, succeeded=False).SerializeToString())
+    with pytest.raises(ValueError, match="3 range reads for 4 keys"):
+        etcd_txn.values_of(rpc.TxnResponse(responses=[absent] * 3).SerializeToString(), 4)
+    with pytest.raises(ValueError, match="not a range read"):
+        etcd_txn.values_of(rpc.TxnResponse(responses=[rpc.ResponseOp(response_put=rpc.PutResponse())])
+                           .SerializeToString(), 1)
+    for bad in (reply[:-3], b"\xff" * 12):
+        with pytest.raises(ValueError, match="etcd reply"):
+            etcd_txn.values_of(bad, 4)

@@ -2,8 +2,9 @@
 tier stores over the embedded client, and the store/trie invariants every test checks.
 
 Invariants (`check_invariants`):
-- no orphan value: every value in the store is the latent of some node's skeleton, or a KV value
-  of a node whose blob is ready or still in flight;
+- no orphan value: every value in the store is the latent of some node's skeleton, a KV value
+  of a node whose blob is ready or still in flight, or a value of a chunk whose record the store
+  holds (a record and its chunk's values: the store's own index);
 - no half-published node: every node whose blob is ready has all ``2 * n_layers`` KV values and
   its latent in the store;
 - nothing is referenced (``ref_count == 0``), being freed or invalidated (``state``) once idle.
@@ -16,6 +17,7 @@ from typing import Any, Callable, Optional
 from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
 from cacheseek.reuse.exact_prefix.keys import layer_keys
+from cacheseek.kv.records import RECORD_SUFFIX
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import (
     LingBotWorldKVBinding,
     make_full_kv_config,
@@ -120,7 +122,11 @@ def check_invariants(forest: NamespaceForest, keys: list[str]) -> list[str]:
                 missing.append("latent")
             if missing:
                 problems.append(f"half-published {n!r}: missing {missing}")
-    orphans = sorted(present - allowed)
+    committed = {k.partition(":")[0] for k in present if k.endswith(RECORD_SUFFIX)}
+    for hex_ in committed:  # a chunk record names its chunk's values (the store's own index)
+        if f"{hex_}:lat" not in present or f"{hex_}:kv:L0:k" not in present:
+            problems.append(f"record {hex_[:16]} without its values")
+    orphans = sorted(k for k in present - allowed if k.partition(":")[0] not in committed)
     if orphans:
         problems.append(f"orphan values: {orphans}")
     return problems

@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import os
 import subprocess
 import uuid
@@ -20,7 +21,7 @@ import pytest
 from cacheseek.errors import StoreFullError
 from cacheseek.reuse.exact_prefix import NamespaceForest, load_forest_snapshot, save_forest_snapshot
 from cacheseek.reuse.exact_prefix.types import Tier
-from cacheseek.stores.localdisk import LocalDiskTierStore
+from cacheseek.stores.localdisk import LocalDiskTierStore, encode_key
 
 from prodkit import FULL, ROLLING, acts, check_invariants, cold_hashes, new_manager, run_session
 
@@ -126,43 +127,68 @@ def test_real_enospc_on_a_small_tmpfs(tiny_tmpfs):
         store.close()
 
 
-def test_reopen_removes_what_no_snapshot_names(tmp_path):
-    root, snap = str(tmp_path / "kv"), tmp_path / "forest.json"
+def test_reopen_removes_the_values_of_chunks_never_committed(tmp_path):
+    """Values without a record (a killed writer's half chunk) are removed at reopen once older
+    than ``orphan_grace_s``; every committed chunk stays and is hit."""
+    root = str(tmp_path / "kv")
     store = LocalDiskTierStore(root)
     mgr = new_manager(store, FULL)
     run_session(mgr, FULL, acts(3, variant=1))
-    save_forest_snapshot(mgr.forest, snap)
-    named = set(store.keys())
-    run_session(mgr, FULL, acts(3, variant=2))  # written after the snapshot: unreachable later
-    assert set(store.keys()) > named
+    committed = set(store.keys())
+    run_session(mgr, FULL, acts(3, variant=2))
+    half = sorted(k for k in store.keys() if k.endswith(":rec") and k not in committed)
+    assert len(half) == 3
     store.close()
+    for key in half:  # as if the writer died before its commit points
+        (tmp_path / "kv" / hashlib.sha256(key.encode()).hexdigest()[:2] / encode_key(key)).unlink()
 
-    store = LocalDiskTierStore(root, capacity_bytes=1 << 20)
+    store = LocalDiskTierStore(root, capacity_bytes=1 << 20, orphan_grace_s=0)
     try:
         full = store.usage().used_bytes
-        mgr = new_manager(store, FULL, forest=load_forest_snapshot(snap))
+        mgr = new_manager(store, FULL)
         done = mgr.reconcile()
         assert done["orphans_removed"] == 5 * 3 and done["invalidated"] == 0
-        assert set(store.keys()) == named and store.usage().used_bytes < full
-        assert check_invariants(mgr.forest, store.keys()) == []
+        assert set(store.keys()) == committed and store.usage().used_bytes < full
         b, _, hashes = run_session(mgr, FULL, acts(3, variant=1), ingest=False)
         assert b.last_fast_forward == 3 and hashes == cold_hashes(FULL, acts(3, variant=1))
+        b, _, _ = run_session(mgr, FULL, acts(3, variant=2), ingest=False)
+        assert b.last_fast_forward == 0  # half chunks are never a hit
+        assert check_invariants(mgr.forest, store.keys()) == []
     finally:
         store.close()
 
 
-def test_stack_over_a_reused_root_starts_empty(compose_cfg, tmp_path):
+def test_a_young_value_without_a_record_is_another_writers_and_stays(tmp_path):
+    """Another process may be writing a chunk right now: its values have no record yet. A
+    reopen within ``orphan_grace_s`` removes none of them."""
+    root = str(tmp_path / "kv")
+    store = LocalDiskTierStore(root)
+    run_session(new_manager(store, FULL), FULL, acts(2))
+    records = [k for k in store.keys() if k.endswith(":rec")]
+    for key in records:
+        store.records.retract(bytes.fromhex(key.partition(":")[0]))
+    values = set(store.keys())
+    store.close()
+    store = LocalDiskTierStore(root)  # the default grace: minutes
+    try:
+        assert new_manager(store, FULL).reconcile()["orphans_removed"] == 0
+        assert set(store.keys()) == values
+    finally:
+        store.close()
+
+
+def test_stack_over_a_reused_root_keeps_what_was_committed(compose_cfg, tmp_path):
     from cacheseek.orchestrator import build_stack
 
     root = str(tmp_path / "kv")
     store = LocalDiskTierStore(root)
     run_session(new_manager(store, FULL), FULL, acts(2))
-    assert store.keys()
+    kept = set(store.keys())
     store.close()
     stack = build_stack(compose_cfg("+store=localdisk", f"store.root={root}"), run_dir=tmp_path)
     try:
-        # a fresh forest names nothing: the previous run's files are removed, usage is zero
-        assert stack.store.keys() == [] and stack.store.usage().used_bytes == 0
+        # the records name every committed chunk: nothing is removed, the usage counts it
+        assert set(stack.store.keys()) == kept and stack.store.usage().used_bytes > 0
     finally:
         stack.close()
 
@@ -174,7 +200,8 @@ def test_capacity_comes_back_when_another_tenant_frees_the_disk(tiny_tmpfs):
     filler.write_bytes(b"\0" * (200 << 10))
     store = LocalDiskTierStore(str(tiny_tmpfs / "kv"))
     try:
-        mgr = new_manager(store, FULL)
+        # no eviction: the cap must rise because a write needs it (the manager would keep usage under it)
+        mgr = new_manager(store, FULL, eviction={"enabled": False})
         for i in range(3):
             run_session(mgr, FULL, acts(3, variant=i))
         capped = store.stats.capacity_bytes

@@ -37,7 +37,8 @@ P_Y = P_X[:3] + acts(N, variant=1)[3:]  # shares the first 3 chunks with P_X
 
 @pytest.fixture
 def disk(tmp_path):
-    store = LocalDiskTierStore(str(tmp_path / "kv"))
+    # one process on the root: a value no record names is nobody's write in flight
+    store = LocalDiskTierStore(str(tmp_path / "kv"), orphan_grace_s=0)
     yield store
     store.close()
 

@@ -9,6 +9,8 @@ the root's lock, and a write that lands after its blob was reported failed leave
 
 from __future__ import annotations
 
+import os
+
 import threading
 
 import pytest
@@ -100,6 +102,21 @@ def test_a_stalled_write_is_a_dropped_write_and_leaves_no_file(tmp_path, monkeyp
         store.close()
 
 
+def root_held(root) -> bool:
+    """Whether an open store still holds ``root`` (its shared lock on ``.lock``): an exclusive
+    lock cannot be had while any store holds it."""
+    import fcntl
+
+    fd = os.open(root / ".lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def test_close_waits_for_a_latent_write_before_it_releases_the_root(tmp_path, monkeypatch):
     root = tmp_path / "kv"
     store = LocalDiskTierStore(str(root), fsync=False, op_timeout_s=HANG_S)
@@ -112,12 +129,12 @@ def test_close_waits_for_a_latent_write_before_it_releases_the_root(tmp_path, mo
         assert store.stats.pending_writes == 1  # a latent write is pending like a blob
         with pytest.raises(StoreTimeoutError, match="pending"):
             store.close()
-        with pytest.raises(ConfigError, match="in use"):  # the root is still locked under the write
-            LocalDiskTierStore(str(root))
+        assert root_held(root)  # the store still holds the root under the write
     finally:
         stall.release()
         writer.join(HANG_S)
     store.close()  # the write landed: this close releases the root
+    assert not root_held(root)
     reopened = LocalDiskTierStore(str(root))
     try:
         assert reopened.keys() == ["aa:lat"]
@@ -137,8 +154,7 @@ def test_close_leaves_the_root_locked_under_a_stuck_call(tmp_path, monkeypatch):
         assert store.stats.pending_writes == 0
         with pytest.raises(StoreTimeoutError, match="still running"):
             store.close()
-        with pytest.raises(ConfigError, match="in use"):
-            LocalDiskTierStore(str(root))
+        assert root_held(root)
     finally:
         stall.release()
     store._calls.wait_quiet(HANG_S)

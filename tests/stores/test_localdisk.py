@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,7 @@ def test_registered_with_schema():
         "root": None,
         "write_back": False,
         "queue_depth": 4,
+        "orphan_grace_s": 600.0,
         "fsync": True,
         "capacity_bytes": "auto",
         "op_timeout_s": 30.0,
@@ -125,12 +128,17 @@ def test_failed_probe_write_names_the_field(tmp_path):
     assert info.value.field == "store.root" and "not writable" in str(info.value)
 
 
-def test_root_in_use_by_another_store(store):
-    with pytest.raises(ConfigError) as info:
-        LocalDiskTierStore(str(store.root))
-    assert info.value.field == "store.root" and "in use" in str(info.value)
+def test_two_stores_share_one_root(store):
+    """One root, several processes (each a store): what one commits, the other reads."""
+    other = LocalDiskTierStore(str(store.root))
+    try:
+        k, v = torch.tensor([1.0, 2.0], dtype=torch.bfloat16), torch.tensor([3.0, 4.0], dtype=torch.bfloat16)
+        h = put(store, [(k, v)])
+        assert h.ready and torch.equal(other.get_layer(h, 0)[1], v)
+    finally:
+        other.close()
     store.close()
-    LocalDiskTierStore(str(store.root)).close()  # close releases the root
+    LocalDiskTierStore(str(store.root)).close()
 
 
 @pytest.mark.parametrize("depth", [0, -1, True])
@@ -249,16 +257,28 @@ def test_interrupted_write_leaves_no_value_and_no_temp(store, monkeypatch):
 
 
 def test_temp_file_of_a_killed_write_is_invisible_and_swept(tmp_path):
+    """A temp file names its writer: one whose writer is gone is swept at the next open; one of
+    a live writer (another process's write in flight) stays; one that names no writer (an older
+    version's) is swept once older than ``TEMP_GRACE_S``."""
     s = LocalDiskTierStore(str(tmp_path / "kv"))
     key = layer_keys(LOC, 0)[0]
     path = s.disk.path_of(key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.abc123.tmp"
-    tmp.write_bytes(localdisk.MAGIC + b"half a value")
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead = path.parent / f".{path.name}.w{gone.pid}x0123456789ab.tmp"
+    live = path.parent / f".{path.name}.w1x0123456789ab.tmp"  # pid 1: alive
+    young = path.parent / f".{path.name}.abc123.tmp"
+    old = path.parent / f".{path.name}.def456.tmp"
+    for tmp in (dead, live, young, old):
+        tmp.write_bytes(localdisk.MAGIC + b"half a value")
+    past = time.time() - localdisk.TEMP_GRACE_S - 60
+    os.utime(old, (past, past))
     assert s.keys() == [] and s.get_skeleton(key) is None
     s.close()
     LocalDiskTierStore(str(tmp_path / "kv")).close()
-    assert not tmp.exists()
+    assert not dead.exists() and not old.exists()
+    assert live.exists() and young.exists()
 
 
 def test_real_write_error_surfaces_on_the_handle(tmp_path):

@@ -59,10 +59,13 @@ class SharedIndexConfig:
     """``manager.shared_index``: whether a lookup that runs off the local trie asks the store's
     chunk records for the session's next keys (`SharedIndex`), and how many keys one probe asks
     for (``window``; a live session asks for one a chunk). Off, each process finds only what
-    its own trie holds (the behaviour before the shared index)."""
+    its own trie holds (the behaviour before the shared index). ``wait_s``: how long a live
+    session waits for a chunk another process has claimed (is computing) before computing it
+    itself; 0 claims nothing and never waits."""
 
     enabled: bool = True
     window: int = 8
+    wait_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.enabled, bool):
@@ -71,6 +74,9 @@ class SharedIndexConfig:
         if isinstance(self.window, bool) or not isinstance(self.window, int) or not 1 <= self.window <= 256:
             raise ConfigError("manager.shared_index.window", f"must be an integer in [1, 256], got {self.window!r}",
                               "manager.shared_index.window=8 (the default)")
+        if isinstance(self.wait_s, bool) or not isinstance(self.wait_s, (int, float)) or not 0 <= self.wait_s <= 3600:
+            raise ConfigError("manager.shared_index.wait_s", f"must be a number of seconds in [0, 3600], "
+                              f"got {self.wait_s!r}", "manager.shared_index.wait_s=10 (the default; 0: never wait)")
 
     @classmethod
     def from_conf(cls, node: object) -> "SharedIndexConfig":
@@ -80,4 +86,4 @@ class SharedIndexConfig:
         if node is None:
             return cls()
         get = node.get if hasattr(node, "get") else lambda k, d=None: getattr(node, k, d)
-        return cls(enabled=get("enabled", True), window=get("window", 8))
+        return cls(enabled=get("enabled", True), window=get("window", 8), wait_s=get("wait_s", 10.0))

@@ -37,10 +37,10 @@ __all__ = ["Ingestor"]
 class Ingestor:
     """Writes chunks (see the module docstring); the evictor makes room and bounds the store."""
 
-    def __init__(self, ctx: ManagerContext, evictor: Evictor, index: SharedIndex) -> None:
+    def __init__(self, ctx: ManagerContext, evictor: Evictor, index: Optional[SharedIndex] = None) -> None:
         self.ctx = ctx
         self.evictor = evictor
-        self.index = index
+        self.index = index if index is not None else SharedIndex.off(ctx)
 
     def ingest(
         self,
@@ -57,8 +57,8 @@ class Ingestor:
     ) -> TrieNode:
         ctx = self.ctx
         forest = ctx.forest
-        found = self.index.child(ns, parent, action)
-        if found is not None and found.node_key == node_key:  # another process committed it meanwhile
+        found = self.index.child(ns, parent, action) if self.index.keys_as(parent, action, node_key) else None
+        if found is not None:  # another process committed it meanwhile
             ctx.metrics.add(reingest_kept=1)
             forest.touch(ns)
             return found

@@ -13,7 +13,10 @@ integration's per-chunk seam (`cacheseek.integrations.telefuser`) names each to 
   denoise actor): restore it instead, returning its stored latent, or None.
 
 A chunk is restored when the trie cursor sits at depth ``idx - 1`` with a ready child for its key
-(in the local trie, or found by its key in the store's chunk records: `SharedIndex.child`):
+(in the local trie, or found by its key in the store's chunk records: `SharedIndex.child`; a
+chunk another live process is computing is waited for, bounded, and restored from its record once
+it lands, and a chunk nobody has is claimed while this session computes it:
+`SharedIndex.claim_or_wait`):
 the manager restores that node alone into a `ChunkWindow` (its values into staging first, then
 one publication point: RNG draws, ring append, latent), so a miss or a failure leaves the runtime
 as a cold chunk finds it. A restored chunk's key must be the one it runs with; a chunk restored at
@@ -51,16 +54,26 @@ class LiveChunks:
 
     _restored: set[int]
     _unkeyed_from: Optional[int]
+    _claimed = False  # whether the session asked the shared index to claim a chunk
 
     def _reset_live(self) -> None:
-        """A new session: nothing restored mid-session, every control still to be named."""
+        """A new session: nothing restored mid-session, every control still to be named; the
+        claims a previous session of this binding still holds go."""
+        self._release_claims()
         self._restored = set()
         self._unkeyed_from = None
 
     def _close_live(self) -> None:
-        """The session's end: its live restores' staging buffers go (those no other session holds)."""
+        """The session's end: its live restores' staging buffers go (those no other session
+        holds), and the claims of chunks it did not commit (`SharedIndex.release_claims`)."""
+        self._release_claims()
         if self._restored:
             STAGING.clear()
+
+    def _release_claims(self) -> None:
+        if self._claimed:
+            self._claimed = False
+            self.manager.index.release_claims(self)
 
     def on_control_arrived(self, runtime: Any, idx: int, control: Any) -> None:
         """Chunk ``idx``'s control arrived ahead of the chunk (a service queues it, or builds the
@@ -153,6 +166,9 @@ class LiveChunks:
         except ValueError:  # no key: the chunk is computed, and its ingest says why
             return None
         child = index.child(self._ns, parent, action)  # the local trie's, else the store's record of it
+        if child is None and self.ingest_enabled and index.active:
+            self._claimed = True
+            child = index.claim_or_wait(self._ns, parent, action, self)  # in flight elsewhere: wait for it
         if child is None:
             return None
         k, _ = self.layout.layers(runtime)[0]

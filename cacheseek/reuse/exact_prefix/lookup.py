@@ -33,11 +33,12 @@ class FastForward:
     """The read side's decision loop (see the module docstring). After a hit it runs a demotion
     pass: a promotion by a tiered store may have filled its top tier."""
 
-    def __init__(self, ctx: ManagerContext, restorer: Restorer, demoter: Demoter, index: SharedIndex) -> None:
+    def __init__(self, ctx: ManagerContext, restorer: Restorer, demoter: Demoter,
+                 index: Optional[SharedIndex] = None) -> None:
         self.ctx = ctx
         self.restorer = restorer
         self.demoter = demoter
-        self.index = index
+        self.index = index if index is not None else SharedIndex.off(ctx)
 
     def try_fast_forward(
         self, root_hash: bytes, actions: Sequence[ActionKey], window: RestoreWindow

@@ -7,7 +7,9 @@ so eviction cannot take them; it fetches and copies outside the lock; only then 
 (`release`, in a ``finally``) it drops the references, invalidates what it found gone and frees
 the blobs whose invalidation waited for this, their last reader. A failure publishes nothing.
 On a store shared with other processes, the path's chunk records are read again after the copies
-and before publication (`SharedIndex.gone`): a chunk freed by another process meanwhile is a miss.
+and before publication (`SharedIndex.gone`): a chunk freed by another process meanwhile is a miss
+(invalidated); a re-check that cannot be made (the records unreachable) is a miss that
+invalidates nothing.
 
 Two store paths, chosen by capability:
 
@@ -31,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from typing import Any, Protocol
+from typing import Any, Optional, Protocol
 
 import attrs
 
@@ -88,10 +90,10 @@ NOT_WHOLE = Outcome(False, not_whole=True)
 class Restorer:
     """Restores paths (see the module docstring); the invalidator drops what a restore finds gone."""
 
-    def __init__(self, ctx: ManagerContext, invalidator: Invalidator, index: SharedIndex) -> None:
+    def __init__(self, ctx: ManagerContext, invalidator: Invalidator, index: Optional[SharedIndex] = None) -> None:
         self.ctx = ctx
         self.invalidator = invalidator
-        self.index = index
+        self.index = index if index is not None else SharedIndex.off(ctx)
 
     def window_path(self, node: TrieNode) -> list[TrieNode]:
         """The nodes of ``node``'s path whose KV a restore reads: the config's window depths."""
@@ -148,6 +150,9 @@ class Restorer:
                 missing = self.invalidator.find_missing(path, win, owner_of(exc.key, path, win))
                 return Outcome(False, missing)
             lost = self.index.gone(path)
+            if lost is None:  # the records could not be re-read: not trusted, nothing known gone
+                log.info("restore of depth %d: the chunk records could not be re-checked; a miss", len(path))
+                return Outcome(False)
             if lost:  # another process freed a chunk while this one read it: what was read is not trusted
                 log.info("restore of depth %d: %d chunks were freed by another process while read; a miss",
                          len(path), len(lost))

@@ -1,6 +1,6 @@
 """The Plan tier's side of the Plan client seam: `ClientOptions`, building a client from its
-registry name, and `ClientCalls`, the optional calls it offers, resolved once when the tier is
-built."""
+registry name, `ClientCalls`, the optional calls it offers, and `client_records`, the chunk
+records it offers, both resolved once when the tier is built."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from typing import Any, Callable, Optional, Union
 import attrs
 
 from cacheseek.errors import ConfigError
+from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 from cacheseek.plan.base import PlanClient
 from cacheseek.registry import PLAN_CLIENTS
 
-__all__ = ["ClientCalls", "ClientOptions", "build_client", "client_fields", "given_options", "offered"]
+__all__ = ["ClientCalls", "ClientOptions", "build_client", "client_fields", "client_records", "given_options",
+           "offered"]
 
 
 def client_fields(name: str) -> set[str]:
@@ -57,6 +59,14 @@ def build_client(name: str, given: dict[str, Any], options: Union[ClientOptions,
         raise ConfigError(f"store.client_options.{key}", f"the {name!r} Plan client has no option {key!r}",
                           f"use one of: {', '.join(sorted(accepted))}")
     return PLAN_CLIENTS.get(name)(**kwargs)
+
+
+def client_records(client: Any) -> ChunkRecords:
+    """The chunk records ``client`` offers (`PlanSharedRecords`: a Fluxon cluster's), or
+    `NO_RECORDS` (an embedded client lives in one process). Read by attribute, like `ClientCalls`,
+    so proxies that delegate through ``__getattr__`` keep them."""
+    records = getattr(client, "records", None)
+    return records if isinstance(records, ChunkRecords) else NO_RECORDS
 
 
 def offered(client: Any, call: str) -> Optional[Callable[..., Any]]:

@@ -11,7 +11,11 @@ Lifecycle::
     put_async / put_skeleton / copy_values_from          -> `Writer` (overlapped writes end on
                                                             the `Completion` thread)
     read_path / get_skeleton / get_layer / contains      -> `Reader`
-    usage / free / free_skeleton                         -> `SegmentCapacity`
+    usage / free / free_skeleton                         -> `SegmentCapacity` (free retracts
+                                                            the chunk's record first)
+    records                                              the client's chunk records
+                                                            (`client_records`: a Fluxon
+                                                            cluster's; none for the embedded one)
     ready / wait_ready / session_starting                -> `Warmup`, `SessionStarts`
     stats                                                -> `PlanTierStats` (`Counters`)
     flush()   every pending write ended (bounded)
@@ -35,15 +39,22 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
-from cacheseek.errors import ConfigError, StoreClosedError, StoreTimeoutError
+from cacheseek.errors import ConfigError, StoreClosedError, StoreTimeoutError, WriteNotCompleteError
 from cacheseek.kv.handles import BlobHandle, ChunkNode, Tier
+from cacheseek.kv.locators import node_key_of
 from cacheseek.kv.payload import LayerPayload, RestoreTarget
 from cacheseek.plan.base import PlanClient
 from cacheseek.registry import STORES
 from cacheseek.sizes import AUTO, Size, available_memory, free_bytes, parse_size
 from cacheseek.sizing import UNFITTED, SizeField
 from cacheseek.stores.plan_tier.capacity import SegmentCapacity, StagingSlots
-from cacheseek.stores.plan_tier.client import ClientOptions, build_client, client_fields, given_options
+from cacheseek.stores.plan_tier.client import (
+    ClientOptions,
+    build_client,
+    client_fields,
+    client_records,
+    given_options,
+)
 from cacheseek.stores.plan_tier.completion import Completion
 from cacheseek.stores.plan_tier.segment_registration import TransferLink
 from cacheseek.stores.plan_tier.read import Reader
@@ -165,6 +176,7 @@ class PlanTierStore:
         else:
             self._owns_client = False
         self._client: PlanClient = plan_client
+        self.records = client_records(plan_client)
         self._counters = Counters()
         self._latent_sizes: dict[str, int] = {}
         self._link = TransferLink(plan_client, transfer, transfer_kind=transfer_kind, device=device,
@@ -392,11 +404,16 @@ class PlanTierStore:
         return None if self._closed or not self._warmup.ready else self._capacity.usage()
 
     def free(self, handle: BlobHandle) -> None:
-        """Remove every K/V value of the blob (idempotent); the latent stays. Refuses a blob
-        whose write is still in flight (`WriteNotCompleteError`). Raises `PlanError` if any
-        removal fails (the caller keeps the blob)."""
+        """Remove every K/V value of the blob (idempotent); the latent stays. The chunk's
+        record goes first (`records`: no other process finds it from then on), then its values.
+        Refuses a blob whose write is still in flight (`WriteNotCompleteError`). Raises
+        `PlanError` if any removal fails (the caller keeps the blob)."""
         self._check_open()
-        if self._warmup.ready:  # nothing was written before
+        if self._warmup.ready:  # nothing was written before (and a miss while warming is no loss)
+            if handle.in_flight:
+                raise WriteNotCompleteError(f"{handle.locator}: write still in flight; cannot free")
+            if self.records.shared:
+                self.records.retract(node_key_of(handle.locator))
             self._capacity.free(handle)
 
     def free_skeleton(self, locator: str) -> None:

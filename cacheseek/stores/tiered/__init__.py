@@ -57,6 +57,7 @@ from cacheseek.stores.tiered.levels import (
     shared_transfer,
     storage_format,
 )
+from cacheseek.stores.tiered.records import TieredRecords
 from cacheseek.stores.tiered.residency import Residency, TieredHandle
 from cacheseek.stores.tiered.stats import TieredStats, TierUsage, tier_usages, tiered_stats
 
@@ -105,6 +106,8 @@ class TieredStore:
         built = list(stores) if stores is not None else build_stores(list(tiers), levels, transfer)
         self._levels = make_levels(built)
         self._book = Residency(self._levels)
+        self.records = TieredRecords(self._levels[-1].store_records, self._shared_copy)
+        self._book.on_shared_copy = self.records.copy_ready
         self.storage_format = storage_format(self._levels)
         log.info("tiered store: %s (write-through %s, promote %s)",
                  " > ".join(lv.name for lv in self._levels), self.write_through, self.promote)
@@ -154,6 +157,13 @@ class TieredStore:
         return ok
 
     # -- residency ------------------------------------------------------------------------------
+    def _shared_copy(self, locator: str) -> Optional[BlobHandle]:
+        """The last level's ready handle of the blob at ``locator`` (None: not there, or not ready)."""
+        with self._book.lock:
+            rec = self._book.blobs.get(locator)
+            h = rec.at.get(len(self._levels) - 1) if rec is not None else None
+            return h if h is not None and h.ready else None
+
     def levels_of(self, handle: BlobHandle) -> tuple[int, ...]:
         """The levels holding a ready copy of ``handle``'s blob, nearest first."""
         return self._book.levels_of(handle)

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from cacheseek.errors import ConfigError
 from cacheseek.kv.handles import Tier
+from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 from cacheseek.registry import STORES, instantiate
 
 __all__ = ["Level", "LevelCalls", "tier_of", "is_path_store", "build_stores", "make_levels", "storage_format",
@@ -65,6 +66,7 @@ class Level:
     path: bool  # restores into the ring itself (read_path) and takes device views on write
     calls: LevelCalls = attrs.field(factory=LevelCalls)
     counters: dict = attrs.field(factory=dict)
+    store_records: ChunkRecords = NO_RECORDS  # the level store's chunk records (the last level's are shared)
 
 
 def is_path_store(store: Any) -> bool:
@@ -103,7 +105,8 @@ def make_levels(built: Sequence[tuple[str, Any]]) -> list[Level]:
     """The levels of built ``(name, store)`` pairs, fastest first; none is a `ConfigError`."""
     if not built:
         raise ConfigError("store.tiers", "is empty", "list at least one store, e.g. [hbm,fluxon_plan]")
-    return [Level(i, name, tier_of(name, store), store, is_path_store(store), LevelCalls.of(store))
+    return [Level(i, name, tier_of(name, store), store, is_path_store(store), LevelCalls.of(store),
+                  store_records=getattr(store, "records", None) or NO_RECORDS)
             for i, (name, store) in enumerate(built)]
 
 

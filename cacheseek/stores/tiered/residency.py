@@ -74,6 +74,8 @@ class Residency:
         self.probed: dict[str, set] = {}  # latents this store did not write
         self.pending: dict[int, Copies] = {}
         self.counters: dict[str, Any] = {}
+        # the last level's copy of a blob turned ready (the tier other processes share): `TieredRecords`
+        self.on_shared_copy: Callable[[BlobHandle], None] = lambda handle: None
 
     def count(self, level: Optional[int] = None, **deltas: Any) -> None:
         with self.lock:
@@ -134,6 +136,8 @@ class Residency:
             if handle.in_flight:
                 self.pending[id(rec)] = rec
             self.refresh(rec)
+        if handle.ready and level == len(self.levels) - 1:
+            self.on_shared_copy(handle)
 
     def drop(self, rec: Copies, level: int) -> None:
         """``level`` no longer holds the blob."""
@@ -178,6 +182,8 @@ class Residency:
                 notify = rec.on_ready
         if notify is not None:
             notify(rec.outer)
+        if h is not None and level == len(self.levels) - 1:
+            self.on_shared_copy(h)
 
     def ready_counts(self) -> list[int]:
         """The number of ready copies each level holds."""
