@@ -30,7 +30,7 @@ from typing import Optional
 
 import attrs
 
-__all__ = ["ChunkClaim", "CLAIM_SUFFIX", "claim_name", "this_host"]
+__all__ = ["ChunkClaim", "CLAIM_SUFFIX", "claim_name", "this_host", "process_alive"]
 
 CLAIM_SUFFIX = ":claim"
 _HOST = socket.gethostname()
@@ -45,7 +45,8 @@ def this_host() -> str:
     return _HOST
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs on this host (another user's counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -88,4 +89,4 @@ class ChunkClaim:
         age = (time.time() if now is None else now) - self.created
         if age > lease_s:
             return True
-        return self.host == _HOST and self.pid != os.getpid() and not _alive(self.pid)
+        return self.host == _HOST and self.pid != os.getpid() and not process_alive(self.pid)

@@ -77,6 +77,7 @@ from typing import Any, Optional
 
 from cacheseek.errors import ConfigError, CorruptValueError, StoreError, StoreFullError
 from cacheseek.eviction.base import StoreUsage
+from cacheseek.kv.claims import process_alive
 from cacheseek.kv.handles import Tier
 from cacheseek.kv.claims import CLAIM_SUFFIX
 from cacheseek.kv.records import RECORD_SUFFIX, ChunkRecords
@@ -151,15 +152,7 @@ def _writer_gone(name: str, age_s: float) -> bool:
     if w is None:
         return age_s > TEMP_GRACE_S
     pid = int(w.group(1))
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's live process
-        return False
-    return False
+    return pid != os.getpid() and not process_alive(pid)
 
 
 def _tensor_bytes(t: Any) -> memoryview:
@@ -217,15 +210,7 @@ class DiskBackend:
     def read_raw(self, key: str, limit: int = 1 << 20) -> Optional[bytes]:
         """The bytes of ``key``'s file, written by `write_raw_new` (None: absent). A file that is
         not a regular one, or larger than ``limit``, is `CorruptValueError`."""
-        shard, name = _place(key)
-        path = self.root / shard / name
-        try:
-            with self.folder.shard(shard) as sfd:
-                fd = None if sfd is None else RootFolder.open_file(sfd, name)
-        except NotRegularError as exc:
-            raise CorruptValueError(key, f"file {path}: {exc}") from None
-        except (OSError, StoreError) as exc:
-            raise StoreError(f"localdisk: cannot read {path}: {exc}") from exc
+        fd, path = self._open(key)
         if fd is None:
             return None
         with os.fdopen(fd, "rb") as f:
@@ -279,16 +264,21 @@ class DiskBackend:
             raise StoreError(f"localdisk: cannot write {path}: {exc}") from exc
         return stored
 
-    def read(self, key: str, expect: Optional[str] = None) -> Optional[Any]:
+    def _open(self, key: str) -> tuple[Optional[int], Path]:
+        """A read descriptor of ``key``'s file (None: absent) and its path; a link, FIFO or
+        folder in its place is `CorruptValueError`, never followed or waited on."""
         shard, name = _place(key)
         path = self.root / shard / name
         try:
             with self.folder.shard(shard) as sfd:
-                fd = None if sfd is None else RootFolder.open_file(sfd, name)
+                return (None if sfd is None else RootFolder.open_file(sfd, name)), path
         except NotRegularError as exc:
             raise CorruptValueError(key, f"file {path}: {exc}") from None
         except (OSError, StoreError) as exc:
             raise StoreError(f"localdisk: cannot read {path}: {exc}") from exc
+
+    def read(self, key: str, expect: Optional[str] = None) -> Optional[Any]:
+        fd, path = self._open(key)
         if fd is None:
             return None
         with os.fdopen(fd, "rb") as f:
