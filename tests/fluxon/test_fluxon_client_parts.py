@@ -197,6 +197,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.fluxon_py  # grpc and etcd3 come with fluxon-py
 def test_etcd_records_refused_at_once_then_not_asked_until_retry_after(caplog):
     """Nothing listens on the endpoint: the probe fails at once (a miss the caller can tell from
     an absent record), and the next calls fail without a connection attempt for retry_after_s."""
@@ -226,6 +227,7 @@ def test_etcd_records_refused_at_once_then_not_asked_until_retry_after(caplog):
     assert records.probe([key]) is None and "closed" in caplog.text
 
 
+@pytest.mark.fluxon_py  # grpc and etcd3 come with fluxon-py
 def test_etcd_records_need_host_port_endpoints():
     from cacheseek.errors import ConfigError, StoreError
     from cacheseek.fluxon.records import EtcdRecords
@@ -237,6 +239,7 @@ def test_etcd_records_need_host_port_endpoints():
         EtcdRecords(["127.0.0.1:1"], "c1", op_timeout_s=0)
 
 
+@pytest.mark.fluxon_py  # grpc and etcd3 come with fluxon-py
 def test_etcd_records_move_to_the_next_endpoint_and_pause_once_every_one_failed(caplog):
     from cacheseek.fluxon.records import EtcdRecords
 
@@ -264,6 +267,7 @@ def _etcdrpc():
     return etcdrpc, kv_pb2
 
 
+@pytest.mark.fluxon_py  # grpc and etcd3 come with fluxon-py
 def test_hand_encoded_transactions_are_the_generated_classes_bytes():
     from cacheseek.fluxon import etcd_txn
 
@@ -278,6 +282,7 @@ def test_hand_encoded_transactions_are_the_generated_classes_bytes():
     assert etcd_txn.put_new_request(keys[3], value) == want.SerializeToString()
 
 
+@pytest.mark.fluxon_py  # grpc and etcd3 come with fluxon-py
 def test_hand_decoded_replies_read_what_the_generated_classes_wrote():
     from cacheseek.fluxon import etcd_txn
 
