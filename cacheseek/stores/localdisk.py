@@ -60,99 +60,49 @@ is not counted in usage); only value and temp names this store writes are ever r
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import logging
 import math
 import os
 import struct
-import re
-import secrets
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 from cacheseek.errors import ConfigError, CorruptValueError, StoreError, StoreFullError
 from cacheseek.eviction.base import StoreUsage
-from cacheseek.kv.claims import process_alive
 from cacheseek.kv.handles import Tier
 from cacheseek.kv.claims import CLAIM_SUFFIX
-from cacheseek.kv.records import RECORD_SUFFIX, ChunkRecords
+from cacheseek.kv.records import RECORD_SUFFIX
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum
 from cacheseek.stores.root_files import NotRegularError, RootFolder
 from cacheseek.sizes import AUTO, Size, free_bytes
 from cacheseek.sizing import SizeField
+from cacheseek.stores.disk_names import (
+    TEMP_GRACE_S,
+    decode_key,
+    encode_key,
+    is_value_name,
+    place,
+    temp_name,
+    writer_gone,
+)
+from cacheseek.stores.disk_records import DiskRecords
 from cacheseek.stores.kv_tier import KeyValueTier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalDiskTierStore", "DiskBackend", "encode_key", "decode_key"]
+__all__ = ["LocalDiskTierStore", "DiskBackend", "encode_key", "decode_key", "TEMP_GRACE_S"]
 
 MAGIC = b"CSKVAL03"  # 03: the header's xxh3 checksum covers the value's key (cacheseek.stores.checksum)
 _HLEN = struct.Struct("<I")
 _PREFIX = len(MAGIC) + _HLEN.size
-_MAX_NAME = 200  # escaped key length limit; leaves room for the temp-file decoration in 255
-_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
 _LOCK_NAME = ".lock"
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 _ROOT_FIX = "set store.root to a writable folder, e.g. +store=localdisk store.root=/tmp/kv"
-
-
-def encode_key(key: str) -> str:
-    """The file name of ``key``: safe bytes kept, every other UTF-8 byte as ``%XX``."""
-    if not isinstance(key, str) or not key:
-        raise ValueError(f"store keys must be non-empty strings, got {key!r}")
-    name = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in key.encode("utf-8"))
-    if len(name) > _MAX_NAME:
-        raise ValueError(f"store key too long for a file name ({len(name)} > {_MAX_NAME}): {key!r}")
-    return name
-
-
-def decode_key(name: str) -> str:
-    """Inverse of `encode_key`."""
-    out = bytearray()
-    i = 0
-    while i < len(name):
-        if name[i] == "%":
-            out.append(int(name[i + 1 : i + 3], 16))
-            i += 3
-        else:
-            out.append(ord(name[i]))
-            i += 1
-    return out.decode("utf-8")
-
-
-def _is_value_name(name: str) -> bool:
-    return "." not in name
-
-
-# .{value}.{token}.tmp; the token of this version is w{pid}x{random} (its writer's process)
-_TEMP_NAME = re.compile(r"\A\.[A-Za-z0-9_%-]+\.([A-Za-z0-9_]{6,32})\.tmp\Z")
-_WRITER = re.compile(r"\Aw(\d{1,10})x[0-9a-f]{8,16}\Z")
-TEMP_GRACE_S = 3600.0  # a temp file whose writer cannot be told from its name is kept this long
-
-
-def temp_name(name: str) -> str:
-    """The temp file a write of value file ``name`` goes through, named for this process."""
-    return f".{name}.w{os.getpid()}x{secrets.token_hex(6)}.tmp"
-
-
-def _writer_gone(name: str, age_s: float) -> bool:
-    """Whether the temp file ``name`` is an interrupted write: its writer (named in it) is no
-    longer running on this host, or, for a name without a writer, older than `TEMP_GRACE_S`.
-    Never another live process's write in flight."""
-    m = _TEMP_NAME.match(name)
-    if m is None:
-        return False
-    w = _WRITER.match(m.group(1))
-    if w is None:
-        return age_s > TEMP_GRACE_S
-    pid = int(w.group(1))
-    return pid != os.getpid() and not process_alive(pid)
 
 
 def _tensor_bytes(t: Any) -> memoryview:
@@ -183,7 +133,7 @@ class DiskBackend:
 
     def path_of(self, key: str) -> Path:
         """Where ``key``'s file is (for messages and tests; every access goes through `RootFolder`)."""
-        shard, name = _place(key)
+        shard, name = place(key)
         return self.root / shard / name
 
     def _stored(self) -> list[tuple[str, int]]:
@@ -192,7 +142,7 @@ class DiskBackend:
         for shard in self.folder.shard_names():
             with self.folder.shard(shard) as fd:
                 if fd is not None:
-                    out.extend((decode_key(n), size) for n, size in self.folder.files(fd) if _is_value_name(n))
+                    out.extend((decode_key(n), size) for n, size in self.folder.files(fd) if is_value_name(n))
         return out
 
     # -- ValueBackend -------------------------------------------------------------------------
@@ -224,7 +174,7 @@ class DiskBackend:
         return self._put_file(key, (header, body), replace=replace), digest
 
     def _put_file(self, key: str, parts: tuple, *, replace: bool, durable: bool = True) -> bool:
-        shard, name = _place(key)
+        shard, name = place(key)
         path = self.root / shard / name
         tmp: Optional[str] = None
         stored = True
@@ -267,7 +217,7 @@ class DiskBackend:
     def _open(self, key: str) -> tuple[Optional[int], Path]:
         """A read descriptor of ``key``'s file (None: absent) and its path; a link, FIFO or
         folder in its place is `CorruptValueError`, never followed or waited on."""
-        shard, name = _place(key)
+        shard, name = place(key)
         path = self.root / shard / name
         try:
             with self.folder.shard(shard) as sfd:
@@ -293,7 +243,7 @@ class DiskBackend:
 
     def delete(self, key: str) -> None:
         """Remove ``key``'s file (or a link or FIFO in its place; a folder there is left alone)."""
-        shard, name = _place(key)
+        shard, name = place(key)
         try:
             with self.folder.shard(shard) as sfd:
                 if sfd is not None:
@@ -313,11 +263,11 @@ class DiskBackend:
             with self.folder.shard(shard) as fd:
                 if fd is not None:
                     out.extend(decode_key(n) for n, _, mtime in self.folder.files_aged(fd)
-                               if _is_value_name(n) and mtime <= cutoff)
+                               if is_value_name(n) and mtime <= cutoff)
         return sorted(out)
 
     def exists(self, key: str) -> bool:
-        shard, name = _place(key)
+        shard, name = place(key)
         try:
             with self.folder.shard(shard) as sfd:
                 return sfd is not None and RootFolder.is_regular(sfd, name)
@@ -358,7 +308,7 @@ class DiskBackend:
             self.folder.probe(f".probe-{os.getpid()}-{threading.get_ident()}")
             self._lock_fd = self.folder.lock(_LOCK_NAME)
             self.folder.refuse_planted()
-            for path in self.folder.sweep(_writer_gone):
+            for path in self.folder.sweep(writer_gone):
                 log.warning("localdisk: removed the temp file of an interrupted write: %s", path)
         except ConfigError:
             self.close()
@@ -469,56 +419,6 @@ class DiskBackend:
 def _is_tensor(value: Any) -> bool:
     torch = sys.modules.get("torch")  # no torch imported: cannot be a tensor
     return torch is not None and isinstance(value, torch.Tensor)
-
-
-def _place(key: str) -> tuple[str, str]:
-    """``(shard folder, file name)`` of ``key``."""
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:2], encode_key(key)
-
-
-class DiskRecords(ChunkRecords):
-    """A LocalDisk root's chunk records: one file each, ``{node hex}:rec``, the record's own bytes
-    (`encode_record`, sealed with its name: no value header around it), created only where none is (a hard link of a complete temp
-    file: the first writer wins, a reader never sees half a record). Every process on the root
-    sees them; each call is bounded like the root's other file operations."""
-
-    shared = True
-
-    def __init__(self, tier: "LocalDiskTierStore") -> None:
-        super().__init__()
-        self._tier = tier
-
-    def _put_new(self, name: str, data: bytes) -> bool:
-        disk = self._tier.disk
-        durable = not name.endswith(CLAIM_SUFFIX)  # a claim is a hint: no fsync
-        stored = self._tier._io("write", lambda: disk.write_raw_new(name, data, durable=durable), name)
-        if stored:
-            with self._tier._lock:
-                self._tier._ledger.seed({name: len(data)})
-        return stored
-
-    def _get_many(self, names: Sequence[str]) -> list[Optional[bytes]]:
-        disk = self._tier.disk
-
-        def read_all() -> list[Optional[bytes]]:
-            out = []
-            for n in names:
-                try:
-                    out.append(disk.read_raw(n))
-                except CorruptValueError as exc:
-                    log.warning("localdisk: %s", exc)
-                    out.append(b"")  # present but unreadable: the record's checks reject it
-            return out
-
-        return self._tier._io("read", read_all)
-
-    def _delete(self, name: str) -> None:
-        self._tier._delete(name)
-        with self._tier._lock:
-            self._tier._forget(name)
-
-    def _names(self) -> list[str]:
-        return [k for k in self._tier._io("scan", self._tier.disk.keys) if k.endswith(RECORD_SUFFIX)]
 
 
 @STORES.register("localdisk")

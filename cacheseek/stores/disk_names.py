@@ -1,0 +1,79 @@
+"""The file names of a LocalDisk root: a value's shard and escaped name, and the temp files of
+writes in flight (named for their writer, so a sweep removes only a gone writer's).
+
+``{root}/{sha256(key)[:2]}/{escaped key}``: the escape keeps ``[A-Za-z0-9_-]`` and writes every
+other UTF-8 byte as ``%XX``, so it is reversible and an escaped name never contains a dot; a temp
+file (``.{name}.w{pid}x{random}.tmp``) always does, so it is never mistaken for a value.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import secrets
+
+from cacheseek.kv.claims import process_alive
+
+__all__ = ["encode_key", "decode_key", "is_value_name", "place", "temp_name", "writer_gone", "TEMP_GRACE_S"]
+
+_MAX_NAME = 200  # escaped key length limit; leaves room for the temp-file decoration in 255
+_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
+
+
+def encode_key(key: str) -> str:
+    """The file name of ``key``: safe bytes kept, every other UTF-8 byte as ``%XX``."""
+    if not isinstance(key, str) or not key:
+        raise ValueError(f"store keys must be non-empty strings, got {key!r}")
+    name = "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in key.encode("utf-8"))
+    if len(name) > _MAX_NAME:
+        raise ValueError(f"store key too long for a file name ({len(name)} > {_MAX_NAME}): {key!r}")
+    return name
+
+
+def decode_key(name: str) -> str:
+    """Inverse of `encode_key`."""
+    out = bytearray()
+    i = 0
+    while i < len(name):
+        if name[i] == "%":
+            out.append(int(name[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            out.append(ord(name[i]))
+            i += 1
+    return out.decode("utf-8")
+
+
+def is_value_name(name: str) -> bool:
+    return "." not in name
+
+
+# .{value}.{token}.tmp; the token of this version is w{pid}x{random} (its writer's process)
+_TEMP_NAME = re.compile(r"\A\.[A-Za-z0-9_%-]+\.([A-Za-z0-9_]{6,32})\.tmp\Z")
+_WRITER = re.compile(r"\Aw(\d{1,10})x[0-9a-f]{8,16}\Z")
+TEMP_GRACE_S = 3600.0  # a temp file whose writer cannot be told from its name is kept this long
+
+
+def temp_name(name: str) -> str:
+    """The temp file a write of value file ``name`` goes through, named for this process."""
+    return f".{name}.w{os.getpid()}x{secrets.token_hex(6)}.tmp"
+
+
+def writer_gone(name: str, age_s: float) -> bool:
+    """Whether the temp file ``name`` is an interrupted write: its writer (named in it) is no
+    longer running on this host, or, for a name without a writer, older than `TEMP_GRACE_S`.
+    Never another live process's write in flight."""
+    m = _TEMP_NAME.match(name)
+    if m is None:
+        return False
+    w = _WRITER.match(m.group(1))
+    if w is None:
+        return age_s > TEMP_GRACE_S
+    pid = int(w.group(1))
+    return pid != os.getpid() and not process_alive(pid)
+
+
+def place(key: str) -> tuple[str, str]:
+    """``(shard folder, file name)`` of ``key``."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:2], encode_key(key)
