@@ -183,7 +183,13 @@ PLAN_CLIENTS: Registry[type] = Registry("plan_client", {
 }, default="embedded", configured=True)
 EVICTION_POLICIES: Registry[type] = Registry("eviction", {"lru": "cacheseek.eviction.lru:LruPolicy"}, default="lru",
                                               configured=True)
-REGISTRIES = (STORES, TRANSFERS, LAYOUTS, RUNTIMES, WORKLOADS, PLAN_CLIENTS, EVICTION_POLICIES)
+CODECS: Registry[type] = Registry("codec", {
+    "none": "cacheseek.codecs.base:NoneCodec",
+    "lossless": "cacheseek.codecs.lossless:ExponentSplitCodec",
+    "int8": "cacheseek.codecs.kivi:Int8Codec",
+    "int4": "cacheseek.codecs.kivi:Int4Codec",
+}, default="none")  # store.codec: how a generic tier encodes K and V (cacheseek.codecs)
+REGISTRIES = (STORES, TRANSFERS, LAYOUTS, RUNTIMES, WORKLOADS, PLAN_CLIENTS, EVICTION_POLICIES, CODECS)
 
 
 def import_backends() -> None:

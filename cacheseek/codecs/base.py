@@ -1,0 +1,91 @@
+"""`KVCodec`: how a generic tier encodes one K or V value (``store.codec``).
+
+A codec is a class in the `CODECS` registry (``none``, ``lossless``, ``int8``, ``int4``) with
+``encode(value, role) -> uint8 tensor`` (role ``"k"`` or ``"v"``: KIVI quantizes K per channel and V
+per token) and ``decode(key, encoded, device) -> tensor``. Both are torch ops on the value's (or
+the given) device, so the same code is the CPU reference CI runs and the CUDA path on a GPU.
+
+Where it sits: `KeyValueTier` encodes each K and V before the backend stores it and decodes after
+the backend read it (latents and non-pair layers are never encoded). So a backend's checksum
+(LocalDisk, Fluxon) covers the *encoded* bytes: it is checked as the bytes come off the medium,
+before any decode, at no extra pass over the larger decoded value; a damaged encoded value is a
+`CorruptValueError` and so a miss. The decoder trusts nothing either (`cacheseek.codecs.container`):
+a value written under another codec, or one whose sections do not add up, is a miss, never KV.
+
+The codec is part of the namespace fingerprint (field ``codec``: ``fingerprint``, name and format
+version): chunks written under one codec are never found under another.
+
+``lossy`` codecs (int8, int4) restore KV that differs from what was computed: the gate reports a
+quality verdict (PSNR of frames against a cold run, the first chunk that differs) instead of
+bit-exactness, and results say ``lossy``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from cacheseek.errors import StoreError
+from cacheseek.registry import CODECS
+from cacheseek.codecs.container import DTYPES
+
+__all__ = ["KVCodec", "NoneCodec", "get_codec", "codec_fingerprint", "codec_label"]
+
+ROLES = ("k", "v")
+
+
+class KVCodec:
+    """The codec seam; see the module docstring. Subclasses set ``name``, ``version``, ``lossy``."""
+
+    name = "none"
+    version = 1
+    lossy = False
+    identity = False  # True: values pass through untouched (the tier skips encode and decode)
+
+    @property
+    def fingerprint(self) -> str:
+        """What the namespace fingerprint records: the name and the format version."""
+        return f"{self.name}/v{self.version}"
+
+    def encode(self, value: torch.Tensor, role: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, key: str, value: Any, device: torch.device | str | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def check_value(self, key: str, value: Any) -> torch.Tensor:
+        """``value`` as a floating tensor the codec takes, else `StoreError` naming the key."""
+        if not isinstance(value, torch.Tensor) or value.dtype not in DTYPES.values():
+            raise StoreError(f"{key}: codec {self.name} takes bfloat16, float16 or float32 tensors, "
+                             f"got {getattr(value, 'dtype', type(value).__name__)}")
+        return value
+
+
+@CODECS.register("none")
+class NoneCodec(KVCodec):
+    """Values stored as they are (the default)."""
+
+    identity = True
+
+    def encode(self, value: torch.Tensor, role: str) -> torch.Tensor:
+        return value
+
+    def decode(self, key: str, value: Any, device: torch.device | str | None = None) -> Any:
+        return value
+
+
+def get_codec(name: Any) -> KVCodec:
+    """The codec named ``name`` (``store.codec``); an unknown name is a `ConfigError` listing them."""
+    return CODECS.get(str(name) if name is not None else "none")()
+
+
+def codec_fingerprint(store: Any) -> Any:
+    """The namespace's ``codec`` field of a store: its ``codec_id`` (a generic tier's codec, a
+    tiered store's levels), ``none`` for stores that move raw bytes (Plan, HBM)."""
+    return getattr(store, "codec_id", None) or KVCodec().fingerprint
+
+
+def codec_label(codec: KVCodec) -> dict[str, Any]:
+    """What results.json and the report say of a codec."""
+    return {"name": codec.name, "fingerprint": codec.fingerprint, "lossy": codec.lossy}
