@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 import torch
 
+from cacheseek.codecs.base import codec_fingerprint
 from cacheseek.errors import ConfigError
 from cacheseek.registry import FINGERPRINT_FIELDS
 
@@ -139,6 +140,15 @@ def _store_format(ctx):
     if store is None:
         return None
     return getattr(store, "storage_format", None) or f"{type(store).__module__}.{type(store).__qualname__}"
+
+
+@_field("codec")
+def _codec(ctx):
+    """How the store encodes K and V (name and format version, `cacheseek.codecs`): chunks of
+    different codecs never mix, and a lossy codec's KV is never served as another's."""
+    if ctx.store is None:
+        return None
+    return codec_fingerprint(ctx.store)
 
 
 # -- compute identity ---------------------------------------------------------------------------

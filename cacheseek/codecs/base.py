@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from cacheseek.errors import StoreError
+from cacheseek.errors import ConfigError, StoreError
 from cacheseek.registry import CODECS
 from cacheseek.codecs.container import DTYPES
 
@@ -77,7 +77,10 @@ class NoneCodec(KVCodec):
 
 def get_codec(name: Any) -> KVCodec:
     """The codec named ``name`` (``store.codec``); an unknown name is a `ConfigError` listing them."""
-    return CODECS.get(str(name) if name is not None else "none")()
+    if not isinstance(name, str) or name not in CODECS:
+        raise ConfigError("store.codec", f"unknown codec {name!r}",
+                          f"use one of: {', '.join(CODECS.names())} (none stores K and V as they are)")
+    return CODECS.get(name)()
 
 
 def codec_fingerprint(store: Any) -> Any:

@@ -35,6 +35,7 @@ from cacheseek.fluxon.config import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
 from cacheseek.kv.handles import Tier
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum
+from cacheseek.codecs.tier import TierCodec
 from cacheseek.stores.kv_tier import KeyValueTier, check_read_parallelism
 
 log = logging.getLogger(__name__)
@@ -249,7 +250,8 @@ class FluxonTensorTier(KeyValueTier):
     chunk's record and checked on read. ``read_parallelism``: values of one restore read at once
     (`KeyValueTier.get_layers`): a value on another host's owner is pulled over the link on its
     first read, which waits on Fluxon's transfer rather than on this process, so overlapping
-    reads pays (experiments/shared_index, "Cross-host first read").
+    reads pays (experiments/shared_index, "Cross-host first read"). ``codec``/``codec_device``:
+    how K and V are encoded (`cacheseek.codecs`): fewer bytes over the link.
     """
 
     tier = Tier.FLUXON_DRAM
@@ -267,10 +269,13 @@ class FluxonTensorTier(KeyValueTier):
         queue_depth: int = 4,
         settle_s: float = 2.0,
         read_parallelism: int = 4,
+        codec: str = "none",
+        codec_device: str = "auto",
         client: Any = None,
         transfer: Any = None,
     ) -> None:
         check_read_parallelism(read_parallelism)  # before attaching: a bad config attaches nothing
+        TierCodec(codec, codec_device)
         client, owns = _make_client(
             client, cluster_name=cluster_name, share_mem_path=share_mem_path, instance_key=instance_key,
             op_timeout_s=op_timeout_s, attach_timeout_s=attach_timeout_s, settle_s=settle_s)
@@ -278,7 +283,7 @@ class FluxonTensorTier(KeyValueTier):
         super().__init__(FluxonValueBackend(client, owns_client=owns), write_back=write_back,
                          queue_depth=queue_depth, name="fluxon", read_parallelism=read_parallelism,
                          capacity_bytes=segment if isinstance(segment, int) and segment > 0 else None,
-                         records=client.records)
+                         records=client.records, codec=codec, codec_device=codec_device)
 
     def keys(self, prefix: str = "") -> list[str]:
         self._check_open()

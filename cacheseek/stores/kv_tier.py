@@ -86,6 +86,7 @@ from typing import Any, Optional, Protocol
 import attrs
 
 from cacheseek.bounded_calls import BoundedCalls
+from cacheseek.codecs.tier import TierCodec
 from cacheseek.errors import (
     ConfigError,
     CorruptValueError,
@@ -188,8 +189,13 @@ class KeyValueTier:
         op_timeout_s: Optional[float] = None,
         records: ChunkRecords = NO_RECORDS,
         read_parallelism: int = 1,
+        codec: str = "none",
+        codec_device: str = "auto",
     ) -> None:
         self.read_parallelism = check_read_parallelism(read_parallelism)
+        self._codec = TierCodec(codec, codec_device)
+        self.codec = self._codec.codec
+        self.codec_id = self._codec.codec_id  # the namespace's codec field (`cacheseek.codecs`)
         self.backend = backend
         self.records = records
         self._digests = bool(getattr(backend, "checks_digests", False))  # decided once, here
@@ -262,6 +268,8 @@ class KeyValueTier:
                 items.append((object_key(locator, i), layer))
         nbytes = sum(payload_nbytes(value) for _, value in items)
         handle = BlobHandle(tier=tier, locator=locator, nbytes=nbytes, n_layers=len(payload), pairs=pairs)
+        if pairs:
+            items = self._codec.encode_items(items)  # the stored (and counted) values are the encoded ones
         sizes = [(key, self._value_nbytes(key, value)) for key, value in items]
         with self._lock:
             old = self._reserve(sizes)
@@ -401,15 +409,17 @@ class KeyValueTier:
         self._check_open()
         return self._read(locator)
 
-    def _read(self, key: str, expect: Optional[str] = None) -> Optional[Any]:
+    def _read(self, key: str, expect: Optional[str] = None, *, decode: bool = False) -> Optional[Any]:
         """The backend's value, or None when it is missing or corrupt (then it is removed);
-        ``expect``: the checksum the chunk's record names (a backend with ``checks_digests``)."""
+        ``expect``: the checksum the chunk's record names (a backend with ``checks_digests``);
+        ``decode``: a K or V value, decoded by the tier's codec (a value it cannot decode is corrupt)."""
         if expect is not None and self._digests:
             read = lambda: self.backend.read(key, expect)  # noqa: E731
         else:
             read = lambda: self.backend.read(key)  # noqa: E731
         try:
-            return self._io("read", read, key)
+            value = self._io("read", read, key)
+            return self._codec.decode(key, value) if decode else value
         except CorruptValueError as exc:
             log.error("%s: %s; removing it and reading it as missing", self.name, exc)
             with self._lock:
@@ -433,8 +443,8 @@ class KeyValueTier:
         expect = handle.digests or {}
         if handle.pairs:
             kk, vk = layer_keys(handle.locator, layer)
-            k = self._read(kk, expect.get(kk))
-            v = self._read(vk, expect.get(vk)) if k is not None else None
+            k = self._read(kk, expect.get(kk), decode=True)
+            v = self._read(vk, expect.get(vk), decode=True) if k is not None else None
             out = None if k is None or v is None else (k, v)
         else:
             key = object_key(handle.locator, layer)

@@ -91,6 +91,7 @@ from cacheseek.stores.disk_names import (
     writer_gone,
 )
 from cacheseek.stores.disk_records import DiskRecords
+from cacheseek.codecs.tier import TierCodec
 from cacheseek.stores.kv_tier import KeyValueTier
 
 log = logging.getLogger(__name__)
@@ -434,6 +435,8 @@ class LocalDiskTierStore(KeyValueTier):
     root counted by size, ``"auto"`` fitted to the disk under root. ``op_timeout_s``: the bound of
     every file operation (`KeyValueTier`, "Stalled media"): past it a miss or a dropped write.
     A bad root raises `ConfigError` naming ``store.root`` here, not at the first write.
+    ``codec``/``codec_device``: how K and V are encoded in the files (`cacheseek.codecs`); the
+    checksum covers the encoded bytes.
     """
 
     tier = Tier.DISK
@@ -449,7 +452,10 @@ class LocalDiskTierStore(KeyValueTier):
         capacity_bytes: Optional[Size] = AUTO,
         op_timeout_s: float = 30.0,
         orphan_grace_s: float = 600.0,
+        codec: str = "none",
+        codec_device: str = "auto",
     ) -> None:
+        TierCodec(codec, codec_device)  # a bad codec is refused before the root is opened
         if root is None or (isinstance(root, str) and not root.strip()):
             raise ConfigError(
                 "store.root",
@@ -469,7 +475,8 @@ class LocalDiskTierStore(KeyValueTier):
         self.disk = disk
         try:
             super().__init__(disk, write_back=bool(write_back), queue_depth=queue_depth, name="localdisk",
-                             capacity_bytes=capacity_bytes, op_timeout_s=op_timeout_s, records=DiskRecords(self))
+                             capacity_bytes=capacity_bytes, op_timeout_s=op_timeout_s, records=DiskRecords(self),
+                             codec=codec, codec_device=codec_device)
             self._seed_usage(self._io("scan", disk.key_sizes))
             self._scan_total = self._scan_mine = self.stats.used_bytes
             self._scanned_at = time.monotonic()

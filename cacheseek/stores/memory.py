@@ -56,10 +56,12 @@ class InMemoryTierStore(KeyValueTier):
     there (`cacheseek.sizing`; unbounded when built directly, with no workload to fit). Above the
     manager's high watermark the manager evicts; a write that does not fit is refused. Its chunk
     records live in a dict beside the values: every manager (trie) on this store finds what the
-    others wrote, as the workers of one process would."""
+    others wrote, as the workers of one process would. ``codec``/``codec_device``: how K and V are
+    encoded (`cacheseek.codecs`; ``none`` keeps them as they are)."""
 
-    def __init__(self, capacity_bytes: Optional[Size] = AUTO) -> None:
-        super().__init__(DictBackend(), name="memory", capacity_bytes=capacity_bytes, records=DictRecords())
+    def __init__(self, capacity_bytes: Optional[Size] = AUTO, codec: str = "none", codec_device: str = "auto") -> None:
+        super().__init__(DictBackend(), name="memory", capacity_bytes=capacity_bytes, records=DictRecords(),
+                         codec=codec, codec_device=codec_device)
 
     def keys(self) -> list[str]:
         return self.backend.keys()

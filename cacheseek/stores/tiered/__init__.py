@@ -53,6 +53,7 @@ from cacheseek.stores.tiered import demotion, read, removal, write
 from cacheseek.stores.tiered.levels import (
     build_stores,
     close_levels,
+    codec_id,
     make_levels,
     shared_transfer,
     storage_format,
@@ -109,6 +110,7 @@ class TieredStore:
         self.records = TieredRecords(self._levels[-1].store_records, self._shared_copy)
         self._book.on_shared_copy = self.records.copy_ready
         self.storage_format = storage_format(self._levels)
+        self.codec_id = codec_id(self._levels)
         log.info("tiered store: %s (write-through %s, promote %s)",
                  " > ".join(lv.name for lv in self._levels), self.write_through, self.promote)
 

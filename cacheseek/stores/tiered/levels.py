@@ -17,12 +17,13 @@ from typing import Any, Optional
 import attrs
 from omegaconf import DictConfig, OmegaConf
 
+from cacheseek.codecs.base import codec_fingerprint
 from cacheseek.errors import ConfigError
 from cacheseek.kv.handles import Tier
 from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 from cacheseek.registry import STORES, instantiate
 
-__all__ = ["Level", "LevelCalls", "tier_of", "is_path_store", "build_stores", "make_levels", "storage_format",
+__all__ = ["Level", "LevelCalls", "tier_of", "is_path_store", "build_stores", "make_levels", "storage_format", "codec_id",
            "shared_transfer", "close_levels"]
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,15 @@ def storage_format(levels: Sequence[Level]) -> str:
     if len(set(formats)) == 1:
         return formats[0]
     return "cacheseek.tiered.v1[" + ",".join(f"{lv.name}={f}" for lv, f in zip(levels, formats)) + "]"
+
+
+def codec_id(levels: Sequence[Level]) -> str:
+    """The namespace's codec field: the levels' codec when they share one, else one naming each
+    level's (`cacheseek.codecs.base.codec_fingerprint`; Plan and HBM levels store raw bytes)."""
+    ids = [codec_fingerprint(lv.store) for lv in levels]
+    if len(set(ids)) == 1:
+        return ids[0]
+    return "tiered[" + ",".join(f"{lv.name}={c}" for lv, c in zip(levels, ids)) + "]"
 
 
 def shared_transfer(transfer: Optional[Any], levels: Sequence[Level]) -> Any:

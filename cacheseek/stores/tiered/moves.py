@@ -10,7 +10,9 @@ record is updated by the caller; these functions only move values.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
+
+import torch
 
 from cacheseek.errors import StoreError, StoreFullError
 from cacheseek.kv.handles import BlobHandle
@@ -46,10 +48,9 @@ def copy_blob(book: Residency, src: int, dst: int, rec: Copies) -> Optional[Blob
             return None
         layers.append(value)
     layers = [as_tensors(v, outer.nbytes // max(1, len(keys))) for v in layers]
-    if b.path:
-        device = device_of(b.store)
-        layers = [tuple(t.to(device) for t in layer) if isinstance(layer, tuple) else layer.to(device)
-                  for layer in layers]
+    device = device_of(b.store) if b.path else "cpu"  # a generic level takes CPU values (a codec's decode may run on a GPU)
+    layers = [tuple(_to(t, device) for t in layer) if isinstance(layer, tuple) else _to(layer, device)
+              for layer in layers]
     out = b.store.put_async(outer.locator, layers, tier=b.tier)
     if out is None or not out.ready:
         b.store.flush()
@@ -80,3 +81,7 @@ def copy_latent(book: Residency, src: int, dst: int, loc: Optional[str]) -> None
         return
     if done:
         book.add_latent(loc, dst)
+
+
+def _to(value: Any, device: Any) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
