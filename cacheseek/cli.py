@@ -37,6 +37,7 @@ from cacheseek import report
 from cacheseek.cli_help import CONF_DIR
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.hydra_errors import config_error_from_hydra
+from cacheseek.codecs.quality import store_codec
 from cacheseek.orchestrator import build_stack
 from cacheseek.registry import LAYOUTS, import_backends
 
@@ -61,6 +62,7 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
         if flush is not None:
             flush()
         results["store"] = stack.store_name
+        results["codec"] = store_codec(stack.store)  # ``lossy`` names a lossy codec: frames judged by PSNR
         describe = getattr(stack.runtime_factory, "describe", None)
         results["runtime"] = describe() if describe is not None else {"runtime": type(stack.runtime_factory).__name__}
         results["layout"] = _layout_name(stack.layout)
@@ -83,6 +85,8 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
     elif not results["passed"] and report.nothing_cached(results["metrics"]):
         print(report.nothing_cached(results["metrics"]))
     verdict = "PASS" if results["passed"] else "FAIL"
+    if results["codec"]["lossy"]:
+        verdict += f" (LOSSY codec {','.join(results['codec']['lossy'])}: quality, not bit-exact)"
     runtime = " ".join(f"{k}={v}" for k, v in results["runtime"].items())
     print(f"{verdict}: {results.get('workload')} on store={stack.store_name} {runtime} "
           f"({results['wall_s']:.2f} s) -> {run_dir / 'results.json'}")

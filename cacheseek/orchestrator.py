@@ -111,13 +111,18 @@ class Stack:
             ingest_enabled=ingest_enabled, layout=self.layout, fingerprint_fields=self.fields,
         )
 
-    def run_session(self, actions: Any, *, manager: Any = None, ingest: bool = True) -> tuple[Any, list, float]:
+    def run_session(self, actions: Any, *, manager: Any = None, ingest: bool = True,
+                    frames: Optional[list] = None) -> tuple[Any, list, float]:
         """One session of ``actions`` through a new binding, the store flushed after it: the
-        binding, the frame hashes and the seconds from the first chunk to the flushed store."""
+        binding, the frame hashes and the seconds from the first chunk to the flushed store.
+        ``frames``: a list that receives each chunk's frames (CPU float32; a lossy codec's verdict)."""
         binding = self.new_binding(manager, ingest_enabled=ingest)
         rt = self.runtime_factory.make(actions, hooks=binding)
+        rt.keep_frames = frames is not None
         t0 = time.perf_counter()
         hashes = rt.generate()
+        if frames is not None:
+            frames.extend(rt.frames)
         self.offers.flush()
         return binding, hashes, time.perf_counter() - t0
 

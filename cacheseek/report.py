@@ -80,17 +80,24 @@ def gate_verdicts(results: dict[str, Any]) -> list[str]:
         depth = f"hit depth:    FAIL: {what}" + (f"; {empty}" if empty else "")
     else:
         depth = "hit depth:    ok (" + ", ".join(f"{r['name']} {r['hit_depth']}" for r in reqs) + ")"
-    wrong = [r for r in reqs if r.get("frames") not in (None, "ok")]
-    compared = ", ".join(f"{r['name']} {r['frames_vs']}" for r in reqs if r.get("frames_vs"))
+    quality = results.get("frame_quality")
+    exact = [r for r in reqs if not (quality and "lossy" in r.get("frames_vs", ""))]
+    wrong = [r for r in exact if r.get("frames") not in (None, "ok")]
+    compared = ", ".join(f"{r['name']} {r['frames_vs']}" for r in exact if r.get("frames_vs"))
     frames = (f"frame hashes: FAIL: {', '.join(r['name'] + ' ' + r['frames_vs'] for r in wrong)} does not hold"
               if wrong else f"frame hashes: ok ({compared})")
     lines = [depth, frames]
+    if quality:
+        lines.append(quality_line(results))
     ring = results.get("ring_check") or []
     if ring:
         ok = [r for r in ring if r["verdict"] == "ok"]
         absent = [r for r in ring if r["verdict"] == "not restored"]
+        kv = [r["kv_psnr_db"] for r in ring if "kv_psnr_db" in r]
+        lossy = (f" but the KV, lossy: KV PSNR {_db(min(kv, key=_key))}..{_db(max(kv, key=_key))}"
+                 if kv else "")
         lines.append(f"ring check:   {'ok' if len(ok) == len(ring) else 'FAIL'} ({len(ok)}/{len(ring)} resume "
-                     "depths equal a cold run)")
+                     f"depths equal a cold run{lossy})")
         if absent:
             ks = ", ".join(f"K={r['K']}" for r in absent)
             hits = sorted({r["hit_depth"] for r in absent})
@@ -102,6 +109,28 @@ def gate_verdicts(results: dict[str, Any]) -> list[str]:
                 shown = "; ".join(diff[:MAX_DIFFS]) + (f"; ... {len(diff) - MAX_DIFFS} more" if len(diff) > MAX_DIFFS else "")
                 lines.append(f"  K={r['K']}: {len(diff)} differences from a cold run: {shown}")
     return lines
+
+
+def _db(x: Any) -> str:
+    return "identical" if x is None else f"{x:.1f} dB"
+
+
+def _key(x: Any) -> float:
+    return float("inf") if x is None else x
+
+
+def quality_line(results: dict[str, Any]) -> str:
+    """The gate's frame-quality verdict under a lossy codec: PSNR against a cold run, the first
+    chunk whose frames differ, and the threshold (or that none judged it)."""
+    q = results["frame_quality"]
+    codec = ",".join(results.get("codec", {}).get("lossy") or []) or "?"
+    first = q.get("first_differing_chunk")
+    want = q.get("min_psnr_db_required")
+    ok = results.get("verdicts", {}).get("frame_quality", True)
+    judged = (f"{'ok' if ok else 'FAIL'} (>= {want:.1f} dB required)" if want is not None
+              else "reported (workload.min_psnr_db=null: not judged)")
+    return (f"frame quality: {judged}: LOSSY codec {codec}: {q.get('vs')}: PSNR {_db(q.get('psnr_db'))}, worst chunk "
+            f"{_db(q.get('min_psnr_db'))}, first differing chunk {first if first is not None else 'none'}")
 
 
 def _capacity(n: Any) -> str:

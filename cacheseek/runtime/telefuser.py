@@ -318,6 +318,8 @@ class TeleFuserSession:
         self.total_chunks = len(actions)
         self.runtime: Any = None
         self.frame_hashes: list[bytes] = []
+        self.keep_frames = False  # True: ``frames`` keeps each chunk's frames (a lossy codec's quality verdict)
+        self.frames: list[Any] = []
         self.latents: list[Any] = []
         self.next_chunk = 0
         self._stream: Optional[_StreamedChunks] = None
@@ -344,6 +346,8 @@ class TeleFuserSession:
             else:
                 self._stream.run(self.next_chunk, self._controls[self.next_chunk])
             self.frame_hashes.append(frame_hash(vae.last_frames))
+            if self.keep_frames:
+                self.frames.append(vae.last_frames.detach().float().cpu())
             self.latents.append(vae.last_latent)
             self.next_chunk += 1
         if self._stream is not None and self.next_chunk == self.total_chunks:

@@ -16,6 +16,14 @@ hit what that run wrote, so their depths are minimums (A: K>=0, C: K>=|P|, repor
 and A's frames are compared with a cold run of P+X on an empty cache (R, no ingest) instead of
 being taken as the reference. B, D and the ring check are unchanged.
 
+A lossy codec (``store.codec=int8|int4``, `cacheseek.codecs`) restores KV that differs from what
+was computed. The gate then keeps every exact check that still holds (B == A: its frames come from
+the exact latents; D[:P] == A: both cold) and replaces the rest with a quality verdict
+(``frame_quality``): the PSNR of C's frames against the cold D's and the first chunk whose frames
+differ, judged against ``min_psnr_db`` when one is set (null, the default: reported, not judged:
+what PSNR is acceptable depends on the model and the use); the ring check compares cursors, latents and RNG states exactly
+and reports the restored KV's PSNR. Results carry ``codec`` with ``lossy`` named.
+
 Three verdicts, kept apart in the results (``verdicts``) and in the report: the hit depths (did
 the cache serve what it should?), the frame hashes (is what it served, and what was computed,
 bit-identical to a cold run?) and the ring check. A request that missed but computed the right
@@ -27,10 +35,13 @@ from __future__ import annotations
 
 import logging
 import random
-from typing import Any
+import re
+from typing import Any, Optional
 
 import attrs
+import torch
 
+from cacheseek.codecs.quality import frame_quality, psnr_db, store_codec
 from cacheseek.errors import ConfigError
 from cacheseek.progress import bar
 from cacheseek.registry import WORKLOADS
@@ -70,7 +81,8 @@ def _actions(rng: random.Random, n: int, dim: int) -> list[list[float]]:
 @WORKLOADS.register("abcd")
 class PrefixGate:
     def __init__(self, total_chunks: int = 4, prefix_chunks: int = 2, ring_check: bool = True,
-                 action_seed: int = 7, action_dim: int = 4) -> None:
+                 action_seed: int = 7, action_dim: int = 4,
+                 min_psnr_db: Optional[float] = None) -> None:
         if total_chunks < 2:
             raise ConfigError("workload.total_chunks", f"must be >= 2, got {total_chunks}",
                               "the gate needs a shared prefix and a fork: e.g. workload.total_chunks=4")
@@ -81,6 +93,10 @@ class PrefixGate:
         self.n = total_chunks
         self.p = prefix_chunks
         self.ring_check = ring_check
+        if min_psnr_db is not None and (isinstance(min_psnr_db, bool) or not isinstance(min_psnr_db, (int, float))):
+            raise ConfigError("workload.min_psnr_db", f"must be a number of dB or null, got {min_psnr_db!r}",
+                              "e.g. workload.min_psnr_db=30 (null: a lossy codec's PSNR is reported, not judged)")
+        self.min_psnr_db = None if min_psnr_db is None else float(min_psnr_db)  # a lossy codec's frames
         rng = random.Random(action_seed)
         self.P = _actions(rng, prefix_chunks, action_dim)
         self.X = _actions(rng, total_chunks - prefix_chunks, action_dim)
@@ -97,8 +113,9 @@ class PrefixGate:
     def cache_chunks_why(self) -> str:
         return f"the gate: A writes {self.n}, C {self.n - self.p}"
 
-    def _request(self, stack, name: str, actions, label: str, *, manager=None, ingest=True) -> RequestResult:
-        binding, hashes, wall = stack.run_session(actions, manager=manager, ingest=ingest)
+    def _request(self, stack, name: str, actions, label: str, *, manager=None, ingest=True,
+                 frames=None) -> RequestResult:
+        binding, hashes, wall = stack.run_session(actions, manager=manager, ingest=ingest, frames=frames)
         k = binding.last_fast_forward
         return RequestResult(name=name, actions=label, hit_depth=k, chunks_computed=self.n - k,
                              wall_s=wall, bytes_restored=binding.bytes_restored,
@@ -111,6 +128,9 @@ class PrefixGate:
         if wait_ready is not None and not wait_ready(None):  # a background warm-up: the gate needs hits
             log.warning("the store's warm-up failed; the gate runs against a store that refuses writes")
         warm = _holds_kv(stack)
+        codec = store_codec(stack.store)
+        lossy = bool(codec["lossy"])
+        frames: dict[str, list] = {"C": [], "D": []}
         steps = 4 + warm + (self.n if self.ring_check else 0)
         with bar(steps, "gate", unit="req") as progress:
             reqs = []
@@ -122,13 +142,16 @@ class PrefixGate:
                 progress.set_postfix_str(f"{name} ({label})")
                 if extra is None:  # D (and R): a fresh trie, no ingest: a cold reference
                     extra = {"manager": stack.new_manager(forest=_fresh_forest(), shared_index=False), "ingest": False}
+                if lossy and name in frames:
+                    extra = {**extra, "frames": frames[name]}
                 reqs.append(self._request(stack, name, actions, label, **extra))
                 progress.update()
             a, b, c, d = reqs[:4]
             checks = [  # (request, expected depth, frames equal?, what they are compared with)
                 (a, 0, a.frame_hashes == reqs[-1].frame_hashes if warm else True, "== R" if warm else ""),
                 (b, n, b.frame_hashes == a.frame_hashes, "== A"),
-                (c, p, c.frame_hashes == d.frame_hashes, "== D"),
+                (c, p, c.frame_hashes == d.frame_hashes, "== D") if not lossy else
+                (c, p, self._quality_ok(quality := frame_quality(frames["C"], frames["D"])), "~ D (lossy)"),
                 (d, 0, d.frame_hashes[:p] == a.frame_hashes[:p], "[:P] == A"),
             ]
             if warm:
@@ -141,14 +164,20 @@ class PrefixGate:
                 req.frames_vs = vs
                 req.verdict = "ok" if req.depth == "ok" and frames_ok else "MISMATCH"
                 req.expect = (f"K>={want_k} (warm)" if at_least else f"K={want_k}") + (f", hashes {vs}" if vs else "")
-            ring = self._ring_check(stack, progress) if self.ring_check else []
+            ring = self._ring_check(stack, progress, lossy) if self.ring_check else []
         verdicts = {
             "hit_depth": all(r.depth == "ok" for r in reqs),
-            "frame_hashes": all(r.frames == "ok" for r in reqs),
+            "frame_hashes": all(r.frames == "ok" for r in reqs if not (lossy and r is c)),
             "ring_check": all(r["verdict"] == "ok" for r in ring),
         }
+        out_quality = None
+        if lossy:
+            verdicts["frame_quality"] = c.frames == "ok"
+            out_quality = {**quality, "vs": "C against the cold D", "min_psnr_db_required": self.min_psnr_db}
         return {
             "workload": "abcd",
+            "codec": {**codec, "lossy": codec["lossy"] or False},
+            "frame_quality": out_quality,
             "warm": warm,
             "requests": [r.row() for r in reqs],
             "frame_hashes": {r.name: r.frame_hashes for r in reqs},
@@ -157,9 +186,15 @@ class PrefixGate:
             "passed": all(verdicts.values()),
         }
 
-    def _ring_check(self, stack, progress: Any = None) -> list[dict[str, Any]]:
+    def _quality_ok(self, quality: dict[str, Any]) -> bool:
+        """Frames identical, or every chunk's PSNR at least ``min_psnr_db`` (None: reported only)."""
+        worst = quality["min_psnr_db"]
+        return worst is None or self.min_psnr_db is None or worst >= self.min_psnr_db
+
+    def _ring_check(self, stack, progress: Any = None, lossy: bool = False) -> list[dict[str, Any]]:
         """Restore every depth K from the cache A filled and compare with a cold run before chunk K.
-        A depth that was not restored (hit depth != K) is ``not restored``, with no diff."""
+        A depth that was not restored (hit depth != K) is ``not restored``, with no diff. ``lossy``:
+        the KV's bytes are not compared (their PSNR is reported, ``kv_psnr_db``), all else is."""
         actions = self.P + self.X
         if progress is not None:
             progress.set_postfix_str("ring check: cold run")
@@ -181,15 +216,30 @@ class PrefixGate:
             if hit != k:
                 out.append({"K": k, "hit_depth": hit, "verdict": "not restored", "diff": []})
             else:
-                diff = snapshot_diff(rt.state_snapshot(), states[k])
+                snap = rt.state_snapshot()
+                diff = snapshot_diff(snap, states[k])
                 for i in range(k):
                     got = rt.world_kv_cached_latents.get(i)
                     if got is None or not same_bytes(got, cold.latents[i]):
                         diff.append(f"cached latent {i} differs from the cold run's")
-                out.append({"K": k, "hit_depth": hit, "verdict": "MISMATCH" if diff else "ok", "diff": diff})
+                row = {"K": k, "hit_depth": hit}
+                if lossy:
+                    diff = [d for d in diff if not _KV_DIFF.match(d)]
+                    row["kv_psnr_db"] = _kv_psnr(snap, states[k])
+                out.append({**row, "verdict": "MISMATCH" if diff else "ok", "diff": diff})
             if progress is not None:
                 progress.update()
         return out
+
+
+_KV_DIFF = re.compile(r"layer \d+ [kv]\[")  # snapshot_diff's line for a ring's K or V bytes
+
+
+def _kv_psnr(got: dict, ref: dict) -> Any:
+    """PSNR of a restored ring's K and V against a cold run's (None: identical)."""
+    a = [la[key].reshape(-1).float() for la in got["layers"] for key in ("k", "v")]
+    b = [lb[key].reshape(-1).float() for lb in ref["layers"] for key in ("k", "v")]
+    return psnr_db(torch.cat(a), torch.cat(b))
 
 
 def _fresh_forest():

@@ -191,6 +191,8 @@ class SyntheticWorldRuntime:
         ]
         self.world_kv_cached_latents: dict[int, torch.Tensor] = {}
         self.frame_hashes: list[bytes] = []
+        self.keep_frames = False  # True: ``frames`` keeps each chunk's frames (a lossy codec's quality verdict)
+        self.frames: list[torch.Tensor] = []
         self.latents: list[torch.Tensor] = []
         self.restored_chunks: list[int] = []
         self.next_chunk = 0
@@ -253,7 +255,10 @@ class SyntheticWorldRuntime:
             if self.hooks is not None:
                 self.hooks.on_chunk_finalized(self, i, x0)
         self.latents.append(x0)
-        self.frame_hashes.append(hashlib.sha256(tensor_bytes(self.decode(x0))).digest())
+        frames = self.decode(x0)
+        self.frame_hashes.append(hashlib.sha256(tensor_bytes(frames)).digest())
+        if self.keep_frames:
+            self.frames.append(frames.detach().float().cpu())
         self.next_chunk = i + 1
 
     def _check_latent(self, i: int, latent: Any) -> None:

@@ -1,0 +1,55 @@
+"""Quality of what a lossy codec restores: PSNR against a cold run, and which codec a store uses.
+
+A lossy codec (int8, int4) restores KV that differs from what was computed, so the frames of the
+chunks computed after a restore differ from a cold run's. The gate reports, instead of
+bit-exactness, the PSNR of those frames against the cold run's (per chunk and over all) and the
+first chunk whose frames differ. PSNR is ``10 log10(peak^2 / MSE)`` with ``peak`` the cold
+frames' range (max - min); identical frames have no PSNR (``None``, reported as identical).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from typing import Any, Optional
+
+import torch
+
+from cacheseek.codecs.base import codec_fingerprint
+from cacheseek.registry import CODECS
+
+__all__ = ["psnr_db", "frame_quality", "store_codec"]
+
+
+def psnr_db(got: torch.Tensor, ref: torch.Tensor) -> Optional[float]:
+    """PSNR of ``got`` against ``ref`` (same shape) in dB; None when they are equal."""
+    a, b = got.detach().double().cpu(), ref.detach().double().cpu()
+    mse = float(((a - b) ** 2).mean()) if a.numel() else 0.0
+    if mse == 0.0:
+        return None
+    peak = float(b.max() - b.min()) if b.numel() else 0.0
+    return 10.0 * math.log10(max(peak, 1e-30) ** 2 / mse)
+
+
+def frame_quality(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """Frames of one session against a cold run's, chunk by chunk: ``psnr_db`` over every chunk
+    (None: identical), ``min_psnr_db`` of the worst chunk, ``per_chunk_psnr_db`` and
+    ``first_differing_chunk`` (None when none differs)."""
+    if len(got) != len(ref):
+        raise ValueError(f"{len(got)} chunks of frames against {len(ref)}")
+    per = [psnr_db(g, r) for g, r in zip(got, ref)]
+    first = next((i for i, p in enumerate(per) if p is not None), None)
+    whole = psnr_db(torch.cat([g.reshape(-1).float() for g in got]),
+                    torch.cat([r.reshape(-1).float() for r in ref])) if got else None
+    worst = min((p for p in per if p is not None), default=None)
+    return {"psnr_db": whole, "min_psnr_db": worst, "per_chunk_psnr_db": per, "first_differing_chunk": first}
+
+
+def store_codec(store: Any) -> dict[str, Any]:
+    """What results say of a store's codec: ``fingerprint`` (the namespace field), ``names`` (every
+    codec it uses: a tiered store's levels may differ) and ``lossy`` (the lossy ones)."""
+    fp = str(codec_fingerprint(store))
+    names = sorted(set(re.findall(r"([A-Za-z0-9_]+)/v\d+", fp)))
+    lossy = [n for n in names if n in CODECS and CODECS.get(n).lossy]
+    return {"fingerprint": fp, "names": names, "lossy": lossy}
