@@ -189,7 +189,7 @@ CODECS: Registry[type] = Registry("codec", {
     "int8": "cacheseek.codecs.kivi:Int8Codec",
     "int4": "cacheseek.codecs.kivi:Int4Codec",
 }, default="none")  # store.codec: how a generic tier encodes K and V (cacheseek.codecs)
-REGISTRIES = (STORES, TRANSFERS, LAYOUTS, RUNTIMES, WORKLOADS, PLAN_CLIENTS, EVICTION_POLICIES, CODECS)
+REGISTRIES = (STORES, TRANSFERS, LAYOUTS, RUNTIMES, WORKLOADS, PLAN_CLIENTS, EVICTION_POLICIES)
 
 
 def import_backends() -> None:

@@ -66,6 +66,8 @@ def test_registered_with_schema():
         "fsync": True,
         "capacity_bytes": "auto",
         "op_timeout_s": 30.0,
+        "codec": "none",
+        "codec_device": "auto",
     }
 
 
