@@ -65,9 +65,10 @@ class ExponentSplitCodec(KVCodec):
         n = t.numel()
         if t.dtype != torch.bfloat16 or n == 0:
             return container.pack({**header, "mode": "raw"}, [("raw", t)])
-        x = t.reshape(-1).view(torch.int16)
-        exp = ((x >> 7) & 0xFF).to(torch.uint8)
-        sm = (((x >> 8) & 0x80) | (x & 0x7F)).to(torch.uint8)
+        pairs = t.reshape(-1).view(torch.uint8).view(-1, 2)  # little-endian: low byte, then high byte
+        lo, hi = pairs[:, 0], pairs[:, 1]
+        exp = ((hi & 0x7F) << 1) | (lo >> 7)
+        sm = (hi & 0x80) | (lo & 0x7F)
         hist = torch.bincount(exp.to(torch.int32), minlength=256)
         bits, exp_bytes = choose_bits(hist.tolist(), n)
         if exp_bytes >= n:
@@ -77,7 +78,7 @@ class ExponentSplitCodec(KVCodec):
         table = order.to(torch.uint8)
         lut = torch.full((256,), esc, dtype=torch.uint8, device=t.device)
         lut[order] = torch.arange(esc, dtype=torch.uint8, device=t.device)
-        codes = lut[exp.to(torch.int64)]
+        codes = lut.index_select(0, exp.to(torch.int32))
         escaped = exp[codes == esc]
         header.update(mode="split", bits=bits, n_esc=int(escaped.numel()))
         return container.pack(header, [("table", table), ("codes", pack_bits(codes, bits)), ("sm", sm),
@@ -109,12 +110,15 @@ class ExponentSplitCodec(KVCodec):
             raise corrupt("section sizes do not match the header")
         codes = unpack_bits(s["codes"].to(device), bits, n)
         table = torch.cat([s["table"].to(device), torch.zeros(1, dtype=torch.uint8, device=device)])
-        exp = table[codes.to(torch.int64)]
-        mask = codes == esc
-        if int(mask.sum()) != n_esc:
-            raise corrupt(f"{int(mask.sum())} escape codes, {n_esc} escaped exponents stored")
-        exp.masked_scatter_(mask, s["esc"].to(device))
-        sm = s["sm"].to(device).to(torch.int32)
-        u = ((sm & 0x80) << 8) | (exp.to(torch.int32) << 7) | (sm & 0x7F)
-        u = u - ((u >> 15) << 16)  # to the signed 16-bit range: the cast below is exact
-        return u.to(torch.int16).view(torch.bfloat16).reshape(shape)
+        exp = table.index_select(0, codes.to(torch.int32))
+        if n_esc:
+            mask = codes == esc
+            found = int(mask.sum())
+            if found != n_esc:
+                raise corrupt(f"{found} escape codes, {n_esc} escaped exponents stored")
+            exp.masked_scatter_(mask, s["esc"].to(device))
+        elif bool((codes == esc).any()):
+            raise corrupt(f"escape codes, {n_esc} escaped exponents stored")
+        sm = s["sm"].to(device)
+        out = torch.stack([((exp & 1) << 7) | (sm & 0x7F), (sm & 0x80) | (exp >> 1)], 1)  # low, high byte
+        return out.view(torch.bfloat16).reshape(shape)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Optional
 
 import torch
@@ -19,17 +19,29 @@ import torch
 from cacheseek.codecs.base import codec_fingerprint
 from cacheseek.registry import CODECS
 
-__all__ = ["psnr_db", "frame_quality", "store_codec"]
+__all__ = ["psnr_db", "psnr_db_of", "frame_quality", "store_codec"]
 
 
 def psnr_db(got: torch.Tensor, ref: torch.Tensor) -> Optional[float]:
     """PSNR of ``got`` against ``ref`` (same shape) in dB; None when they are equal."""
-    a, b = got.detach().double().cpu(), ref.detach().double().cpu()
-    mse = float(((a - b) ** 2).mean()) if a.numel() else 0.0
-    if mse == 0.0:
+    return psnr_db_of([got], [ref])
+
+
+def psnr_db_of(got: Iterable[torch.Tensor], ref: Iterable[torch.Tensor]) -> Optional[float]:
+    """PSNR over pairs of tensors taken as one signal (a chunk's K and V values, on any device,
+    without concatenating them); None when every pair is equal."""
+    sse, n, lo, hi = 0.0, 0, math.inf, -math.inf
+    for g, r in zip(got, ref, strict=True):
+        r = r.detach()
+        d = g.detach().to(r.device).double() - r.double()
+        sse += float((d * d).sum())
+        n += d.numel()
+        if r.numel():
+            lo, hi = min(lo, float(r.min())), max(hi, float(r.max()))
+    if sse == 0.0 or n == 0:
         return None
-    peak = float(b.max() - b.min()) if b.numel() else 0.0
-    return 10.0 * math.log10(max(peak, 1e-30) ** 2 / mse)
+    peak = max(hi - lo, 1e-30)
+    return 10.0 * math.log10(peak * peak / (sse / n))
 
 
 def frame_quality(got: Sequence[torch.Tensor], ref: Sequence[torch.Tensor]) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from benchlib import GiB, Progress, compose, env_info, git_state, gib_s, median,
 import torch  # noqa: E402
 
 from cacheseek.codecs.base import get_codec  # noqa: E402
-from cacheseek.codecs.quality import psnr_db  # noqa: E402
+from cacheseek.codecs.quality import psnr_db_of  # noqa: E402
 
 
 # -- KV sources -----------------------------------------------------------------------------------
@@ -114,12 +114,11 @@ def section_ratios(cfg, kv_main, progress) -> dict:
             enc = [(codec.encode(k, "k"), codec.encode(v, "v")) for k, v in kv]
             row[name] = {"ratio": nbytes(kv) / nbytes(enc)}
             if codec.lossy:
-                got = torch.cat([torch.cat([codec.decode("k", ek).reshape(-1), codec.decode("v", ev).reshape(-1)])
-                                 for ek, ev in enc]).float()
-                ref = torch.cat([torch.cat([k.reshape(-1), v.reshape(-1)]) for k, v in kv]).float()
-                row[name]["kv_psnr_db"] = psnr_db(got, ref)
-        exps = torch.cat([((k.reshape(-1).view(torch.int16) >> 7) & 0xFF) for k, _ in kv]).to(torch.int64)
-        p = torch.bincount(exps, minlength=256).double()
+                got = (codec.decode(r, e) for pair in enc for r, e in zip("kv", pair))
+                row[name]["kv_psnr_db"] = psnr_db_of(got, (t for pair in kv for t in pair))
+            del enc
+        p = sum(torch.bincount(((t.reshape(-1).view(torch.int16) >> 7) & 0xFF).to(torch.int32), minlength=256)
+                for pair in kv for t in pair).double()
         p = p[p > 0] / p.sum()
         row["exponent_entropy_bits"] = float(-(p * p.log2()).sum())
         out[source] = row
@@ -211,9 +210,7 @@ def _drop_cache(store) -> None:
 
 def _check(codec_name: str, ring, kv) -> dict:
     if get_codec(codec_name).lossy:
-        got = torch.cat([torch.cat([a.reshape(-1), b.reshape(-1)]) for a, b in ring]).float()
-        ref = torch.cat([torch.cat([k.reshape(-1), v.reshape(-1)]) for k, v in kv]).float()
-        return {"bit_exact": False, "kv_psnr_db": psnr_db(got, ref)}
+        return {"bit_exact": False, "kv_psnr_db": psnr_db_of((t for p in ring for t in p), (t for p in kv for t in p))}
     return {"bit_exact": all(same_bits(a, k) and same_bits(b, v) for (a, b), (k, v) in zip(ring, kv))}
 
 
