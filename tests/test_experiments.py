@@ -144,3 +144,17 @@ def test_shared_index_workers_benchmark_smoke(tmp_path):
     assert "| interactive | localdisk | 1 | on |" in (tmp_path / "results.md").read_text()
     assert (tmp_path / "hit_rate.png").stat().st_size > 0
     assert res["ops"]["localdisk"]["find_8_hits"]["p50_ms"] > 0
+
+
+def test_codecs_benchmark_smoke(tmp_path):
+    res = load("codecs").main(["device=cpu", "geometry=tiny", "reps=1", "sources=[synthetic,randn]",
+                               f"root={tmp_path / 'root'}", f"out_dir={tmp_path / 'out'}"])
+    assert set(res["ratios"]) == {"synthetic", "randn"}
+    assert res["speed"]["lossless"]["bit_exact"] is True
+    for tier in ("memory", "localdisk", "localdisk_cold", "plan_model", "hbm_model"):
+        assert res["restore"][tier]["none"]["bit_exact"] and res["restore"][tier]["lossless"]["bit_exact"]
+        assert res["restore"][tier]["int4"]["kv_psnr_db"] is not None
+    assert set(res["targets"]) >= {"lossless_localdisk_1.2x_at_ratio_1.25", "lossless_plan_model_not_slower"}
+    assert "| localdisk |" in (tmp_path / "out" / "results.md").read_text()
+    assert (tmp_path / "out" / "codecs.png").stat().st_size > 0
+

@@ -77,7 +77,7 @@ class ExponentSplitCodec(KVCodec):
         order = torch.argsort(hist, descending=True, stable=True)[:esc]
         table = order.to(torch.uint8)
         lut = torch.full((256,), esc, dtype=torch.uint8, device=t.device)
-        lut[order] = torch.arange(esc, dtype=torch.uint8, device=t.device)
+        lut[order] = torch.arange(esc, dtype=torch.int32, device=t.device).to(torch.uint8)
         codes = lut.index_select(0, exp.to(torch.int32))
         escaped = exp[codes == esc]
         header.update(mode="split", bits=bits, n_esc=int(escaped.numel()))

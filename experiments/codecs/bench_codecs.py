@@ -345,7 +345,7 @@ def plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str]) -> dict:
     cfg = compose(HERE / "conf", "codecs", argv)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -361,10 +361,28 @@ def main(argv: list[str]) -> None:
     for name, fn in (("ratios", section_ratios), ("speed", section_speed), ("restore", section_restore)):
         results[name] = fn(cfg, kv, progress)
         write_json(out / "results.json", results)
-    (out / "results.md").write_text(table(results) + "\n")
+    results["targets"] = targets(results["restore"])
+    write_json(out / "results.json", results)
+    lines = [table(results), ""] + [f"- {k}: {v}" for k, v in results["targets"].items()]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
     plot(results, out / "codecs.png")
-    print(table(results))
+    print("\n".join(lines))
     shutil.rmtree(cfg.root, ignore_errors=True)
+    return results
+
+
+def targets(restore: dict) -> dict:
+    """Issue 36's targets, each True, False or None (the tier was not measured): lossless restore
+    of a chunk from disk at most 1/1.2 of none's wall at a ratio >= 1.25; the Plan tier's path not
+    slower with lossless on (else the codec stays off there)."""
+    def met(tier: str, speedup: float, ratio: float = 0.0) -> Any:
+        r = restore.get(tier, {}).get("lossless")
+        return None if r is None else bool(r["speedup_vs_none"] >= speedup and r["ratio"] >= ratio)
+
+    return {"lossless_localdisk_1.2x_at_ratio_1.25": met("localdisk", 1.2, 1.25),
+            "lossless_localdisk_cold_1.2x_at_ratio_1.25": met("localdisk_cold", 1.2, 1.25),
+            "lossless_plan_model_not_slower": met("plan_model", 1.0),
+            "lossless_memory_not_slower": met("memory", 1.0)}
 
 
 if __name__ == "__main__":
