@@ -117,13 +117,19 @@ def section_ratios(cfg, kv_main, progress) -> dict:
                 got = (codec.decode(r, e) for pair in enc for r, e in zip("kv", pair))
                 row[name]["kv_psnr_db"] = psnr_db_of(got, (t for pair in kv for t in pair))
             del enc
+        pooled = torch.cat([t.reshape(-1) for pair in kv for t in pair])  # one value: no per-value header
+        row["lossless_pooled_ratio"] = pooled.numel() * 2 / get_codec("lossless").encode(pooled, "k").numel()
+        del pooled
         p = sum(torch.bincount(((t.reshape(-1).view(torch.int16) >> 7) & 0xFF).to(torch.int32), minlength=256)
                 for pair in kv for t in pair).double()
         p = p[p > 0] / p.sum()
         row["exponent_entropy_bits"] = float(-(p * p.log2()).sum())
+        row["exponent_coding_bound_ratio"] = 16 / (8 + row["exponent_entropy_bits"])  # sign+mantissa raw
         out[source] = row
         progress.step(f"ratios {source}: " + ", ".join(f"{n} {row[n]['ratio']:.3f}x" for n in cfg.codecs)
-                      + f" (exponent entropy {row['exponent_entropy_bits']:.2f} bits)")
+                      + f"; lossless pooled {row['lossless_pooled_ratio']:.3f}x (exponent entropy "
+                      f"{row['exponent_entropy_bits']:.2f} bits: an ideal exponent coder's "
+                      f"{row['exponent_coding_bound_ratio']:.3f}x)")
         del kv
     return out
 
