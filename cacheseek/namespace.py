@@ -14,7 +14,6 @@ from typing import Any
 import attrs
 import torch
 
-from cacheseek.codecs.base import codec_fingerprint
 from cacheseek.errors import ConfigError
 from cacheseek.registry import FINGERPRINT_FIELDS
 
@@ -148,7 +147,7 @@ def _codec(ctx):
     different codecs never mix, and a lossy codec's KV is never served as another's."""
     if ctx.store is None:
         return None
-    return codec_fingerprint(ctx.store)
+    return getattr(ctx.store, "codec_id", None)  # a generic or tiered store's; Plan and HBM move raw bytes
 
 
 # -- compute identity ---------------------------------------------------------------------------
