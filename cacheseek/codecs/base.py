@@ -24,15 +24,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from cacheseek.errors import ConfigError, StoreError
 from cacheseek.registry import CODECS
-from cacheseek.codecs.container import DTYPES
 
 __all__ = ["KVCodec", "NoneCodec", "get_codec", "codec_fingerprint", "codec_label"]
 
 ROLES = ("k", "v")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")  # what a codec encodes
 
 
 class KVCodec:
@@ -48,15 +46,20 @@ class KVCodec:
         """What the namespace fingerprint records: the name and the format version."""
         return f"{self.name}/v{self.version}"
 
-    def encode(self, value: torch.Tensor, role: str) -> torch.Tensor:
+    def encode(self, value: Any, role: str) -> Any:
+        """``value`` (a tensor) as one ``uint8`` tensor on its device (`cacheseek.codecs.container`)."""
         raise NotImplementedError
 
-    def decode(self, key: str, value: Any, device: torch.device | str | None = None) -> torch.Tensor:
+    def decode(self, key: str, value: Any, device: Any = None) -> Any:
+        """The tensor ``value`` holds, on ``device`` (default: the value's); `CorruptValueError`
+        when it is not a value this codec wrote."""
         raise NotImplementedError
 
-    def check_value(self, key: str, value: Any) -> torch.Tensor:
+    def check_value(self, key: str, value: Any) -> Any:
         """``value`` as a floating tensor the codec takes, else `StoreError` naming the key."""
-        if not isinstance(value, torch.Tensor) or value.dtype not in DTYPES.values():
+        import torch  # only a codec that encodes needs torch: importing a store stays torch-free
+
+        if not isinstance(value, torch.Tensor) or str(value.dtype).removeprefix("torch.") not in DTYPE_NAMES:
             raise StoreError(f"{key}: codec {self.name} takes bfloat16, float16 or float32 tensors, "
                              f"got {getattr(value, 'dtype', type(value).__name__)}")
         return value
@@ -68,10 +71,10 @@ class NoneCodec(KVCodec):
 
     identity = True
 
-    def encode(self, value: torch.Tensor, role: str) -> torch.Tensor:
+    def encode(self, value: Any, role: str) -> Any:
         return value
 
-    def decode(self, key: str, value: Any, device: torch.device | str | None = None) -> Any:
+    def decode(self, key: str, value: Any, device: Any = None) -> Any:
         return value
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from cacheseek.codecs.base import KVCodec, get_codec
 from cacheseek.errors import ConfigError
 
@@ -24,11 +22,14 @@ __all__ = ["TierCodec", "resolve_device"]
 DEVICES = ("auto", "cpu", "cuda")
 
 
-def resolve_device(device: Any) -> torch.device:
-    """``store.codec_device``: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``."""
+def resolve_device(device: Any) -> Any:
+    """``store.codec_device``: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda`` (a
+    ``torch.device``; torch is imported here, by a tier whose codec encodes, not by importing a store)."""
     if device not in DEVICES:
         raise ConfigError("store.codec_device", f"must be one of {', '.join(DEVICES)}, got {device!r}",
                           "store.codec_device=auto runs the codec on the GPU when there is one")
+    import torch
+
     if device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("store.codec_device", "is cuda, but torch sees no GPU", "use store.codec_device=auto")
     if device == "auto":
@@ -41,7 +42,9 @@ class TierCodec:
 
     def __init__(self, name: Any = "none", device: Any = "auto") -> None:
         self.codec: KVCodec = get_codec(name)
-        self.device = resolve_device(device) if not self.codec.identity else torch.device("cpu")
+        if device not in DEVICES:
+            resolve_device(device)  # the one error line, for every codec
+        self.device = resolve_device(device) if not self.codec.identity else None
 
     @property
     def identity(self) -> bool:

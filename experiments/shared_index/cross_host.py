@@ -713,6 +713,7 @@ def readme_section(data: dict[str, Any]) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    global VALUE_480P
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cluster", default="cacheseek", help=argparse.SUPPRESS)
@@ -725,6 +726,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="remote: every value on a's owner (b's joins after the writes); random: fluxon's own")
     p.add_argument("--dram", default=None, help="each owner, whole GiB (default: 14GiB remote, 4GiB random)")
     p.add_argument("--values", type=int, default=None, help="64 MiB-slot values one owner keeps (the dram check)")
+    p.add_argument("--value-bytes", type=int, default=VALUE_480P,
+                   help="bytes of one value (default one 480p layer's K: 47,923,200; experiments/codecs "
+                        "passes a lossless-encoded value's size)")
     p.add_argument("--out", default=str(HERE))
     p.add_argument("--render", action="store_true", help="only redo the summary, plot and section from the JSON")
     args = p.parse_args(argv)
@@ -734,6 +738,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         args.values = 8 * (int(args.dram.removesuffix("GiB")) * 1024 // 640)
     if args.worker:
         return worker_main(args.cluster, args.share)
+    VALUE_480P = args.value_bytes  # every case's value size (the workers are told each value's size per call)
     from benchlib import env_info, git_state
 
     out = Path(args.out)
