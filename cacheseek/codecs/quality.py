@@ -17,9 +17,10 @@ from typing import Any, Optional
 import torch
 
 from cacheseek.codecs.base import codec_fingerprint
+from cacheseek.errors import ConfigError
 from cacheseek.registry import CODECS
 
-__all__ = ["psnr_db", "psnr_db_of", "frame_quality", "store_codec"]
+__all__ = ["psnr_db", "psnr_db_of", "frame_quality", "store_codec", "require_exact"]
 
 
 def psnr_db(got: torch.Tensor, ref: torch.Tensor) -> Optional[float]:
@@ -65,3 +66,13 @@ def store_codec(store: Any) -> dict[str, Any]:
     names = sorted(set(re.findall(r"([A-Za-z0-9_]+)/v\d+", fp)))
     lossy = [n for n in names if n in CODECS and CODECS.get(n).lossy]
     return {"fingerprint": fp, "names": names, "lossy": lossy}
+
+
+def require_exact(store: Any, workload: str) -> None:
+    """`ConfigError` naming ``store.codec`` when ``store`` uses a lossy codec: ``workload`` judges
+    frames bit-exactly against cold runs, and only the abcd gate reports a lossy codec's quality."""
+    lossy = store_codec(store)["lossy"]
+    if lossy:
+        raise ConfigError("store.codec", f"{','.join(lossy)} is lossy, and workload {workload} compares frames "
+                          "bit-exactly with cold runs", "use store.codec=lossless or none here; the abcd gate "
+                          "(workload=abcd) reports a lossy codec's quality")

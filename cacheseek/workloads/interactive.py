@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 import torch
 
+from cacheseek.codecs.quality import require_exact
 from cacheseek.progress import bar
 from cacheseek.registry import WORKLOADS
 from cacheseek.workloads.action_tree import ActionTree
@@ -63,6 +64,7 @@ class InteractiveWorkload:
         references of the chosen sessions' paths come first; then ``on_ready()`` is called (the
         workers wait there for each other, so their live sessions start at once), and
         ``on_session(row)`` after each live session."""
+        require_exact(stack.store, "interactive")
         tree, factory = self.tree, stack.runtime_factory
         chosen = self.tree.chosen(sessions)
         distinct = sorted({tree.plan[i] for i in chosen})

@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 from cacheseek.errors import ConfigError
 from cacheseek.eviction import store_usage
+from cacheseek.codecs.quality import require_exact
 from cacheseek.progress import bar
 from cacheseek.registry import WORKLOADS
 from cacheseek.workloads.action_tree import ActionTree, check_count
@@ -96,6 +97,7 @@ class StressWorkload:
         `tools/workers.py` runs its share this way) on the thread pool. The cold references come
         first, then ``on_ready()`` (the workers wait there for each other); ``on_session(row)``
         after each session (from the pool's threads, one at a time)."""
+        require_exact(stack.store, "stress")
         factory = stack.runtime_factory
         capacity = self._bound_capacity(stack)
         chosen = self.tree.chosen(sessions)

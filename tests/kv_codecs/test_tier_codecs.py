@@ -137,3 +137,16 @@ def test_gate_reports_quality_for_lossy_codecs(compose_cfg, tmp_path, codec, cap
                              "workload.min_psnr_db=200"), tmp_path / "run2")
     assert judged["verdicts"]["frame_quality"] is False and judged["passed"] is False
     assert len(q["per_chunk_psnr_db"]) == n
+
+
+@pytest.mark.parametrize("workload", ["interactive", "stress"])
+def test_workloads_that_judge_bit_exactly_refuse_a_lossy_codec(compose_cfg, tmp_path, workload):
+    with pytest.raises(ConfigError, match="store.codec: int4 is lossy"):
+        run(compose_cfg(f"workload={workload}", "+store=memory", "store.codec=int4", "store.codec_device=cpu"),
+            tmp_path / "run")
+
+
+def test_interactive_sessions_pass_with_lossless(compose_cfg, tmp_path):
+    results = run(compose_cfg("workload=interactive", "+store=memory", "store.codec=lossless",
+                              "store.codec_device=cpu"), tmp_path / "run")
+    assert results["passed"] and results["codec"]["names"] == ["lossless"]
