@@ -15,7 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from cacheseek.codecs.base import KVCodec, get_codec
-from cacheseek.errors import ConfigError
+from cacheseek.errors import ConfigError, StoreError
 
 __all__ = ["TierCodec", "resolve_device"]
 
@@ -62,7 +62,11 @@ class TierCodec:
         for key, value in items:
             role = key.rpartition(":")[2]
             value = self.codec.check_value(key, value)
-            out.append((key, self.codec.encode(value.to(self.device), role).cpu()))
+            try:
+                out.append((key, self.codec.encode(value.to(self.device), role).cpu()))
+            except Exception as exc:  # noqa: BLE001 - device memory, a driver error: this write fails, as a store's would
+                raise StoreError(f"{key}: codec {self.codec.name} could not encode it on {self.device}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
         return out
 
     def decode(self, key: str, value: Any) -> Any:

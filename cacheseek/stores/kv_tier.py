@@ -59,6 +59,12 @@ passes each to ``read(key, expect)``: a value another writer replaced with other
 corrupt value, so a chunk is never mixed from two writers. ``free`` retracts the chunk's record
 before it removes a value.
 
+Codecs (``codec``, ``codec_device``; `cacheseek.codecs`): each K and V value is encoded before
+the backend writes it (capacity and usage count the encoded bytes; a backend's checksum covers
+them) and decoded after the backend read it, on ``codec_device``; a value the codec cannot decode
+is a corrupt value like one that fails its checksum. Latents and non-pair layers are stored as
+they are.
+
 Stalled media: with ``op_timeout_s`` (LocalDisk: ``store.op_timeout_s``) every backend call
 (write, read, delete, exists, listing) runs through `BoundedCalls`: a call that does not return
 within the bound is a `StoreTimeoutError` for its caller (a read is a failed restore and the
