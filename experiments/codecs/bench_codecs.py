@@ -117,9 +117,12 @@ def section_ratios(cfg, kv_main, progress) -> dict:
                 got = (codec.decode(r, e) for pair in enc for r, e in zip("kv", pair))
                 row[name]["kv_psnr_db"] = psnr_db_of(got, (t for pair in kv for t in pair))
             del enc
-        pooled = torch.cat([t.reshape(-1) for pair in kv for t in pair])  # one value: no per-value header
-        row["lossless_pooled_ratio"] = pooled.numel() * 2 / get_codec("lossless").encode(pooled, "k").numel()
-        del pooled
+        if nbytes(kv) <= 1 << 30:  # one value, no per-value header (a 480p chunk's values need none: 0.001%)
+            pooled = torch.cat([t.reshape(-1) for pair in kv for t in pair])
+            row["lossless_pooled_ratio"] = pooled.numel() * 2 / get_codec("lossless").encode(pooled, "k").numel()
+            del pooled
+        else:
+            row["lossless_pooled_ratio"] = row["lossless"]["ratio"]
         p = sum(torch.bincount(((t.reshape(-1).view(torch.int16) >> 7) & 0xFF).to(torch.int32), minlength=256)
                 for pair in kv for t in pair).double()
         p = p[p > 0] / p.sum()
