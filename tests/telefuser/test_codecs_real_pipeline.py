@@ -22,7 +22,7 @@ def test_lossless_gate_is_bit_exact_on_the_real_pipeline(compose_cfg, tmp_path):
 
 @pytest.mark.slow
 def test_int4_quality_verdict_on_the_real_pipeline(compose_cfg, tmp_path):
-    results = run(compose_cfg("runtime=telefuser", "store.codec=int4", "store.codec_device=cpu",
+    results = run(compose_cfg("runtime=telefuser", "+store=memory", "store.codec=int4", "store.codec_device=cpu",
                               "workload.min_psnr_db=40"), tmp_path / "run")
     q = results["frame_quality"]
     assert results["passed"] and results["codec"]["lossy"] == ["int4"]
