@@ -176,7 +176,6 @@ class PrefixGate:
             out_quality = {**quality, "vs": "C against the cold D", "min_psnr_db_required": self.min_psnr_db}
         return {
             "workload": "abcd",
-            "codec": {**codec, "lossy": codec["lossy"] or False},
             "frame_quality": out_quality,
             "warm": warm,
             "requests": [r.row() for r in reqs],
