@@ -21,8 +21,9 @@ was computed. The gate then keeps every exact check that still holds (B == A: it
 the exact latents; D[:P] == A: both cold) and replaces the rest with a quality verdict
 (``frame_quality``): the PSNR of C's frames against the cold D's and the first chunk whose frames
 differ, judged against ``min_psnr_db`` when one is set (null, the default: reported, not judged:
-what PSNR is acceptable depends on the model and the use); the ring check compares cursors, latents and RNG states exactly
-and reports the restored KV's PSNR. Results carry ``codec`` with ``lossy`` named.
+what PSNR is acceptable depends on the model and the use); the ring check compares cursors,
+latents and RNG states exactly and reports the restored KV's PSNR. Results carry ``codec`` with
+``lossy`` named.
 
 Three verdicts, kept apart in the results (``verdicts``) and in the report: the hit depths (did
 the cache serve what it should?), the frame hashes (is what it served, and what was computed,
