@@ -87,7 +87,9 @@ class KiviCodec(KVCodec):
             return container.pack(header, [])
         g, padded = _grouped(t.reshape(rows, cols).float(), role, GROUP)
         lo = g.amin(1, keepdim=True)
-        step = (g.amax(1, keepdim=True) - lo) / ((1 << self.bits) - 1)
+        # A tensor divisor, not a Python number: CUDA divides by a scalar as a multiply by its
+        # reciprocal, which rounds differently from the CPU; one format on every device.
+        step = (g.amax(1, keepdim=True) - lo) / torch.full_like(lo, (1 << self.bits) - 1)
         step = torch.where(step > 0, step, torch.ones_like(step))
         q = ((g - lo) / step).round_().clamp_(0, (1 << self.bits) - 1).to(torch.uint8)
         header["padded"] = list(padded)
