@@ -164,12 +164,14 @@ class LiveChunks:
         try:
             action = self._keys[idx]
         except ValueError:  # no key: the chunk is computed, and its ingest says why
+            self.manager.metrics.add(live_not_cached=1)
             return None
         child = index.child(self._ns, parent, action)  # the local trie's, else the store's record of it
         if child is None and self.ingest_enabled and index.active:
             self._claimed = True
             child = index.claim_or_wait(self._ns, parent, action, self)  # in flight elsewhere: wait for it
         if child is None:
+            self.manager.metrics.add(live_not_cached=1)
             return None
         k, _ = self.layout.layers(runtime)[0]
         shape = (1, self.ring.chunk_size * self.ring.frame_tokens, int(k.shape[2]), int(k.shape[3]))
