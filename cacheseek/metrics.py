@@ -37,7 +37,7 @@ from typing import Any, Optional
 
 import attrs
 
-from cacheseek.eviction.base import store_usage
+from cacheseek.eviction.base import store_label, store_usage
 from cacheseek.histogram import BYTES_BUCKETS, SECONDS_BUCKETS, Histogram
 from cacheseek.metric_fields import counter, exports, histogram, labelled
 
@@ -137,8 +137,6 @@ class CacheMetrics:
     # -- recording ------------------------------------------------------------------------------
     def bind_store(self, store: Any) -> None:
         """The store whose usage and stats `as_dict` and the endpoint read (the last one bound wins)."""
-        from cacheseek.eviction.base import store_label
-
         self._store, self._store_label = store, store_label(store)
 
     @property

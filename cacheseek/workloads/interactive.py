@@ -13,7 +13,7 @@ The verdict, like the gate's: every session's frame hashes equal a cold run of t
 on no cache (one reference per distinct path, computed first). Reported: hits by chunk index
 (``live_hits_by_chunk`` in the metrics), chunks restored mid-session, per-chunk time of restored
 and of computed chunks (each ``generate`` of one chunk, timed from the caller; on CUDA after a
-synchronize), time to first frame (creation plus chunk 0) of sessions whose first chunk was
+synchronize; also in the metrics, ``cacheseek_chunk_seconds``), time to first frame (creation plus chunk 0) of sessions whose first chunk was
 restored and of those that computed it, one row per session, and a plot (``interactive.png`` in
 the run folder, where matplotlib is installed) of the hit rate and the chunk times by index.
 
@@ -93,8 +93,10 @@ class InteractiveWorkload:
                 restored = set(binding.restored_chunks)
                 for idx, t in enumerate(times[1:], start=1):
                     (restored_s if idx in restored else computed_s).append(t)
+                    stack.metrics.observe_chunk(t, restored=idx in restored)
                 if times:
                     ttff["restored" if 0 in restored else "computed"].append(times[0])
+                    stack.metrics.observe_first_frame(times[0], restored=0 in restored)
                 rows.append({
                     "name": f"s{i:02d}", "session": i, "actions": f"i{image}:" + ".".join(map(str, path)),
                     "hit_depth": len(restored), "chunks_computed": len(path) - len(restored),
