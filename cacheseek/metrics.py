@@ -138,6 +138,15 @@ class CacheMetrics:
     def bind_store(self, store: Any) -> None:
         """The store whose usage and stats `as_dict` and the endpoint read (the last one bound wins)."""
         self._store, self._store_label = store, store_label(store)
+        tiers = [self._store_label]
+        if store is not None and callable(getattr(store, "tier_usages", None)):  # a tiered store: its levels
+            tiers = [u.name for u in _safe(store.tier_usages) or ()] or tiers
+        with self._lock:  # every (kind, tier) served from the start, at 0
+            for key in ((kind, tier) for kind in ("prefix", "live") for tier in tiers):
+                self.hits_by_kind_tier.setdefault(key, 0)
+            for key in [("restore", tier) for tier in tiers] + [("write", self._store_label)]:
+                self.transfer_bytes.setdefault(key, Histogram(BYTES_BUCKETS))
+                self.transfer_seconds.setdefault(key, Histogram(SECONDS_BUCKETS))
 
     @property
     def store(self) -> Any:

@@ -155,12 +155,17 @@ class LiveChunks:
 
     def _restore_chunk(self, runtime: Any, idx: int, *, publish_latent: bool) -> Any:
         """Restore chunk ``idx`` when the cursor sits at depth ``idx - 1`` with a ready child for
-        its key (computed here only when the cursor has children): its latent, or None."""
+        its key (computed here only when the cursor has children): its latent, or None. Each
+        chunk that reaches here is a lookup in the metrics (``live_lookups``): a hit, or a miss
+        (``live_not_cached``, ``live_misses``) or a failure (``live_restore_failures``)."""
         parent = self._cursor
         index = self.manager.index
-        if self._ns is None or parent is None or parent.depth != idx - 1 or not (parent.children or index.active):
+        if self._ns is None or parent is None or parent.depth != idx - 1:
             return None
-        self.manager.metrics.add(live_lookups=1)
+        self.manager.metrics.add(live_lookups=1)  # every live chunk on the session's path is a lookup
+        if not (parent.children or index.active):  # nothing below the cursor, nowhere else to ask
+            self.manager.metrics.add(live_not_cached=1)
+            return None
         try:
             action = self._keys[idx]
         except ValueError:  # no key: the chunk is computed, and its ingest says why
