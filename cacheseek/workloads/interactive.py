@@ -91,12 +91,12 @@ class InteractiveWorkload:
                     errors.append(f"session {i}: {type(exc).__name__}: {exc}")
                     hashes, times = [], []
                 restored = set(binding.restored_chunks)
+                for idx, t in enumerate(times):
+                    binding.chunk_finished(idx, t)  # the metrics (unless attach's seam timed the chunk already)
                 for idx, t in enumerate(times[1:], start=1):
                     (restored_s if idx in restored else computed_s).append(t)
-                    stack.metrics.observe_chunk(t, restored=idx in restored)
                 if times:
                     ttff["restored" if 0 in restored else "computed"].append(times[0])
-                    stack.metrics.observe_first_frame(times[0], restored=0 in restored)
                 rows.append({
                     "name": f"s{i:02d}", "session": i, "actions": f"i{image}:" + ".".join(map(str, path)),
                     "hit_depth": len(restored), "chunks_computed": len(path) - len(restored),

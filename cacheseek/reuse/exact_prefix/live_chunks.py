@@ -27,13 +27,15 @@ whose control is never named is not cached, nor are the session's later chunks
 `LiveChunks` is a mixin of `LingBotWorldKVBinding`: it reads and moves the session's state that
 the binding keeps (``_keys``, ``_cursor``, ``_ns``, ``ring``, ``layout``, ``manager``,
 ``last_fast_forward``, ``ingest_enabled``, ``bytes_restored``) and keeps its own: ``_restored``
-(chunks restored mid-session) and ``_unkeyed_from`` (the first chunk no control was named for).
+(chunks restored mid-session), ``_unkeyed_from`` (the first chunk no control was named for) and
+what `chunk_finished` timed (``_timed``, ``_session_t0``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any, Optional
 
 from cacheseek.errors import ControlMismatchError
@@ -57,11 +59,32 @@ class LiveChunks:
     _claimed = False  # whether the session asked the shared index to claim a chunk
 
     def _reset_live(self) -> None:
-        """A new session: nothing restored mid-session, every control still to be named; the
-        claims a previous session of this binding still holds go."""
+        """A new session: nothing restored mid-session, every control still to be named, no
+        chunk timed; the claims a previous session of this binding still holds go."""
         self._release_claims()
         self._restored = set()
         self._unkeyed_from = None
+        self._timed = set()
+        self._session_t0 = time.perf_counter()
+
+    def chunk_finished(self, idx: int, seconds: float, *, since_session_start: bool = False) -> None:
+        """Chunk ``idx`` finished (its frames are out) after ``seconds`` of wall as its driver
+        timed it: the metrics' ``cacheseek_chunk_seconds`` (restored or computed), and for chunk 0
+        the session's time to first frame (``since_session_start``: measured from this
+        session's start here, the binding's creation hook, instead of ``seconds``). Counted once
+        per chunk: the first driver to report it wins (attach's seam, inside a caller that
+        times the same chunk). Never raises."""
+        timed = self._timed
+        if idx in timed or idx < 0:
+            return
+        timed.add(idx)
+        restored = idx in self._restored or idx < self.last_fast_forward
+        metrics = self.manager.metrics
+        if idx == 0:
+            metrics.observe_first_frame(time.perf_counter() - self._session_t0 if since_session_start else seconds,
+                                        restored=restored)
+        else:
+            metrics.observe_chunk(seconds, restored=restored)
 
     def _close_live(self) -> None:
         """The session's end: its live restores' staging buffers go (those no other session
