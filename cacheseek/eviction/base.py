@@ -37,6 +37,7 @@ import attrs
 
 from cacheseek.errors import ConfigError
 from cacheseek.kv.records import NO_RECORDS, ChunkRecords
+from cacheseek.registry import STORES
 
 __all__ = [
     "StoreUsage",
@@ -101,8 +102,6 @@ def store_label(store: Any) -> str:
     store). Bounded: one per store class, never a path or a key."""
     if store is None:
         return "none"
-    from cacheseek.registry import STORES
-
     return STORES.name_of(type(store)) or type(store).__name__.lower()
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from cacheseek.integrations.telefuser import serve_metrics
+from cacheseek.reuse.exact_prefix.telefuser_lingbot import serve_metrics
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "telefuser_live_sessions.py"
 

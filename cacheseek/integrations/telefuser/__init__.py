@@ -26,11 +26,6 @@ gets, and decodes restored latents as stored (`streaming`). A caller that drives
 scheduler itself (as TeleFuser's service does) calls `plan_controls(session_config, controls)`
 before creating the session. A layout it does not know raises `UnsupportedTeleFuserError`.
 
-Metrics: ``serve_metrics(manager, port=0)`` serves the manager's counters (a `CacheMetrics`
-shared by the bindings of its sessions) on ``http://127.0.0.1:PORT/metrics`` for Prometheus; a
-service with one worker process per GPU serves one port per worker (``port=base + rank``, or 0
-and the port it got logged). Off unless called.
-
 On every layout the binding fingerprints the DiT that created the runtime (`cacheseek.weights`,
 once per model): two checkpoints never share a namespace. Without `attach` and without a
 ``model_fingerprint``, the binding refuses a TeleFuser runtime (a `ConfigError` naming the fix).
@@ -53,10 +48,9 @@ from cacheseek.integrations.telefuser.layouts import (
 from cacheseek.integrations.telefuser.pypi_release import ReleasedHooks
 from cacheseek.integrations.telefuser.streaming import StreamingHooks
 from cacheseek.layout.telefuser_main import forget_controls, plan_controls
-from cacheseek.metrics_server import serve_metrics
 
 __all__ = ["TeleFuserLayout", "UnsupportedTeleFuserError", "attach", "detach", "detect_layout",
-           "forget_controls", "plan_controls", "serve_metrics", "unattached_release"]
+           "forget_controls", "plan_controls", "unattached_release"]
 
 _ATTR = "_cacheseek_hooks"
 _RELEASE_SESSION = "telefuser.pipelines.lingbot_world_fast.session"
