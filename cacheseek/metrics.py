@@ -250,15 +250,18 @@ class CacheMetrics:
     write_seconds = property(lambda self: float(self._transfer("write", "seconds")))
 
     # -- rendering ------------------------------------------------------------------------------
-    def snapshot(self) -> "CacheMetrics":
+    def snapshot(self, *, timeline: bool = False) -> "CacheMetrics":
         """A consistent copy of every counter (taken under the lock), with the store bound: what a
-        scrape and `as_dict` render, so that one rendering never mixes two moments."""
+        scrape and `as_dict` render, so that one rendering never mixes two moments. The usage
+        ``timeline`` is copied only when asked for (a scrape does not serve it)."""
         with self._lock:
             copy = CacheMetrics.__new__(CacheMetrics)
             for f in attrs.fields(CacheMetrics):
                 value = getattr(self, f.name)
                 if f.name == "_lock":
                     value = threading.Lock()
+                elif f.name == "timeline" and not timeline:
+                    value = []
                 elif isinstance(value, dict):
                     value = {k: (v.copy() if isinstance(v, Histogram) else v) for k, v in value.items()}
                 elif isinstance(value, list):
@@ -271,7 +274,7 @@ class CacheMetrics:
         (``store_used_bytes``, ``store_capacity_bytes``, ``store_peak_bytes``), its failed and
         pending writes and registration seconds. With ``timeline``, the usage samples as
         ``[t_s, used, capacity, event]`` too."""
-        m = self.snapshot()
+        m = self.snapshot(timeline=timeline)
         out: dict[str, Any] = {}
         for f in attrs.fields(CacheMetrics):
             if f.name.startswith("_") or f.name == "timeline" or isinstance(getattr(m, f.name), dict):
