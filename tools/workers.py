@@ -23,7 +23,8 @@ Metrics: ``metrics.port=P`` gives worker k a Prometheus endpoint on ``127.0.0.1:
 generation reuses the ports), ``metrics.port=0`` one the OS picks for each; each worker writes its
 URL to ``worker-gGwK.metrics`` in the work folder as soon as it serves, and into its result
 (``metrics_endpoint``); ``metrics.hold_s=S`` keeps each worker's endpoint up S seconds after its
-sessions (SIGTERM to the worker ends the wait). One endpoint per process: Prometheus scrapes each.
+sessions (SIGTERM to the worker ends the wait; the hold counts against ``--worker-timeout``). One
+endpoint per process: Prometheus scrapes each.
 
 ``--restart-after S``: the workers exit after their share of sessions ``0..S-1``, and a fresh set
 of N processes (empty tries) runs the rest: what a restart costs. ``--no-index`` sets
@@ -136,9 +137,13 @@ def _workload(cfg: Any) -> Any:
 
 
 def plan_size(overrides: list[str]) -> int:
-    """How many sessions the configured workload's plan has (a bad override raises here, as one
-    `ConfigError`, before any worker starts)."""
-    return len(_workload(_compose(overrides)).tree.plan)
+    """How many sessions the configured workload's plan has (a bad override, a bad ``metrics``
+    section included, raises here, as one `ConfigError`, before any worker starts)."""
+    from cacheseek.metrics_server import MetricsConfig
+
+    cfg = _compose(overrides)
+    MetricsConfig.from_conf(cfg.get("metrics"))
+    return len(_workload(cfg).tree.plan)
 
 
 def wait_for_all(ready_dir: Path, me: int, n: int, timeout_s: float) -> bool:
@@ -395,6 +400,10 @@ def _refusal(args: argparse.Namespace) -> Optional[str]:
             return f"{o}: pick the store with --store ({', '.join(STORES)}); its fields (store.KEY=VALUE) may follow"
         if key == "manager.shared_index.enabled":
             return f"{o}: use --no-index to turn the shared index off"
+        port = o.split("=", 1)[1] if key == "metrics.port" and "=" in o else ""
+        if port.isdigit() and 0 < int(port) and int(port) + args.workers - 1 > 65535:
+            return (f"{o}: worker k serves on port {port}+k, past 65535 with {args.workers} workers "
+                    "(fix: a lower port, or metrics.port=0)")
     if args.store not in FLUXON_STORES:
         if args.start_service or args.cluster_name or args.share_mem_path:
             return f"--start-service, --cluster-name and --share-mem-path are for --store {' or '.join(FLUXON_STORES)}"

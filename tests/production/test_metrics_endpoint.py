@@ -190,3 +190,15 @@ def test_the_cli_refuses_a_bad_metrics_section_with_one_line(tmp_path):
                          timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().splitlines()[-1].startswith("error: metrics.host: '10.1.2.3' is not a loopback address")
+
+
+@pytest.mark.parametrize("override, field", [("metrics.host=0.0.0.0", "error: metrics.host: "),
+                                             ("metrics.port=65535", "error: metrics.port=65535: worker k serves")])
+def test_workers_refuse_a_bad_metrics_section_before_any_worker_starts(tmp_path, override, field):
+    env = dict(os.environ, PYTHONPATH=str(REPO), HYDRA_FULL_ERROR="0")
+    workdir = tmp_path / "w"
+    out = subprocess.run([sys.executable, str(REPO / "tools" / "workers.py"), "--workers", "2", "--workdir",
+                          str(workdir), "metrics.port=0", override], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(field), out.stderr
+    assert not workdir.exists()
