@@ -194,11 +194,14 @@ def test_the_cli_refuses_a_bad_metrics_section_with_one_line(tmp_path):
 
 @pytest.mark.parametrize("override, field", [("metrics.host=0.0.0.0", "error: metrics.host: "),
                                              ("metrics.port=65535", "error: metrics.port=65535: worker k serves")])
-def test_workers_refuse_a_bad_metrics_section_before_any_worker_starts(tmp_path, override, field):
-    env = dict(os.environ, PYTHONPATH=str(REPO), HYDRA_FULL_ERROR="0")
+def test_workers_refuse_a_bad_metrics_section_before_any_worker_starts(tmp_path, capsys, override, field):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("workers_tool", REPO / "tools" / "workers.py")
+    workers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(workers)
     workdir = tmp_path / "w"
-    out = subprocess.run([sys.executable, str(REPO / "tools" / "workers.py"), "--workers", "2", "--workdir",
-                          str(workdir), "metrics.port=0", override], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr.strip().splitlines()[-1].startswith(field), out.stderr
+    assert workers.main(["--workers", "2", "--workdir", str(workdir), "metrics.port=0", override]) == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith(field), err
     assert not workdir.exists()
