@@ -38,6 +38,7 @@ from cacheseek.cli_help import CONF_DIR
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.hydra_errors import config_error_from_hydra
 from cacheseek.codecs.quality import store_codec
+from cacheseek.metrics_server import MetricsConfig, MetricsServer
 from cacheseek.orchestrator import build_stack
 from cacheseek.registry import LAYOUTS, import_backends
 
@@ -55,8 +56,13 @@ class GateFailed(RuntimeError):
 def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
     """The task: build the stack, run the workload, write results.json. Returns the results."""
     t0 = time.perf_counter()
+    metrics_cfg = MetricsConfig.from_conf(cfg.get("metrics"))  # a bad metrics section: refused before anything starts
     stack = build_stack(cfg, run_dir=run_dir, note=lambda line: print(line, flush=True), **objects)
+    server = None
     try:
+        if metrics_cfg.port is not None:
+            server = MetricsServer(stack.metrics, host=metrics_cfg.host, port=metrics_cfg.port).start()
+            print(f"metrics: serving {server.url}", flush=True)
         results = stack.workload.run(stack)
         flush = getattr(stack.store, "flush", None)
         if flush is not None:
@@ -68,7 +74,12 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
         results["layout"] = _layout_name(stack.layout)
         results["store_stats"] = _stats(stack.store)
         results["metrics"] = stack.metrics.as_dict()
+        results["metrics_endpoint"] = server.url if server is not None else None
         results["notes"] = stack.notes
+    except BaseException:
+        if server is not None:
+            server.close()
+        raise
     finally:
         stack.close()
     results["config"] = OmegaConf.to_container(cfg, resolve=True)
@@ -89,7 +100,15 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
         verdict += f" (LOSSY codec {','.join(results['codec']['lossy'])}: quality, not bit-exact)"
     runtime = " ".join(f"{k}={v}" for k, v in results["runtime"].items())
     print(f"{verdict}: {results.get('workload')} on store={stack.store_name} {runtime} "
-          f"({results['wall_s']:.2f} s) -> {run_dir / 'results.json'}")
+          f"({results['wall_s']:.2f} s) -> {run_dir / 'results.json'}", flush=True)
+    if server is not None:
+        try:
+            if metrics_cfg.hold_s:
+                print(f"metrics: still serving {server.url} for {metrics_cfg.hold_s:.0f} s (SIGTERM or Ctrl-C ends it)",
+                      flush=True)
+            server.hold(metrics_cfg.hold_s)
+        finally:
+            server.close()
     return results
 
 

@@ -1,27 +1,33 @@
 """`CacheMetrics`: the one stats object of a cache (a manager, the bindings and the store report
-into it); shown in the CLI report and written to ``results.json`` under ``"metrics"``.
+into it). The same counters are printed by the CLI (`cacheseek.report`), written to
+``results.json`` under ``"metrics"`` (`as_dict`) and served on the Prometheus endpoint
+(`cacheseek.prometheus`, ``metrics.port=``): one truth.
 
-Who records what:
+Each counter is one field, declared with what it is on the endpoint (`cacheseek.metric_fields`:
+adding a counter is one line here). Who records what:
 
-- the manager: the shared index (``index_*``: probes of the store's chunk records, chunks adopted
-  from them, records published; the store's own record counters and probe latency under
-  ``records``), lookups and their outcome (miss, below break-even, hit of depth K, full or
-  partial), a live session's chunks restored instead of computed (``live_lookups``, ``live_hits``
-  by chunk index, ``live_misses``, ``live_restore_failures``; each live restore also counts in
-  ``restores`` and ``restore_bytes``), restores (bytes, seconds, retries after invalidation, failures), writes (bytes and
-  seconds from ``put_async`` to the store's completion callback), dropped writes (store full after
-  eviction and one retry, or a write error), evictions and invalidations, and store usage after
-  every write and eviction pass (``timeline``);
-- the bindings: their hooks' failures, the sessions run uncached because the store was still
-  warming up (``sessions_bypassed_warming``), the chunks whose control had no key
-  (``action_key_errors``) and the chunks not cached because no control was known for them or an
-  earlier chunk (``chunks_unkeyed``: never keyed by a placeholder);
-- the store, read when the metrics are rendered (`as_dict`): its current usage (``usage()``),
-  failed and pending writes and its registration seconds (``stats``), where it offers them; a
-  tiered store's levels under ``tiers`` (usage, capacity, blobs, hits, writes, promotions,
-  demotions per tier; the manager counts its demotion passes and the room it makes for them here).
+- the manager: lookups (``kind`` ``prefix``: a session's planned chunks at its creation;
+  ``live``: one chunk of a live session as it starts) and their outcome (a hit of depth K, from a
+  tier; a miss, below break-even, values found gone, a failed restore), restores and writes
+  (bytes and seconds, per tier, as histograms: `record_transfer`), the shared index (``index_*``:
+  probes of the store's chunk records, chunks adopted from them, records published, claims and
+  waits; the store's own record counters and probe latency under ``records``), dropped writes
+  (store full after eviction and one retry, or a write error), evictions, demotions and
+  invalidations, and store usage after every write and eviction pass (``timeline``);
+- the bindings: their hooks' failures (by hook and exception type), the sessions run uncached
+  because the store was still warming up (``sessions_bypassed_warming``), the chunks whose
+  control had no key (``action_key_errors``) and the chunks not cached because no control was
+  known for them or an earlier chunk (``chunks_unkeyed``);
+- whoever drives sessions (the live-session workload): each session's time to first frame and
+  each chunk's wall, restored or computed (`observe_first_frame`, `observe_chunk`);
+- the store, read when the metrics are rendered: its usage and capacity (per level of a tiered
+  store), failed and pending writes, registration seconds, its chunk records' probe counters.
 
-Thread-safe: every update holds one lock. Times come from the manager's clock.
+A live restore is a lookup and a hit like a prefix restore: ``lookups``, ``hits`` and
+``hit_rate`` count both kinds; ``live_*`` and ``prefix_lookups`` are the parts.
+
+Thread-safe: every update holds one lock (a dict lookup and an addition or a histogram bucket:
+microseconds, nothing allocated but a new label key's first entry). Times come from the caller.
 """
 
 from __future__ import annotations
@@ -31,87 +37,137 @@ from typing import Any, Optional
 
 import attrs
 
-from cacheseek.eviction.base import store_usage
+from cacheseek.eviction.base import store_label, store_usage
+from cacheseek.histogram import BYTES_BUCKETS, SECONDS_BUCKETS, Histogram
+from cacheseek.metric_fields import counter, exports, histogram, labelled
 
-__all__ = ["CacheMetrics"]
+__all__ = ["CacheMetrics", "store_stats"]
 
 TIMELINE_MAX = 20_000  # samples kept (the oldest half is thinned when full)
+MAX_ERROR_KINDS = 32  # distinct (hook, exception type) labels; later kinds count as error="other"
 
 
 @attrs.define(eq=False)
 class CacheMetrics:
     """Counters of one cache; see the module docstring. ``as_dict()`` is the rendered form."""
 
-    lookups: int = 0
-    misses: int = 0
-    below_break_even: int = 0
-    hits: int = 0
+    prefix_lookups: int = counter("cacheseek_lookups_total", "Lookups, by kind: prefix (a session's planned "
+                                  "chunks at its creation) or live (one chunk of a live session).", kind="prefix")
+    live_lookups: int = counter("cacheseek_lookups_total", "", kind="live")
+    hits_by_kind_tier: dict = labelled("cacheseek_hits_total", "Lookups served from the cache, by kind and by the "
+                                       "tier that served them.", "kind", "tier")
+    misses: int = counter("cacheseek_lookup_misses_total", "Lookups not served, by kind and reason.",
+                          kind="prefix", reason="not_cached")
+    below_break_even: int = counter("cacheseek_lookup_misses_total", "", kind="prefix", reason="below_break_even")
+    live_not_cached: int = counter("cacheseek_lookup_misses_total", "", kind="live", reason="not_cached")
+    live_misses: int = counter("cacheseek_lookup_misses_total", "", kind="live", reason="values_gone")
+    restore_failures: int = counter("cacheseek_restore_failures_total", "Restores that failed (the chunks were "
+                                    "computed), by kind.", kind="prefix")
+    live_restore_failures: int = counter("cacheseek_restore_failures_total", "", kind="live")
+    restore_retries: int = counter("cacheseek_restore_retries_total", "Prefix restores retried shorter after "
+                                   "values were found gone.")
     full_hits: int = 0
     partial_hits: int = 0
     hits_by_depth: dict[int, int] = attrs.field(factory=dict)
     partial_hits_by_depth: dict[int, int] = attrs.field(factory=dict)
-    live_lookups: int = 0  # a live session's chunk started on a cursor with children
-    live_hits: int = 0  # ... and was restored instead of computed
     live_hits_by_chunk: dict[int, int] = attrs.field(factory=dict)
-    live_misses: int = 0  # ... whose values were found gone (invalidated; the chunk computed)
-    live_restore_failures: int = 0  # ... whose restore failed (the chunk computed)
-    restores: int = 0
-    restore_bytes: int = 0
-    restore_seconds: float = 0.0
-    restore_retries: int = 0
-    restore_failures: int = 0
-    index_probes: int = 0  # batched probes of the store's chunk records (the shared index)
+    transfer_bytes: dict = histogram("cacheseek_transfer_bytes", "Bytes of one restore (store to runtime) or "
+                                     "one chunk's write (runtime to store), by direction and tier.",
+                                     BYTES_BUCKETS, "direction", "tier")
+    transfer_seconds: dict = histogram("cacheseek_transfer_seconds", "Seconds of one restore (fetch to "
+                                       "publication) or write (put to the store's completion), by direction "
+                                       "and tier.", SECONDS_BUCKETS, "direction", "tier")
+    index_probes: int = 0  # the lookups' probes (the endpoint serves the records' own count, re-checks included)
     index_keys_probed: int = 0
-    index_adopted: int = 0  # chunks found there (another process's, or a previous run's) and adopted
-    index_published: int = 0  # records this manager published (its chunks made findable)
-    index_recheck_misses: int = 0  # restores whose chunk's record went while they read: a miss
-    index_claims: int = 0  # chunks a live session claimed before computing them (in flight, for others)
-    index_waits: int = 0  # live chunks that waited for another process's claimed chunk
-    index_wait_adopted: int = 0  # ... and were adopted from its record, not computed
-    index_wait_seconds: float = 0.0
-    writes: int = 0
-    write_bytes: int = 0
-    write_seconds: float = 0.0
-    reingest_kept: int = 0
-    dropped_writes: int = 0
-    store_full_retries: int = 0
-    evictions: int = 0
-    evicted_bytes: int = 0
-    eviction_passes: int = 0
-    eviction_errors: int = 0
-    demotions: int = 0
-    demoted_bytes: int = 0
-    demotion_passes: int = 0
-    demotion_errors: int = 0
-    evictions_for_demotion: int = 0  # victims moved out of a full tier to let a demotion in
-    demotion_no_room: int = 0  # a full tier in which no room could be made (all protected)
-    skeletons_freed: int = 0
-    invalidations: int = 0
-    hook_failures: int = 0
-    sessions_bypassed_warming: int = 0  # sessions run as with no cache: the store was still warming
-    action_key_errors: int = 0  # a later chunk's control had no key: the session ingested no further
-    chunks_unkeyed: int = 0  # chunks not cached: their control (or an earlier chunk's) was never known
-    hook_failures_by_hook: dict[str, int] = attrs.field(factory=dict)
+    index_adopted: int = counter("cacheseek_index_adopted_chunks_total", "Chunks found in the store's records "
+                                 "(another process's, or an earlier run's) and adopted.")
+    index_published: int = counter("cacheseek_index_published_records_total", "Chunk records this process "
+                                   "published (its chunks made findable).")
+    index_recheck_misses: int = counter("cacheseek_index_recheck_misses_total", "Restores whose chunk record "
+                                        "went while they read: a miss.")
+    index_claims: int = counter("cacheseek_index_claims_total", "Chunks a live session claimed before "
+                                "computing them.")
+    index_waits: int = counter("cacheseek_index_waits_total", "Live chunks that waited for another process's "
+                               "claimed chunk.")
+    index_wait_adopted: int = counter("cacheseek_index_wait_adopted_chunks_total", "... and were adopted from "
+                                      "its record, not computed.")
+    index_wait_seconds: float = counter("cacheseek_index_wait_seconds_total", "Seconds live chunks waited for "
+                                        "other processes' claimed chunks.", default=0.0)
+    reingest_kept: int = counter("cacheseek_reingest_kept_chunks_total", "Chunk writes skipped: the chunk was "
+                                 "already cached.")
+    dropped_writes: int = counter("cacheseek_dropped_writes_total", "Chunk writes dropped (store full after "
+                                  "eviction and one retry, or a write error).")
+    store_full_retries: int = counter("cacheseek_store_full_retries_total", "Writes retried after an "
+                                      "eviction pass made room.")
+    evictions: int = counter("cacheseek_evicted_chunks_total", "Chunks whose KV values were evicted.")
+    evicted_bytes: int = counter("cacheseek_evicted_bytes_total", "Bytes of evicted KV values.")
+    eviction_passes: int = counter("cacheseek_eviction_passes_total", "Eviction passes run.")
+    eviction_errors: int = counter("cacheseek_eviction_errors_total", "Evictions that failed (the value kept).")
+    demotions: int = counter("cacheseek_demoted_chunks_total", "Chunks moved down a tier of a tiered store.")
+    demoted_bytes: int = counter("cacheseek_demoted_bytes_total", "Bytes moved down a tier.")
+    demotion_passes: int = counter("cacheseek_demotion_passes_total", "Demotion passes run.")
+    demotion_errors: int = counter("cacheseek_demotion_errors_total", "Demotions that failed.")
+    evictions_for_demotion: int = counter("cacheseek_evictions_for_demotion_total", "Victims moved out of a "
+                                          "full tier to let a demotion in.")
+    demotion_no_room: int = counter("cacheseek_demotion_no_room_total", "Demotions that found no room below.")
+    skeletons_freed: int = counter("cacheseek_freed_latents_total", "Latents of dead subtrees freed.")
+    invalidations: int = counter("cacheseek_invalidated_chunks_total", "Chunks dropped because the store lost "
+                                 "their values.")
+    hook_failures_by_error: dict = labelled("cacheseek_hook_failures_total", "Runtime hooks of a binding that "
+                                            "raised (the runtime ran cold), by hook and exception type.",
+                                            "hook", "error")
+    sessions_bypassed_warming: int = counter("cacheseek_sessions_bypassed_warming_total", "Sessions run "
+                                             "uncached: the store was still warming up.")
+    action_key_errors: int = counter("cacheseek_action_key_errors_total", "Chunks whose control had no key (the "
+                                     "session ingested no further).")
+    chunks_unkeyed: int = counter("cacheseek_unkeyed_chunks_total", "Chunks not cached: no control was known "
+                                  "for them or an earlier chunk.")
+    first_frame_seconds: dict = histogram("cacheseek_session_first_frame_seconds", "A live session's time to "
+                                          "its first frame (creation and chunk 0), by whether chunk 0 was "
+                                          "restored or computed.", SECONDS_BUCKETS, "start")
+    chunk_seconds: dict = histogram("cacheseek_chunk_seconds", "Wall of one chunk of a live session after "
+                                    "chunk 0, restored or computed.", SECONDS_BUCKETS, "source")
     peak_used_bytes: int = 0
     timeline: list[tuple[float, int, Optional[int], str]] = attrs.field(factory=list)
     _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
     _store: Any = attrs.field(default=None, init=False, repr=False)
+    _store_label: str = attrs.field(default="none", init=False, repr=False)
     _t0: Optional[float] = attrs.field(default=None, init=False, repr=False)
-    _failure_kinds: set = attrs.field(factory=set, init=False, repr=False)
 
     # -- recording ------------------------------------------------------------------------------
     def bind_store(self, store: Any) -> None:
-        """The store whose usage and stats `as_dict` reads (the last one bound wins)."""
-        self._store = store
+        """The store whose usage and stats `as_dict` and the endpoint read (the last one bound wins)."""
+        self._store, self._store_label = store, store_label(store)
+        tiers = [self._store_label]
+        if store is not None and callable(getattr(store, "tier_usages", None)):  # a tiered store: its levels
+            tiers = [u.name for u in _safe(store.tier_usages) or ()] or tiers
+        with self._lock:  # every (kind, tier) served from the start, at 0
+            for key in ((kind, tier) for kind in ("prefix", "live") for tier in tiers):
+                self.hits_by_kind_tier.setdefault(key, 0)
+            for key in [("restore", tier) for tier in tiers] + [("write", self._store_label)]:
+                self.transfer_bytes.setdefault(key, Histogram(BYTES_BUCKETS))
+                self.transfer_seconds.setdefault(key, Histogram(SECONDS_BUCKETS))
+
+    @property
+    def store(self) -> Any:
+        return self._store
+
+    @property
+    def store_label(self) -> str:
+        """The bound store's tier label (its registry name: ``memory``, ``localdisk``, ...)."""
+        return self._store_label
 
     def add(self, **deltas: Any) -> None:
+        """Add to scalar counters by field name (``add(dropped_writes=1)``)."""
         with self._lock:
             for name, value in deltas.items():
                 setattr(self, name, getattr(self, name) + value)
 
-    def record_hit(self, depth: int, requested: int) -> None:
+    def record_hit(self, depth: int, requested: int, tier: Optional[str] = None) -> None:
+        """A prefix lookup restored ``depth`` of ``requested`` chunks from ``tier``."""
+        key = ("prefix", tier or self._store_label)
         with self._lock:
-            self.hits += 1
+            self.hits_by_kind_tier[key] = self.hits_by_kind_tier.get(key, 0) + 1
             self.hits_by_depth[depth] = self.hits_by_depth.get(depth, 0) + 1
             if depth < requested:
                 self.partial_hits += 1
@@ -119,20 +175,47 @@ class CacheMetrics:
             else:
                 self.full_hits += 1
 
-    def record_live_hit(self, chunk: int) -> None:
-        """Chunk ``chunk`` of a live session was restored instead of computed."""
+    def record_live_hit(self, chunk: int, tier: Optional[str] = None) -> None:
+        """Chunk ``chunk`` of a live session was restored (from ``tier``) instead of computed."""
+        key = ("live", tier or self._store_label)
         with self._lock:
-            self.live_hits += 1
+            self.hits_by_kind_tier[key] = self.hits_by_kind_tier.get(key, 0) + 1
             self.live_hits_by_chunk[chunk] = self.live_hits_by_chunk.get(chunk, 0) + 1
+
+    def record_transfer(self, direction: str, tier: Optional[str], nbytes: int, seconds: float) -> None:
+        """One restore (``direction="restore"``) or chunk write (``"write"``) of ``nbytes`` bytes
+        in ``seconds`` on ``tier`` (default: the bound store's label)."""
+        key = (direction, tier or self._store_label)
+        with self._lock:
+            self._observe(self.transfer_bytes, key, BYTES_BUCKETS, nbytes)
+            self._observe(self.transfer_seconds, key, SECONDS_BUCKETS, seconds)
+
+    def observe_first_frame(self, seconds: float, *, restored: bool) -> None:
+        """A live session's time to first frame; ``restored``: its chunk 0 was restored."""
+        with self._lock:
+            self._observe(self.first_frame_seconds, ("restored" if restored else "computed",), SECONDS_BUCKETS, seconds)
+
+    def observe_chunk(self, seconds: float, *, restored: bool) -> None:
+        """One chunk's wall (after chunk 0) of a live session, restored or computed."""
+        with self._lock:
+            self._observe(self.chunk_seconds, ("restored" if restored else "computed",), SECONDS_BUCKETS, seconds)
+
+    @staticmethod
+    def _observe(hists: dict, key: tuple, bounds: tuple[float, ...], value: float) -> None:
+        h = hists.get(key)
+        if h is None:
+            h = hists[key] = Histogram(bounds)
+        h.observe(value)
 
     def record_hook_failure(self, hook: str, kind: str) -> bool:
         """A runtime hook of a binding raised ``kind`` (an exception type; the runtime then runs
         cold). True for the first failure of this hook and kind: the one worth a log line."""
         with self._lock:
-            self.hook_failures += 1
-            self.hook_failures_by_hook[hook] = self.hook_failures_by_hook.get(hook, 0) + 1
-            first = (hook, kind) not in self._failure_kinds
-            self._failure_kinds.add((hook, kind))
+            key = (hook, kind)
+            first = key not in self.hook_failures_by_error
+            if first and len(self.hook_failures_by_error) >= MAX_ERROR_KINDS:
+                key = (hook, "other")
+            self.hook_failures_by_error[key] = self.hook_failures_by_error.get(key, 0) + 1
             return first
 
     def observe_usage(self, now: float, used: int, capacity: Optional[int], event: str) -> None:
@@ -145,30 +228,84 @@ class CacheMetrics:
                 self.timeline = self.timeline[: TIMELINE_MAX // 2 : 2] + self.timeline[TIMELINE_MAX // 2 :]
             self.timeline.append((now - self._t0, used, capacity, event))
 
+    # -- derived totals (read by callers and tests as attributes) --------------------------------
+    def _hits(self, kind: Optional[str] = None) -> int:
+        return sum(v for (k, _), v in self.hits_by_kind_tier.items() if kind is None or k == kind)
+
+    def _transfer(self, direction: str, what: str) -> Any:
+        hists = self.transfer_seconds if what == "seconds" else self.transfer_bytes
+        total = sum(getattr(h, "count" if what == "count" else "sum")
+                    for (d, _), h in hists.items() if d == direction)
+        return int(total) if what == "bytes" else total
+
+    lookups = property(lambda self: self.prefix_lookups + self.live_lookups)
+    hits = property(lambda self: self._hits())
+    live_hits = property(lambda self: self._hits("live"))
+    hook_failures = property(lambda self: sum(self.hook_failures_by_error.values()))
+    restores = property(lambda self: self._transfer("restore", "count"))
+    restore_bytes = property(lambda self: self._transfer("restore", "bytes"))
+    restore_seconds = property(lambda self: float(self._transfer("restore", "seconds")))
+    writes = property(lambda self: self._transfer("write", "count"))
+    write_bytes = property(lambda self: self._transfer("write", "bytes"))
+    write_seconds = property(lambda self: float(self._transfer("write", "seconds")))
+
     # -- rendering ------------------------------------------------------------------------------
-    def as_dict(self, *, timeline: bool = False) -> dict[str, Any]:
-        """Every counter, the store's usage (``store_used_bytes``, ``store_capacity_bytes``,
-        ``store_peak_bytes``), its failed and pending writes and registration seconds. With
-        ``timeline``, the usage samples as ``[t_s, used, capacity, event]`` too."""
+    def snapshot(self, *, timeline: bool = False) -> "CacheMetrics":
+        """A consistent copy of every counter (taken under the lock), with the store bound: what a
+        scrape and `as_dict` render, so that one rendering never mixes two moments. The usage
+        ``timeline`` is copied only when asked for (a scrape does not serve it)."""
         with self._lock:
-            out = {
-                f.name: getattr(self, f.name)
-                for f in attrs.fields(type(self))
-                if not f.name.startswith("_") and f.name != "timeline"
-            }
-            out["hits_by_depth"] = dict(sorted(self.hits_by_depth.items()))
-            out["partial_hits_by_depth"] = dict(sorted(self.partial_hits_by_depth.items()))
-            out["live_hits_by_chunk"] = dict(sorted(self.live_hits_by_chunk.items()))
-            out["hook_failures_by_hook"] = dict(sorted(self.hook_failures_by_hook.items()))
-            samples = list(self.timeline) if timeline else None
+            copy = CacheMetrics.__new__(CacheMetrics)
+            for f in attrs.fields(CacheMetrics):
+                value = getattr(self, f.name)
+                if f.name == "_lock":
+                    value = threading.Lock()
+                elif f.name == "timeline" and not timeline:
+                    value = []
+                elif isinstance(value, dict):
+                    value = {k: (v.copy() if isinstance(v, Histogram) else v) for k, v in value.items()}
+                elif isinstance(value, list):
+                    value = list(value)
+                object.__setattr__(copy, f.name, value)
+        return copy
+
+    def as_dict(self, *, timeline: bool = False) -> dict[str, Any]:
+        """Every counter, the derived totals, the histograms, the store's usage
+        (``store_used_bytes``, ``store_capacity_bytes``, ``store_peak_bytes``), its failed and
+        pending writes and registration seconds. With ``timeline``, the usage samples as
+        ``[t_s, used, capacity, event]`` too."""
+        m = self.snapshot(timeline=timeline)
+        out: dict[str, Any] = {}
+        for f in attrs.fields(CacheMetrics):
+            if f.name.startswith("_") or f.name == "timeline" or isinstance(getattr(m, f.name), dict):
+                continue
+            out[f.name] = getattr(m, f.name)
+        for name in ("lookups", "hits", "live_hits", "hook_failures", "restores", "restore_bytes",
+                     "restore_seconds", "writes", "write_bytes", "write_seconds"):
+            out[name] = getattr(m, name)
+        out["hits_by_depth"] = dict(sorted(m.hits_by_depth.items()))
+        out["partial_hits_by_depth"] = dict(sorted(m.partial_hits_by_depth.items()))
+        out["live_hits_by_chunk"] = dict(sorted(m.live_hits_by_chunk.items()))
+        out["chunks_restored"] = sum(k * v for k, v in m.hits_by_depth.items()) + out["live_hits"]
+        out["hits_by_tier"] = _by_last(m.hits_by_kind_tier)
+        by_hook: dict[str, int] = {}
+        for (hook, _), n in m.hook_failures_by_error.items():
+            by_hook[hook] = by_hook.get(hook, 0) + n
+        out["hook_failures_by_hook"] = dict(sorted(by_hook.items()))
+        out["hook_failures_by_error"] = {f"{h}:{e}": n for (h, e), n in sorted(m.hook_failures_by_error.items())}
+        out["histograms"] = {
+            spec.family: [{"labels": dict(zip(spec.label_names, key)), **h.as_dict()}
+                          for key, h in sorted(getattr(m, name).items())]
+            for name, spec in exports(CacheMetrics) if spec.kind == "histogram"}
         out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
-        store = self._store
-        usage = store_usage(store) if store is not None else None
+        store = m._store
+        usage = _safe(lambda: store_usage(store)) if store is not None else None
+        out["store"] = m._store_label
         out["store_used_bytes"] = usage.used_bytes if usage else None
         out["store_capacity_bytes"] = usage.capacity_bytes if usage else None
         peak = max(out["peak_used_bytes"], (usage.peak_bytes or 0) if usage else 0)
         out["store_peak_bytes"] = peak if usage else None
-        stats = _store_stats(store)
+        stats = store_stats(store)
         out["failed_writes"] = _first(stats, "failed_writes", "put_failures", default=0)
         out["pending_writes"] = _first(stats, "pending_writes", default=0)
         out["registration_seconds"] = _first(stats, "register_seconds", default=0.0)
@@ -177,24 +314,40 @@ class CacheMetrics:
             out["records"] = records.stats.as_dict()
         if isinstance(stats.get("tiers"), list):  # a tiered store: capacity and traffic per tier
             out["tiers"] = [{k: v for k, v in row.items() if k != "store"} for row in stats["tiers"]]
-        if samples is not None:
-            out["timeline"] = [list(s) for s in samples]
+        if timeline:
+            out["timeline"] = [list(s) for s in m.timeline]
         return out
 
 
-def _store_stats(store: Any) -> dict[str, Any]:
+def _by_last(counts: dict) -> dict[str, int]:
+    """``{(kind, tier): n}`` summed by tier."""
+    out: dict[str, int] = {}
+    for (_, tier), n in counts.items():
+        out[tier] = out.get(tier, 0) + n
+    return dict(sorted(out.items()))
+
+
+def _safe(read: Any) -> Any:
+    try:
+        return read()
+    except Exception:  # noqa: BLE001 - a closed store's usage is not worth a crash in a report or a scrape
+        return None
+
+
+def store_stats(store: Any) -> dict[str, Any]:
+    """The store's ``stats`` as a dict (``{}`` when it has none, or cannot say: closed)."""
     if store is None:
         return {}
     try:
         stats = getattr(store, "stats", None)
+        if stats is None:
+            return {}
+        if isinstance(stats, dict):
+            return stats
+        as_dict = getattr(stats, "as_dict", None)
+        return as_dict() if callable(as_dict) else {}
     except Exception:  # noqa: BLE001 - a closed store's stats are not worth a crash in a report
         return {}
-    if stats is None:
-        return {}
-    if isinstance(stats, dict):
-        return stats
-    as_dict = getattr(stats, "as_dict", None)
-    return as_dict() if callable(as_dict) else {}
 
 
 def _first(stats: dict[str, Any], *names: str, default: Any) -> Any:
@@ -202,3 +355,4 @@ def _first(stats: dict[str, Any], *names: str, default: Any) -> Any:
         if stats.get(name) is not None:
             return stats[name]
     return default
+

@@ -88,6 +88,12 @@ class Registry(Generic[T]):
     def names(self) -> list[str]:
         return sorted(self._targets)
 
+    def name_of(self, obj: Any) -> str | None:
+        """The name ``obj`` (a class or function) is registered under, without importing anything;
+        None when it is not registered."""
+        target = f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', '')}"
+        return next((name for name, t in self._targets.items() if t == target), None)
+
     def schema(self, name: str) -> type:
         self.get(name)
         return self._schemas[name]

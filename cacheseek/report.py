@@ -140,11 +140,18 @@ def _capacity(n: Any) -> str:
 def metrics_block(m: dict[str, Any]) -> str:
     """The `CacheMetrics` block of the CLI report (``results["metrics"]``), a few lines."""
     depths = ", ".join(f"K={k}: {v}" for k, v in m.get("hits_by_depth", {}).items()) or "none"
+    live = m.get("live_lookups", 0)
+    kinds = f" ({m['lookups'] - live} prefix, {live} live)" if live else ""
+    live_hits = f", {m['live_hits']} live" if live else ""
+    misses = m["misses"] + m.get("live_not_cached", 0) + m.get("live_misses", 0)
+    failed = m["restore_failures"] + m.get("live_restore_failures", 0)
     lines = [
-        f"metrics: {m['lookups']} lookups, {m['hits']} hits ({m['hit_rate']:.0%}; "
-        f"{m['full_hits']} full, {m['partial_hits']} partial), {m['misses']} misses, "
-        f"{m['below_break_even']} below break-even, {m['restore_failures']} failed restores",
-        f"  hits by depth: {depths}",
+        f"metrics: {m['lookups']} lookups{kinds}, {m['hits']} hits ({m['hit_rate']:.0%}; "
+        f"{m['full_hits']} full, {m['partial_hits']} partial{live_hits}), {misses} misses, "
+        f"{m['below_break_even']} below break-even, {failed} failed restores",
+        f"  hits by depth: {depths}"
+        + (f"; by tier: {', '.join(f'{k}: {v}' for k, v in m['hits_by_tier'].items())}"
+           if len(m.get("hits_by_tier") or {}) > 1 else ""),
         f"  restore: {fmt_bytes(m['restore_bytes'])} in {m['restore_seconds']:.3f} s ({m['restores']}), "
         f"{m['restore_retries']} retries; write: {fmt_bytes(m['write_bytes'])} in "
         f"{m['write_seconds']:.3f} s ({m['writes']}); registration {m['registration_seconds']:.3f} s",

@@ -52,6 +52,17 @@ class NamespaceConf:
 
 
 @dataclasses.dataclass
+class MetricsConf:
+    """``metrics``: the Prometheus endpoint (`cacheseek.metrics_server.MetricsConfig`): off while
+    ``port`` is null, 0 lets the OS pick; ``host`` must be a loopback address; ``hold_s``: keep
+    serving that long after the report (SIGTERM ends it early)."""
+
+    port: Optional[int] = None
+    host: str = "127.0.0.1"
+    hold_s: float = 0.0
+
+
+@dataclasses.dataclass
 class RootConf:
     runtime: Any = MISSING
     transfer: Any = MISSING
@@ -60,6 +71,7 @@ class RootConf:
     store: Any = None
     manager: ManagerConf = dataclasses.field(default_factory=ManagerConf)
     namespace: NamespaceConf = dataclasses.field(default_factory=NamespaceConf)
+    metrics: MetricsConf = dataclasses.field(default_factory=MetricsConf)
 
 
 ConfigStore.instance().store(name="root_schema", node=RootConf)

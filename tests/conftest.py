@@ -80,3 +80,47 @@ def gated():
         client.gate.set()
         store.close()
         client.close()
+
+
+class Scrape(dict):
+    """One scrape of a Prometheus endpoint: ``{(sample name, ((label, value), ...)): value}``."""
+
+    def get_value(self, name: str, **labels: str) -> float:
+        """The sample ``name{labels}``; a missing one fails the test with what is there."""
+        key = (name, tuple(sorted(labels.items())))
+        assert key in self, f"{name}{labels} not served; served: {sorted(k for k in self if k[0] == name)}"
+        return self[key]
+
+    def total(self, name: str, **labels: str) -> float:
+        """The sum of ``name`` over every sample whose labels include ``labels``."""
+        want = set(labels.items())
+        return sum(v for (n, ls), v in self.items() if n == name and want <= set(ls))
+
+    declared: set = set()
+
+    def families(self) -> set[str]:
+        """Every sample name served, and every family declared (one with no sample yet, as a
+        labelled counter before its first event, counts: its ``# TYPE`` line is served)."""
+        return {n for n, _ in self} | self.declared
+
+
+@pytest.fixture
+def scrape():
+    """``scrape(url) -> Scrape``: GET the endpoint over HTTP (bounded) and parse the exposition."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def _scrape(url: str) -> Scrape:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            assert resp.status == 200
+            text = resp.read().decode()
+        out = Scrape()
+        out.declared = set()
+        for family in text_string_to_metric_families(text):
+            out.declared.add(family.name + ("_total" if family.type == "counter" else ""))
+            for s in family.samples:
+                out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+        return out
+
+    return _scrape

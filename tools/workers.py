@@ -19,6 +19,13 @@ action per chunk (TeleFuser's service streams one action per chunk), ``stress`` 
 sessions on its thread pool. Each worker reports, per session, the chunks restored and whether
 the frames equal its cold run.
 
+Metrics: ``metrics.port=P`` gives worker k a Prometheus endpoint on ``127.0.0.1:P+k`` (a restarted
+generation reuses the ports), ``metrics.port=0`` one the OS picks for each; each worker writes its
+URL to ``worker-gGwK.metrics`` in the work folder as soon as it serves, and into its result
+(``metrics_endpoint``); ``metrics.hold_s=S`` keeps each worker's endpoint up S seconds after its
+sessions (SIGTERM to the worker ends the wait; the hold counts against ``--worker-timeout``). One
+endpoint per process: Prometheus scrapes each.
+
 ``--restart-after S``: the workers exit after their share of sessions ``0..S-1``, and a fresh set
 of N processes (empty tries) runs the rest: what a restart costs. ``--no-index`` sets
 ``manager.shared_index.enabled=false``: each worker finds only what its own trie holds (the
@@ -130,9 +137,13 @@ def _workload(cfg: Any) -> Any:
 
 
 def plan_size(overrides: list[str]) -> int:
-    """How many sessions the configured workload's plan has (a bad override raises here, as one
-    `ConfigError`, before any worker starts)."""
-    return len(_workload(_compose(overrides)).tree.plan)
+    """How many sessions the configured workload's plan has (a bad override, a bad ``metrics``
+    section included, raises here, as one `ConfigError`, before any worker starts)."""
+    from cacheseek.metrics_server import MetricsConfig
+
+    cfg = _compose(overrides)
+    MetricsConfig.from_conf(cfg.get("metrics"))
+    return len(_workload(cfg).tree.plan)
 
 
 def wait_for_all(ready_dir: Path, me: int, n: int, timeout_s: float) -> bool:
@@ -153,6 +164,7 @@ def wait_for_all(ready_dir: Path, me: int, n: int, timeout_s: float) -> bool:
 def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     """One worker: its stack on the shared store (empty trie), its sessions through the
     workload's loop; writes its result (rows, figures, metrics) to ``args.out``."""
+    from cacheseek.metrics_server import MetricsConfig, MetricsServer
     from cacheseek.orchestrator import build_stack
 
     t0 = time.monotonic()
@@ -160,12 +172,22 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     out, progress = Path(args.out), Path(args.out).with_suffix(".progress")
     cfg = _compose(list(args.overrides))
     wl = _workload(cfg)
+    metrics_cfg = MetricsConfig.from_conf(cfg.get("metrics")).with_port_offset(args.worker)
     stack = build_stack(cfg, run_dir=Path(args.workdir), workload=wl)
     marks: dict[str, float] = {"built_s": time.monotonic() - t0}
     result: dict[str, Any] = {"worker": args.worker, "generation": args.generation, "host": socket.gethostname(),
                               "pid": os.getpid(),
                               "store": stack.store_name, "store_class": type(stack.store).__name__,
-                              "sessions": sessions}
+                              "sessions": sessions, "metrics_endpoint": None}
+    server = None
+    if metrics_cfg.port is not None:  # one endpoint per worker process: port P+k, or one the OS picks
+        try:
+            server = MetricsServer(stack.metrics, host=metrics_cfg.host, port=metrics_cfg.port).start()
+        except BaseException:
+            stack.close()
+            raise
+        result["metrics_endpoint"] = server.url
+        out.with_suffix(".metrics").write_text(server.url + "\n")  # where to scrape it while it runs
 
     def on_ready() -> None:
         marks["references_s"] = time.monotonic() - t0 - marks["built_s"]
@@ -179,18 +201,24 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
             f.write(f"{row['name']}\n")
 
     try:
-        res = wl.run(stack, sessions, on_ready=on_ready, on_session=on_session)
-        stack.offers.flush()
-        result["metrics"] = stack.metrics.as_dict()
+        try:
+            res = wl.run(stack, sessions, on_ready=on_ready, on_session=on_session)
+            stack.offers.flush()
+            result["metrics"] = stack.metrics.as_dict()
+        finally:
+            stack.close()
+        figures = res[res["workload"]]
+        figures.pop("timeline", None)
+        result.update(workload=res["workload"], rows=res["requests"], figures=figures, summary=res["summary"],
+                      errors=list(figures.get("errors", [])), built_s=round(marks["built_s"], 3),
+                      references_s=round(marks.get("references_s", 0.0), 3),
+                      live_s=round(time.monotonic() - marks.get("live_at", t0), 3))
+        out.write_text(json.dumps(result, indent=2, default=str))
+        if server is not None:
+            server.hold(metrics_cfg.hold_s)  # a last scrape of this worker's final counters
     finally:
-        stack.close()
-    figures = res[res["workload"]]
-    figures.pop("timeline", None)
-    result.update(workload=res["workload"], rows=res["requests"], figures=figures, summary=res["summary"],
-                  errors=list(figures.get("errors", [])), built_s=round(marks["built_s"], 3),
-                  references_s=round(marks.get("references_s", 0.0), 3),
-                  live_s=round(time.monotonic() - marks.get("live_at", t0), 3))
-    out.write_text(json.dumps(result, indent=2, default=str))
+        if server is not None:
+            server.close()
     return result
 
 
@@ -250,8 +278,8 @@ def run_generation(gen: int, share: list[list[int]], overrides: list[str], workd
     for k, sessions in enumerate(share):
         name = f"g{gen}w{k}"
         out, logf = workdir / f"worker-{name}.json", workdir / f"worker-{name}.log"
-        out.unlink(missing_ok=True)
-        out.with_suffix(".progress").unlink(missing_ok=True)
+        for stale in (out, out.with_suffix(".progress"), out.with_suffix(".metrics")):
+            stale.unlink(missing_ok=True)
         cmd = [sys.executable, SCRIPT, "--worker", str(k), "--generation", str(gen), "--workers", str(len(share)),
                "--sessions", ",".join(map(str, sessions)), "--out", launcher.path(out),
                "--ready-dir", launcher.path(ready), "--workdir", launcher.path(workdir / f"run-{name}"),
@@ -372,6 +400,10 @@ def _refusal(args: argparse.Namespace) -> Optional[str]:
             return f"{o}: pick the store with --store ({', '.join(STORES)}); its fields (store.KEY=VALUE) may follow"
         if key == "manager.shared_index.enabled":
             return f"{o}: use --no-index to turn the shared index off"
+        port = o.split("=", 1)[1] if key == "metrics.port" and "=" in o else ""
+        if port.isdigit() and 0 < int(port) and int(port) + args.workers - 1 > 65535:
+            return (f"{o}: worker k serves on port {port}+k, past 65535 with {args.workers} workers "
+                    "(fix: a lower port, or metrics.port=0)")
     if args.store not in FLUXON_STORES:
         if args.start_service or args.cluster_name or args.share_mem_path:
             return f"--start-service, --cluster-name and --share-mem-path are for --store {' or '.join(FLUXON_STORES)}"
@@ -486,6 +518,10 @@ def coordinate(args: argparse.Namespace) -> int:
         rows = summary.pop("rows")
         if processes:
             print(table({**summary, "rows": rows}, processes))
+        endpoints = [f"g{p['generation']}w{p['worker']} {p['metrics_endpoint']}" for p in processes
+                     if p.get("metrics_endpoint")]
+        if endpoints:
+            print("metrics endpoints: " + ", ".join(endpoints))
         for f in failures:
             print(f"FAIL: {f}", flush=True)
         print(f"chunks restored: {_pct(summary['all'])}"

@@ -37,6 +37,7 @@ import attrs
 
 from cacheseek.errors import ConfigError
 from cacheseek.kv.records import NO_RECORDS, ChunkRecords
+from cacheseek.registry import STORES
 
 __all__ = [
     "StoreUsage",
@@ -45,6 +46,7 @@ __all__ = [
     "EvictionPolicy",
     "StoreOffers",
     "store_usage",
+    "store_label",
 ]
 
 
@@ -94,6 +96,15 @@ def store_usage(store: Any) -> Optional[StoreUsage]:
     )
 
 
+def store_label(store: Any) -> str:
+    """A store's tier label on the metrics: its registry name (``memory``, ``localdisk``,
+    ``fluxon_plan``, ``hbm``, ``tiered``, ...), else its class name in lower case (a caller's own
+    store). Bounded: one per store class, never a path or a key."""
+    if store is None:
+        return "none"
+    return STORES.name_of(type(store)) or type(store).__name__.lower()
+
+
 @attrs.frozen(slots=True)
 class StoreOffers:
     """What the manager and the stack use of a store beyond `TierStore`, probed once per store:
@@ -103,7 +114,9 @@ class StoreOffers:
     copies them itself), ``reads_paths`` (and restores whole paths into device views),
     ``reads_layers`` (``get_layers``: a generic tier's layers of one restore in one call); ``close`` and
     ``flush`` (no-ops where it has none), the fix to print when its capacity cannot hold a chunk, and its chunk
-    ``records`` (`ChunkRecords`: the shared index; `NO_RECORDS` where it keeps none)."""
+    ``records`` (`ChunkRecords`: the shared index; `NO_RECORDS` where it keeps none); its metrics
+    ``label`` (`store_label`) and ``served_tier()``: the level that served this thread's last
+    restore (a tiered store's ``served_tier``; None elsewhere: the store itself)."""
 
     contains: bool
     reconciles: bool
@@ -116,6 +129,8 @@ class StoreOffers:
     capacity_fix: str
     records: ChunkRecords = NO_RECORDS
     reads_layers: bool = False
+    label: str = "store"
+    served_tier: Callable[[], Optional[str]] = attrs.field(default=lambda: None)
 
     @classmethod
     def of(cls, store: Any) -> "StoreOffers":
@@ -128,10 +143,15 @@ class StoreOffers:
                    device_views=views, reads_paths=has("read_path") and views,
                    close=getattr(store, "close", None) or _nothing, flush=getattr(store, "flush", None) or _nothing,
                    capacity_fix=getattr(store, "capacity_fix", "give the store more room"),
-                   records=getattr(store, "records", None) or NO_RECORDS, reads_layers=has("get_layers"))
+                   records=getattr(store, "records", None) or NO_RECORDS, reads_layers=has("get_layers"),
+                   label=store_label(store), served_tier=getattr(store, "served_tier", None) or _no_tier)
 
 
 def _nothing() -> None:
+    return None
+
+
+def _no_tier() -> Optional[str]:
     return None
 
 

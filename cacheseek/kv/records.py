@@ -40,6 +40,7 @@ import attrs
 import xxhash
 
 from cacheseek.errors import CorruptValueError
+from cacheseek.histogram import SECONDS_BUCKETS, Histogram
 from cacheseek.kv.locators import blob_keys, kv_locator
 from cacheseek.kv.claims import ChunkClaim, claim_name
 
@@ -191,7 +192,8 @@ def decode_record(node_key: bytes, data: bytes) -> ChunkRecord:
 @attrs.define
 class RecordStats:
     """Counters of one store's records: what the shared index did for this process.
-    ``probe_seconds``: the latency of each batched probe (the last 4096), for percentiles."""
+    ``probe_seconds``: the latency of each batched probe (the last 4096), for percentiles;
+    ``probe_latency``: all of them, bucketed (the metrics endpoint's histogram)."""
 
     probes: int = 0
     probe_keys: int = 0
@@ -206,9 +208,14 @@ class RecordStats:
     claims_held_elsewhere: int = 0  # claims found held by another process (the caller may wait)
     claim_errors: int = 0
     probe_seconds: list = attrs.field(factory=list, repr=False)
+    probe_latency: Histogram = attrs.field(factory=lambda: Histogram(SECONDS_BUCKETS), repr=False)
+
+    def copy(self) -> "RecordStats":
+        """A copy (the caller holds the records' lock)."""
+        return attrs.evolve(self, probe_seconds=list(self.probe_seconds), probe_latency=self.probe_latency.copy())
 
     def as_dict(self) -> dict[str, Any]:
-        out = attrs.asdict(self)
+        out = attrs.asdict(self, filter=lambda a, _: a.name != "probe_latency")
         lat = sorted(out.pop("probe_seconds"))
         out["probe_p50_ms"] = _pct(lat, 0.50)
         out["probe_p99_ms"] = _pct(lat, 0.99)
@@ -233,6 +240,11 @@ class ChunkRecords:
     def __init__(self) -> None:
         self.stats = RecordStats()
         self._lock = threading.Lock()
+
+    def stats_snapshot(self) -> RecordStats:
+        """A consistent copy of ``stats`` (what a metrics scrape reads)."""
+        with self._lock:
+            return self.stats.copy()
 
     # -- the raw operations a shared store implements --------------------------------------------
 
@@ -302,6 +314,7 @@ class ChunkRecords:
                 self.stats.probe_keys += n
                 lat = self.stats.probe_seconds
                 lat.append(dt)
+                self.stats.probe_latency.observe(dt)
                 if len(lat) > 4096:
                     del lat[: len(lat) - 4096]
         out: list[Optional[ChunkRecord]] = []

@@ -13,7 +13,7 @@ The verdict, like the gate's: every session's frame hashes equal a cold run of t
 on no cache (one reference per distinct path, computed first). Reported: hits by chunk index
 (``live_hits_by_chunk`` in the metrics), chunks restored mid-session, per-chunk time of restored
 and of computed chunks (each ``generate`` of one chunk, timed from the caller; on CUDA after a
-synchronize), time to first frame (creation plus chunk 0) of sessions whose first chunk was
+synchronize; also in the metrics, ``cacheseek_chunk_seconds``), time to first frame (creation plus chunk 0) of sessions whose first chunk was
 restored and of those that computed it, one row per session, and a plot (``interactive.png`` in
 the run folder, where matplotlib is installed) of the hit rate and the chunk times by index.
 
@@ -93,6 +93,8 @@ class InteractiveWorkload:
                     errors.append(f"session {i}: {type(exc).__name__}: {exc}")
                     hashes, times = [], []
                 restored = set(binding.restored_chunks)
+                for idx, t in enumerate(times):
+                    binding.chunk_finished(idx, t)  # the metrics (unless attach's seam timed the chunk already)
                 for idx, t in enumerate(times[1:], start=1):
                     (restored_s if idx in restored else computed_s).append(t)
                 if times:

@@ -18,15 +18,17 @@ PACKAGE = Path(cacheseek.__file__).parent
 
 # Top-level module or subpackage of ``cacheseek`` -> layer. Imports go strictly downward.
 LAYERS = {
-    "errors": 0,
+    "errors": 0, "histogram": 0,
     "sizes": 1, "registry": 1, "kv": 1, "progress": 1, "schema": 1, "weights": 1, "bounded_calls": 1,
+    "metric_fields": 1,
     "sizing": 2, "namespace": 2, "codecs": 2, "eviction": 2, "transfer": 2, "fluxon": 2, "layout": 2,
     "hydra_errors": 2,
     "metrics": 3, "plan": 3, "integrations": 3, "fluxon_service": 3,
-    "runtime": 4, "stores": 4,
-    "reuse": 5,
-    "workloads": 6, "orchestrator": 6,
-    "report": 7, "cli_help": 7, "sweep": 8, "cli": 8, "__main__": 9,
+    "runtime": 4, "stores": 4, "prometheus": 4,
+    "metrics_server": 5,
+    "reuse": 6,
+    "workloads": 7, "orchestrator": 7,
+    "report": 8, "cli_help": 8, "sweep": 9, "cli": 9, "__main__": 10,
 }
 
 

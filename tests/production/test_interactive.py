@@ -31,7 +31,8 @@ def test_live_sessions_restore_their_cached_path_and_match_a_cold_run(compose_cf
     assert all(r["verdict"] == "ok" for r in results["requests"]) and f["sessions"] == 12
     m = results["metrics"]
     assert m["live_hits"] == f["chunks_restored"] > 0 and m["live_restore_failures"] == 0
-    assert sum(m["live_hits_by_chunk"].values()) == m["live_hits"] and m["lookups"] == 0  # nothing planned
+    assert sum(m["live_hits_by_chunk"].values()) == m["live_hits"] == m["hits"]  # nothing planned: every hit is live
+    assert m["lookups"] == m["live_lookups"] == f["chunks_total"] and m["prefix_lookups"] == 0  # a live restore is a lookup
     assert f["chunks_restored"] == sum(r["hit_depth"] for r in results["requests"])
     # the first session computes; the same path again restores every chunk
     assert results["requests"][0]["hit_depth"] == 0

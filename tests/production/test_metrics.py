@@ -36,6 +36,9 @@ KEYS = {
     "store_used_bytes", "store_capacity_bytes", "store_peak_bytes", "peak_used_bytes",
     "index_probes", "index_keys_probed", "index_adopted", "index_published", "index_recheck_misses",
     "index_claims", "index_waits", "index_wait_adopted", "index_wait_seconds",
+    # issue 34: the parts of lookups and hits, per tier and per hook/error, the histograms, the store's label
+    "prefix_lookups", "live_not_cached", "chunks_restored", "hits_by_tier", "hook_failures_by_error",
+    "histograms", "store",
 }  # and "records" where the store's chunk records are shared (the memory and LocalDisk tiers)
 
 
@@ -74,7 +77,8 @@ def test_one_object_shared_by_managers_and_safe_across_threads():
 
     def work():
         for _ in range(2000):
-            metrics.add(lookups=1, restore_bytes=3)
+            metrics.add(prefix_lookups=1)
+            metrics.record_transfer("restore", None, 3, 0.001)
             metrics.record_hit(2, 5)
 
     threads = [threading.Thread(target=work) for _ in range(4)]

@@ -13,7 +13,8 @@ binding's `ChunkWindow`): on the release and the hooked commit the chunk runs ne
 thread, so the seam lets the binding restore it there.
 
 `NextChunkSeam` wraps ``generate_next_chunk`` of one release or hooked pipeline instance (the
-integration's hooks install it); main's seam is in `cacheseek.integrations.telefuser.streaming`.
+integration's hooks install it) and reports each chunk's wall to the binding (``chunk_finished``:
+the metrics' per-chunk wall and time to first frame); main's seam is in `cacheseek.integrations.telefuser.streaming`.
 A `ControlMismatchError` (a chunk restored for its planned control run with another one)
 propagates to the caller of ``generate_next_chunk`` / ``try_submit_chunk``: the run stops rather
 than show the planned control's frames. Every other failure is the binding's to count.
@@ -21,6 +22,7 @@ than show the planned control's frames. Every other failure is the binding's to 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -56,12 +58,19 @@ class NextChunkSeam:
 
     def __call__(self, runtime: Any, *args: Any, **kwargs: Any) -> Any:
         binding = getattr(runtime, "world_kv_binding", None)
-        if binding is not None and int(runtime.current_chunk_index) < len(runtime.noise_chunks):
-            override = kwargs.get("control_override", args[0] if args else None)
-            control = released_chunk_control(runtime, override)
-            with torch.inference_mode():  # the ring is an inference tensor: a restore writes it here
-                report(binding, runtime, int(runtime.current_chunk_index), control, may_restore=True)
-        return self.inner(runtime, *args, **kwargs)
+        idx = int(runtime.current_chunk_index)
+        if binding is None or idx >= len(runtime.noise_chunks):
+            return self.inner(runtime, *args, **kwargs)
+        t0 = time.perf_counter()
+        override = kwargs.get("control_override", args[0] if args else None)
+        control = released_chunk_control(runtime, override)
+        with torch.inference_mode():  # the ring is an inference tensor: a restore writes it here
+            report(binding, runtime, idx, control, may_restore=True)
+        out = self.inner(runtime, *args, **kwargs)
+        finished = getattr(binding, "chunk_finished", None)  # a caller's own binding may not time chunks
+        if finished is not None:
+            finished(idx, time.perf_counter() - t0, since_session_start=True)
+        return out
 
 
 class OverrideSeam:

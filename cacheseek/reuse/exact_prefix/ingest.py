@@ -90,8 +90,8 @@ class Ingestor:
                 if handle.error is None:
                     handle.ready = True
                 node.last_access = ctx.clock()
-            ctx.metrics.add(writes=1, write_bytes=handle.nbytes or nbytes,
-                            write_seconds=time.perf_counter() - t0)
+            ctx.metrics.record_transfer("write", ctx.offers.label, handle.nbytes or nbytes,
+                                        time.perf_counter() - t0)
 
         try:
             lat_loc = latent_locator(node_key)

@@ -27,13 +27,15 @@ whose control is never named is not cached, nor are the session's later chunks
 `LiveChunks` is a mixin of `LingBotWorldKVBinding`: it reads and moves the session's state that
 the binding keeps (``_keys``, ``_cursor``, ``_ns``, ``ring``, ``layout``, ``manager``,
 ``last_fast_forward``, ``ingest_enabled``, ``bytes_restored``) and keeps its own: ``_restored``
-(chunks restored mid-session) and ``_unkeyed_from`` (the first chunk no control was named for).
+(chunks restored mid-session), ``_unkeyed_from`` (the first chunk no control was named for) and
+what `chunk_finished` timed (``_timed``, ``_session_t0``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any, Optional
 
 from cacheseek.errors import ControlMismatchError
@@ -57,11 +59,32 @@ class LiveChunks:
     _claimed = False  # whether the session asked the shared index to claim a chunk
 
     def _reset_live(self) -> None:
-        """A new session: nothing restored mid-session, every control still to be named; the
-        claims a previous session of this binding still holds go."""
+        """A new session: nothing restored mid-session, every control still to be named, no
+        chunk timed; the claims a previous session of this binding still holds go."""
         self._release_claims()
         self._restored = set()
         self._unkeyed_from = None
+        self._timed = set()
+        self._session_t0 = time.perf_counter()
+
+    def chunk_finished(self, idx: int, seconds: float, *, since_session_start: bool = False) -> None:
+        """Chunk ``idx`` finished (its frames are out) after ``seconds`` of wall as its driver
+        timed it: the metrics' ``cacheseek_chunk_seconds`` (restored or computed), and for chunk 0
+        the session's time to first frame (``since_session_start``: measured from this
+        session's start here, the binding's creation hook, instead of ``seconds``). Counted once
+        per chunk: the first driver to report it wins (attach's seam, inside a caller that
+        times the same chunk). Never raises."""
+        timed = self._timed
+        if idx in timed or idx < 0:
+            return
+        timed.add(idx)
+        restored = idx in self._restored or idx < self.last_fast_forward
+        metrics = self.manager.metrics
+        if idx == 0:
+            metrics.observe_first_frame(time.perf_counter() - self._session_t0 if since_session_start else seconds,
+                                        restored=restored)
+        else:
+            metrics.observe_chunk(seconds, restored=restored)
 
     def _close_live(self) -> None:
         """The session's end: its live restores' staging buffers go (those no other session
@@ -155,21 +178,28 @@ class LiveChunks:
 
     def _restore_chunk(self, runtime: Any, idx: int, *, publish_latent: bool) -> Any:
         """Restore chunk ``idx`` when the cursor sits at depth ``idx - 1`` with a ready child for
-        its key (computed here only when the cursor has children): its latent, or None."""
+        its key (computed here only when the cursor has children): its latent, or None. Each
+        chunk that reaches here is a lookup in the metrics (``live_lookups``): a hit, or a miss
+        (``live_not_cached``, ``live_misses``) or a failure (``live_restore_failures``)."""
         parent = self._cursor
         index = self.manager.index
-        if self._ns is None or parent is None or parent.depth != idx - 1 or not (parent.children or index.active):
+        if self._ns is None or parent is None or parent.depth != idx - 1:
             return None
-        self.manager.metrics.add(live_lookups=1)
+        self.manager.metrics.add(live_lookups=1)  # every live chunk on the session's path is a lookup
+        if not (parent.children or index.active):  # nothing below the cursor, nowhere else to ask
+            self.manager.metrics.add(live_not_cached=1)
+            return None
         try:
             action = self._keys[idx]
         except ValueError:  # no key: the chunk is computed, and its ingest says why
+            self.manager.metrics.add(live_not_cached=1)
             return None
         child = index.child(self._ns, parent, action)  # the local trie's, else the store's record of it
         if child is None and self.ingest_enabled and index.active:
             self._claimed = True
             child = index.claim_or_wait(self._ns, parent, action, self)  # in flight elsewhere: wait for it
         if child is None:
+            self.manager.metrics.add(live_not_cached=1)
             return None
         k, _ = self.layout.layers(runtime)[0]
         shape = (1, self.ring.chunk_size * self.ring.frame_tokens, int(k.shape[2]), int(k.shape[3]))

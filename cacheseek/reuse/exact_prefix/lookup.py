@@ -44,7 +44,7 @@ class FastForward:
         self, root_hash: bytes, actions: Sequence[ActionKey], window: RestoreWindow
     ) -> FastForwardResult:
         ctx = self.ctx
-        ctx.metrics.add(lookups=1)
+        ctx.metrics.add(prefix_lookups=1)
         ctx.forest.begin_session(root_hash)
         requested = len(actions)
         limit = requested
@@ -58,7 +58,7 @@ class FastForward:
                 return cold(match.namespace)
             outcome = self._restore(match.node, window, match.matched_len)
             if outcome is not None and outcome.ok:
-                ctx.metrics.record_hit(match.matched_len, requested)
+                ctx.metrics.record_hit(match.matched_len, requested, outcome.tier)
                 self.demoter.demote_tiers(protect=match.node)
                 return FastForwardResult(match.matched_len, match.node, match.namespace)
             if outcome is None or not outcome.retryable:
@@ -78,7 +78,7 @@ class FastForward:
         ctx = self.ctx
         outcome = self._restore(node, window, node.depth + 1, chunk_only=True)
         if getattr(window, "published", outcome is not None and outcome.ok):
-            ctx.metrics.record_live_hit(node.depth)
+            ctx.metrics.record_live_hit(node.depth, outcome.tier if outcome is not None else None)
             self.demoter.demote_tiers(protect=node)
             return True
         ctx.metrics.add(**{"live_misses" if outcome is not None else "live_restore_failures": 1})

@@ -64,11 +64,12 @@ class RestoreWindow(Protocol):
 class Outcome:
     """One restore attempt: ``ok``; else ``missing`` (nodes whose values are gone, by depth;
     empty when the store cannot say) or ``not_whole`` (the trie changed under us: a path node
-    lost its blob)."""
+    lost its blob). A success names the ``tier`` that served it (the metrics' label)."""
 
     ok: bool
     missing: tuple[TrieNode, ...] = ()
     not_whole: bool = False
+    tier: str = ""
 
     @property
     def retryable(self) -> bool:
@@ -125,12 +126,14 @@ class Restorer:
                 missing = tuple(n for n, _ in bad)
                 return Outcome(False, missing)
             t0 = time.perf_counter()
+            tier = ctx.offers.label
             try:
                 if ctx.offers.reads_paths and hasattr(window, "restore_target"):
                     target = window.restore_target(len(path), [n.depth for n in win])
                     if not ctx.store.read_path(path, win, target):
                         missing = self.invalidator.find_missing(path, win, None)
                         return Outcome(False, missing)
+                    tier = ctx.offers.served_tier() or tier
                     nbytes = int(getattr(window, "bytes_restored", 0) or 0)
                 else:
                     fetched = self._fetch_generic(path, win, window)
@@ -163,8 +166,8 @@ class Restorer:
             with ctx.forest.lock:
                 for n in path:
                     n.last_access = now
-            ctx.metrics.add(restores=1, restore_bytes=nbytes, restore_seconds=time.perf_counter() - t0)
-            return OK
+            ctx.metrics.record_transfer("restore", tier, nbytes, time.perf_counter() - t0)
+            return Outcome(True, tier=tier)
         finally:
             self.release(path, missing)
 

@@ -46,6 +46,11 @@ Restore publication is the window's ``set_resume_depth``, called by the manager 
 input was fetched and copied (`PrefixWindow`, `ChunkWindow`): a failure before it leaves the
 runtime's state (cursors, ``ring[:local_end]``, latents, RNG) exactly as before.
 
+Metrics: the bindings of one manager count into its `CacheMetrics`; ``serve_metrics(manager,
+port=0)`` (re-exported here from `cacheseek.metrics_server`) serves them on
+``http://127.0.0.1:PORT/metrics`` for Prometheus, one port per worker process of a service
+(``port=base + rank``, or 0 and the port it got, ``server.url``). Off unless called.
+
 What goes to the store on write depends on its capability: a `PathReadStore` gets detached views
 of the ring tail (it copies before the hook returns); a generic tier gets owned CPU snapshots.
 """
@@ -63,6 +68,7 @@ from cacheseek.integrations.telefuser import unattached_release
 from cacheseek.kv.ring import RingGeometry
 from cacheseek.layout.auto import layout_name_of_runtime
 from cacheseek.layout.bshd import BshdLayout
+from cacheseek.metrics_server import serve_metrics
 from cacheseek.registry import LAYOUTS
 from cacheseek.reuse.exact_prefix.actions import action_bytes
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
@@ -77,7 +83,7 @@ from cacheseek.reuse.exact_prefix.types import TrieNode
 
 log = logging.getLogger(__name__)
 
-__all__ = ["make_full_kv_config", "make_rolling_config", "LingBotWorldKVBinding", "action_bytes"]
+__all__ = ["make_full_kv_config", "make_rolling_config", "LingBotWorldKVBinding", "action_bytes", "serve_metrics"]
 
 
 _DEFAULT_MODEL_FINGERPRINT = b"lingbot-world-fast"

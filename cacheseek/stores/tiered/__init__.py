@@ -207,6 +207,11 @@ class TieredStore:
         self._book.reap()
         return read.read_path(self._book, path, window, target, promote=self.promote)
 
+    def served_tier(self) -> Optional[str]:
+        """The level (its registry name) that served this thread's last `read_path`, for the
+        metrics' per-tier hits and restore histograms; None when it served none."""
+        return getattr(self._book.served, "name", None)
+
     def get_skeleton(self, locator: str, *args: Any, **kwargs: Any) -> Any:
         """The latent from the nearest level holding it (None when none does)."""
         self._check_open()

@@ -36,6 +36,7 @@ def read_path(book: Residency, path: Sequence[ChunkNode], window: Sequence[Chunk
     """Restore ``path`` (its ``window`` nodes' KV) into ``target`` from the nearest level
     holding all of it; then, with ``promote``, copy it into level 0. False when no level can."""
     path, window = list(path), list(window)
+    book.served.name = None
     if any(n.blob is None or n.skeleton is None for n in window) or any(n.skeleton is None for n in path):
         return False
     recs = [book.copies(n.blob) for n in window]
@@ -59,6 +60,7 @@ def read_path(book: Residency, path: Sequence[ChunkNode], window: Sequence[Chunk
             _forget_missing(book, lv.index, path, window)
             continue
         book.count(lv.index, hits=1, hit_seconds=time.perf_counter() - t0)
+        book.served.name = lv.name
         if lv.index > 0 and promote:
             promote_path(book, lv.index, path, window, recs, target)
         return True

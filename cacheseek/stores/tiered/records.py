@@ -71,6 +71,9 @@ class TieredRecords(ChunkRecords):
     def find(self, node_keys: Sequence[bytes]) -> list[Optional[ChunkRecord]]:
         return self.inner.find(node_keys)
 
+    def stats_snapshot(self):
+        return self.inner.stats_snapshot()
+
     def retract(self, node_key: bytes, *, counted: bool = True) -> None:
         self.forget(kv_locator(node_key))
         self.inner.retract(node_key, counted=counted)

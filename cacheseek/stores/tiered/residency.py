@@ -69,6 +69,7 @@ class Residency:
     def __init__(self, levels: Sequence[Level]) -> None:
         self.levels = list(levels)
         self.lock = threading.RLock()
+        self.served = threading.local()  # .name: the level that served this thread's last read_path
         self.blobs: dict[str, Copies] = {}
         self.latents: dict[str, set] = {}
         self.probed: dict[str, set] = {}  # latents this store did not write
