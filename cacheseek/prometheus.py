@@ -10,7 +10,8 @@ scrape takes one consistent `CacheMetrics.snapshot` and renders
   ``cacheseek_restored_chunks_total`` (by kind) and ``cacheseek_written_chunks_total`` (by tier);
 - what the store reports when scraped: ``cacheseek_store_used_bytes``,
   ``cacheseek_store_capacity_bytes`` (absent for an unbounded store),
-  ``cacheseek_store_peak_bytes``, ``cacheseek_store_chunks`` (per level of a tiered store),
+  ``cacheseek_store_peak_bytes``, ``cacheseek_store_codec_info`` (each codec in use, lossy or not),
+  ``cacheseek_store_chunks`` (per level of a tiered store),
   ``cacheseek_pending_writes``, ``cacheseek_failed_writes_total``,
   ``cacheseek_registration_seconds_total``, a tiered store's per-level writes, promotions and
   demotions, and its chunk records' probes (``cacheseek_index_probe_keys_total{result}``,
@@ -28,6 +29,7 @@ from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
+from cacheseek.codecs.quality import store_codec
 from cacheseek.eviction.base import store_usage
 from cacheseek.histogram import DEPTH_BUCKETS, Histogram
 from cacheseek.metric_fields import Export, exports
@@ -44,6 +46,8 @@ DERIVED: dict[str, tuple[str, str]] = {
     "cacheseek_store_used_bytes": ("gauge", "Bytes the store holds, by tier."),
     "cacheseek_store_capacity_bytes": ("gauge", "The store's capacity in bytes, by tier (absent: unbounded)."),
     "cacheseek_store_peak_bytes": ("gauge", "The most bytes the store held, by tier."),
+    "cacheseek_store_codec_info": ("gauge", "1 for each KV codec the store encodes values with (store.codec), "
+                                   "with lossy=\"true\" for a quantizing one: its restores are not bit-exact."),
     "cacheseek_store_chunks": ("gauge", "Chunks a level of a tiered store holds, by tier."),
     "cacheseek_pending_writes": ("gauge", "Writes the store has not completed yet."),
     "cacheseek_failed_writes_total": ("counter", "Writes the store failed (nothing of the chunk kept)."),
@@ -177,6 +181,11 @@ def _store_families(m: CacheMetrics) -> Iterator[Metric]:
                 cap.add_metric([m.store_label], usage.capacity_bytes)
             peak.add_metric([m.store_label], max(m.peak_used_bytes, usage.peak_bytes or 0))
     yield from (used, cap, peak)
+    codec = store_codec(store)
+    info = _gauge("cacheseek_store_codec_info", ["codec", "lossy"])
+    for name in codec["names"]:
+        info.add_metric([name, str(name in codec["lossy"]).lower()], 1)
+    yield info
     pending = _gauge("cacheseek_pending_writes", [])
     pending.add_metric([], stats.get("pending_writes") or 0)
     yield pending

@@ -205,3 +205,17 @@ def test_workers_refuse_a_bad_metrics_section_before_any_worker_starts(tmp_path,
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith(field), err
     assert not workdir.exists()
+
+
+@pytest.mark.parametrize("codec, lossy", [("int8", "true"), ("lossless", "false")])
+def test_the_store_codec_is_served_and_a_lossy_one_is_labelled(compose_cfg, tmp_path, scrape, codec, lossy):
+    """Issue 36: a quantizing codec is labelled lossy in the metrics, as in results.json."""
+    cfg = compose_cfg("+store=memory", f"store.codec={codec}", *RING)
+    stack = build_stack(cfg, run_dir=tmp_path)
+    with MetricsServer(stack.metrics, port=0) as server:
+        try:
+            s = scrape(server.url)
+        finally:
+            stack.close()
+    assert s.get_value("cacheseek_store_codec_info", codec=codec, lossy=lossy) == 1
+    assert {dict(ls)["codec"] for n, ls in s if n == "cacheseek_store_codec_info"} == {codec}
