@@ -12,10 +12,12 @@ import hashlib
 import os
 import re
 import secrets
+from typing import Optional
 
 from cacheseek.kv.claims import process_alive
 
-__all__ = ["encode_key", "decode_key", "is_value_name", "place", "temp_name", "writer_gone", "TEMP_GRACE_S"]
+__all__ = ["encode_key", "decode_key", "is_value_name", "key_in", "place", "temp_name", "writer_gone",
+           "TEMP_GRACE_S"]
 
 _MAX_NAME = 200  # escaped key length limit; leaves room for the temp-file decoration in 255
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
@@ -47,6 +49,20 @@ def decode_key(name: str) -> str:
 
 def is_value_name(name: str) -> bool:
     return "." not in name
+
+
+def key_in(shard: str, name: str) -> Optional[str]:
+    """The key of the value file ``name`` found in folder ``shard``, or None when the store
+    would not have written it there: not a value's name, not an escape `encode_key` writes, or a
+    value's name in another key's shard (a file moved or planted: not a value, never counted,
+    read or removed as one)."""
+    if not is_value_name(name):
+        return None
+    try:
+        key = decode_key(name)
+        return key if place(key) == (shard, name) else None
+    except (ValueError, UnicodeDecodeError, IndexError):
+        return None
 
 
 # .{value}.{token}.tmp; the token of this version is w{pid}x{random} (its writer's process)

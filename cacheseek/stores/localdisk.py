@@ -64,6 +64,7 @@ import json
 import logging
 import math
 import os
+import secrets
 import struct
 import sys
 import threading
@@ -85,7 +86,7 @@ from cacheseek.stores.disk_names import (
     TEMP_GRACE_S,
     decode_key,
     encode_key,
-    is_value_name,
+    key_in,
     place,
     temp_name,
     writer_gone,
@@ -142,7 +143,8 @@ class DiskBackend:
         for shard in self.folder.shard_names():
             with self.folder.shard(shard) as fd:
                 if fd is not None:
-                    out.extend((decode_key(n), size) for n, size in self.folder.files(fd) if is_value_name(n))
+                    named = ((key_in(shard, n), size) for n, size in self.folder.files(fd))
+                    out.extend((key, size) for key, size in named if key is not None)
         return out
 
     # -- ValueBackend -------------------------------------------------------------------------
@@ -262,8 +264,8 @@ class DiskBackend:
         for shard in self.folder.shard_names():
             with self.folder.shard(shard) as fd:
                 if fd is not None:
-                    out.extend(decode_key(n) for n, _, mtime in self.folder.files_aged(fd)
-                               if is_value_name(n) and mtime <= cutoff)
+                    named = ((key_in(shard, n), mtime) for n, _, mtime in self.folder.files_aged(fd))
+                    out.extend(key for key, mtime in named if key is not None and mtime <= cutoff)
         return sorted(out)
 
     def exists(self, key: str) -> bool:
@@ -280,7 +282,7 @@ class DiskBackend:
 
     def free_bytes(self) -> Optional[int]:
         """Bytes free on the file system under root (None when unknown)."""
-        return free_bytes(self.root)
+        return self.folder.free_bytes()
 
     def disk_usage_bytes(self) -> int:
         """Sum of the sizes of every regular file in the shards (values and temp files in flight)."""
@@ -305,7 +307,7 @@ class DiskBackend:
         temp files (`RootFolder`). ConfigError naming ``store.root`` on failure, the lock released."""
         self.folder.open()
         try:
-            self.folder.probe(f".probe-{os.getpid()}-{threading.get_ident()}")
+            self.folder.probe(f".probe-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}")
             self._lock_fd = self.folder.lock(_LOCK_NAME)
             self.folder.refuse_planted()
             for path in self.folder.sweep(writer_gone):
@@ -524,6 +526,7 @@ class LocalDiskTierStore(KeyValueTier):
                 if total is not None:
                     self._scan_total, self._scan_mine, self._scanned_at = total, mine, now
         with self._lock:
+            self._ledger.refresh(self.name, now)  # a full disk's cap rises again once it has room
             used = max(0, self._scan_total + self.stats.used_bytes - self._scan_mine)
             return StoreUsage(used, self.stats.capacity_bytes, max(self.stats.peak_bytes, used), len(self._ledger))
 

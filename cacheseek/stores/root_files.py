@@ -142,6 +142,15 @@ class RootFolder:
                               "the store's folders go (someone else put them there)",
                               f"remove them (rm {' '.join(str(self.path / n) for n in planted)}), or use a new store.root")
 
+    def free_bytes(self) -> Optional[int]:
+        """Bytes free to an unprivileged writer on the root's file system (through its
+        descriptor: the root opened, not whatever its path names now), or None if unknown."""
+        try:
+            st = os.fstatvfs(self.fd)
+        except (OSError, TypeError):
+            return None
+        return st.f_bavail * st.f_frsize
+
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
