@@ -137,15 +137,28 @@ class DiskBackend:
         shard, name = place(key)
         return self.root / shard / name
 
-    def _stored(self) -> list[tuple[str, int]]:
-        """``(key, file size)`` of every value file (regular files with a value's name)."""
+    def shard_files(self, shard: str, *, sweep: bool = False) -> list[tuple[str, int, float]]:
+        """``(key, file size, mtime)`` of every value file in the shard folder ``shard`` (regular
+        files the store would have written there, `key_in`); ``sweep``: remove the temp files of
+        writers that are gone on the way (logged). One listing, no file opened."""
         out = []
-        for shard in self.folder.shard_names():
-            with self.folder.shard(shard) as fd:
-                if fd is not None:
-                    named = ((key_in(shard, n), size) for n, size in self.folder.files(fd))
-                    out.extend((key, size) for key, size in named if key is not None)
+        now = time.time()
+        with self.folder.shard(shard) as fd:
+            for name, size, mtime in self.folder.files_aged(fd) if fd is not None else ():
+                key = key_in(shard, name)
+                if key is not None:
+                    out.append((key, size, mtime))
+                elif sweep and writer_gone(name, now - mtime) and RootFolder.remove(fd, name):
+                    log.warning("localdisk: removed the temp file of an interrupted write: %s", self.root / shard / name)
         return out
+
+    def listing(self) -> list[tuple[str, int, float]]:
+        """`shard_files` of every shard (unbounded: the store bounds each shard's listing)."""
+        return [f for shard in self.folder.shard_names() for f in self.shard_files(shard)]
+
+    def _stored(self) -> list[tuple[str, int]]:
+        """``(key, file size)`` of every value file."""
+        return [(key, size) for key, size, _ in self.listing()]
 
     # -- ValueBackend -------------------------------------------------------------------------
 
@@ -257,16 +270,8 @@ class DiskBackend:
 
     def keys(self, older_than_s: float = 0.0) -> list[str]:
         """Every value's key; with ``older_than_s``, only files at least that old."""
-        if older_than_s <= 0:
-            return sorted(key for key, _ in self._stored())
         cutoff = time.time() - older_than_s
-        out = []
-        for shard in self.folder.shard_names():
-            with self.folder.shard(shard) as fd:
-                if fd is not None:
-                    named = ((key_in(shard, n), mtime) for n, _, mtime in self.folder.files_aged(fd))
-                    out.extend(key for key, mtime in named if key is not None and mtime <= cutoff)
-        return sorted(out)
+        return sorted(key for key, _, mtime in self.listing() if older_than_s <= 0 or mtime <= cutoff)
 
     def exists(self, key: str) -> bool:
         shard, name = place(key)
@@ -303,15 +308,14 @@ class DiskBackend:
     # -- opening ------------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Create or check the root, probe it, take its lock, refuse planted shards, sweep stale
-        temp files (`RootFolder`). ConfigError naming ``store.root`` on failure, the lock released."""
+        """Create or check the root, probe it, take its lock, refuse planted shards (`RootFolder`;
+        the store's first listing sweeps stale temp files). ConfigError naming ``store.root`` on
+        failure, the lock released."""
         self.folder.open()
         try:
             self.folder.probe(f".probe-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}")
             self._lock_fd = self.folder.lock(_LOCK_NAME)
             self.folder.refuse_planted()
-            for path in self.folder.sweep(writer_gone):
-                log.warning("localdisk: removed the temp file of an interrupted write: %s", path)
         except ConfigError:
             self.close()
             raise
@@ -439,7 +443,8 @@ class LocalDiskTierStore(KeyValueTier):
     """
 
     tier = Tier.DISK
-    usage_scan_s = 1.0  # how old the root's usage scan may be (other processes write the root too)
+    usage_scan_s = 1.0  # how old the root's usage scan may be (other processes write the root too) ...
+    usage_scan_share = 0.1  # ... or, for a large root, ten times as long as a scan takes (<= 10% of the time)
 
     def __init__(
         self,
@@ -472,9 +477,13 @@ class LocalDiskTierStore(KeyValueTier):
         try:
             super().__init__(disk, write_back=bool(write_back), queue_depth=queue_depth, name="localdisk",
                              capacity_bytes=capacity_bytes, op_timeout_s=op_timeout_s, records=DiskRecords(self))
-            self._seed_usage(self._io("scan", disk.key_sizes))
+            t0 = time.monotonic()
+            for shard in self._io("scan", disk.folder.shard_names):  # shard by shard: no list of the root
+                files = self._io("scan", lambda s=shard: disk.shard_files(s, sweep=True))
+                self._seed_usage({key: size for key, size, _ in files})
             self._scan_total = self._scan_mine = self.stats.used_bytes
             self._scanned_at = time.monotonic()
+            self._scan_cost_s = self._scanned_at - t0
         except BaseException:
             disk.close()
             raise
@@ -495,30 +504,44 @@ class LocalDiskTierStore(KeyValueTier):
         """Every stored key (values and records; temp files of writes in flight are not listed);
         ``older_than_s``: only those whose files were written at least that long ago."""
         self._check_open()
-        if older_than_s <= 0:
-            return self._io("scan", self.disk.keys)
-        return self._io("scan", lambda: self.disk.keys(older_than_s))
+        cutoff = time.time() - older_than_s
+        return sorted(key for key, _, mtime in self._listing() if older_than_s <= 0 or mtime <= cutoff)
+
+    def _listing(self, *, sweep: bool = False) -> list[tuple[str, int, float]]:
+        """`DiskBackend.shard_files` of every shard, each shard's listing bounded like any other
+        file operation (a root of millions of files takes many short calls, a stalled medium
+        fails one of them)."""
+        out = []
+        for shard in self._io("scan", self.disk.folder.shard_names):
+            out.extend(self._io("scan", lambda s=shard: self.disk.shard_files(s, sweep=sweep)))
+        return out
 
     def orphans(self) -> list[str]:
         """Values of chunks that were never committed (no record names their chunk) and are older
         than ``orphan_grace_s``: a killed writer's half chunk, never another live process's write
         in flight; and chunk claims that old (`cacheseek.kv.claims`: a killed writer's).
         `WorldKVManager.reconcile` removes them."""
-        keys = self.keys(self.orphan_grace_s)
-        committed = {k.partition(":")[0] for k in self.keys() if k.endswith(RECORD_SUFFIX)}
-        return [k for k in keys if k.endswith(CLAIM_SUFFIX)
-                or (not k.endswith(RECORD_SUFFIX) and k.partition(":")[0] not in committed)]
+        self._check_open()
+        listing = self._listing()  # one listing for both questions
+        cutoff = time.time() - self.orphan_grace_s
+        committed = {k.partition(":")[0] for k, _, _ in listing if k.endswith(RECORD_SUFFIX)}
+        return sorted(k for k, _, mtime in listing if mtime <= cutoff and (
+            k.endswith(CLAIM_SUFFIX) or (not k.endswith(RECORD_SUFFIX) and k.partition(":")[0] not in committed)))
 
     def usage(self) -> StoreUsage:
         """The root's usage, every process's writes included (the capacity is the cache's): the
-        bytes of the files found by a scan at most ``usage_scan_s`` old, plus what this process
-        wrote and freed since that scan."""
+        bytes of the files found by a scan at most ``usage_scan_s`` old (for a root whose listing
+        takes longer than a tenth of that, ten times the listing's time: 1M chunks list in tens of
+        seconds), plus what this process wrote and freed since that scan."""
         now = time.monotonic()
         with self._lock:
-            mine, stale = self.stats.used_bytes, now - self._scanned_at > self.usage_scan_s
+            every = max(self.usage_scan_s, self._scan_cost_s / self.usage_scan_share)
+            mine, stale = self.stats.used_bytes, now - self._scanned_at > every
         if stale and not self._closed:
             try:
-                total = sum(self._io("scan", self.disk.key_sizes).values())
+                total = sum(self._io("scan", lambda s=shard: sum(f[1] for f in self.disk.shard_files(s)))
+                            for shard in self._io("scan", self.disk.folder.shard_names))
+                self._scan_cost_s = time.monotonic() - now
             except StoreError as exc:
                 log.warning("localdisk: usage scan failed (%s); counting this process's writes only", exc)
                 total = None

@@ -24,8 +24,7 @@ import contextlib
 import errno
 import os
 import stat
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -243,18 +242,6 @@ class RootFolder:
         except FileNotFoundError:
             return False
         return True
-
-    def sweep(self, gone: "Callable[[str, float], bool]") -> list[str]:
-        """Remove the regular files in every shard for which ``gone(name, age in seconds)``
-        says so; their paths."""
-        removed = []
-        now = time.time()
-        for shard in self.shard_names():
-            with self.shard(shard) as fd:
-                for name, _, mtime in self.files_aged(fd) if fd is not None else ():
-                    if gone(name, now - mtime) and self.remove(fd, name):
-                        removed.append(str(self.path / shard / name))
-        return removed
 
     def files_aged(self, shard_fd: int) -> list[tuple[str, int, float]]:
         """``(name, size, mtime)`` of every regular file in a shard (as `files`)."""

@@ -84,9 +84,11 @@ class ValueLedger:
 
     def seed(self, sizes: dict[str, int]) -> None:
         """Count values that already exist in the backend (a reopened persistent tier)."""
+        used = self.stats.used_bytes
         for key, n in sizes.items():
+            used += n - self.sizes.get(key, 0)
             self.sizes[key] = n
-        self.stats.used_bytes = sum(self.sizes.values())
+        self.stats.used_bytes = used
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.used_bytes)
 
     def cap_at_used(self, exc: BaseException, *, name: str) -> None:
