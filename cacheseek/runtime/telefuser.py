@@ -52,7 +52,7 @@ from cacheseek.integrations.telefuser import TeleFuserLayout, attach, plan_contr
 from cacheseek.integrations.telefuser.tiny import PARTS, TinyDiTSpec, build_tiny_pipeline, rope_head_dim_problem
 from cacheseek.integrations.telefuser.wan_parts import feature_cache_bytes
 from cacheseek.registry import RUNTIMES
-from cacheseek.runtime.geometry import Geometry, validate_window
+from cacheseek.runtime.geometry import Geometry, no_cuda_error, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.telefuser_logs import route_telefuser_logs
 
@@ -135,7 +135,7 @@ class TeleFuserRuntimeFactory:
         validate_window(self._geometry, local_attn_size, sink_size)
         self._local_attn_size, self._sink_size = local_attn_size, sink_size
         self.seed, self.prompt, self.height, self.width = seed, prompt, height, width
-        self._device = _check_device(device)
+        self._device = _check_device(device, self._geometry)
         self._weight_seed = weight_seed
         self._ffn_dim, self._text_dim = ffn_dim, text_dim
         self._pipeline: Any = None
@@ -441,7 +441,7 @@ def _pil_image(image: Any, width: int, height: int) -> Any:
     return Image.frombytes(image.mode, tuple(image.size), image.tobytes())
 
 
-def _check_device(device: Any) -> str:
+def _check_device(device: Any, geometry: Geometry) -> str:
     import torch
 
     try:
@@ -449,7 +449,8 @@ def _check_device(device: Any) -> str:
     except (RuntimeError, TypeError):
         raise ConfigError("runtime.device", f"unknown device {device!r}", "use cpu or cuda[:N]") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("runtime.device", "CUDA is not available", "use runtime.device=cpu")
+        raise no_cuda_error(geometry, "runtime=telefuser runtime.device=cpu (TeleFuser's real pipeline at its "
+                            "default 2 layers, 64x64)")
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError("runtime.device", f"unsupported device {device!r}", "use cpu or cuda[:N]")
     return str(dev)
