@@ -185,7 +185,7 @@ def forget_run_folder() -> None:
         return
     logs = {h.baseFilename: h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)}
     ours = _HYDRA_FILES | {Path(name).name for name in logs if Path(name).parent == folder}
-    if any(str(p.relative_to(folder)) not in ours for p in folder.rglob("*")):
+    if any(str(p.relative_to(folder)) not in ours and not _empty_store_part(folder, p) for p in folder.rglob("*")):
         return
     for name, handler in logs.items():
         if Path(name).parent == folder:
@@ -199,6 +199,15 @@ def forget_run_folder() -> None:
             parent.rmdir()
         except OSError:
             break
+
+
+def _empty_store_part(folder: Path, p: Path) -> bool:
+    """Part of a store root this run made under its folder that holds no value: ``kvstore/``,
+    a tiered level's folder, an empty shard, a ``.lock`` (a store opened, then the run refused)."""
+    rel = p.relative_to(folder).parts
+    if rel[0] != "kvstore" or p.is_symlink():
+        return False
+    return p.is_dir() or (p.name == ".lock" and p.is_file() and p.stat().st_size == 0)
 
 
 def error_line(exc: ConfigError) -> str:

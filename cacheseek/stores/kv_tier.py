@@ -100,7 +100,7 @@ from cacheseek.kv.handles import BlobHandle, Tier, kv_pairs
 from cacheseek.kv.locators import blob_keys, layer_keys, node_key_of, object_key
 from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.kv.records import NO_RECORDS, ChunkRecords
-from cacheseek.sizes import AUTO, available_memory, parse_size
+from cacheseek.sizes import AUTO, available_memory, parse_size, total_memory
 from cacheseek.sizing import SizeField
 from cacheseek.stores.flush import wait_drained
 from cacheseek.stores.value_ledger import ValueLedger
@@ -242,7 +242,7 @@ class KeyValueTier:
         """`SizedStore`: ``capacity_bytes`` where the config has it, against the free memory."""
         if "capacity_bytes" not in config:
             return []
-        return [SizeField("capacity_bytes", "capacity", room=available_memory())]
+        return [SizeField("capacity_bytes", "capacity", room=available_memory(), total=total_memory())]
 
     # -- writes -------------------------------------------------------------------------------
 

@@ -80,7 +80,7 @@ from cacheseek.kv.records import RECORD_SUFFIX
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum
 from cacheseek.stores.root_files import NotRegularError, RootFolder
-from cacheseek.sizes import AUTO, Size, free_bytes
+from cacheseek.sizes import AUTO, Size, disk_total_bytes, free_bytes
 from cacheseek.sizing import SizeField
 from cacheseek.stores.disk_names import (
     TEMP_GRACE_S,
@@ -494,7 +494,9 @@ class LocalDiskTierStore(KeyValueTier):
         root = config.get("root")
         room = free_bytes(Path(str(root)).expanduser()) if root else None
         room = room or None  # 0: a pseudo file system (/proc) or a full disk: opening the root says which
-        return [SizeField("capacity_bytes", "capacity", room=room, room_label=f"free disk under {root}")]
+        total = disk_total_bytes(Path(str(root)).expanduser()) if root else None
+        return [SizeField("capacity_bytes", "capacity", room=room, room_label=f"free disk under {root}",
+                          total=total or None)]
 
     @property
     def root(self) -> Path:

@@ -157,6 +157,7 @@ def test_hard_links_in_the_root_never_write_outside_it(tmp_path):
 
 def test_a_parent_swapped_for_a_link_after_open_changes_nothing_outside(tmp_path):
     home = tmp_path / "home"
+    home.mkdir()
     root = home / "kv"
     elsewhere = tmp_path / "elsewhere"
     (elsewhere / "kv").mkdir(parents=True, mode=0o700)
