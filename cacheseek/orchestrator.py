@@ -148,6 +148,8 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
     if workload is None and cfg.get("workload") is not None:
         workload = instantiate(cfg.workload)
     need = sizing.need_for(runtime_factory, workload)
+    for line in getattr(runtime_factory, "start_notes", list)():  # what the user will see, and why
+        tell(line)
     layout = _build_layout(cfg.layout, runtime_factory)
     _manager_config(cfg, runtime_factory)  # the manager section against the runtime, before any store
     _eviction_config(cfg)

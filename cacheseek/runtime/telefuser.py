@@ -190,6 +190,16 @@ class TeleFuserRuntimeFactory:
         return (f"{g.n_layers}x{g.n_heads}x{g.head_dim} ffn {spec.ffn_dim} text {spec.text_dim} {self.height}x{self.width}"
                 f"{parts[self._parts['vae']]}{parts[self._parts['text_encoder']]}")
 
+    def start_notes(self) -> list[str]:
+        """What a user should know before the run, one line each: with the real Wan VAE on a CPU,
+        the VAE decodes every frame of a chunk, restored or computed, and takes most of its
+        time, so a hit saves only the DiT's share (B's wall time stays near A's)."""
+        if self._parts["vae"] != "wan" or not self._device.startswith("cpu"):
+            return []
+        return ["note: runtime.vae=wan on the CPU: the Wan VAE decodes every frame, restored or computed, and takes "
+                "most of a chunk's time here; a hit skips only the DiT, so B's wall time stays close to A's (cold). "
+                "The cache's saving shows with runtime.vae=stand_in on a CPU, or on a GPU at the real size"]
+
     def device_reserve(self, chunks: int) -> list[tuple[str, int]]:
         """What a session still allocates on the runtime's device (`sizing.runtime_device_room`),
         the weights built first: its ring of ``chunks`` chunks (or the attention window), the
