@@ -6,7 +6,8 @@
 # and umT5 encoder), telefuser_480p_rolling (the same on a rolling ring L=6 S=3, Plan tier and no
 # cache), interactive (workload=interactive at lingbot_480p, Plan tier), interactive_14b (the same on
 # TeleFuser's real-width pipeline), shared_index (a 480p chunk restored from a record another process wrote,
-# against the same process's restore, LocalDisk). Results go to $OUT/results/<step>/ (packed into $OUT/results.tgz after every
+# against the same process's restore, LocalDisk), root_open (a LocalDisk root of 100k and 1M committed chunks
+opened, CPU only: the host's 16 cores and its own disk). Results go to $OUT/results/<step>/ (packed into $OUT/results.tgz after every
 # step, so a step that runs out of time still leaves the earlier ones); the log is $OUT/run.log.
 # Per step: T_<STEP>= (seconds, upper case) and ARGS_<STEP>= (overrides of its conf/*.yaml; for
 # tests, the test paths: ARGS_TESTS="tests/core/test_weights_fingerprint.py ...").
@@ -25,7 +26,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pc
 grep -E "MemTotal|MemAvailable" /proc/meminfo; nproc
 python3 -c "import torch, cuda.bindings, sys; print(sys.version.split()[0], torch.__version__, cuda.bindings.__version__)"
 
-declare -A DEFAULT_T=([tests]=200 [transfer]=150 [e2e]=230 [registration]=140 [copy_kernel]=120 [action_keys]=120 [warmup]=200 [hbm_tier]=420 [live_restore]=240 [interactive]=240 [interactive_14b]=150 [telefuser_480p]=330 [telefuser_480p_rolling]=170 [shared_index]=300)
+declare -A DEFAULT_T=([tests]=200 [transfer]=150 [e2e]=230 [registration]=140 [copy_kernel]=120 [action_keys]=120 [warmup]=200 [hbm_tier]=420 [live_restore]=240 [interactive]=240 [interactive_14b]=150 [telefuser_480p]=330 [telefuser_480p_rolling]=170 [shared_index]=300 [root_open]=580)
 declare -A FIXED_ARGS=([action_keys]="device=cuda old_runs=1"
     [telefuser_480p_rolling]="stores=[fluxon_plan,nocache] frames_cache=false profile_b=false runtime_overrides=['runtime.local_attn_size=6','runtime.sink_size=3']")
 declare -A BENCH=([telefuser_480p_rolling]=telefuser_480p)  # steps that run another step's script
@@ -39,6 +40,9 @@ for s in "$@"; do
         timeout "$t" python3 experiments/shared_index/cross_process.py --device cuda --geometry lingbot_480p \
             --chunks 3 --root /tmp/cs-shared-root --out "$R/shared_index" $(var ARGS "$s" "")
         rm -rf /tmp/cs-shared-root
+    elif [ "$s" = root_open ]; then
+        timeout "$t" python3 experiments/root_open/measure.py --dir /tmp --out "$R/root_open/results.json" $(var ARGS "$s" "")
+        rm -rf /tmp/cs-root-open-*
     elif [ "$s" = interactive ]; then
         timeout "$t" python3 -m cacheseek workload=interactive runtime.geometry=lingbot_480p runtime.device=cuda \
             runtime.compute_gemm_dim=8192 runtime.compute_gemms=8 +store=fluxon_plan store.backing=private \

