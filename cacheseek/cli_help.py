@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import cacheseek
+
 __all__ = ["CONF_DIR", "plain_help", "print_help_if_asked", "version_line"]
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
@@ -44,15 +46,13 @@ def version_line() -> str:
     ``--version`` printed only Hydra's); the others as installed, without importing them."""
     from importlib import metadata
 
-    from cacheseek import __version__
-
     parts = []
     for dist in ("hydra-core", "torch", "telefuser", "fluxon-py"):
         try:
             parts.append(f"{dist} {metadata.version(dist)}")
         except metadata.PackageNotFoundError:
             pass
-    return f"cacheseek {__version__}" + (f" ({', '.join(parts)})" if parts else "")
+    return f"cacheseek {cacheseek.__version__}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def print_help_if_asked(argv: list[str]) -> bool:
