@@ -5,9 +5,11 @@ status 2, with no traceback: Hydra's compose errors (an unknown option, ``store=
 ``+``, a typo in a key, a wrong type; `cacheseek.hydra_errors`), an output folder that cannot be
 written (`OutputDirCheck`), and CacheSeek's own `ConfigError`s, a store or transfer runtime that
 cannot start included; a run folder that Hydra made for a run refused so is removed again
-(`forget_run_folder`). A failed gate prints FAIL and exits 1; in a multirun a failed job raises,
-the launcher finishes the batch, and the run exits 1 (2 when a job had a bad input). A bug is
-still a traceback. ``HYDRA_FULL_ERROR=1`` shows Hydra's full report instead of the one line.
+(`forget_run_folder`). A failed gate prints FAIL and exits 1. In a multirun a job that fails
+(a bad value, a store failing, a FAIL) does not stop the sweep: it writes its one error line to
+``error.json`` in its folder, the other jobs run, the summary table lists every job (the failed
+one with its reason), and the run exits 1 (2 when a job had a bad input). A bug is still a
+traceback. ``HYDRA_FULL_ERROR=1`` shows Hydra's full report instead of the one line.
 
 Output: the choices made for the user (the default store, ``transfer: auto``, each ``auto``
 size) and each size given, as read, at start, a progress bar on a terminal, then the report
@@ -51,6 +53,19 @@ import_backends()
 
 class GateFailed(RuntimeError):
     """The workload's correctness verdict was FAIL."""
+
+
+class SweepExit:
+    """The exit status a multirun ends with: the worst of its jobs' (0 when every job passed)."""
+
+    status = 0
+
+
+def _job_failed(run_dir: Path, line: str, status: int) -> None:
+    """A multirun job that failed: its reason in ``error.json`` (the summary's row), the sweep goes on."""
+    SweepExit.status = max(SweepExit.status, status)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "error.json").write_text(json.dumps({"error": line, "exit": status}, indent=2))
 
 
 def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
@@ -193,7 +208,7 @@ def forget_run_folder() -> None:
         return
     logs = {h.baseFilename: h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)}
     ours = _HYDRA_FILES | {Path(name).name for name in logs if Path(name).parent == folder}
-    if any(str(p.relative_to(folder)) not in ours for p in folder.rglob("*")):
+    if any(str(p.relative_to(folder)) not in ours and not _empty_store_part(folder, p) for p in folder.rglob("*")):
         return
     for name, handler in logs.items():
         if Path(name).parent == folder:
@@ -207,6 +222,15 @@ def forget_run_folder() -> None:
             parent.rmdir()
         except OSError:
             break
+
+
+def _empty_store_part(folder: Path, p: Path) -> bool:
+    """Part of a store root this run made under its folder that holds no value: ``kvstore/``,
+    a tiered level's folder, an empty shard, a ``.lock`` (a store opened, then the run refused)."""
+    rel = p.relative_to(folder).parts
+    if rel[0] != "kvstore" or p.is_symlink():
+        return False
+    return p.is_dir() or (p.name == ".lock" and p.is_file() and p.stat().st_size == 0)
 
 
 def error_line(exc: ConfigError) -> str:
@@ -233,27 +257,28 @@ def _usage_error(exc: BaseException) -> Optional[ConfigError]:
 def _task(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     multirun = hc.mode == RunMode.MULTIRUN
+    run_dir = Path(hc.runtime.output_dir)
     try:
-        results = run(cfg, Path(hc.runtime.output_dir))
+        results = run(cfg, run_dir)
     except ConfigError as exc:
         print(error_line(exc), file=sys.stderr, flush=True)
         log.info("bad input, exit %d: %s", EXIT_USAGE, exc)  # the log file only
         if multirun:
-            exc.reported = True  # type: ignore[attr-defined]
-            raise
+            return _job_failed(run_dir, error_line(exc), EXIT_USAGE)
         if "(more in the log file)" not in error_line(exc):  # else the folder keeps the log it names
             forget_run_folder()
         sys.exit(EXIT_USAGE)
     except CacheSeekError as exc:  # a store or transfer failing in the middle of the run
-        print(f"error: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}", file=sys.stderr, flush=True)
+        line = f"error: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
+        print(line, file=sys.stderr, flush=True)
         log.exception("the run failed")
         if multirun:
-            exc.reported = True  # type: ignore[attr-defined]
-            raise
+            return _job_failed(run_dir, line, EXIT_FAIL)
         sys.exit(EXIT_FAIL)
     if not results["passed"]:
         if multirun:
-            raise GateFailed(f"gate FAILED in {hc.runtime.output_dir}")
+            SweepExit.status = max(SweepExit.status, EXIT_FAIL)
+            return
         sys.exit(EXIT_FAIL)
 
 
@@ -261,10 +286,12 @@ def main() -> None:
     """The entry point: Hydra runs `_task`; what goes wrong before or around it is one line."""
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         _task()
-        return
+        sys.exit(SweepExit.status)
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its report: we print one line
     try:
         _task()
+        if SweepExit.status:
+            sys.exit(SweepExit.status)
     except BrokenPipeError:  # `python -m cacheseek --help | head`
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(EXIT_FAIL)

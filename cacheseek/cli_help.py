@@ -18,7 +18,9 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-__all__ = ["CONF_DIR", "plain_help", "print_help_if_asked"]
+import cacheseek
+
+__all__ = ["CONF_DIR", "plain_help", "print_help_if_asked", "version_line"]
 
 CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 HELP_FLAGS = (["--help"], ["-h"])
@@ -36,8 +38,29 @@ def plain_help(conf_dir: str = CONF_DIR) -> Optional[str]:
         return None
 
 
+VERSION_FLAGS = (["--version"], ["-V"])
+
+
+def version_line() -> str:
+    """``cacheseek X.Y.Z (Hydra A.B.C, torch ...)``: CacheSeek's version first (Hydra's own
+    ``--version`` printed only Hydra's); the others as installed, without importing them."""
+    from importlib import metadata
+
+    parts = []
+    for dist in ("hydra-core", "torch", "telefuser", "fluxon-py"):
+        try:
+            parts.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            pass
+    return f"cacheseek {cacheseek.__version__}" + (f" ({', '.join(parts)})" if parts else "")
+
+
 def print_help_if_asked(argv: list[str]) -> bool:
-    """Print the help and return True when ``argv`` is a bare ``--help``; False: run Hydra."""
+    """Print the help (a bare ``--help``) or the version (``--version``) and return True;
+    False: run Hydra."""
+    if argv in VERSION_FLAGS:
+        print(version_line(), flush=True)
+        return True
     if argv not in HELP_FLAGS:
         return False
     text = plain_help()

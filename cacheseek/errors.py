@@ -8,22 +8,38 @@ handle used after close) are errors too, never silently repaired.
 
 from __future__ import annotations
 
+import re
+
 
 class CacheSeekError(Exception):
     """Base class of every error CacheSeek raises on purpose."""
 
 
 class ConfigError(CacheSeekError, ValueError):
-    """Bad user input: a config field, an override or an argument. The message names the field."""
+    """Bad user input: a config field, an override or an argument. The message names the field
+    and the fix; a range error raised without one (``must be an integer >= 1, got 0``) gets the
+    fix its problem implies (``set FIELD to an integer >= 1``)."""
 
     def __init__(self, field: str, problem: str, fix: str | None = None) -> None:
         self.field = field
         self.problem = problem
-        self.fix = fix
+        self.fix = fix or _implied_fix(field, problem)
+        fix = self.fix
         msg = f"{field}: {problem}"
         if fix:
             msg += f" (fix: {fix})"
         super().__init__(msg)
+
+
+def _implied_fix(field: str, problem: str) -> str | None:
+    """``must be X, got Y`` -> ``set FIELD to X`` (a comparison alone reads ``a value >= 1``)."""
+    m = re.match(r"must be (.+?)(?:, got .*)?$", str(problem).strip(), re.S)
+    if m is None:
+        return None
+    want = m.group(1).strip()
+    if want[:1] in "<>=!":
+        want = f"a value {want}"
+    return f"set {field} to {want}"
 
 
 class GeometryError(ConfigError):

@@ -14,7 +14,9 @@ not a bad input. The cases:
 - a value of the wrong type (``runtime.local_attn_size=abc``, ``store.fsync=maybe``): the fix
   says which type;
 - a comma list outside a sweep (``store.tiers=hbm,localdisk``): the fix writes the brackets;
-- a group chosen twice, an override that does not parse.
+- a group chosen twice, an override that does not parse;
+- a preset for another runtime (``+model=lingbot_world_14b`` sets TeleFuser's fields while the
+  runtime is the synthetic one): the fix chooses the runtime whose schema has them.
 
 Hydra adds a key with a leading ``+`` even to a typed section (``+store.rooot=x`` once a store
 is chosen), where the constructor would fail on it with a traceback; `appended_key` finds such a
@@ -33,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 from cacheseek.errors import ConfigError
-from cacheseek.registry import STORES
+from cacheseek.registry import RUNTIMES, STORES
 
 __all__ = ["APPENDED_GROUPS", "appended_key", "choose_a_store", "config_error_from_hydra"]
 
@@ -100,16 +102,33 @@ def _composition(exc: BaseException) -> ConfigError:
         group = m.group(1)
         return ConfigError(group, f"{group} is chosen more than once",
                            f"give +{group}=NAME once (a sweep over several is -m +{group}=a,b)")
+    m = re.search(r"In '([^/']+)/([^']+)': \w+ raised while composing config:\s*Key '([^']+)' not in '(\w+)'", text)
+    if m:
+        return _preset_for_another_runtime(*m.groups())
     field = None
     m = re.search(r"(?:Could not override|Could not append to config\. An item is already at) '([^']+)'", text) \
         or re.search(r"Error merging override \+?([^=\s]+)=", text)
     if m:
         field = m.group(1)
     if isinstance(cause, OmegaConfBaseException):
-        given = re.search(r"use \+[^=\s]+=(.*)", text)  # Hydra's hint repeats the override's value
+        given = re.search(r"use \+[^=\s]+=(.*)", text) \
+            or re.search(r"Error merging override \+?[^=\s]+=(.*)", text)  # the override's value
         return _omegaconf(cause, getattr(cause, "full_key", None) or field or "config",
                           given.group(1).strip() if given else "...")
     return ConfigError(field or "config", _first_line(exc))
+
+
+def _preset_for_another_runtime(group: str, name: str, key: str, schema: str) -> ConfigError:
+    """``+GROUP=NAME`` sets ``key``, which the chosen runtime's ``schema`` lacks: the fix chooses a
+    runtime that has it (a model preset is TeleFuser's), else says which key does not fit."""
+    runtimes = [n for n in RUNTIMES.names() if key in _schema_fields(RUNTIMES, n)]
+    plus = "" if group in ("runtime", "transfer", "layout", "workload") else "+"
+    if runtimes:
+        return ConfigError(group, f"{name} sets runtime.{key}, which the chosen runtime ({schema}) does not have: "
+                           f"it is a preset of runtime={runtimes[0]}",
+                           f"choose that runtime with it: runtime={runtimes[0]} {plus}{group}={name}")
+    return ConfigError(group, f"{name} sets {key}, which {schema} does not have",
+                       f"see python -m cacheseek --help for what {group} presets fit")
 
 
 def _comma_list(key: str, value: str) -> ConfigError:
@@ -134,6 +153,9 @@ def _omegaconf(exc: Any, field: str, given: str = "...") -> ConfigError:
             want = _TYPE_WORDS.get(m.group(m.lastindex), m.group(m.lastindex).lower())
             value = "true" if want == "true or false" else "..."
             return ConfigError(field, f"{m.group(1)!r} is not {want}", f"give {want}: {field}={value}")
+        if "is not a ListConfig, list or tuple" in message:
+            return ConfigError(field, f"{given!r} is one value, and {field} takes a list",
+                               f"a list takes brackets: {field}=[{given}]")
         return ConfigError(field, message)
     if isinstance(exc, (ConfigKeyError, AttributeError)) and "not in" in message:
         return unknown_key(field, getattr(exc, "object_type", None), given)

@@ -153,6 +153,8 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
     if workload is None and cfg.get("workload") is not None:
         workload = instantiate(cfg.workload)
     need = sizing.need_for(runtime_factory, workload)
+    for line in getattr(runtime_factory, "start_notes", list)():  # what the user will see, and why
+        tell(line)
     layout = _build_layout(cfg.layout, runtime_factory)
     _manager_config(cfg, runtime_factory)  # the manager section against the runtime, before any store
     _eviction_config(cfg)
@@ -181,10 +183,10 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
             store_name = _name_of(STORES, store_cfg["_target_"])
         store_cfg = OmegaConf.to_container(store_cfg, resolve=True)
         if "root" in store_cfg and store_cfg["root"] is None:
-            store_cfg["root"] = str(run_dir / "kvstore")
+            store_cfg["root"] = str(_run_folder(run_dir) / "kvstore")
         for name, node in store_cfg.items():  # the levels of a tiered store
             if isinstance(node, dict) and "root" in node and node["root"] is None:
-                node["root"] = str(run_dir / "kvstore" / name)
+                node["root"] = str(_run_folder(run_dir / "kvstore") / name)
         size_fields = getattr(_class_of(store_cfg["_target_"]), "size_fields", None)
         sized = size_fields(store_cfg) if size_fields is not None else []
         if any(f.device_room for f in sized):
@@ -285,6 +287,13 @@ def _high_watermark(cfg: Any) -> float:
         return float(cfg.manager.eviction.high_watermark)
     except (AttributeError, TypeError, ValueError):
         return 0.9
+
+
+def _run_folder(folder: Path) -> Path:
+    """A folder of the run's own (a store root's parent under it): made here, since a store
+    creates its root but never the folders above it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def _has_schema(name: str) -> bool:

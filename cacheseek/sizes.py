@@ -2,8 +2,12 @@
 
 ``parse_size`` accepts an int (a byte count) or a string: ``"4096"``, ``"512MiB"``, ``"24GiB"``,
 ``"1.5GiB"``, ``"64M"``, ``"16k"``. Units are binary throughout (``K``/``KiB`` = 1024,
-``M``/``MiB`` = 1024**2, ``G``..., ``T``...), case-insensitive, as Fluxon reads its own ``dram``
-setting, so one spelling means the same number everywhere. The decimal spellings (``kB``, ``MB``,
+``M``/``MiB`` = 1024**2, ``G``..., ``T``...), as Fluxon reads its own ``dram`` setting, so one
+spelling means the same number everywhere. Units take any case (``64mib`` = ``64MiB``), and a
+whole float (``1e9``, which YAML reads as a float) is that many bytes; `describe_given` says
+both explicitly in the line each given size is echoed with at start. A size above `MAX_SIZE`
+(16 EiB, beyond any machine) is refused; `cacheseek.sizing` refuses one above the machine's
+whole memory or disk, with the figure. The decimal spellings (``kB``, ``MB``,
 ``GB``, ``TB``) are refused, with the binary spelling and the decimal byte count as the fix: one
 reader takes ``1.5GB`` for 1.5 * 10**9 bytes and another for 1.5 * 2**30, and a store sized 7%
 off the user's intent is found only when it fills. A size is one word: ``"5 GiB"`` is refused
@@ -27,7 +31,8 @@ from typing import Any, Optional, Union
 
 from cacheseek.errors import ConfigError
 
-__all__ = ["AUTO", "Size", "available_memory", "device_free_bytes", "format_size", "free_bytes", "parse_size"]
+__all__ = ["AUTO", "MAX_SIZE", "Size", "available_memory", "device_free_bytes", "disk_total_bytes", "format_size",
+           "describe_given", "free_bytes", "parse_size", "total_memory"]
 
 AUTO = "auto"
 Size = Union[int, str]  # what a config field holds before `parse_size`: 4096, "512MiB", "auto"
@@ -39,6 +44,8 @@ _UNITS = {
     "g": 1 << 30, "gib": 1 << 30,
     "t": 1 << 40, "tib": 1 << 40,
 }
+_CANONICAL = {"k": "KiB", "kib": "KiB", "m": "MiB", "mib": "MiB", "g": "GiB", "gib": "GiB", "t": "TiB", "tib": "TiB"}
+MAX_SIZE = 1 << 64  # no machine has this much memory or disk
 _DECIMAL = {"kb": ("KiB", 10**3), "mb": ("MiB", 10**6), "gb": ("GiB", 10**9), "tb": ("TiB", 10**12)}
 _SIZE_RE = re.compile(r"(\d+(?:\.\d+)?)(\s*)([A-Za-z]*)")
 _FIX = "write a byte count or a size with a binary unit, e.g. 512MiB or 24GiB"
@@ -70,6 +77,8 @@ def parse_size(value: Any, field: str, *, allow_auto: bool = False, allow_none: 
         raise ConfigError(field, f"expected a size, got {type(value).__name__} {value!r}", fix)
     if n < minimum:
         raise ConfigError(field, f"must be at least {format_size(minimum)}, got {value!r}", fix)
+    if n >= MAX_SIZE:
+        raise ConfigError(field, f"{value!r} is {n:.3g} bytes, more than any machine has (16 EiB)", fix)
     return n
 
 
@@ -91,6 +100,22 @@ def _parse_text(value: str, field: str, fix: str) -> int:
     return int(float(number) * _UNITS[unit.lower()])
 
 
+def describe_given(value: Any) -> str:
+    """How a given size was read, when its spelling is not the canonical one: a unit in another
+    case (``64mib``: "units are binary, any case: 64MiB"), a float (``1e9``: "a float, read as a
+    whole byte count"); "" otherwise."""
+    if isinstance(value, float):
+        return f"{value!r} is a float, read as {int(value)} bytes, not a decimal size: sizes take binary units"
+    m = _SIZE_RE.fullmatch(str(value).strip()) if isinstance(value, str) else None
+    if m is None or not m.group(3):
+        return ""
+    number, _, unit = m.groups()
+    canonical = _CANONICAL.get(unit.lower())
+    if canonical is None or unit == canonical:
+        return ""
+    return f"{unit!r} is read as {canonical} (binary, any case): {number}{canonical}"
+
+
 def format_size(n: Optional[float]) -> str:
     """``1.50 GiB``, ``512 MiB``, ``4 KiB``, ``96 B``; None reads as ``unbounded``."""
     if n is None:
@@ -103,10 +128,19 @@ def format_size(n: Optional[float]) -> str:
 
 def available_memory(meminfo: str = "/proc/meminfo") -> Optional[int]:
     """``MemAvailable`` in bytes (what can be allocated without swapping), or None if unknown."""
+    return _meminfo("MemAvailable", meminfo)
+
+
+def total_memory(meminfo: str = "/proc/meminfo") -> Optional[int]:
+    """``MemTotal`` in bytes (all the memory the machine has), or None if unknown."""
+    return _meminfo("MemTotal", meminfo)
+
+
+def _meminfo(key: str, meminfo: str) -> Optional[int]:
     try:
         with open(meminfo) as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(key + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
@@ -130,11 +164,21 @@ def device_free_bytes(device: Any) -> int:
 def free_bytes(path: Union[str, os.PathLike[str]]) -> Optional[int]:
     """Bytes free to an unprivileged writer on the file system holding ``path`` (its nearest
     existing parent), or None if unknown."""
+    st = _statvfs(path)
+    return None if st is None else st.f_bavail * st.f_frsize
+
+
+def disk_total_bytes(path: Union[str, os.PathLike[str]]) -> Optional[int]:
+    """The size of the file system holding ``path`` (its nearest existing parent), or None."""
+    st = _statvfs(path)
+    return None if st is None else st.f_blocks * st.f_frsize
+
+
+def _statvfs(path: Union[str, os.PathLike[str]]) -> Any:
     p = os.path.abspath(os.fspath(path))
     while not os.path.exists(p) and os.path.dirname(p) != p:
         p = os.path.dirname(p)
     try:
-        st = os.statvfs(p)
+        return os.statvfs(p)
     except OSError:
         return None
-    return st.f_bavail * st.f_frsize

@@ -85,7 +85,8 @@ class SizeField:
     """One size of a store's config: ``path`` under ``store.`` (dots for nested keys), its
     ``role`` (segment, capacity or staging), the free ``room`` it must fit (None = unknown) and
     what that room is (``room_label``), the store's value ``alignment``, and ``default`` (what a
-    missing key means). ``device_room``: the room is the runtime device's, filled in by the
+    missing key means). ``total``: all the medium has (the machine's memory, the disk's size;
+    None = unknown): a size above it is refused whatever the role. ``device_room``: the room is the runtime device's, filled in by the
     orchestrator (`runtime_device_room`)."""
 
     path: str
@@ -95,6 +96,7 @@ class SizeField:
     alignment: int = 1
     default: Any = AUTO
     device_room: bool = False
+    total: Optional[int] = None
 
 
 class SizedStore(Protocol):
@@ -201,9 +203,17 @@ def resolve_sizes(cfg: MutableMapping[str, Any], fields: Sequence[SizeField], ne
             value, why = _auto(field, need, high_watermark)
             notes.append(f"{name}=auto -> {format_size(value)} ({why})")
         else:
-            notes.append(f"{name}={'null' if given is None else given} -> {_as_read(value)} (as given)")
+            how = sizes.describe_given(given)
+            notes.append(f"{name}={'null' if given is None else given} -> {_as_read(value)} (as given"
+                         f"{'; ' + how if how else ''})")
         if value is not None and need is not None:
             _check_holds_a_chunk(name, value, field, need, high_watermark, auto)
+        if value is not None and field.total and value > field.total:
+            medium = "disk" if "disk" in field.room_label else "memory"
+            raise ConfigError(name, f"{format_size(value)} is more than this machine's whole {medium} "
+                              f"({format_size(field.total)}; {format_size(field.room)} of it {field.room_label})",
+                              f"use {name}=auto (fitted to the workload and the room), or a size below "
+                              f"{format_size(field.total)}")
         if value is not None and field.role != "capacity" and field.room is not None and value > field.room:
             raise ConfigError(name, f"{format_size(value)} is more than the {format_size(field.room)} of "
                               f"{field.room_label} (it is mapped and faulted in whole at start)",

@@ -4,7 +4,8 @@ Each row names what ran besides its verdict: the store, the runtime (for TeleFus
 and how it was attached: ``released``, ``hooked``, ``main``), the layout adapter and the
 geometry (the synthetic runtime's preset, TeleFuser's model as ``layers x heads x head_dim
 height x width``), read from what the run reported (``results["runtime"]``, ``results["layout"]``),
-so that a sweep over runtimes tells its rows apart.
+so that a sweep over runtimes tells its rows apart. A job that failed before reporting (a bad
+value of the sweep, a store failing) is a row ``ERROR``, its error line under the table.
 """
 
 from __future__ import annotations
@@ -35,6 +36,14 @@ def what_ran(data: dict[str, Any]) -> dict[str, Any]:
             "device": described.get("device")}
 
 
+def _error_of(job_dir: Path) -> str:
+    """Why a job has no results: the error line it recorded (`cacheseek.cli`), else unknown."""
+    try:
+        return str(json.loads((job_dir / "error.json").read_text())["error"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "failed before reporting (see its cacheseek.log)"
+
+
 class SweepSummary(Callback):
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -57,11 +66,14 @@ class SweepSummary(Callback):
                 "invalidations": metrics.get("invalidations"),
                 "data": data,
             })
-        failed = [p.name for p in sweep_dir.iterdir() if p.is_dir() and not (p / "results.json").exists()
-                  and p.name != ".hydra"]
+        errors = {}
+        for p in sorted(sweep_dir.iterdir()):
+            if p.is_dir() and p.name != ".hydra" and not (p / "results.json").exists():
+                errors[p.name] = _error_of(p)
+                rows.append({"job": p.name, "verdict": "ERROR", "error": errors[p.name], "data": {}})
         text = table(rows, COLUMNS)
-        if failed:
-            text += "\njobs without results (failed before reporting): " + ", ".join(sorted(failed))
+        for job, why in errors.items():
+            text += f"\n{job}: {why}"
         (sweep_dir / "summary.md").write_text(text + "\n")
         (sweep_dir / "summary.json").write_text(json.dumps(
             [{k: v for k, v in r.items() if k != "data"} for r in rows], indent=2))

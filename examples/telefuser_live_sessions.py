@@ -8,7 +8,10 @@ pipeline at a tiny size and random weights (`build_tiny_pipeline`; a real deploy
 Three live sessions from one image and prompt, each streaming one camera control per chunk:
 A streams actions X, B the first two of X and then its own, C repeats X. Every chunk is keyed by
 the control it ran with, so B shares A's first two chunks in the cache and branches after them,
-and no session ever gets another's frames.
+and no session ever gets another's frames. The last lines say what each session reused: B
+restores A's first two chunks and computes its own two; C streams exactly A's controls, so each
+of its chunks is restored from A's as its control arrives (a live session knows no control
+ahead, so it restores chunk by chunk, never all at once) and C computes no chunk.
 
     python examples/telefuser_live_sessions.py
 """
@@ -88,3 +91,7 @@ if __name__ == "__main__":
     print(f"A and B share {shared} of {len(X)} chunk keys; chunks written: {m.writes}; "
           f"chunks not cached (unkeyed): {m.chunks_unkeyed}; hook failures: {m.hook_failures}")
     print(f"the trie holds {len(forest.resolve(a.root).root.children)} branch(es) at chunk 0")
+    for name, s in (("A", a), ("B", b), ("C", c)):
+        got = s.restored_chunks
+        print(f"{name} restored chunks {got or 'none'} ({len(got)} of {len(X)}, {s.bytes_restored} bytes) "
+              f"and computed {len(X) - len(got)}")

@@ -86,6 +86,12 @@ def _no_fluxon_py(tmp: Path) -> Path:
     return pkg.parent
 
 
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _has_cuda_bindings() -> bool:
     for name in ("cuda.bindings", "cuda.cudart"):
         try:
@@ -122,13 +128,21 @@ BAD = {
     "unparsable": (["+store=localdisk", "store.root=["], "store.root", "quote"),
     "unknown_experiment": (["+experiment=nope"], "experiment", "rolling_tiny"),
     "unwritable_root": (["+store=localdisk", "store.root=/proc/forbidden"], "store.root", "writable"),
-    "root_under_file": (["+store=localdisk", "store.root={NOT_A_DIR}"], "store.root", "writable"),
+    "root_under_file": (["+store=localdisk", "store.root={NOT_A_DIR}"], "store.root", "regular-file is a file"),
     "root_is_a_file": (["+store=localdisk", "store.root={A_FILE}"], "store.root", "not a folder"),
     "unwritable_run_dir": (["hydra.run.dir=/proc/forbidden"], "hydra.run.dir", "hydra.run.dir=/tmp"),
     "run_dir_is_a_file": (["hydra.run.dir={A_FILE}"], "hydra.run.dir", "not a folder"),
     "wrong_geometry": (["runtime.geometry=huge"], "runtime.geometry", "lingbot_480p"),
     "window_too_small": (["runtime.local_attn_size=4", "runtime.sink_size=3"], "runtime.local_attn_size", ">= 6"),
     "bad_workload": (["workload.total_chunks=1"], "workload.total_chunks", ">= 2"),
+    # issue 33, a newcomer's path: each one line naming the field and the fix
+    "chunks_above_the_limit": (["workload.total_chunks=100000000000"], "workload.total_chunks", "10,000"),
+    "model_without_its_runtime": (["+model=lingbot_world_14b"], "model", "runtime=telefuser +model=lingbot_world_14b"),
+    "one_tier_without_brackets": (["+store=tiered", "store.tiers=hbm"], "store.tiers", "store.tiers=[hbm]"),
+    "range_without_a_fix": (["runtime.num_steps=0"], "runtime.num_steps", "an integer >= 1"),
+    "root_parent_missing": (["+store=localdisk", "store.root={A_FILE}-missing/deep/kv"], "store.root", "mkdir -p"),
+    "capacity_beyond_memory": (["+store=memory", "store.capacity_bytes=99999999999999999999GiB"],
+                               "store.capacity_bytes", "16 EiB"),
     "layout_the_runtime_lacks": (["layout=telefuser_main"], "layout", "layout=bshd"),
     "watermark_above_one": (["manager.eviction.high_watermark=1.5"], "manager.eviction.high_watermark",
                             "high_watermark=0.9"),
@@ -148,6 +162,8 @@ BAD = {
 # no_fluxon_service's error comes from fluxon-py's client: it runs where fluxon-py is installed.
 NEEDS_FLUXON_PY = {"no_fluxon_service"}
 HAS_FLUXON_PY = importlib.util.find_spec("fluxon_py") is not None
+if not _has_cuda():
+    BAD["gpu_experiment_on_a_cpu"] = (["+experiment=lingbot_480p"], "runtime.device", "+experiment=rolling_tiny")
 if not _has_cuda_bindings():
     BAD["cuda_without_cuda_bindings"] = (["transfer=cuda"], "transfer", "cuda-bindings")
 
@@ -162,6 +178,8 @@ def procs(tmp_path_factory):
         started["plain"] = Proc([], base / "plain", pool)
         started["localdisk"] = Proc(["+store=localdisk", f"store.root={kv}"], base / "localdisk", pool)
         started["multirun"] = Proc(["-m", "+store=memory,localdisk"], base / "multirun", pool)
+        started["multirun_bad"] = Proc(["-m", "workload.total_chunks=4,0"], base / "multirun_bad", pool)
+        started["version"] = Proc(["--version"], base / "version", pool, dirs=False)
         started["stress"] = Proc(["+experiment=stress", "workload.sessions=8", "workload.threads=2"],
                                  base / "stress", pool)
         started["help"] = Proc(["--help"], base / "help", pool, dirs=False)  # bare: Hydra is skipped
@@ -309,6 +327,25 @@ def test_the_stress_run_prints_its_choices_and_the_table_not_the_log(procs):
     assert "INFO" in log and "transfer: host" in log
 
 
+def test_a_sweep_with_a_bad_value_keeps_the_others_rows_and_says_why(procs):
+    """Issue 33: ``-m workload.total_chunks=4,0``: the good job's row, the bad one ERROR with its line."""
+    started, _ = procs
+    p = started["multirun_bad"]
+    rc, out, err = p.wait()
+    assert rc == 2 and "Traceback" not in out + err, out + err
+    summary = (p.sweep_dir / "summary.md").read_text()
+    rows = {cols[0]: cols[1] for cols in map(str.split, summary.splitlines()[2:])
+            if len(cols) > 1 and cols[1] in ("PASS", "FAIL", "ERROR")}
+    assert rows == {"workload.total_chunks=4": "PASS", "workload.total_chunks=0": "ERROR"}, summary
+    assert "workload.total_chunks=0: error: workload.total_chunks: must be >= 2" in summary
+    assert "sweep summary" in out
+
+
+def test_version_is_cacheseeks(procs):
+    rc, out, err = procs[0]["version"].wait()
+    assert rc == 0 and out.startswith("cacheseek 0.") and "hydra-core" in out, out + err
+
+
 def test_multirun_sweep_leaves_one_summary(procs):
     started, _ = procs
     p = started["multirun"]
@@ -409,9 +446,18 @@ def test_a_refused_run_removes_the_folder_it_made_and_nothing_else(tmp_path):
 
     holding = tmp_path / "holding"
     _refused_run_in(holding)
-    (holding / "kvstore").mkdir()
+    (holding / "kvstore" / "ab").mkdir(parents=True)
+    (holding / "kvstore" / "ab" / "value").write_bytes(b"v")
     forget_run_folder()
-    assert (holding / "kvstore").exists()  # holds what Hydra did not write: kept
+    assert (holding / "kvstore" / "ab" / "value").exists()  # holds a value Hydra did not write: kept
+
+    opened = tmp_path / "opened"  # issue 33: a store opened, then the run refused: its root holds only the lock
+    _refused_run_in(opened)
+    (opened / "kvstore" / "localdisk" / "ab").mkdir(parents=True)
+    (opened / "kvstore" / ".lock").write_bytes(b"")
+    (opened / "kvstore" / "localdisk" / ".lock").write_bytes(b"")
+    forget_run_folder()
+    assert not opened.exists()
 
 
 def _cli(args: list[str], run_dir: Path) -> subprocess.CompletedProcess:

@@ -158,3 +158,17 @@ def test_codecs_benchmark_smoke(tmp_path):
     assert "| localdisk |" in (tmp_path / "out" / "results.md").read_text()
     assert (tmp_path / "out" / "codecs.png").stat().st_size > 0
 
+def test_root_open_measurement_smoke(tmp_path):
+    """experiments/root_open/measure.py (issue 33 item 10) on a root of 300 chunks: every step
+    timed, the first chunk's record found, nothing an orphan, the table written."""
+    import subprocess
+
+    out = tmp_path / "results.json"
+    done = subprocess.run([sys.executable, str(REPO / "experiments" / "root_open" / "measure.py"), "--chunks", "300",
+                           "--dir", str(tmp_path), "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["chunks"] == 300 and row["files"] == 900 and row["orphans"] == 0
+    assert all(row[k] > 0 for k in ("open_s", "bare_listing_s", "first_lookup_s", "usage_scan_s", "orphan_scan_s"))
+    assert "| 300 | 900 |" in out.with_suffix(".md").read_text()

@@ -19,8 +19,11 @@ from typing import Any
 import attrs
 
 from cacheseek.errors import ConfigError, GeometryError
+from cacheseek.sizes import format_size
 
-__all__ = ["GEOMETRIES", "Geometry", "get_geometry", "validate_window"]
+__all__ = ["GEOMETRIES", "Geometry", "get_geometry", "validate_window", "no_cuda_error", "GPU_CHUNK_BYTES"]
+
+GPU_CHUNK_BYTES = 256 << 20  # a chunk's KV above this is a model for a GPU (lingbot_480p: 3.57 GiB)
 
 
 def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -156,3 +159,17 @@ def validate_window(geometry: Geometry, local_attn_size: int, sink_size: int) ->
             f"use -1 (full length) or set runtime.local_attn_size >= {need}, "
             "or lower runtime.sink_size",
         )
+
+
+def no_cuda_error(geometry: Geometry, cpu_run: str) -> ConfigError:
+    """The error for ``runtime.device=cuda`` where CUDA is not available. A small geometry runs on
+    the CPU as it is; a model whose chunk's KV is above `GPU_CHUNK_BYTES` does not (the CPU
+    computes it for hours and a session's chunks outgrow its memory), so the fix is a GPU, or
+    ``cpu_run``: the overrides of a run of the same kind that fits a CPU."""
+    kv = geometry.chunk_kv_nbytes()
+    if kv <= GPU_CHUNK_BYTES:
+        return ConfigError("runtime.device", "CUDA is not available", "use runtime.device=cpu")
+    return ConfigError("runtime.device", f"CUDA is not available, and this run needs a GPU: one chunk's KV is "
+                       f"{format_size(kv)} ({geometry.n_layers} layers x {geometry.hidden} wide), which a CPU "
+                       "computes for hours and a session's chunks outgrow its memory",
+                       f"run it on a machine with a GPU; on this CPU run the same kind of run at a small size: {cpu_run}")

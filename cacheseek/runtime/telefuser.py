@@ -52,7 +52,7 @@ from cacheseek.integrations.telefuser import TeleFuserLayout, attach, plan_contr
 from cacheseek.integrations.telefuser.tiny import PARTS, TinyDiTSpec, build_tiny_pipeline, rope_head_dim_problem
 from cacheseek.integrations.telefuser.wan_parts import feature_cache_bytes
 from cacheseek.registry import RUNTIMES
-from cacheseek.runtime.geometry import Geometry, validate_window
+from cacheseek.runtime.geometry import Geometry, no_cuda_error, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.telefuser_logs import route_telefuser_logs
 
@@ -135,7 +135,7 @@ class TeleFuserRuntimeFactory:
         validate_window(self._geometry, local_attn_size, sink_size)
         self._local_attn_size, self._sink_size = local_attn_size, sink_size
         self.seed, self.prompt, self.height, self.width = seed, prompt, height, width
-        self._device = _check_device(device)
+        self._device = _check_device(device, self._geometry)
         self._weight_seed = weight_seed
         self._ffn_dim, self._text_dim = ffn_dim, text_dim
         self._pipeline: Any = None
@@ -189,6 +189,16 @@ class TeleFuserRuntimeFactory:
         parts = {"wan": ", Wan VAE", "umt5": f", umT5 x{self._parts['text_layers']}", "stand_in": ""}
         return (f"{g.n_layers}x{g.n_heads}x{g.head_dim} ffn {spec.ffn_dim} text {spec.text_dim} {self.height}x{self.width}"
                 f"{parts[self._parts['vae']]}{parts[self._parts['text_encoder']]}")
+
+    def start_notes(self) -> list[str]:
+        """What a user should know before the run, one line each: with the real Wan VAE on a CPU,
+        the VAE decodes every frame of a chunk, restored or computed, and takes most of its
+        time, so a hit saves only the DiT's share (B's wall time stays near A's)."""
+        if self._parts["vae"] != "wan" or not self._device.startswith("cpu"):
+            return []
+        return ["note: runtime.vae=wan on the CPU: the Wan VAE decodes every frame, restored or computed, and takes "
+                "most of a chunk's time here; a hit skips only the DiT, so B's wall time stays close to A's (cold). "
+                "The cache's saving shows with runtime.vae=stand_in on a CPU, or on a GPU at the real size"]
 
     def device_reserve(self, chunks: int) -> list[tuple[str, int]]:
         """What a session still allocates on the runtime's device (`sizing.runtime_device_room`),
@@ -445,7 +455,7 @@ def _pil_image(image: Any, width: int, height: int) -> Any:
     return Image.frombytes(image.mode, tuple(image.size), image.tobytes())
 
 
-def _check_device(device: Any) -> str:
+def _check_device(device: Any, geometry: Geometry) -> str:
     import torch
 
     try:
@@ -453,7 +463,8 @@ def _check_device(device: Any) -> str:
     except (RuntimeError, TypeError):
         raise ConfigError("runtime.device", f"unknown device {device!r}", "use cpu or cuda[:N]") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("runtime.device", "CUDA is not available", "use runtime.device=cpu")
+        raise no_cuda_error(geometry, "runtime=telefuser runtime.device=cpu (TeleFuser's real pipeline at its "
+                            "default 2 layers, 64x64)")
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError("runtime.device", f"unsupported device {device!r}", "use cpu or cuda[:N]")
     return str(dev)

@@ -60,4 +60,4 @@ class DiskRecords(ChunkRecords):
             self._tier._forget(name)
 
     def _names(self) -> list[str]:
-        return [k for k in self._tier._io("scan", self._tier.disk.keys) if k.endswith(RECORD_SUFFIX)]
+        return [k for k in self._tier.keys() if k.endswith(RECORD_SUFFIX)]

@@ -107,7 +107,7 @@ from cacheseek.kv.handles import BlobHandle, Tier, kv_pairs
 from cacheseek.kv.locators import blob_keys, layer_keys, node_key_of, object_key
 from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.kv.records import NO_RECORDS, ChunkRecords
-from cacheseek.sizes import AUTO, available_memory, parse_size
+from cacheseek.sizes import AUTO, available_memory, parse_size, total_memory
 from cacheseek.sizing import SizeField
 from cacheseek.stores.flush import wait_drained
 from cacheseek.stores.value_ledger import ValueLedger
@@ -211,7 +211,7 @@ class KeyValueTier:
         self.stats = TierStats(capacity_bytes=_check_capacity(capacity_bytes))
         # bytes of every value this tier holds or is writing; a backend that knows its medium's free
         # bytes lets a full medium's cap rise again
-        self._ledger = ValueLedger(self.stats, free_bytes=getattr(backend, "free_bytes", None))
+        self._ledger = ValueLedger(self.stats, free_bytes=self._medium_free if hasattr(backend, "free_bytes") else None)
         self._lock = threading.Lock()  # guards stats and the ledger
         self._closed = False  # to callers
         self._backend_closed = False  # once nothing runs in it any more (`close`)
@@ -219,6 +219,10 @@ class KeyValueTier:
         self._worker: Optional[WriteBackWorker] = None
         if write_back:
             self._worker = WriteBackWorker(self._run_queued, depth=queue_depth, name=name)
+
+    def _medium_free(self) -> Optional[int]:
+        """The backend medium's free bytes now (the backend may be replaced: asked each time)."""
+        return self.backend.free_bytes()
 
     def _io(self, op: str, fn: Callable[[], Any], key: Optional[str] = None, on_late=None) -> Any:
         """``fn()``, a backend call: bounded when the tier has ``op_timeout_s`` (module docstring)."""
@@ -250,7 +254,7 @@ class KeyValueTier:
         """`SizedStore`: ``capacity_bytes`` where the config has it, against the free memory."""
         if "capacity_bytes" not in config:
             return []
-        return [SizeField("capacity_bytes", "capacity", room=available_memory())]
+        return [SizeField("capacity_bytes", "capacity", room=available_memory(), total=total_memory())]
 
     # -- writes -------------------------------------------------------------------------------
 
@@ -406,6 +410,7 @@ class KeyValueTier:
 
     def usage(self) -> StoreUsage:
         with self._lock:
+            self._ledger.refresh(self.name, time.monotonic())  # a full medium's cap rises again
             return StoreUsage(self.stats.used_bytes, self.stats.capacity_bytes, self.stats.peak_bytes,
                               len(self._ledger))
 

@@ -42,7 +42,14 @@ whole shorter prefix (a poisoned file never outlives the read that found it).
 A full disk (``ENOSPC``, ``EDQUOT``) is `StoreFullError`: the tier caps itself at the bytes it
 holds and the manager evicts (`KeyValueTier`). Usage is counted in file bytes (header included)
 at write time and at reopen alike (``stored_nbytes``); ``usage()`` is the root's, every process's
-files included (a periodic scan), so the capacity is the cache's, not one process's.
+files included (a periodic scan), so the capacity is the cache's, not one process's. A full
+disk's lowered cap rises again once the disk has room (``usage()`` re-probes it).
+
+Opening a root lists it once, shard by shard (`LISTING_THREADS` shards at once, each listing
+bounded by ``op_timeout_s``): the usage seed and the sweep of gone writers' temp files in one pass,
+no file opened. A file whose name is not one this store would write in that shard (a value's name
+in another key's shard, an escape `encode_key` never writes) is not a value: never listed,
+counted, read or removed as one. experiments/root_open measures the open of 100k and 1M chunks.
 
 Values of a chunk that was never committed (no record names it: a killed writer's half chunk)
 and older than ``orphan_grace_s`` are garbage: `WorldKVManager.reconcile` removes them
@@ -64,11 +71,14 @@ import json
 import logging
 import math
 import os
+import secrets
 import struct
 import sys
 import threading
 import time
 from pathlib import Path
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from cacheseek.errors import ConfigError, CorruptValueError, StoreError, StoreFullError
@@ -79,13 +89,13 @@ from cacheseek.kv.records import RECORD_SUFFIX
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum
 from cacheseek.stores.root_files import NotRegularError, RootFolder
-from cacheseek.sizes import AUTO, Size, free_bytes
+from cacheseek.sizes import AUTO, Size, disk_total_bytes, free_bytes
 from cacheseek.sizing import SizeField
 from cacheseek.stores.disk_names import (
     TEMP_GRACE_S,
     decode_key,
     encode_key,
-    is_value_name,
+    key_in,
     place,
     temp_name,
     writer_gone,
@@ -103,6 +113,7 @@ _HLEN = struct.Struct("<I")
 _PREFIX = len(MAGIC) + _HLEN.size
 _LOCK_NAME = ".lock"
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+LISTING_THREADS = 4  # shard listings in flight at once (a root's open, usage and orphan scans)
 _ROOT_FIX = "set store.root to a writable folder, e.g. +store=localdisk store.root=/tmp/kv"
 
 
@@ -137,14 +148,28 @@ class DiskBackend:
         shard, name = place(key)
         return self.root / shard / name
 
-    def _stored(self) -> list[tuple[str, int]]:
-        """``(key, file size)`` of every value file (regular files with a value's name)."""
+    def shard_files(self, shard: str, *, sweep: bool = False) -> list[tuple[str, int, float]]:
+        """``(key, file size, mtime)`` of every value file in the shard folder ``shard`` (regular
+        files the store would have written there, `key_in`); ``sweep``: remove the temp files of
+        writers that are gone on the way (logged). One listing, no file opened."""
         out = []
-        for shard in self.folder.shard_names():
-            with self.folder.shard(shard) as fd:
-                if fd is not None:
-                    out.extend((decode_key(n), size) for n, size in self.folder.files(fd) if is_value_name(n))
+        now = time.time()
+        with self.folder.shard(shard) as fd:
+            for name, size, mtime in self.folder.files_aged(fd) if fd is not None else ():
+                key = key_in(shard, name)
+                if key is not None:
+                    out.append((key, size, mtime))
+                elif sweep and writer_gone(name, now - mtime) and RootFolder.remove(fd, name):
+                    log.warning("localdisk: removed the temp file of an interrupted write: %s", self.root / shard / name)
         return out
+
+    def listing(self) -> list[tuple[str, int, float]]:
+        """`shard_files` of every shard (unbounded: the store bounds each shard's listing)."""
+        return [f for shard in self.folder.shard_names() for f in self.shard_files(shard)]
+
+    def _stored(self) -> list[tuple[str, int]]:
+        """``(key, file size)`` of every value file."""
+        return [(key, size) for key, size, _ in self.listing()]
 
     # -- ValueBackend -------------------------------------------------------------------------
 
@@ -256,16 +281,8 @@ class DiskBackend:
 
     def keys(self, older_than_s: float = 0.0) -> list[str]:
         """Every value's key; with ``older_than_s``, only files at least that old."""
-        if older_than_s <= 0:
-            return sorted(key for key, _ in self._stored())
         cutoff = time.time() - older_than_s
-        out = []
-        for shard in self.folder.shard_names():
-            with self.folder.shard(shard) as fd:
-                if fd is not None:
-                    out.extend(decode_key(n) for n, _, mtime in self.folder.files_aged(fd)
-                               if is_value_name(n) and mtime <= cutoff)
-        return sorted(out)
+        return sorted(key for key, _, mtime in self.listing() if older_than_s <= 0 or mtime <= cutoff)
 
     def exists(self, key: str) -> bool:
         shard, name = place(key)
@@ -281,7 +298,7 @@ class DiskBackend:
 
     def free_bytes(self) -> Optional[int]:
         """Bytes free on the file system under root (None when unknown)."""
-        return free_bytes(self.root)
+        return self.folder.free_bytes()
 
     def disk_usage_bytes(self) -> int:
         """Sum of the sizes of every regular file in the shards (values and temp files in flight)."""
@@ -302,15 +319,14 @@ class DiskBackend:
     # -- opening ------------------------------------------------------------------------------
 
     def open(self) -> None:
-        """Create or check the root, probe it, take its lock, refuse planted shards, sweep stale
-        temp files (`RootFolder`). ConfigError naming ``store.root`` on failure, the lock released."""
+        """Create or check the root, probe it, take its lock, refuse planted shards (`RootFolder`;
+        the store's first listing sweeps stale temp files). ConfigError naming ``store.root`` on
+        failure, the lock released."""
         self.folder.open()
         try:
-            self.folder.probe(f".probe-{os.getpid()}-{threading.get_ident()}")
+            self.folder.probe(f".probe-{os.getpid()}-{threading.get_ident()}-{secrets.token_hex(4)}")
             self._lock_fd = self.folder.lock(_LOCK_NAME)
             self.folder.refuse_planted()
-            for path in self.folder.sweep(writer_gone):
-                log.warning("localdisk: removed the temp file of an interrupted write: %s", path)
         except ConfigError:
             self.close()
             raise
@@ -440,7 +456,8 @@ class LocalDiskTierStore(KeyValueTier):
     """
 
     tier = Tier.DISK
-    usage_scan_s = 1.0  # how old the root's usage scan may be (other processes write the root too)
+    usage_scan_s = 1.0  # how old the root's usage scan may be (other processes write the root too) ...
+    usage_scan_share = 0.1  # ... or, for a large root, ten times as long as a scan takes (<= 10% of the time)
 
     def __init__(
         self,
@@ -477,9 +494,12 @@ class LocalDiskTierStore(KeyValueTier):
             super().__init__(disk, write_back=bool(write_back), queue_depth=queue_depth, name="localdisk",
                              capacity_bytes=capacity_bytes, op_timeout_s=op_timeout_s, records=DiskRecords(self),
                              codec=codec, codec_device=codec_device)
-            self._seed_usage(self._io("scan", disk.key_sizes))
+            t0 = time.monotonic()
+            for files in self._per_shard(lambda s: disk.shard_files(s, sweep=True)):  # no list of the root
+                self._seed_usage({key: size for key, size, _ in files})
             self._scan_total = self._scan_mine = self.stats.used_bytes
             self._scanned_at = time.monotonic()
+            self._scan_cost_s = self._scanned_at - t0
         except BaseException:
             disk.close()
             raise
@@ -490,7 +510,9 @@ class LocalDiskTierStore(KeyValueTier):
         root = config.get("root")
         room = free_bytes(Path(str(root)).expanduser()) if root else None
         room = room or None  # 0: a pseudo file system (/proc) or a full disk: opening the root says which
-        return [SizeField("capacity_bytes", "capacity", room=room, room_label=f"free disk under {root}")]
+        total = disk_total_bytes(Path(str(root)).expanduser()) if root else None
+        return [SizeField("capacity_bytes", "capacity", room=room, room_label=f"free disk under {root}",
+                          total=total or None)]
 
     @property
     def root(self) -> Path:
@@ -500,30 +522,51 @@ class LocalDiskTierStore(KeyValueTier):
         """Every stored key (values and records; temp files of writes in flight are not listed);
         ``older_than_s``: only those whose files were written at least that long ago."""
         self._check_open()
-        if older_than_s <= 0:
-            return self._io("scan", self.disk.keys)
-        return self._io("scan", lambda: self.disk.keys(older_than_s))
+        cutoff = time.time() - older_than_s
+        return sorted(key for key, _, mtime in self._listing() if older_than_s <= 0 or mtime <= cutoff)
+
+    def _listing(self, *, sweep: bool = False) -> list[tuple[str, int, float]]:
+        """`DiskBackend.shard_files` of every shard, each shard's listing bounded like any other
+        file operation (a root of millions of files takes many short calls, a stalled medium
+        fails one of them)."""
+        out = []
+        for files in self._per_shard(lambda s: self.disk.shard_files(s, sweep=sweep)):
+            out.extend(files)
+        return out
+
+    def _per_shard(self, fn: Any) -> Iterator[Any]:
+        """``fn(shard)`` for every shard folder, `LISTING_THREADS` shards at once (a listing
+        waits on the file system's metadata, in the kernel, not on the GIL), each call bounded;
+        the results in shard order, as they come."""
+        shards = self._io("scan", self.disk.folder.shard_names)
+        with ThreadPoolExecutor(LISTING_THREADS, thread_name_prefix="localdisk-scan") as pool:
+            yield from pool.map(lambda s: self._io("scan", lambda: fn(s)), shards)
 
     def orphans(self) -> list[str]:
         """Values of chunks that were never committed (no record names their chunk) and are older
         than ``orphan_grace_s``: a killed writer's half chunk, never another live process's write
         in flight; and chunk claims that old (`cacheseek.kv.claims`: a killed writer's).
         `WorldKVManager.reconcile` removes them."""
-        keys = self.keys(self.orphan_grace_s)
-        committed = {k.partition(":")[0] for k in self.keys() if k.endswith(RECORD_SUFFIX)}
-        return [k for k in keys if k.endswith(CLAIM_SUFFIX)
-                or (not k.endswith(RECORD_SUFFIX) and k.partition(":")[0] not in committed)]
+        self._check_open()
+        listing = self._listing()  # one listing for both questions
+        cutoff = time.time() - self.orphan_grace_s
+        committed = {k.partition(":")[0] for k, _, _ in listing if k.endswith(RECORD_SUFFIX)}
+        return sorted(k for k, _, mtime in listing if mtime <= cutoff and (
+            k.endswith(CLAIM_SUFFIX) or (not k.endswith(RECORD_SUFFIX) and k.partition(":")[0] not in committed)))
 
     def usage(self) -> StoreUsage:
         """The root's usage, every process's writes included (the capacity is the cache's): the
-        bytes of the files found by a scan at most ``usage_scan_s`` old, plus what this process
-        wrote and freed since that scan."""
+        bytes of the files found by a scan at most ``usage_scan_s`` old (for a root whose listing
+        takes longer than a tenth of that, ten times the listing's time: 1M chunks list in tens of
+        seconds), plus what this process wrote and freed since that scan."""
         now = time.monotonic()
         with self._lock:
-            mine, stale = self.stats.used_bytes, now - self._scanned_at > self.usage_scan_s
+            every = max(self.usage_scan_s, self._scan_cost_s / self.usage_scan_share)
+            mine, stale = self.stats.used_bytes, now - self._scanned_at > every
         if stale and not self._closed:
             try:
-                total = sum(self._io("scan", self.disk.key_sizes).values())
+                total = sum(self._per_shard(lambda s: sum(f[1] for f in self.disk.shard_files(s))))
+                self._scan_cost_s = time.monotonic() - now
             except StoreError as exc:
                 log.warning("localdisk: usage scan failed (%s); counting this process's writes only", exc)
                 total = None
@@ -531,6 +574,7 @@ class LocalDiskTierStore(KeyValueTier):
                 if total is not None:
                     self._scan_total, self._scan_mine, self._scanned_at = total, mine, now
         with self._lock:
+            self._ledger.refresh(self.name, now)  # a full disk's cap rises again once it has room
             used = max(0, self._scan_total + self.stats.used_bytes - self._scan_mine)
             return StoreUsage(used, self.stats.capacity_bytes, max(self.stats.peak_bytes, used), len(self._ledger))
 

@@ -24,8 +24,7 @@ import contextlib
 import errno
 import os
 import stat
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional
 
@@ -58,38 +57,56 @@ class RootFolder:
     def open(self) -> None:
         """Create (``0700``) or check the root and open it; `ConfigError` naming ``store.root``."""
         path = self.path
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            os.mkdir(path, 0o700)
-        except FileExistsError:
-            pass
-        except OSError as exc:
-            raise ConfigError("store.root", f"cannot create folder {path}: {exc}", self.fix) from None
+        if not os.path.lexists(path):
+            self._create(path)
         me = os.geteuid()
         try:
             link = os.lstat(path)
             if stat.S_ISLNK(link.st_mode) and link.st_uid != me:
-                self._refuse(f"{path} is a link owned by uid {link.st_uid}, not by this user (uid {me})")
+                self._refuse(f"{path} is a link owned by uid {link.st_uid}, not by this user (uid {me})", owner=True)
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         except NotADirectoryError:
             raise ConfigError("store.root", f"{path} is a file, not a folder", self.fix) from None
         except OSError as exc:
             raise ConfigError("store.root", f"cannot open folder {path}: {exc}", self.fix) from None
         st = os.fstat(fd)
-        problem = None
-        if st.st_uid != me:
+        problem, owner = None, st.st_uid != me
+        if owner:
             problem = f"{path} is owned by uid {st.st_uid}, not by this user (uid {me})"
         elif st.st_mode & 0o022:
             problem = f"{path} can be written by group or others (mode {stat.S_IMODE(st.st_mode):o})"
         if problem is not None:
             os.close(fd)
-            self._refuse(problem)
+            self._refuse(problem, owner)
         self.fd = fd
 
-    def _refuse(self, problem: str) -> None:
-        raise ConfigError("store.root", f"{problem}: anyone who can write it can plant links in it",
-                          f"a folder of your own that only you can write (chmod 700 {self.path}), or a new "
-                          f"store.root that does not exist yet (it is created 0700)")
+    def _create(self, path: Path) -> None:
+        """Make the root itself (``0700``), never its parents: a parent that is missing or a file
+        is a `ConfigError` naming the path that is wrong."""
+        above = path.parent
+        while not os.path.lexists(above) and above != above.parent:
+            above = above.parent
+        if not os.path.isdir(above):
+            raise ConfigError("store.root", f"{above} is a file, not a folder, so {path} cannot be made under it",
+                              f"choose a store.root under a folder: store.root={Path('/tmp') / path.name}")
+        if above != path.parent:
+            raise ConfigError("store.root", f"its parent {path.parent} does not exist (only the root's own folder "
+                              "is created, never the folders above it)",
+                              f"create the parent first (mkdir -p {path.parent}), or choose a store.root whose "
+                              "parent exists")
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise ConfigError("store.root", f"cannot create folder {path}: {exc.strerror or exc}", self.fix) from None
+
+    def _refuse(self, problem: str, owner: bool = False) -> None:
+        fix = (f"use a folder of your own: a new store.root that does not exist yet (it is created 0700), or "
+               f"take this one over (sudo chown -R $(id -u) {self.path})") if owner else \
+            (f"make it writable by you alone (chmod 700 {self.path}), or a new store.root that does not exist "
+             "yet (it is created 0700)")
+        raise ConfigError("store.root", f"{problem}: anyone who can write it can plant links in it", fix)
 
     def probe(self, name: str) -> None:
         """Write and remove a new small file ``name``: `ConfigError` when the root is not
@@ -141,6 +158,15 @@ class RootFolder:
             raise ConfigError("store.root", f"{self.path} holds {', '.join(planted)}: links or files where only "
                               "the store's folders go (someone else put them there)",
                               f"remove them (rm {' '.join(str(self.path / n) for n in planted)}), or use a new store.root")
+
+    def free_bytes(self) -> Optional[int]:
+        """Bytes free to an unprivileged writer on the root's file system (through its
+        descriptor: the root opened, not whatever its path names now), or None if unknown."""
+        try:
+            st = os.fstatvfs(self.fd)
+        except (OSError, TypeError):
+            return None
+        return st.f_bavail * st.f_frsize
 
     def close(self) -> None:
         if self.fd is not None:
@@ -234,18 +260,6 @@ class RootFolder:
         except FileNotFoundError:
             return False
         return True
-
-    def sweep(self, gone: "Callable[[str, float], bool]") -> list[str]:
-        """Remove the regular files in every shard for which ``gone(name, age in seconds)``
-        says so; their paths."""
-        removed = []
-        now = time.time()
-        for shard in self.shard_names():
-            with self.shard(shard) as fd:
-                for name, _, mtime in self.files_aged(fd) if fd is not None else ():
-                    if gone(name, now - mtime) and self.remove(fd, name):
-                        removed.append(str(self.path / shard / name))
-        return removed
 
     def files_aged(self, shard_fd: int) -> list[tuple[str, int, float]]:
         """``(name, size, mtime)`` of every regular file in a shard (as `files`)."""

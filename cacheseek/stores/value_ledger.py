@@ -9,7 +9,9 @@ accounts for alone lowers the capacity to the bytes held at that moment (`cap_at
 is not for ever: where the backend can say how much its medium has free (``free_bytes``), a write
 the lowered cap refuses first re-probes it, and the capacity rises again to what the medium can
 hold now (held plus free), at most back to the capacity it had before (another tenant freed the
-disk).
+disk). A manager that evicts keeps its writes under the lowered cap, so no write would ever ask:
+`refresh` (called by the tier's ``usage()``, which the manager reads before it evicts) re-probes
+too, at most once every `REPROBE_S`.
 
 The counts live in the tier's stats (``used_bytes``, ``peak_bytes``, ``capacity_bytes``,
 ``refused_full``), which the report shows. The ledger takes no lock: the tier calls every method
@@ -28,6 +30,8 @@ __all__ = ["ValueLedger"]
 
 log = logging.getLogger(__name__)
 
+REPROBE_S = 1.0  # how often `refresh` asks the medium for its free bytes while the capacity is capped
+
 
 class ValueLedger:
     """Bytes per key and their total in ``stats`` (any object with ``used_bytes``,
@@ -39,6 +43,7 @@ class ValueLedger:
         self._free_bytes = free_bytes  # the medium's free bytes now, or None when unknown
         self._lowered = False  # the capacity is a full medium's cap (`cap_at_used`)
         self._before: Optional[int] = None  # ... and what it was before it (None: unbounded)
+        self._probed_at = float("-inf")  # when `refresh` last re-probed (time.monotonic)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -79,9 +84,11 @@ class ValueLedger:
 
     def seed(self, sizes: dict[str, int]) -> None:
         """Count values that already exist in the backend (a reopened persistent tier)."""
+        used = self.stats.used_bytes
         for key, n in sizes.items():
+            used += n - self.sizes.get(key, 0)
             self.sizes[key] = n
-        self.stats.used_bytes = sum(self.sizes.values())
+        self.stats.used_bytes = used
         self.stats.peak_bytes = max(self.stats.peak_bytes, self.stats.used_bytes)
 
     def cap_at_used(self, exc: BaseException, *, name: str) -> None:
@@ -100,6 +107,13 @@ class ValueLedger:
     def lowered(self) -> bool:
         """The capacity is a full medium's cap (`cap_at_used`), not the configured one."""
         return self._lowered
+
+    def refresh(self, name: str, now: float) -> None:
+        """While the capacity is a full medium's cap: `reprobe`, at most once every `REPROBE_S`
+        (``now``: `time.monotonic`)."""
+        if self._lowered and now - self._probed_at >= REPROBE_S:
+            self._probed_at = now
+            self.reprobe(name)
 
     def reprobe(self, name: str) -> Optional[int]:
         """After a full medium's cap: the capacity the medium allows now (held plus free), at

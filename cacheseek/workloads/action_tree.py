@@ -16,13 +16,25 @@ from typing import Any, Optional
 from cacheseek.errors import ConfigError
 from cacheseek.runtime.synthetic import SyntheticImage
 
-__all__ = ["ActionTree", "check_count"]
+__all__ = ["ActionTree", "check_count", "MAX_CHUNKS"]
 
 
-def check_count(field: str, value: Any, low: int) -> None:
+MAX_CHUNKS = 10_000  # chunks of one session: each is computed (seconds at 480p); 10,000 is hours already
+MAX_COUNT = 100_000  # sessions, branches, images: every one is planned in memory before the run starts
+_WHY = {"chunks": "a session computes every chunk it does not restore (seconds each at 480p) and its actions "
+                  "are planned in memory first",
+        "count": "each is planned in memory before the run starts"}
+
+
+def check_count(field: str, value: Any, low: int, high: int = MAX_COUNT, why: str = "count") -> None:
+    """`ConfigError` naming ``workload.{field}`` unless ``low <= value <= high`` (an integer);
+    above ``high`` with the reason (``why``: a key of the reasons), before anything is allocated."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ConfigError(f"workload.{field}", f"must be an integer >= {low}, got {value!r}",
                           f"set workload.{field} to an integer >= {low}")
+    if value > high:
+        raise ConfigError(f"workload.{field}", f"{value:,} is above the limit of {high:,} ({_WHY[why]})",
+                          f"set workload.{field} to at most {high}")
 
 
 class ActionTree:
@@ -31,9 +43,10 @@ class ActionTree:
 
     def __init__(self, *, sessions: int, depth: int, branching: int, skew: float, images: int, seed: int,
                  action_dim: int) -> None:
-        for name, value in (("sessions", sessions), ("depth", depth), ("branching", branching),
-                            ("images", images), ("action_dim", action_dim)):
+        for name, value in (("sessions", sessions), ("branching", branching), ("images", images),
+                            ("action_dim", action_dim)):
             check_count(name, value, 1)
+        check_count("depth", depth, 1, MAX_CHUNKS, "chunks")
         if isinstance(skew, bool) or not isinstance(skew, (int, float)) or skew < 0:
             raise ConfigError("workload.skew", f"must be a number >= 0, got {skew!r}", "set workload.skew=1.0")
         rng = random.Random(seed)

@@ -46,6 +46,7 @@ from cacheseek.codecs.quality import frame_quality, psnr_db, store_codec
 from cacheseek.errors import ConfigError
 from cacheseek.progress import bar
 from cacheseek.registry import WORKLOADS
+from cacheseek.workloads.action_tree import MAX_CHUNKS, check_count
 from cacheseek.reuse.exact_prefix import NamespaceForest
 from cacheseek.runtime.snapshot import same_bytes, snapshot_diff
 
@@ -84,9 +85,11 @@ class PrefixGate:
     def __init__(self, total_chunks: int = 4, prefix_chunks: int = 2, ring_check: bool = True,
                  action_seed: int = 7, action_dim: int = 4,
                  min_psnr_db: Optional[float] = None) -> None:
-        if total_chunks < 2:
+        if isinstance(total_chunks, int) and not isinstance(total_chunks, bool) and total_chunks < 2:
             raise ConfigError("workload.total_chunks", f"must be >= 2, got {total_chunks}",
                               "the gate needs a shared prefix and a fork: e.g. workload.total_chunks=4")
+        check_count("total_chunks", total_chunks, 2, MAX_CHUNKS, "chunks")
+        check_count("action_dim", action_dim, 1)
         if not 1 <= prefix_chunks < total_chunks:
             raise ConfigError("workload.prefix_chunks",
                               f"must be in [1, total_chunks), got {prefix_chunks} with total {total_chunks}",

@@ -211,6 +211,7 @@ def _store(tier: str, codec: str, cfg) -> Any:
         return InMemoryTierStore(capacity_bytes=None, codec=codec, codec_device=cfg.device)
     root = Path(cfg.root) / codec
     shutil.rmtree(root, ignore_errors=True)
+    root.parent.mkdir(parents=True, exist_ok=True)  # a store makes its root, never the folders above it
     return LocalDiskTierStore(root, codec=codec, codec_device=cfg.device, fsync=False, capacity_bytes=None)
 
 

@@ -28,13 +28,17 @@ from prodkit import FULL, ROLLING, acts, check_invariants, cold_hashes, new_mana
 
 class BudgetDisk:
     """Delegates to a `DiskBackend`; a write that would take the files above ``budget`` bytes
-    fails as the disk does (the real backend's ENOSPC path: `StoreFullError`)."""
+    fails as the disk does (the real backend's ENOSPC path: `StoreFullError`), and the free
+    bytes are what the budget leaves."""
 
     def __init__(self, inner, budget: int) -> None:
         self.inner, self.budget = inner, budget
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+    def free_bytes(self):
+        return max(0, self.budget - self.inner.disk_usage_bytes())
 
     def write(self, key, value):
         size = self.inner.stored_nbytes(key, value)
@@ -56,8 +60,9 @@ def test_enospc_is_store_full_from_the_real_write_path(tmp_path, monkeypatch):
         with pytest.raises(StoreFullError, match="disk full"):
             store.put_skeleton("aa:lat", b"x" * 10)
         monkeypatch.setattr(os, "replace", real_replace)
-        assert store.keys() == [] and store.usage().used_bytes == 0
         assert store.capacity_bytes == 0  # nothing fitted: the medium holds nothing more
+        assert store.keys() == [] and store.usage().used_bytes == 0
+        assert store.capacity_bytes > 0  # usage() re-probed: the real disk has room (issue 33 item 12)
     finally:
         store.close()
 

@@ -17,6 +17,7 @@ Each test reproduces a finding of the review on real files (LocalDisk, the synth
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -216,16 +217,34 @@ def test_a_reconcile_after_a_damaged_snapshot_removes_no_committed_value(disk, t
     assert done["orphans_removed"] == 0 and disk.keys() == keys
 
 
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
 def test_temp_files_of_an_interrupted_save_are_removed_at_load(tmp_path):
+    """Only this module's marked temp files whose writer is gone (issue 33 items 6 and 8): a live
+    writer's save in flight and a user's ``.forest.json.bak``-like files stay."""
     snap = _small_snapshot(tmp_path)
-    left = tmp_path / ".forest.json.x1y2z3"
+    left = tmp_path / f".forest.json.cstmp-w{_dead_pid()}x0123456789ab"
     left.write_bytes(b'{"version": 1, "namesp')  # a kill mid-write
-    folder = tmp_path / ".forest.json.dir"  # not a temp file this code writes: kept
+    prev_left = tmp_path / f".forest.json.prev.cstmp-w{_dead_pid()}x0123456789ab"
+    prev_left.write_bytes(b"{")
+    live = tmp_path / f".forest.json.cstmp-w{os.getppid()}x0123456789ab"  # a live writer's save in flight
+    live.write_bytes(b"{")
+    folder = tmp_path / f".forest.json.cstmp-w{_dead_pid()}x0123456789ac"  # a folder: never removed
     folder.mkdir()
-    other = tmp_path / ".other.json.abc"
-    other.write_bytes(b"x")
+    users = [tmp_path / n for n in (".forest.json.bak", ".forest.json.orig", ".forest.json.prev.keep",
+                                    ".forest.json.x1y2z3", ".other.json.abc")]
+    for u in users:
+        u.write_bytes(b"mine")
     assert len(load_forest_snapshot(snap)) == 1
-    assert not left.exists() and folder.is_dir() and other.exists()
+    assert not left.exists() and not prev_left.exists()
+    assert live.exists() and folder.is_dir() and all(u.read_bytes() == b"mine" for u in users)
 
 
 # -- item 7: O(n) and pruned -----------------------------------------------------------------------

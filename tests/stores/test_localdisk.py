@@ -121,10 +121,14 @@ def test_unwritable_root_names_the_field(tmp_path):
         ro.chmod(0o700)
 
 
-def test_failed_probe_write_names_the_field(tmp_path):
-    # works as root too: the probe file's name is taken by a folder, so writing it fails
+def test_failed_probe_write_names_the_field(tmp_path, monkeypatch):
+    # works as root too: the probe file's name is taken by a folder, so writing it fails (its
+    # random part made known here; a name planted in advance is never met: issue 33 item 3)
+    import secrets
+
+    monkeypatch.setattr(secrets, "token_hex", lambda n: "0" * 2 * n)
     root = tmp_path / "kv"
-    (root / f".probe-{os.getpid()}-{threading.get_ident()}").mkdir(parents=True)
+    (root / f".probe-{os.getpid()}-{threading.get_ident()}-00000000").mkdir(parents=True)
     with pytest.raises(ConfigError) as info:
         LocalDiskTierStore(str(root))
     assert info.value.field == "store.root" and "not writable" in str(info.value)

@@ -139,7 +139,12 @@ def test_only_names_it_could_have_written_are_removed(tmp_path):
 
 
 def test_the_root_is_created_private_and_an_untrusted_one_refused(tmp_path):
-    root = tmp_path / "new" / "kv"
+    deep = tmp_path / "new" / "kv"
+    with pytest.raises(ConfigError) as err:  # only the root itself is created, never its parents
+        LocalDiskTierStore(str(deep))
+    assert err.value.field == "store.root" and f"mkdir -p {deep.parent}" in err.value.fix
+    assert not deep.parent.exists()
+    root = tmp_path / "kv"
     LocalDiskTierStore(str(root)).close()
     assert stat.S_IMODE(root.stat().st_mode) == 0o700
 
@@ -164,6 +169,7 @@ def test_a_root_of_another_user_is_refused(tmp_path):
     with pytest.raises(ConfigError) as err:
         LocalDiskTierStore(str(other))
     assert err.value.field == "store.root" and "uid 4321" in str(err.value)
+    assert "chown" in err.value.fix and "chmod" not in err.value.fix  # chmod cannot make it this user's
     link = tmp_path / "their-link"
     link.symlink_to(tmp_path)
     os.lchown(link, 4321, 4321)

@@ -40,6 +40,8 @@ def test_the_live_sessions_example_runs_and_keys_each_chunk():
     assert out.returncode == 0, out.stderr[-3000:]
     assert "A and B share 2 of 4 chunk keys; chunks written: 6; chunks not cached (unkeyed): 0; hook failures: 0" \
         in out.stdout
+    # issue 33: it says what each session reused; C streams A's controls and computes nothing
+    assert "B restored chunks [0, 1] (2 of 4" in out.stdout and "C restored chunks [0, 1, 2, 3] (4 of 4" in out.stdout
 
 
 def test_a_binding_made_before_any_attach_on_the_release_says_so():

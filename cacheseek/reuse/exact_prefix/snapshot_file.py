@@ -5,38 +5,65 @@ field, ``"xxh3"``: 16 hex digits of xxh3-64 over the file's bytes without that f
 if it ended one field earlier). The file stays plain JSON, so upstream CacheSeek still reads it; a
 file without the field (upstream's, this project's earlier ones) is read unchecked.
 
-Saving writes a temp file ``.{name}.{random}`` in the same folder, fsyncs it, keeps the current
-file (when it verifies) as ``{name}.prev`` through a hard link, then renames the temp file over
-the current one: the newest name always holds a whole generation. Loading reads the newest; a
-damaged newest (checksum, UTF-8, JSON, any field refused) falls back to ``{name}.prev`` (logged).
-Temp files of an interrupted save are removed when a snapshot is loaded. Every problem is a
-`ConfigError` naming the file and the field. A file above `MAX_FILE_BYTES` is refused unread.
+The snapshot's folder is opened once per call and every name in it is reached through that
+descriptor (never through a path again, so a parent swapped for a link mid-call changes nothing),
+never following a link and never waiting on a FIFO: the newest file, ``{name}.prev`` or a temp
+file that is a link, a FIFO, a folder or a device is refused as unreadable, never opened for
+reading or written through; no link is ever created.
+
+Saving writes a temp file ``.{name}.cstmp-w{pid}x{random}`` (the marker ``cstmp`` and its
+writer's pid: unique per save, so any number of processes and threads save at once), fsyncs it,
+copies the current file (when it verifies) into ``{name}.prev`` the same way, then renames the
+temp file over the current one and fsyncs the folder: the newest name always holds a whole
+generation, and of concurrent saves the last rename (a complete snapshot) wins. A save is bounded
+(``timeout_s``, `cacheseek.bounded_calls`): past it, or on any OS error (``ENOSPC``, ``.prev`` a
+folder), it raises one `StoreError` naming the file; a ``.prev`` that cannot be written is logged
+and the newest is saved anyway.
+
+Loading reads the newest; a damaged newest (checksum, UTF-8, JSON, any field refused, not a
+regular file) falls back to ``{name}.prev`` (logged). Temp files of an interrupted save are
+removed when a snapshot is loaded: only regular files with this module's marker whose writer
+(named in them) no longer runs on this host; a user's ``.{name}.bak`` or ``.orig`` never
+carries the marker and stays. Every problem is a `ConfigError` naming the file and the field. A
+file above `MAX_FILE_BYTES` is refused unread.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import logging
 import os
 import re
-import shutil
-import tempfile
+import secrets
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
 import attrs
 import xxhash
 
-from cacheseek.errors import ConfigError
+from cacheseek.bounded_calls import BoundedCalls
+from cacheseek.errors import ConfigError, StoreError
+from cacheseek.kv.claims import process_alive
 from cacheseek.reuse.exact_prefix import snapshot as snapshot_format
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_FILE_BYTES", "Loaded", "encode_file", "save", "load", "previous", "sweep_temps"]
+__all__ = ["MAX_FILE_BYTES", "SAVE_TIMEOUT_S", "Loaded", "encode_file", "save", "load", "previous",
+           "sweep_temps", "temp_name"]
 
 MAX_FILE_BYTES = 1 << 30
+SAVE_TIMEOUT_S = 30.0  # the default bound of a save or a load (as ``store.op_timeout_s``)
 _TRAILER = re.compile(rb',"xxh3":"([0-9a-f]{16})"\}\s*\Z')
 _FIX = "restore the file from a backup, or remove it (the store's values it named are then unreachable)"
+_MARKER = "cstmp"
+_TEMP = re.compile(r"\A\.(.+)\.cstmp-w(\d{1,10})x[0-9a-f]{12}\Z")
+_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
 
 
 @attrs.frozen(slots=True)
@@ -49,8 +76,17 @@ class Loaded:
     problems: tuple[ConfigError, ...] = ()
 
 
+class _NotAFile(OSError):
+    """The name is a link, a FIFO, a folder or a device: nothing a save wrote."""
+
+
 def previous(path: Path) -> Path:
     return path.with_name(path.name + ".prev")
+
+
+def temp_name(name: str) -> str:
+    """A new temp file name for a save of ``name`` by this process (marked, unique)."""
+    return f".{name}.{_MARKER}-w{os.getpid()}x{secrets.token_hex(6)}"
 
 
 def encode_file(data: Any) -> bytes:
@@ -58,74 +94,166 @@ def encode_file(data: Any) -> bytes:
     return body[:-1] + b',"xxh3":"' + xxhash.xxh3_64(body).hexdigest().encode() + b'"}'
 
 
-def save(data: Any, path: Path) -> None:
-    """Write ``data`` as the newest generation of ``path`` (see the module docstring)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    raw = encode_file(data)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+def _bounded(timeout_s: float, op: str, path: Path, fn: Any) -> Any:
+    calls = BoundedCalls(timeout_s, name="forest snapshot", field="store.op_timeout_s",
+                         hint=" (a stalled disk or file system?)")
+    return calls.run(op, fn, key=str(path))
+
+
+@contextlib.contextmanager
+def _folder(path: Path) -> Iterator[int]:
+    fd = os.open(path.parent, _DIR)
     try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def save(data: Any, path: Path, *, timeout_s: float = SAVE_TIMEOUT_S) -> None:
+    """Write ``data`` as the newest generation of ``path`` (see the module docstring); one
+    `StoreError` naming the file when it cannot (an OS error, or ``timeout_s`` passed)."""
+    raw = encode_file(data)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _bounded(timeout_s, "save", path, lambda: _save(raw, path))
+    except StoreError as exc:
+        raise type(exc)(f"forest snapshot {path} not saved: {exc}") from None
+    except OSError as exc:
+        raise StoreError(f"forest snapshot {path} not saved: {exc.strerror or exc}") from None
+
+
+def _save(raw: bytes, path: Path) -> None:
+    with _folder(path) as dfd:
+        try:
+            current = _read_at(dfd, path.name, path)
+            _verify(path, current)
+        except FileNotFoundError:  # a first save: a .prev of an earlier, removed snapshot is not its past
+            current = None
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                _unlink_file(dfd, previous(path).name)
+        except (OSError, ConfigError) as exc:
+            log.warning("forest snapshot %s does not verify (%s): %s keeps the older generation",
+                        path, exc, previous(path))
+            current = None
+        if current is not None:
+            try:
+                _write_new(dfd, previous(path).name, current)
+            except OSError as exc:
+                log.warning("forest snapshot: could not keep the previous generation %s (%s); saving the "
+                            "newest anyway", previous(path), exc.strerror or exc)
+        _write_new(dfd, path.name, raw)
+        os.fsync(dfd)
+
+
+def _write_new(dfd: int, name: str, raw: bytes) -> None:
+    """``raw`` as ``name`` in the folder ``dfd``: a marked temp file, fsynced, renamed over it."""
+    tmp = temp_name(name)
+    try:
+        fd = os.open(tmp, _CREATE, 0o600, dir_fd=dfd)
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
             f.flush()
             os.fsync(f.fileno())
-        _keep_previous(path)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+        if stat.S_ISDIR(_lstat(dfd, name)):
+            raise IsADirectoryError(errno.EISDIR, f"{name} is a folder")
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        tmp = None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp, dir_fd=dfd)
+
+
+def _lstat(dfd: int, name: str) -> int:
+    try:
+        return os.stat(name, dir_fd=dfd, follow_symlinks=False).st_mode
+    except FileNotFoundError:
+        return 0
+
+
+def _unlink_file(dfd: int, name: str) -> None:
+    if stat.S_ISDIR(_lstat(dfd, name)):
+        raise IsADirectoryError(errno.EISDIR, name)
+    os.unlink(name, dir_fd=dfd)
+
+
+def _read_at(dfd: int, name: str, path: Path) -> bytes:
+    """The bytes of regular file ``name`` (FileNotFoundError: absent); a link, FIFO, folder or
+    device is `_NotAFile`, never followed or waited on; above `MAX_FILE_BYTES` a `ConfigError`."""
+    try:
+        fd = os.open(name, _READ, dir_fd=dfd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EMLINK):
+            raise _NotAFile(errno.ELOOP, "a symbolic link: not followed") from None
         raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _NotAFile(errno.EINVAL, f"not a regular file (mode {st.st_mode:o}): not read")
+        if st.st_size > MAX_FILE_BYTES:
+            raise ConfigError(str(path), f"{st.st_size} bytes, above the {MAX_FILE_BYTES} a snapshot may have", _FIX)
+        os.set_blocking(fd, True)
+        return f.read(MAX_FILE_BYTES + 1)
 
 
-def _keep_previous(path: Path) -> None:
-    """The current file becomes ``.prev`` where it verifies (a damaged one keeps the older .prev)."""
-    try:
-        _verify(path, path.read_bytes())
-    except FileNotFoundError:  # a first save: a .prev of an earlier, removed snapshot is not its past
-        previous(path).unlink(missing_ok=True)
-        return
-    except (OSError, ConfigError) as exc:
-        log.warning("forest snapshot %s does not verify (%s): %s keeps the older generation",
-                    path, exc, previous(path))
-        return
-    prev = previous(path)
-    prev.unlink(missing_ok=True)
-    try:
-        os.link(path, prev)
-    except OSError:  # a file system without hard links: a copy
-        shutil.copyfile(path, prev)
-
-
-def load(path: Path) -> Loaded:
+def load(path: Path, *, timeout_s: float = SAVE_TIMEOUT_S, sweep: bool = False) -> Loaded:
     """The newest generation of ``path`` that decodes, its previous one when the newest is damaged;
-    ``records`` None when the newest does not exist or neither decodes."""
-    if not path.exists():
+    ``records`` None when the newest does not exist or neither decodes. ``sweep``: first remove
+    the temp files of interrupted saves (`sweep_temps`). Bounded by ``timeout_s``."""
+    def run() -> Loaded:
+        if sweep:
+            sweep_temps(path)
+        return _load(path)
+
+    try:
+        return _bounded(timeout_s, "load", path, run)
+    except StoreError as exc:
+        problem = ConfigError(str(path), f"cannot read it: {exc}", _FIX)
+        return Loaded(None, None, (problem,))
+
+
+def _load(path: Path) -> Loaded:
+    try:
+        folder = _folder(path)
+        dfd = folder.__enter__()
+    except (FileNotFoundError, NotADirectoryError):
         return Loaded(None, None)
-    problems = []
-    for gen in (path, previous(path)):
-        if gen is not path and not gen.exists():
-            break
-        try:
-            records = read(gen)
-        except ConfigError as exc:
-            log.warning("forest snapshot %s cannot be used: %s", gen, exc)
-            problems.append(exc)
-            continue
-        if problems:
-            log.warning("forest snapshot: loaded the previous generation %s (the newest is damaged)", gen)
-        return Loaded(records, gen, tuple(problems))
-    return Loaded(None, None, tuple(problems))
+    try:
+        problems = []
+        for gen in (path, previous(path)):
+            try:
+                records = _records(gen, _read_at(dfd, gen.name, gen))
+            except FileNotFoundError:
+                if gen is path:
+                    return Loaded(None, None)
+                break
+            except OSError as exc:
+                problems.append(ConfigError(str(gen), f"cannot read it: {exc.strerror or exc}", _FIX))
+                log.warning("forest snapshot %s cannot be used: %s", gen, problems[-1])
+                continue
+            except ConfigError as exc:
+                log.warning("forest snapshot %s cannot be used: %s", gen, exc)
+                problems.append(exc)
+                continue
+            if problems:
+                log.warning("forest snapshot: loaded the previous generation %s (the newest is damaged)", gen)
+            return Loaded(records, gen, tuple(problems))
+        return Loaded(None, None, tuple(problems))
+    finally:
+        folder.__exit__(None, None, None)
 
 
 def read(path: Path) -> list[Any]:
     """One generation's namespace records, checked whole; `ConfigError` naming the file."""
     try:
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise ConfigError(str(path), f"{size} bytes, above the {MAX_FILE_BYTES} a snapshot may have", _FIX)
-        raw = path.read_bytes()
+        with _folder(path) as dfd:
+            raw = _read_at(dfd, path.name, path)
     except OSError as exc:
-        raise ConfigError(str(path), f"cannot read it: {exc}", _FIX) from None
+        raise ConfigError(str(path), f"cannot read it: {exc.strerror or exc}", _FIX) from None
+    return _records(path, raw)
+
+
+def _records(path: Path, raw: bytes) -> list[Any]:
     _verify(path, raw)
     try:
         data = json.loads(raw.decode("utf-8"))
@@ -152,27 +280,34 @@ def _verify(path: Path, raw: bytes) -> None:
         raise ConfigError(f"{path}: xxh3", "checksum mismatch: the file is damaged", _FIX)
 
 
+def _interrupted(name: str, names: tuple[str, ...]) -> bool:
+    """Whether ``name`` is a temp file of a save of one of ``names`` whose writer is gone."""
+    m = _TEMP.match(name)
+    if m is None or m.group(1) not in names:
+        return False
+    pid = int(m.group(2))
+    return pid != os.getpid() and not process_alive(pid)
+
+
 def sweep_temps(path: Path) -> int:
-    """Remove the temp files ``.{name}.*`` an interrupted save left next to ``path``; how many."""
+    """Remove the temp files an interrupted save of ``path`` (or of its ``.prev``) left next to
+    it: regular files with this module's marker whose writer is gone; how many."""
+    names = (path.name, previous(path).name)
     removed = 0
     try:
-        entries = list(os.scandir(path.parent))
-    except FileNotFoundError:
+        folder = _folder(path)
+        dfd = folder.__enter__()
+    except (FileNotFoundError, NotADirectoryError):
         return 0
-    for entry in entries:
-        if entry.name.startswith(f".{path.name}.") and not entry.is_dir(follow_symlinks=False):
-            log.warning("forest snapshot: removing the temp file of an interrupted save: %s", entry.path)
-            try:
-                os.unlink(entry.path)
-                removed += 1
-            except FileNotFoundError:
-                pass
-    return removed
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        with os.scandir(dfd) as it:
+            entries = [e.name for e in it if e.is_file(follow_symlinks=False)]
+        for name in entries:
+            if _interrupted(name, names):
+                log.warning("forest snapshot: removing the temp file of an interrupted save: %s", path.parent / name)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=dfd)
+                    removed += 1
     finally:
-        os.close(fd)
+        folder.__exit__(None, None, None)
+    return removed

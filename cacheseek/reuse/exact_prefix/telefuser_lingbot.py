@@ -63,7 +63,7 @@ from typing import Any, Optional, Sequence
 import xxhash
 
 from cacheseek import namespace, weights
-from cacheseek.errors import CacheSeekError, ConfigError, GeometryError, LayoutMismatchError, StoreWarmingError
+from cacheseek.errors import CacheSeekError, ConfigError, GeometryError, LayoutMismatchError, StoreError, StoreWarmingError
 from cacheseek.integrations.telefuser import unattached_release
 from cacheseek.kv.ring import RingGeometry
 from cacheseek.layout.auto import layout_name_of_runtime
@@ -166,7 +166,10 @@ class LingBotWorldKVBinding(LiveChunks):
         self.last_fast_forward = 0
         self._reset_live()
         if snapshot_path is not None and len(forest) == 0:
-            load_forest_snapshot(snapshot_path, into=forest)
+            try:
+                load_forest_snapshot(snapshot_path, into=forest)
+            except ConfigError as exc:  # the forest is marked incomplete: a reconcile removes nothing
+                log.warning("forest snapshot not loaded, starting from the store's records alone: %s", exc)
         self.root: Optional[bytes] = None
         self.actions: list[bytes] = []
         self.ring: Optional[RingGeometry] = None
@@ -341,9 +344,18 @@ class LingBotWorldKVBinding(LiveChunks):
             )
         return latent.contiguous()
 
-    def flush_snapshot(self) -> None:
-        if self.snapshot_path:  # pruned first: nodes holding nothing, namespaces nobody uses
+    def flush_snapshot(self) -> bool:
+        """Save the forest to ``snapshot_path`` (pruned first: nodes holding nothing, namespaces
+        nobody uses); whether it was saved. A failed save (a full disk, a stalled one past 30 s,
+        ``.prev`` a folder) is one warning line: the store's chunks stay findable by their records."""
+        if not self.snapshot_path:
+            return False
+        try:
             save_forest_snapshot(self.forest, self.snapshot_path, live_sessions=getattr(getattr(self.manager, "eviction", None), "live_sessions", None))
+        except StoreError as exc:
+            log.warning("%s", exc)
+            return False
+        return True
 
     # -- geometry -----------------------------------------------------------------------------
 

@@ -274,25 +274,29 @@ def _holds_nothing(node: TrieNode) -> bool:
 
 
 def save_forest_snapshot(forest: NamespaceForest, path: str | os.PathLike[str], *,
-                         live_sessions: Optional[int] = None) -> None:
-    """Write the snapshot, checksummed, keeping the previous generation (`snapshot_file.save`);
-    ``live_sessions``: prune the forest first (`NamespaceForest.prune`)."""
+                         live_sessions: Optional[int] = None,
+                         timeout_s: float = snapshot_file.SAVE_TIMEOUT_S) -> None:
+    """Write the snapshot, checksummed, keeping the previous generation (`snapshot_file.save`:
+    safe against concurrent saves, never through a link); ``live_sessions``: prune the forest
+    first (`NamespaceForest.prune`). Bounded by ``timeout_s``; any failure is one `StoreError`
+    naming the file (the forest is unchanged)."""
     if live_sessions is not None:
         forest.prune(live_sessions)
-    snapshot_file.save(forest.snapshot(), Path(path))
+    snapshot_file.save(forest.snapshot(), Path(path), timeout_s=timeout_s)
 
 
 def load_forest_snapshot(
-    path: str | os.PathLike[str], *, into: Optional[NamespaceForest] = None
+    path: str | os.PathLike[str], *, into: Optional[NamespaceForest] = None,
+    timeout_s: float = snapshot_file.SAVE_TIMEOUT_S,
 ) -> NamespaceForest:
     """Load a snapshot file into ``into`` (or a new forest); a missing file gives an empty forest.
-    Temp files of an interrupted save are removed first; a damaged newest generation falls back
-    to the previous one and marks the forest ``incomplete``; with neither usable, the forest is
-    marked and the newest's `ConfigError` (naming the file and the field) raised."""
+    Temp files of interrupted saves whose writer is gone are removed first; a damaged newest
+    generation (or one that is a link or a FIFO: never followed or waited on) falls back to the
+    previous one and marks the forest ``incomplete``; with neither usable, the forest is marked
+    and the newest's `ConfigError` (naming the file and the field) raised. Bounded by ``timeout_s``."""
     forest = into if into is not None else NamespaceForest()
     p = Path(path)
-    snapshot_file.sweep_temps(p)
-    loaded = snapshot_file.load(p)
+    loaded = snapshot_file.load(p, timeout_s=timeout_s, sweep=True)
     if loaded.problems:
         forest.incomplete = f"{p} did not load: {loaded.problems[0]}"
     if loaded.records is None:

@@ -100,7 +100,7 @@ class SyntheticRuntimeFactory:
         check_int("runtime.compute_gemms", compute_gemms, 1)
         check_dtype(dtype)
         check_prompt(prompt)
-        self._device = str(check_device(device))
+        self._device = str(check_device(device, self._geometry))
         self._local_attn_size = local_attn_size
         self._sink_size = sink_size
         self._dtype = dtype

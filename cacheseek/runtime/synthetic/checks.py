@@ -11,6 +11,7 @@ import torch
 
 from cacheseek.errors import ConfigError
 from cacheseek.runtime.synthetic.control import MAX_ACTION_DIM
+from cacheseek.runtime.geometry import no_cuda_error
 
 __all__ = [
     "DTYPES",
@@ -48,8 +49,9 @@ def check_prompt(prompt: Any) -> None:
         raise ConfigError("runtime.prompt", f"must be a string, got {type(prompt).__name__}")
 
 
-def check_device(device: Any) -> torch.device:
-    """``device`` as a torch device: cpu, or an existing CUDA device (an index is filled in)."""
+def check_device(device: Any, geometry: Any = None) -> torch.device:
+    """``device`` as a torch device: cpu, or an existing CUDA device (an index is filled in).
+    Without CUDA, a ``geometry`` too large for a CPU gets `no_cuda_error`'s fix."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -60,6 +62,9 @@ def check_device(device: Any) -> torch.device:
         raise ConfigError("runtime.device", f"unsupported device {device!r}", "use cpu or cuda")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
+            if geometry is not None:
+                raise no_cuda_error(geometry, "+experiment=rolling_tiny (the gate on a rolling ring, tiny "
+                                    "geometry, cpu), or runtime.geometry=small runtime.device=cpu")
             raise ConfigError(
                 "runtime.device", "CUDA is not available", "use runtime.device=cpu"
             )
