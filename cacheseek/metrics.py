@@ -12,6 +12,11 @@ Who records what:
   seconds from ``put_async`` to the store's completion callback), dropped writes (store full after
   eviction and one retry, or a write error), evictions and invalidations, and store usage after
   every write and eviction pass (``timeline``);
+- the frames (`reuse.exact_prefix.frames`, `handout`): restored chunks handed out from stored
+  frames (``frames_handed_out``, ``frames_read_bytes``; ``frames_missing``, ``frames_corrupt``:
+  not handed out), frames stored off the request path (``frames_written``, ``frames_write_bytes``,
+  ``frames_dropped``), and what a served prefix cost at divergence (``materializations``,
+  ``chunks_materialized``, ``decoder_replays``, ``recomputed_chunks``);
 - the bindings: their hooks' failures, the sessions run uncached because the store was still
   warming up (``sessions_bypassed_warming``), the chunks whose control had no key
   (``action_key_errors``) and the chunks not cached because no control was known for them or an
@@ -91,6 +96,17 @@ class CacheMetrics:
     sessions_bypassed_warming: int = 0  # sessions run as with no cache: the store was still warming
     action_key_errors: int = 0  # a later chunk's control had no key: the session ingested no further
     chunks_unkeyed: int = 0  # chunks not cached: their control (or an earlier chunk's) was never known
+    frames_handed_out: int = 0  # restored chunks whose stored frames were handed out (not decoded)
+    frames_read_bytes: int = 0
+    frames_missing: int = 0  # ... whose frames were not in the store (the chunk decoded or computed)
+    frames_corrupt: int = 0  # ... whose frames failed their checks (removed; never handed out)
+    frames_written: int = 0  # computed chunks whose frames were stored (off the request path)
+    frames_write_bytes: int = 0
+    frames_dropped: int = 0  # ... not stored (queue or store full, a write error)
+    materializations: int = 0  # sessions whose served prefix was restored into the ring to compute on
+    chunks_materialized: int = 0  # ... chunks of KV restored then (a full hit restores none)
+    decoder_replays: int = 0  # latents decoded again at divergence to rebuild the decoder's state
+    recomputed_chunks: int = 0  # served chunks computed again: their KV was gone at divergence
     hook_failures_by_hook: dict[str, int] = attrs.field(factory=dict)
     peak_used_bytes: int = 0
     timeline: list[tuple[float, int, Optional[int], str]] = attrs.field(factory=list)

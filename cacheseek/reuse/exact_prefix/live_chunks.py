@@ -134,7 +134,7 @@ class LiveChunks:
                     "without planning (each chunk is then looked up as its control arrives)")
             return
         keys.supply(idx, control)
-        if may_restore and self._restore_chunk(runtime, idx, publish_latent=True) is not None:
+        if may_restore and self._restore_chunk(runtime, idx, publish_latent=True, control=control) is not None:
             return
         if self.ingest_enabled:
             keys.compute_rest_in_background()  # the chunk is computed: its key is needed at ingest
@@ -153,9 +153,11 @@ class LiveChunks:
         except Exception:
             return None
 
-    def _restore_chunk(self, runtime: Any, idx: int, *, publish_latent: bool) -> Any:
+    def _restore_chunk(self, runtime: Any, idx: int, *, publish_latent: bool, control: Any = None) -> Any:
         """Restore chunk ``idx`` when the cursor sits at depth ``idx - 1`` with a ready child for
-        its key (computed here only when the cursor has children): its latent, or None."""
+        its key (computed here only when the cursor has children): its latent, or None. A
+        session that hands out frames and has computed nothing yet only serves the chunk
+        (`HandOut`): its node is returned and its KV stays in the store."""
         parent = self._cursor
         index = self.manager.index
         if self._ns is None or parent is None or parent.depth != idx - 1 or not (parent.children or index.active):
@@ -171,6 +173,12 @@ class LiveChunks:
             child = index.claim_or_wait(self._ns, parent, action, self)  # in flight elsewhere: wait for it
         if child is None:
             return None
+        if publish_latent and self.lazy and len(self._lazy) == idx:
+            self._serve_lazily(child, control)
+            self._cursor = child
+            self._restored.add(idx)
+            self.manager.metrics.record_live_hit(idx)
+            return child
         k, _ = self.layout.layers(runtime)[0]
         shape = (1, self.ring.chunk_size * self.ring.frame_tokens, int(k.shape[2]), int(k.shape[3]))
         lease = (STAGING.lease(k.device, len(self.layout.ring_layers(runtime)), shape, k.dtype)
