@@ -12,6 +12,8 @@ placeholder, and so that a chunk on a cached path can be restored instead of com
 binding's `ChunkWindow`): on the release and the hooked commit the chunk runs next in the same
 thread, so the seam lets the binding restore it there.
 
+A chunk the binding serves from stored frames is handed out without running (`handout`).
+
 `NextChunkSeam` wraps ``generate_next_chunk`` of one release or hooked pipeline instance (the
 integration's hooks install it); main's seam is in `cacheseek.integrations.telefuser.streaming`.
 A `ControlMismatchError` (a chunk restored for its planned control run with another one)
@@ -21,9 +23,11 @@ than show the planned control's frames. Every other failure is the binding's to 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
+
+from cacheseek.integrations.telefuser import handout
 
 __all__ = ["NextChunkSeam", "OverrideSeam", "released_chunk_control", "report"]
 
@@ -49,19 +53,34 @@ def report(binding: Any, runtime: Any, idx: int, control: Any, *, may_restore: b
 
 
 class NextChunkSeam:
-    """``generate_next_chunk`` of one pipeline instance, reporting each chunk's control first."""
+    """``generate_next_chunk`` of one pipeline instance, reporting each chunk's control first;
+    with ``pipeline``, a chunk the binding serves is handed out from its stored frames and a
+    computed chunk's frames go to the binding (`handout`)."""
 
-    def __init__(self, generate_next_chunk: Any) -> None:
+    def __init__(self, generate_next_chunk: Any, pipeline: Optional[Any] = None) -> None:
         self.inner = generate_next_chunk
+        self.pipeline = pipeline
 
     def __call__(self, runtime: Any, *args: Any, **kwargs: Any) -> Any:
         binding = getattr(runtime, "world_kv_binding", None)
-        if binding is not None and int(runtime.current_chunk_index) < len(runtime.noise_chunks):
-            override = kwargs.get("control_override", args[0] if args else None)
-            control = released_chunk_control(runtime, override)
-            with torch.inference_mode():  # the ring is an inference tensor: a restore writes it here
-                report(binding, runtime, int(runtime.current_chunk_index), control, may_restore=True)
-        return self.inner(runtime, *args, **kwargs)
+        if binding is None or int(runtime.current_chunk_index) >= len(runtime.noise_chunks):
+            return self.inner(runtime, *args, **kwargs)
+        idx = int(runtime.current_chunk_index)
+        override = kwargs.get("control_override", args[0] if args else None)
+        control = released_chunk_control(runtime, override)
+        plan = None
+        with torch.inference_mode():  # the ring is an inference tensor: a restore writes it here
+            report(binding, runtime, idx, control, may_restore=True)
+            if self.pipeline is not None and callable(getattr(binding, "next_chunk", None)):
+                plan = binding.next_chunk(runtime, idx, handout.frames_spec(runtime, idx))
+        if plan is not None and plan.handed_out:
+            return handout.hand_out(runtime, plan.frames)
+        if plan is not None:
+            handout.prepare(self.pipeline, runtime, plan, self.inner)
+        images = self.inner(runtime, *args, **kwargs)
+        if plan is not None:
+            binding.on_chunk_frames(runtime, idx, handout.frames_of(images))
+        return images
 
 
 class OverrideSeam:

@@ -29,7 +29,7 @@ class HookedHooks:
 
     def install(self) -> None:
         self.pipeline.create_runtime = self.create_runtime
-        self.pipeline.generate_next_chunk = NextChunkSeam(self._generate_next_chunk)
+        self.pipeline.generate_next_chunk = NextChunkSeam(self._generate_next_chunk, self.pipeline)
         self.pipeline.build_control_override = OverrideSeam(self._build_control_override)
         self.installed = True
 
@@ -41,6 +41,9 @@ class HookedHooks:
                     delattr(self.pipeline, name)
         self.installed = False
 
-    def create_runtime(self, *args: Any, **kwargs: Any) -> Any:
+    def create_runtime(self, session_config: Any, *args: Any, **kwargs: Any) -> Any:
+        binding = getattr(session_config, "world_kv_binding", None)
+        if binding is not None:
+            binding.accept_handout()  # generate_next_chunk hands out served chunks' frames (`handout`)
         with weights.of_model(self.pipeline.dit):
-            return self._create_runtime(*args, **kwargs)
+            return self._create_runtime(session_config, *args, **kwargs)

@@ -62,7 +62,7 @@ class ReleasedHooks:
         p.create_runtime = self.create_runtime
         p.denoise_stage = _DenoiseStage(self, self._stage)
         p.dit = _RewriteForward(self, self._dit)
-        p.generate_next_chunk = NextChunkSeam(self._generate_next_chunk)
+        p.generate_next_chunk = NextChunkSeam(self._generate_next_chunk, self.pipeline)
         p.build_control_override = OverrideSeam(self._build_control_override)
         self.installed = True
 
@@ -92,6 +92,7 @@ class ReleasedHooks:
         runtime.world_kv_binding = binding
         if binding is None:
             return runtime
+        binding.accept_handout()  # generate_next_chunk hands out served chunks' frames (`handout`)
         with self._lock:
             self._runtimes[id(runtime.self_kv_cache)] = runtime
         try:

@@ -6,25 +6,22 @@ bound to the node key, digest-checked on every read), written through the store'
 path (``put_skeleton``, as the latent), so every store and tier holds them and counts them in
 its capacity. Lifetime:
 
-- written off the request path, after the chunk's frames are out: one writer thread per manager
-  packs them and writes them (a store that is full makes room as an ingest does, once; a refusal
-  drops the frames, counted as ``frames_dropped``: the chunk stays cached, its restore decodes);
+- written once the chunk's frames are out (after the user has them), in the caller's thread:
+  packed (one digest pass and one copy) and written (a store that is full makes room as an
+  ingest does, once; a refusal drops the frames, counted as ``frames_dropped``: the chunk stays
+  cached, its restore decodes). Not on a writer thread: a store closed after a session must
+  never see a write arrive, and the cost is measured (experiments/session_reuse: A against no
+  cache);
 - read when a restored chunk is handed out (`read`): a missing value is ``frames_missing``, a
   value that fails its checks ``frames_corrupt`` (removed; both are misses: the chunk is then
   decoded or computed, never handed out wrong);
 - freed with the chunk's KV (eviction, invalidation: `free`), so no frames outlive their chunk.
-
-Thread-safety: the writer is one daemon thread fed by a bounded queue (a full queue drops the
-frames, counted); ``flush`` waits for it, bounded.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -38,8 +35,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ChunkFrames", "FramesSpec", "free_frames"]
 
-QUEUE_CHUNKS = 8
-
 
 class ChunkFrames:
     """The frames of each chunk in the manager's store (see the module docstring).
@@ -48,59 +43,22 @@ class ChunkFrames:
     def __init__(self, ctx: ManagerContext, with_room: Callable[[Callable[[], Any], int], Any]) -> None:
         self.ctx = ctx
         self.with_room = with_room
-        self._queue: "queue.Queue[Any]" = queue.Queue(maxsize=QUEUE_CHUNKS)
-        self._thread: Optional[threading.Thread] = None
-        self._lock = threading.Lock()
-        self._pending = 0
-        self._idle = threading.Condition(self._lock)
 
-    # -- write (off the request path) -----------------------------------------------------------
+    # -- write ------------------------------------------------------------------------------------
 
-    def write_async(self, node: Any, frames: Any, device: Any) -> bool:
-        """Queue the frames of ``node`` (its chunk computed here and ingested): ``frames`` is the
-        handed-out frames (a tensor, an array, or a callable returning one, called on the writer
-        thread), stored on ``device`` (the runtime's, for a store that takes device tensors).
-        False (counted as ``frames_dropped``) when the queue is full."""
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="cacheseek-frames", daemon=True)
-                self._thread.start()
-            self._pending += 1
+    def write(self, node: Any, frames: Any, device: Any) -> bool:
+        """Store the frames of ``node`` (its chunk computed here and ingested): ``frames`` is the
+        handed-out frames (a tensor, an array, or a callable returning one), stored on
+        ``device`` (the runtime's, for a store that takes device tensors). False when they were
+        not stored (counted as ``frames_dropped``). Never raises."""
         try:
-            self._queue.put_nowait((node, frames, device))
-        except queue.Full:
-            with self._lock:
-                self._pending -= 1
-                self._idle.notify_all()
+            return self._write(node, frames, device)
+        except Exception:  # noqa: BLE001 - frames not stored: the chunk's restore decodes instead
+            log.exception("writing the frames of %r failed", node)
             self.ctx.metrics.add(frames_dropped=1)
             return False
-        return True
 
-    def flush(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every queued frames write is done (stored or dropped); False past the bound."""
-        deadline = time.monotonic() + timeout_s
-        with self._lock:
-            while self._pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._idle.wait(left)
-        return True
-
-    def _run(self) -> None:
-        while True:
-            node, frames, device = self._queue.get()
-            try:
-                self._write(node, frames, device)
-            except Exception:  # noqa: BLE001 - the writer must outlive one bad write
-                log.exception("writing the frames of %r failed", node)
-                self.ctx.metrics.add(frames_dropped=1)
-            finally:
-                with self._lock:
-                    self._pending -= 1
-                    self._idle.notify_all()
-
-    def _write(self, node: Any, frames: Any, device: Any) -> None:
+    def _write(self, node: Any, frames: Any, device: Any) -> bool:
         ctx = self.ctx
         if callable(frames):
             frames = frames()
@@ -114,13 +72,14 @@ class ChunkFrames:
         except StoreError as exc:
             log.info("the frames of %r were not stored (its restore decodes instead): %s", node, exc)
             ctx.metrics.add(frames_dropped=1)
-            return
+            return False
         with ctx.forest.lock:
             gone = node.blob is None or node.blob.error is not None
         if gone:  # the chunk's KV left meanwhile: its frames go too
             self.free(node.node_key)
-            return
+            return False
         ctx.metrics.add(frames_written=1, frames_write_bytes=int(value.numel()))
+        return True
 
     # -- read -----------------------------------------------------------------------------------
 

@@ -166,10 +166,10 @@ class HandOut:
 
     def on_chunk_frames(self, runtime: Any, idx: int, frames: Any) -> None:
         """Chunk ``idx`` was computed here and its frames handed out: they are stored beside its
-        KV, off the request path (``frames``: an array or tensor, or a callable the writer thread
-        calls for one). Only a chunk this session wrote gets its frames written."""
+        KV (``frames``: an array or tensor, or a callable returning one). Only a chunk this
+        session wrote gets its frames written. Never raises."""
         node = self._written.pop(idx, None)
         if node is None or self._ns is None:
             return
         device = self.layout.latent_spec(runtime).device
-        self.manager.frames.write_async(node, frames, device)
+        self.manager.frames.write(node, frames, device)

@@ -73,8 +73,9 @@ class SyntheticRuntimeFactory:
     """Validated settings of a synthetic runtime; `make()` builds one session's runtime.
     ``compute_gemm_dim`` 0 means no extra compute; ``compute_gemms`` chained GEMMs per layer and
     forward pass (see `compute`). ``handout``: sessions hand out a restored chunk's stored frames
-    and restore KV only where they compute (`HandOut`); false keeps the eager creation-time
-    restore."""
+    and restore KV only where they compute (`HandOut`), as TeleFuser's release and hooked commit
+    do (conf/runtime/synthetic.yaml turns it on); false, the constructor's default, keeps the
+    eager creation-time restore that TeleFuser main runs and that the unit tests pin."""
 
     # Its sessions hold the ring as bshd tensors: naming it lets the orchestrator refuse another
     # layout (``layout=telefuser_main``) when the stack is built, not in the first session's hook.
@@ -93,7 +94,7 @@ class SyntheticRuntimeFactory:
         prompt: str = "a red car driving along a coast road",
         compute_gemm_dim: int = 0,
         compute_gemms: int = 1,
-        handout: bool = True,
+        handout: bool = False,
     ) -> None:
         self._geometry = get_geometry(geometry)
         validate_window(self._geometry, local_attn_size, sink_size)

@@ -19,7 +19,7 @@ KV (the ring keeps the clean rewrite).
 
 Decoding is causal, as the Wan VAE's streaming decode is: a chunk's frames are its latent's
 projection plus a term of the previous chunk's last frame (the decoder's state), so a chunk's
-frames depend on every chunk before it. With ``handout`` (the default) the runtime asks the
+frames depend on every chunk before it. With ``handout`` the runtime asks the
 binding before each chunk (`HandOut.next_chunk`): a chunk on the cached path hands out its
 stored frames (no denoise, no decode, the decoder's state untouched); at divergence the
 binding restores the served path and the runtime decodes its latents again, in order, to rebuild
@@ -108,7 +108,7 @@ class SyntheticWorldRuntime:
         compute: dict | None = None,
         streamed: bool = False,
         lookahead: int = 0,
-        handout: bool = True,
+        handout: bool = False,
     ) -> None:
         if not isinstance(geometry, Geometry):
             raise ConfigError(
@@ -305,7 +305,7 @@ class SyntheticWorldRuntime:
         self.latents.append(x0)
         frames = self.decode_chunk(x0, first=i == 0)
         self.frame_hashes.append(hashlib.sha256(tensor_bytes(frames)).digest())
-        if self.hooks is not None and i not in self.restored_chunks and callable(getattr(self.hooks, "on_chunk_frames", None)):
+        if self.handout and i not in self.restored_chunks and callable(getattr(self.hooks, "on_chunk_frames", None)):
             self.hooks.on_chunk_frames(self, i, frames)
         self.next_chunk = i + 1
 
