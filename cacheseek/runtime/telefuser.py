@@ -371,10 +371,14 @@ class TeleFuserSession:
         would (the ring check compares that state with a cold run's); chunks restored."""
         self._start()
         hooks = self.session_config.world_kv_binding
-        return 0 if hooks is None else hooks.materialize(self.runtime)
+        if hooks is None or self._stream is not None:
+            return 0
+        return hooks.materialize(self.runtime)
 
     def state_snapshot(self) -> dict:
-        self._start()
+        """The state the next chunk computes on: what the session served from frames is
+        restored into the runtime first (`materialize_restored`), as its next computed chunk would."""
+        self.materialize_restored()
         return ring_snapshot(self.runtime, self.factory.layout_adapter, next_chunk=self.next_chunk)
 
     @property

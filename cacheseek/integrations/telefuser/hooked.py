@@ -43,7 +43,8 @@ class HookedHooks:
 
     def create_runtime(self, session_config: Any, *args: Any, **kwargs: Any) -> Any:
         binding = getattr(session_config, "world_kv_binding", None)
-        if binding is not None:
-            binding.accept_handout()  # generate_next_chunk hands out served chunks' frames (`handout`)
+        accept = getattr(binding, "accept_handout", None)  # a caller's own binding may not serve frames
+        if accept is not None:
+            accept()  # generate_next_chunk hands out served chunks' frames (`handout`)
         with weights.of_model(self.pipeline.dit):
             return self._create_runtime(session_config, *args, **kwargs)

@@ -92,7 +92,9 @@ class ReleasedHooks:
         runtime.world_kv_binding = binding
         if binding is None:
             return runtime
-        binding.accept_handout()  # generate_next_chunk hands out served chunks' frames (`handout`)
+        accept = getattr(binding, "accept_handout", None)  # a caller's own binding may not serve frames
+        if accept is not None:
+            accept()  # generate_next_chunk hands out served chunks' frames (`handout`)
         with self._lock:
             self._runtimes[id(runtime.self_kv_cache)] = runtime
         try:

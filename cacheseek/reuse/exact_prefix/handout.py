@@ -35,6 +35,7 @@ import logging
 from typing import Any, Optional
 
 import attrs
+import torch
 
 from cacheseek.kv.frames import FramesSpec
 from cacheseek.reuse.exact_prefix.prefix_window import PrefixWindow
@@ -66,6 +67,7 @@ class HandOut:
     ``last_fast_forward``, ``_restored``, ``bytes_restored``."""
 
     _handout = False  # the runtime of the coming session hands out frames
+    handout_enabled = True
     _lazy: list
     _lazy_controls: dict
     _computed = False  # the ring holds what the session computed or materialized
@@ -75,11 +77,12 @@ class HandOut:
 
     def accept_handout(self) -> None:
         """The runtime of the next session asks `next_chunk` before each chunk and hands out
-        stored frames: its cached prefix is restored only where it computes."""
-        self._handout = True
+        stored frames: its cached prefix is restored only where it computes (unless the binding
+        was made with ``handout=False``)."""
+        self._handout = self.handout_enabled
 
     def _reset_handout(self) -> None:
-        self._lazy, self._lazy_controls, self._computed = [], {}, False
+        self._lazy, self._lazy_controls, self._computed, self._replay_pending = [], {}, False, False
         self.frames_served = self.chunks_materialized = self.chunks_computed = 0
 
     @property
@@ -104,6 +107,8 @@ class HandOut:
             return self._recompute(idx) if self._lazy and not self._computed else COMPUTE
 
     def _next_chunk(self, runtime: Any, idx: int, spec: FramesSpec) -> NextChunk:
+        if self._replay_pending:  # materialized before this chunk: the decoder catches up first
+            return self._replay(runtime, idx)
         if not self.lazy or not self._lazy:
             if self._handout and idx not in self._restored and idx >= self.last_fast_forward:
                 self.chunks_computed += 1
@@ -123,19 +128,22 @@ class HandOut:
         """Restore the served path into ``runtime`` now, as the session's divergence does (its
         window's KV, cursors, RNG and cached latents; the ring check compares that state with a
         cold run's): the number of chunks restored, 0 when nothing was served or the restore
-        failed (nothing published)."""
+        failed (nothing published). The next `next_chunk` hands the served chunks' latents to
+        the decoder (``replay``) before its chunk runs."""
         lazy = self._lazy
         if not lazy or self._computed:
             return 0
-        window = PrefixWindow(self.layout, runtime, self.ring, self._published)
+        window = PrefixWindow(self.layout, runtime, self.ring, lambda restored: None)
+        ring_k = self.layout.layers(runtime)[0][0]
         try:
-            ok = self.manager.materialize(lazy[-1], window)
+            with torch.inference_mode(ring_k.is_inference()):  # written in the mode it was made in
+                ok = self.manager.materialize(lazy[-1], window)
         except Exception as exc:  # noqa: BLE001 - a store error: the served path is computed again
             log.warning("restoring the %d served chunks failed (%s)", len(lazy), exc)
             ok = False
         if not ok:
             return 0
-        self._lazy, self._computed = [], True
+        self._lazy, self._computed, self._replay_pending = [], True, True
         self.bytes_restored += window.bytes_restored
         self.chunks_materialized += len(lazy)
         self.manager.metrics.add(materializations=1, chunks_materialized=len(lazy))
@@ -146,10 +154,16 @@ class HandOut:
         served = self.materialize(runtime)
         if not served:
             return self._recompute(idx)
+        return self._replay(runtime, idx)
+
+    def _replay(self, runtime: Any, idx: int) -> NextChunk:
+        """After a materialization: the served chunks' latents (0..idx-1, leaving the cached
+        latents), decoded again before chunk ``idx``; later ones stay decode-only."""
+        self._replay_pending = False
         cached = self.layout.cached_latents(runtime)
         replay = tuple(cached.pop(j) for j in range(idx))
         self.manager.metrics.add(decoder_replays=len(replay))
-        if idx >= served:
+        if idx not in cached and idx not in self._restored:
             self.chunks_computed += 1
         return NextChunk(replay=replay)
 

@@ -139,6 +139,7 @@ class LingBotWorldKVBinding(LiveChunks, HandOut):
         layout: Any = None,
         fingerprint_fields: Optional[Sequence[Any]] = None,
         require_weights_fingerprint: Optional[bool] = None,
+        handout: bool = True,
     ) -> None:
         if unattached_release() and not _warned_unattached:
             _warned_unattached.append(True)
@@ -159,6 +160,7 @@ class LingBotWorldKVBinding(LiveChunks, HandOut):
         self.layout = layout
         self.fields = list(fingerprint_fields) if fingerprint_fields is not None else namespace.resolve_fields(None)
         self.last_fast_forward = 0
+        self.handout_enabled = handout  # False: the eager restore even where the runtime serves frames
         self._written: dict[int, TrieNode] = {}  # chunks this session wrote, until their frames are stored
         self._reset_live()
         self._reset_handout()

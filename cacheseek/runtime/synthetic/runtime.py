@@ -239,8 +239,10 @@ class SyntheticWorldRuntime:
         return list(self.frame_hashes)
 
     def state_snapshot(self) -> dict:
-        """Clones of everything a restore must reproduce (`ring_snapshot`) and `next_chunk`.
-        Compare with `snapshot_diff`."""
+        """Clones of everything a restore must reproduce (`ring_snapshot`) and `next_chunk`:
+        the state the next chunk computes on (what the session served from frames is restored
+        first, `materialize_restored`). Compare with `snapshot_diff`."""
+        self.materialize_restored()
         return ring_snapshot(self, next_chunk=self.next_chunk)
 
     def decode(self, latent: torch.Tensor) -> torch.Tensor:
@@ -267,7 +269,7 @@ class SyntheticWorldRuntime:
     def materialize_restored(self) -> int:
         """Restore what the session served from frames into the ring now, as its divergence
         would (the ring check compares that state with a cold run's); chunks restored."""
-        return self.hooks.materialize(self) if self.hooks is not None and self.handout else 0
+        return self.hooks.materialize(self) if self.handout and callable(getattr(self.hooks, "materialize", None)) else 0
 
     # -- chunk loop ---------------------------------------------------------------------------
 
