@@ -7,9 +7,9 @@ path (``put_skeleton``, as the latent), so every store and tier holds them and c
 its capacity. Lifetime:
 
 - written once the chunk's frames are out (after the user has them), in the caller's thread:
-  packed (one digest pass and one copy) and written (a store that is full makes room as an
-  ingest does, once; a refusal drops the frames, counted as ``frames_dropped``: the chunk stays
-  cached, its restore decodes). Not on a writer thread: a store closed after a session must
+  packed (one digest pass and one copy) and written; a store that is full drops them (counted
+  as ``frames_dropped``: no chunk's KV is evicted for frames; the chunk stays cached and its
+  restore decodes). Not on a writer thread: a store closed after a session must
   never see a write arrive, and the cost is measured (experiments/session_reuse: A against no
   cache);
 - read when a restored chunk is handed out (`read`): a missing value is ``frames_missing``, a
@@ -21,7 +21,7 @@ its capacity. Lifetime:
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -37,12 +37,10 @@ __all__ = ["ChunkFrames", "FramesSpec", "free_frames"]
 
 
 class ChunkFrames:
-    """The frames of each chunk in the manager's store (see the module docstring).
-    ``with_room(write, need)``: the ingestor's retry after making room."""
+    """The frames of each chunk in the manager's store (see the module docstring)."""
 
-    def __init__(self, ctx: ManagerContext, with_room: Callable[[Callable[[], Any], int], Any]) -> None:
+    def __init__(self, ctx: ManagerContext) -> None:
         self.ctx = ctx
-        self.with_room = with_room
 
     # -- write ------------------------------------------------------------------------------------
 
@@ -68,7 +66,7 @@ class ChunkFrames:
             torch.cuda.current_stream(value.device).synchronize()
         loc = frames_locator(node.node_key)
         try:
-            self.with_room(lambda: ctx.store.put_skeleton(loc, value), int(value.numel()))
+            ctx.store.put_skeleton(loc, value)  # never evicts KV to make room: a full store drops them
         except StoreError as exc:
             log.info("the frames of %r were not stored (its restore decodes instead): %s", node, exc)
             ctx.metrics.add(frames_dropped=1)

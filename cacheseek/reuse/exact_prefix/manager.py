@@ -101,7 +101,7 @@ class WorldKVManager:
         self.demoter = Demoter(ctx)
         self.evictor = Evictor(ctx, self.demoter)
         self.ingestor = Ingestor(ctx, self.evictor, self.index)
-        self.frames = ChunkFrames(ctx, self.ingestor.with_room)
+        self.frames = ChunkFrames(ctx)
         self.fast_forward = FastForward(ctx, self.restorer, self.demoter, self.index)
 
     def try_fast_forward(
