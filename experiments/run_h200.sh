@@ -6,7 +6,9 @@
 # and umT5 encoder), telefuser_480p_rolling (the same on a rolling ring L=6 S=3, Plan tier and no
 # cache), interactive (workload=interactive at lingbot_480p, Plan tier), interactive_14b (the same on
 # TeleFuser's real-width pipeline), shared_index (a 480p chunk restored from a record another process wrote,
-# against the same process's restore, LocalDisk). Results go to $OUT/results/<step>/ (packed into $OUT/results.tgz after every
+# against the same process's restore, LocalDisk), session_reuse (issue 32: frames handed out, KV
+# restored only where a session computes; A/B/C on the Plan tier and HBM at 14B, live chunks, the
+# divergence sweep). Results go to $OUT/results/<step>/ (packed into $OUT/results.tgz after every
 # step, so a step that runs out of time still leaves the earlier ones); the log is $OUT/run.log.
 # Per step: T_<STEP>= (seconds, upper case) and ARGS_<STEP>= (overrides of its conf/*.yaml; for
 # tests, the test paths: ARGS_TESTS="tests/core/test_weights_fingerprint.py ...").
@@ -25,7 +27,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pc
 grep -E "MemTotal|MemAvailable" /proc/meminfo; nproc
 python3 -c "import torch, cuda.bindings, sys; print(sys.version.split()[0], torch.__version__, cuda.bindings.__version__)"
 
-declare -A DEFAULT_T=([tests]=200 [transfer]=150 [e2e]=230 [registration]=140 [copy_kernel]=120 [action_keys]=120 [warmup]=200 [hbm_tier]=420 [live_restore]=240 [interactive]=240 [interactive_14b]=150 [telefuser_480p]=330 [telefuser_480p_rolling]=170 [shared_index]=300)
+declare -A DEFAULT_T=([tests]=200 [transfer]=150 [e2e]=230 [registration]=140 [copy_kernel]=120 [action_keys]=120 [warmup]=200 [hbm_tier]=420 [live_restore]=240 [interactive]=240 [interactive_14b]=150 [telefuser_480p]=330 [telefuser_480p_rolling]=170 [shared_index]=300 [session_reuse]=480)
 declare -A FIXED_ARGS=([action_keys]="device=cuda old_runs=1"
     [telefuser_480p_rolling]="stores=[fluxon_plan,nocache] frames_cache=false profile_b=false runtime_overrides=['runtime.local_attn_size=6','runtime.sink_size=3']")
 declare -A BENCH=([telefuser_480p_rolling]=telefuser_480p)  # steps that run another step's script
