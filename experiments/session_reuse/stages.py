@@ -4,7 +4,8 @@
 wall time, synchronized before and after (``sync``: the device's, so a stage owns its GPU work):
 
 - ``create_runtime``: the session's creation (the release's ``create_runtime`` as attached);
-  inside it ``encode_prompt`` (umT5), ``encode_condition`` (the Wan encode of the condition video)
+  inside it ``encode_prompt`` (umT5), ``encode_condition`` (the Wan encode of the condition video;
+  both as attached: a kept encode's copy, or the encode)
   and ``on_runtime_created`` (CacheSeek: keys, lookup);
 - ``chunk_seam``: each ``generate_next_chunk`` as attached; inside it ``next_chunk`` (CacheSeek's
   choice: the frames read, or the materialization), ``frames_read`` (the store read and the
@@ -28,8 +29,8 @@ __all__ = ["stage_timers"]
 
 STAGES = {
     "create_runtime": "cacheseek.runtime.telefuser:TeleFuserSession._start",
-    "encode_prompt": "telefuser.pipelines.lingbot_world_fast.pipeline:LingBotWorldFastPipeline.encode_prompt",
-    "encode_condition": "telefuser.pipelines.lingbot_world_fast.pipeline:LingBotWorldFastPipeline._encode_condition_video",
+    "encode_prompt": "cacheseek.integrations.telefuser.encodes:KeptEncodes.encode_prompt",
+    "encode_condition": "cacheseek.integrations.telefuser.encodes:KeptEncodes.encode_condition",
     "on_runtime_created": "cacheseek.reuse.exact_prefix.telefuser_lingbot:LingBotWorldKVBinding.on_runtime_created",
     "chunk_seam": "cacheseek.integrations.telefuser.chunk_controls:NextChunkSeam.__call__",
     "next_chunk": "cacheseek.reuse.exact_prefix.telefuser_lingbot:LingBotWorldKVBinding.next_chunk",
