@@ -119,6 +119,8 @@ def test_a_live_session_restores_each_chunk_from_the_plan_tier(factory, plan_sto
 
 
 def test_a_live_session_hands_out_frames_from_the_plan_tier_and_materializes_at_divergence(factory, plan_store):
+    if factory.streaming:
+        pytest.skip("TeleFuser main decodes in its actors: its live chunks are restored eagerly, not handed out")
     L, S = factory.local_attn_size, factory.sink_size
     cfg = make_full_kv_config() if L == -1 else make_rolling_config(local_attn_size=L, sink_size=S)
     manager = WorldKVManager(NamespaceForest(), plan_store, cfg)
