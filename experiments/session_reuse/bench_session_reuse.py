@@ -16,7 +16,7 @@ bf16 weights on the GPU, real Wan VAE and umT5), 480x832:
 5. live sessions streamed one action per chunk: one that computes a path, then ``live_sessions``
    that follow it: each chunk's seconds (chunk 0's with the session's creation: the time to the
    first frame), their frames checked equal to the first's;
-6. (``sweep_stores``) a session of ``max(sweep_k) + 1`` chunks computed and written, then for each
+6. (``sweep_stores``) a session of ``max(sweep_k) + 2`` chunks computed and written, then for each
    k a session sharing its first k chunks: the seconds of its first computed chunk (the served
    prefix restored, the decoder's state rebuilt by decoding the k served latents, then the chunk)
    against the same chunk of a run without a cache, and the decoder's state priced both ways:
@@ -230,7 +230,7 @@ def _sweep(stack: Any, factory: Any, ks: list[int], nocache_ref: bool, sync: Any
 
     from stages import stage_timers
 
-    n = max(ks) + 1
+    n = max(ks) + 2  # chunk k is never the last: its decode keeps the decoder's state (the last clears it)
     rng = random.Random(32)
     z = [[rng.uniform(-1, 1) for _ in range(3)] for _ in range(n)]
     manager = stack.new_manager()
