@@ -14,6 +14,11 @@ adding a counter is one line here). Who records what:
   waits; the store's own record counters and probe latency under ``records``), dropped writes
   (store full after eviction and one retry, or a write error), evictions, demotions and
   invalidations, and store usage after every write and eviction pass (``timeline``);
+- the frames (`reuse.exact_prefix.frames`, `handout`): restored chunks handed out from stored
+  frames (``frames_handed_out``, ``frames_read_bytes``; ``frames_missing``, ``frames_corrupt``:
+  not handed out), frames stored with computed chunks (``frames_written``, ``frames_write_bytes``,
+  ``frames_dropped``), and what a served prefix cost at divergence (``materializations``,
+  ``chunks_materialized``, ``decoder_replays``, ``recomputed_chunks``);
 - the bindings: their hooks' failures (by hook and exception type), the sessions run uncached
   because the store was still warming up (``sessions_bypassed_warming``), the chunks whose
   control had no key (``action_key_errors``) and the chunks not cached because no control was
@@ -113,6 +118,25 @@ class CacheMetrics:
     skeletons_freed: int = counter("cacheseek_freed_latents_total", "Latents of dead subtrees freed.")
     invalidations: int = counter("cacheseek_invalidated_chunks_total", "Chunks dropped because the store lost "
                                  "their values.")
+    frames_handed_out: int = counter("cacheseek_frames_handed_out_total", "Restored chunks whose stored frames "
+                                     "were handed out (not decoded).")
+    frames_read_bytes: int = counter("cacheseek_frames_read_bytes_total", "Bytes of stored frames handed out.")
+    frames_missing: int = counter("cacheseek_frames_missing_total", "Restored chunks whose frames were not in the "
+                                  "store (the chunk decoded or computed).")
+    frames_corrupt: int = counter("cacheseek_frames_corrupt_total", "Stored frames that failed their checks "
+                                  "(removed, never handed out).")
+    frames_written: int = counter("cacheseek_frames_written_total", "Computed chunks whose frames were stored.")
+    frames_write_bytes: int = counter("cacheseek_frames_write_bytes_total", "Bytes of frames stored.")
+    frames_dropped: int = counter("cacheseek_frames_dropped_total", "Computed chunks whose frames were not "
+                                  "stored (store full, a write error).")
+    materializations: int = counter("cacheseek_materializations_total", "Sessions whose served prefix was "
+                                    "restored into the ring to compute on.")
+    chunks_materialized: int = counter("cacheseek_materialized_chunks_total", "Chunks of KV restored at a "
+                                       "served session's divergence (a full hit restores none).")
+    decoder_replays: int = counter("cacheseek_decoder_replays_total", "Latents decoded again at divergence to "
+                                   "rebuild the decoder's state.")
+    recomputed_chunks: int = counter("cacheseek_recomputed_chunks_total", "Served chunks computed again: their "
+                                     "KV was gone at divergence.")
     hook_failures_by_error: dict = labelled("cacheseek_hook_failures_total", "Runtime hooks of a binding that "
                                             "raised (the runtime ran cold), by hook and exception type.",
                                             "hook", "error")

@@ -160,6 +160,14 @@ def metrics_block(m: dict[str, Any]) -> str:
         by_chunk = ", ".join(f"{k}: {v}" for k, v in m.get("live_hits_by_chunk", {}).items()) or "none"
         lines.append(f"  live sessions: {m['live_lookups']} chunk lookups, {m['live_hits']} chunks restored "
                      f"mid-session (by chunk: {by_chunk}), {m['live_misses']} found gone, {m['live_restore_failures']} failed")
+    if m.get("frames_handed_out") or m.get("frames_written"):
+        lines.append(
+            f"  frames: {m['frames_handed_out']} chunks handed out from stored frames "
+            f"({fmt_bytes(m['frames_read_bytes'])}), {m['frames_missing']} missing, {m['frames_corrupt']} failed "
+            f"their checks; {m['frames_written']} stored ({fmt_bytes(m['frames_write_bytes'])}), "
+            f"{m['frames_dropped']} dropped; {m['materializations']} divergences restored "
+            f"{m['chunks_materialized']} served chunks ({m['decoder_replays']} latents decoded again), "
+            f"{m['recomputed_chunks']} computed again")
     if m.get("chunks_unkeyed"):
         lines.append(f"  {m['chunks_unkeyed']} chunks not cached: no control was known for them")
     if m.get("store_used_bytes") is not None:

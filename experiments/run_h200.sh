@@ -10,7 +10,9 @@
 # .whl/ carries nvidia_nvcomp_cu13 and nvidia_libnvcomp_cu13, restore wall per tier against store.codec=none), metrics (issue 34: the recording cost per call and
 # per restored chunk, and a 480p live-session run on the Plan tier scraped over loopback: hits
 # against chunks restored, restore GiB/s per tier against the link's peak), root_open (a LocalDisk root of 100k and 1M committed chunks
-# opened, CPU only: the host's 16 cores and its own disk). Results go to $OUT/results/<step>/ (packed into $OUT/results.tgz after every
+# opened, CPU only: the host's 16 cores and its own disk), session_reuse (issue 32: frames handed out, KV
+# restored only where a session computes; A/B/C on the Plan tier and HBM at 14B, live chunks, the
+# divergence sweep). Results go to $OUT/results/<step>/ (packed into $OUT/results.tgz after every
 # step, so a step that runs out of time still leaves the earlier ones); the log is $OUT/run.log.
 # Per step: T_<STEP>= (seconds, upper case) and ARGS_<STEP>= (overrides of its conf/*.yaml; for
 # tests, the test paths: ARGS_TESTS="tests/core/test_weights_fingerprint.py ...").
@@ -29,7 +31,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pc
 grep -E "MemTotal|MemAvailable" /proc/meminfo; nproc
 python3 -c "import torch, cuda.bindings, sys; print(sys.version.split()[0], torch.__version__, cuda.bindings.__version__)"
 
-declare -A DEFAULT_T=([tests]=200 [transfer]=150 [e2e]=230 [registration]=140 [copy_kernel]=120 [action_keys]=120 [warmup]=200 [hbm_tier]=420 [live_restore]=240 [interactive]=240 [interactive_14b]=150 [metrics]=240 [telefuser_480p]=330 [telefuser_480p_rolling]=170 [shared_index]=300 [codecs]=470 [root_open]=580)
+declare -A DEFAULT_T=([tests]=200 [transfer]=150 [e2e]=230 [registration]=140 [copy_kernel]=120 [action_keys]=120 [warmup]=200 [hbm_tier]=420 [live_restore]=240 [interactive]=240 [interactive_14b]=150 [metrics]=240 [telefuser_480p]=330 [telefuser_480p_rolling]=170 [shared_index]=300 [codecs]=470 [root_open]=580 [session_reuse]=480)
 declare -A FIXED_ARGS=([action_keys]="device=cuda old_runs=1"
     [metrics]="geometry=lingbot_480p device=cuda store=fluxon_plan store_overrides=['store.backing=private'] runtime_overrides=['runtime.compute_gemm_dim=8192','runtime.compute_gemms=8'] sessions=8 depth=3 branching=2"
     [telefuser_480p_rolling]="stores=[fluxon_plan,nocache] frames_cache=false profile_b=false runtime_overrides=['runtime.local_attn_size=6','runtime.sink_size=3']")

@@ -75,6 +75,9 @@ def mode(request):
 
 
 def factory(mode=FULL, **kw) -> SyntheticRuntimeFactory:
+    """Sessions with the eager creation-time restore (``handout=False``): what TeleFuser main and
+    a session's materialization at divergence run; tests/test_handout.py covers the frames."""
+    kw.setdefault("handout", False)
     return SyntheticRuntimeFactory(geometry="tiny", local_attn_size=mode[0], sink_size=mode[1], **kw)
 
 

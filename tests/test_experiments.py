@@ -128,6 +128,28 @@ def test_telefuser_480p_benchmark_smoke(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.telefuser
+def test_session_reuse_benchmark_smoke(tmp_path):
+    """Issue 32's bench on TeleFuser's real pipeline, tiny and with its stand-in parts: B hands
+    out every chunk's frames, C materializes its prefix, the sweep diverges after k served."""
+    pytest.importorskip("telefuser.pipelines.lingbot_world_fast", reason="needs the telefuser extra (see README)")
+    tiny = ["runtime.n_layers=1", "runtime.n_heads=1", "runtime.head_dim=14", "runtime.ffn_dim=32", "runtime.text_dim=16",
+            "runtime.height=32", "runtime.width=32", "runtime.vae=stand_in", "runtime.text_encoder=stand_in"]
+    res = load("session_reuse").main([
+        "device=cpu", "stores=[fluxon_plan]", f"out_dir={tmp_path}", "sweep_k=[1,2]", "live_sessions=2",
+        "store_timeout_s=600", "budget_s=700",
+        "store_overrides.fluxon_plan=['+store=fluxon_plan','store.backing=private','store.segment_bytes=4MiB']",
+        "runtime_overrides=[" + ",".join(f"'{o}'" for o in tiny) + "]"])
+    plan = res["stores"]["fluxon_plan"]
+    assert plan["returncode"] == 0 and plan["passed"]
+    b, c = plan["requests"]["B"], plan["requests"]["C"]
+    assert (b["frames_served"], b["chunks_materialized"], c["frames_served"], c["chunks_materialized"]) == (3, 0, 2, 2)
+    assert plan["live"]["frames_equal"] and plan["live"]["served"] == [3, 3]
+    assert [r["k"] for r in plan["sweep"]["rows"]] == [1, 2] and all(r["frames_served"] == r["k"] for r in plan["sweep"]["rows"])
+    assert "| fluxon_plan |" in (tmp_path / "results.md").read_text() and (tmp_path / "session_reuse.png").exists()
+
+
+@pytest.mark.slow
 def test_shared_index_workers_benchmark_smoke(tmp_path):
     spec = importlib.util.spec_from_file_location("bench_workers", REPO / "experiments" / "shared_index" / "bench_workers.py")
     module = importlib.util.module_from_spec(spec)

@@ -57,7 +57,11 @@ def test_gate_and_ring_check_pass(compose_cfg, tmp_path, ring, tier):
     assert [reqs[x]["hit_depth"] for x in "ABCD"] == [0, n, p, 0]
     assert [reqs[x]["chunks_computed"] for x in "ABCD"] == [n, 0, n - p, n]
     assert all(r["verdict"] == "ok" for r in reqs.values())
-    assert reqs["A"]["bytes_written"] > 0 and reqs["B"]["bytes_restored"] > 0
+    assert reqs["A"]["bytes_written"] > 0
+    # B hands out every chunk's stored frames and never touches the ring; C restores its prefix
+    # only where it computes (its served chunks, at the divergence)
+    assert reqs["B"]["frames_served"] == n and reqs["B"]["bytes_restored"] == 0 and reqs["B"]["chunks_materialized"] == 0
+    assert reqs["C"]["frames_served"] == p and reqs["C"]["chunks_materialized"] == p and reqs["C"]["bytes_restored"] > 0
     assert reqs["D"]["bytes_written"] == 0 and reqs["D"]["bytes_restored"] == 0
     fh = results["frame_hashes"]
     assert fh["B"] == fh["A"] and fh["C"] == fh["D"] and len(fh["A"]) == n

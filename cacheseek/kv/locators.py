@@ -4,6 +4,7 @@
     K and V values  {hex}:kv:L{i}:k, {hex}:kv:L{i}:v
     object value    {hex}:kv:L{i}       a layer that is not a (k, v) pair (generic tiers only)
     latent          {hex}:lat           the chunk's skeleton
+    frames          {hex}:frm           what the runtime handed out for the chunk (`kv.frames`)
 
 Both the trie (which names values) and every store (which writes and frees them) use these, so
 they live below both.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["kv_locator", "latent_locator", "layer_keys", "object_key", "blob_keys", "node_key_of"]
+__all__ = ["kv_locator", "latent_locator", "frames_locator", "layer_keys", "object_key", "blob_keys", "node_key_of"]
 
 
 def kv_locator(key: bytes) -> str:
@@ -22,6 +23,10 @@ def kv_locator(key: bytes) -> str:
 
 def latent_locator(key: bytes) -> str:
     return f"{key.hex()}:lat"
+
+
+def frames_locator(key: bytes) -> str:
+    return f"{key.hex()}:frm"
 
 
 def node_key_of(locator: str) -> bytes:

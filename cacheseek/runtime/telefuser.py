@@ -56,7 +56,7 @@ from cacheseek.runtime.geometry import Geometry, no_cuda_error, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.telefuser_logs import route_telefuser_logs
 
-__all__ = ["TeleFuserRuntimeFactory", "TeleFuserSession", "camera_path", "frame_hash"]
+__all__ = ["TeleFuserRuntimeFactory", "TeleFuserSession", "camera_path", "frame_hash", "images_hash"]
 
 log = logging.getLogger(__name__)
 
@@ -340,25 +340,32 @@ class TeleFuserSession:
 
     def generate(self, stop_after: Optional[int] = None) -> list[bytes]:
         """Create the runtime (the binding restores here) and run chunks until ``stop_after`` are
-        done (default all). A frame hash is the sha256 of the decoded frames' bytes, taken before
-        TeleFuser's uint8 conversion so that one changed latent bit shows."""
+        done (default all). On the release and the hooked commit a frame hash is the sha256 of
+        the uint8 frames ``generate_next_chunk`` hands out (what the user gets: a chunk served
+        from stored frames is never decoded); on TeleFuser main, whose actors hand frames to its
+        service, of the decoded frames before TeleFuser's uint8 conversion. A served chunk has no
+        latent here (None in ``latents``)."""
         stop = self.total_chunks if stop_after is None else stop_after
         if not 0 <= stop <= self.total_chunks:
             raise ConfigError("stop_after", f"{stop} is outside 0..{self.total_chunks}")
         self._start()
         vae = self.pipeline.vae
+        hooks = self.session_config.world_kv_binding
         while self.next_chunk < stop:
+            served = hooks.frames_served if hooks is not None else 0
             if self._stream is None and self.streamed:
                 override = self.factory.chunk_override(self.runtime, self.actions, self.next_chunk)
-                self.pipeline.generate_next_chunk(self.runtime, control_override=override)
+                images = self.pipeline.generate_next_chunk(self.runtime, control_override=override)
             elif self._stream is None:
-                self.pipeline.generate_next_chunk(self.runtime)
+                images = self.pipeline.generate_next_chunk(self.runtime)
             else:
                 self._stream.run(self.next_chunk, self._controls[self.next_chunk])
-            self.frame_hashes.append(frame_hash(vae.last_frames))
-            if self.keep_frames:
-                self.frames.append(vae.last_frames.detach().float().cpu())
-            self.latents.append(vae.last_latent)
+                images = None
+            handed_out = hooks is not None and hooks.frames_served > served
+            self.frame_hashes.append(frame_hash(vae.last_frames) if images is None else images_hash(images))
+            if self.keep_frames:  # what the user gets: a served chunk is never decoded
+                self.frames.append(vae.last_frames.detach().float().cpu() if images is None else images_tensor(images))
+            self.latents.append(None if handed_out else vae.last_latent)
             self.next_chunk += 1
         if self._stream is not None and self.next_chunk == self.total_chunks:
             self._stream.close()  # releases the session's caches, as generate_video does
@@ -373,8 +380,19 @@ class TeleFuserSession:
         self.runtime = self.pipeline._create_initialized_session(self.session_config)
         self._stream = _StreamedChunks(self.pipeline, self.runtime)
 
-    def state_snapshot(self) -> dict:
+    def materialize_restored(self) -> int:
+        """Restore what the session served from frames into its runtime now, as its divergence
+        would (the ring check compares that state with a cold run's); chunks restored."""
         self._start()
+        hooks = self.session_config.world_kv_binding
+        if hooks is None or self._stream is not None:
+            return 0
+        return hooks.materialize(self.runtime)
+
+    def state_snapshot(self) -> dict:
+        """The state the next chunk computes on: what the session served from frames is
+        restored into the runtime first (`materialize_restored`), as its next computed chunk would."""
+        self.materialize_restored()
         return ring_snapshot(self.runtime, self.factory.layout_adapter, next_chunk=self.next_chunk)
 
     @property
@@ -438,6 +456,25 @@ def frame_hash(frames: Any) -> bytes:
 
     raw = frames.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
     return hashlib.sha256(raw).digest()
+
+
+def images_hash(images: Sequence[Any]) -> bytes:
+    """A chunk's frame hash on the release and the hooked commit: sha256 of the uint8 frames
+    TeleFuser hands out (their size, then their pixels)."""
+    h = hashlib.sha256()
+    for image in images:
+        h.update(f"{image.mode}:{image.size}".encode())
+        h.update(image.tobytes())
+    return h.digest()
+
+
+def images_tensor(images: Sequence[Any]) -> Any:
+    """The uint8 frames TeleFuser hands out as one float32 tensor ``[n, h, w, c]`` (the frames a
+    lossy codec's quality verdict compares)."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.stack([np.asarray(image) for image in images])).float()
 
 
 def _pil_image(image: Any, width: int, height: int) -> Any:

@@ -416,7 +416,10 @@ class KeyValueTier:
 
     # -- reads --------------------------------------------------------------------------------
 
-    def get_skeleton(self, locator: str) -> Any:
+    def get_skeleton(self, locator: str, like: Any = None, *, nbytes: Optional[int] = None) -> Any:
+        """The small value under ``locator`` (a latent, a chunk's frames), or None. ``like`` and
+        ``nbytes`` are for stores that read raw bytes by length (the Plan tier): a value here
+        carries its own size, so a tiered store may pass them to every level."""
         self._check_open()
         return self._read(locator)
 

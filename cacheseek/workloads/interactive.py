@@ -103,6 +103,7 @@ class InteractiveWorkload:
                     "name": f"s{i:02d}", "session": i, "actions": f"i{image}:" + ".".join(map(str, path)),
                     "hit_depth": len(restored), "chunks_computed": len(path) - len(restored),
                     "wall_s": sum(times), "bytes_restored": binding.bytes_restored,
+                    "frames_served": binding.frames_served, "chunks_materialized": binding.chunks_materialized,
                     "bytes_written": binding.bytes_written, "expect": "== cold",
                     "verdict": "ok" if hashes == reference[(image, path)] else "MISMATCH",
                 })

@@ -63,6 +63,8 @@ class RequestResult:
     bytes_restored: int
     bytes_written: int
     frame_hashes: list[str]
+    frames_served: int = 0  # chunks handed out from stored frames (no denoise, no decode)
+    chunks_materialized: int = 0  # chunks of KV restored into the ring where the session computed
     verdict: str = ""  # "ok" when both the depth and the frames are as expected, else "MISMATCH"
     expect: str = ""
     expect_k: int = -1  # the hit depth the gate expects (the least it accepts on a warm store)
@@ -124,6 +126,8 @@ class PrefixGate:
         return RequestResult(name=name, actions=label, hit_depth=k, chunks_computed=self.n - k,
                              wall_s=wall, bytes_restored=binding.bytes_restored,
                              bytes_written=binding.bytes_written,
+                             frames_served=binding.frames_served,
+                             chunks_materialized=binding.chunks_materialized,
                              frame_hashes=[h if isinstance(h, str) else h.hex() for h in hashes])
 
     def run(self, stack) -> dict[str, Any]:
@@ -215,6 +219,7 @@ class PrefixGate:
             binding = stack.new_binding(ingest_enabled=False)
             rt = stack.runtime_factory.make(actions[:k] + self.Z[k:], hooks=binding)
             rt.generate(stop_after=0)  # runs on_runtime_created only
+            rt.materialize_restored()  # a session serving frames restores its prefix where it computes: now
             hit = binding.last_fast_forward
             if hit != k:
                 out.append({"K": k, "hit_depth": hit, "verdict": "not restored", "diff": []})

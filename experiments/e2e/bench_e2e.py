@@ -134,6 +134,7 @@ def main(argv: list[str]) -> dict:
     common = [
         f"runtime.geometry={cfg.geometry}", f"runtime.device={cfg.device}",
         f"runtime.compute_gemm_dim={cfg.gemm_dim}", f"runtime.compute_gemms={cfg.gemms}",
+        "runtime.handout=false",  # the KV restore path (issue 32: a handed-out hit restores no KV)
         f"workload.total_chunks={cfg.total_chunks}", f"workload.prefix_chunks={cfg.prefix_chunks}",
         "workload.ring_check=false", "manager.eviction.enabled=false", *cfg.extra,
     ]

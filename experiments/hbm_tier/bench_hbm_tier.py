@@ -340,7 +340,7 @@ def store_overrides(layout: str, geometry: str, hbm_chunks: int, plan_chunks: in
 
 def runtime_overrides(dev, c) -> list[str]:
     return [f"runtime.geometry={c.geometry}", f"runtime.device={dev.type}", f"runtime.compute_gemm_dim={c.gemm_dim}",
-            f"runtime.compute_gemms={c.gemms}", *c.get("extra", [])]
+            f"runtime.compute_gemms={c.gemms}", "runtime.handout=false", *c.get("extra", [])]  # the KV restore path
 
 
 def section_cold_a(cfg, dev, sync, prog, out_dir: Path) -> dict:

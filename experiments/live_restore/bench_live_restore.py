@@ -86,6 +86,7 @@ def main(argv: list[str]) -> dict:
     cuda = cfg.device == "cuda"
     common = [f"runtime.geometry={cfg.geometry}", f"runtime.device={cfg.device}",
               f"runtime.compute_gemm_dim={cfg.gemm_dim}", f"runtime.compute_gemms={cfg.gemms}",
+              "runtime.handout=false",  # the KV restore path (issue 32: a handed-out hit restores no KV)
               "workload=interactive", f"workload.depth={cfg.chunks}", "workload.sessions=1",
               "manager.eviction.enabled=false", *cfg.extra]
     stores = {

@@ -8,8 +8,8 @@ without decoding the prefix. `measure` prices both on the latents of one cold se
 process of the bench's ``nocache`` store (TeleFuser's own Wan VAE, random weights):
 
 - ``decode_s``, ``tensor2video_s`` per chunk: ``WanVideoVAE.cached_decode_withflag`` replayed in
-  order on the session's latents (its frames equal the session's, checked by hash), then
-  TeleFuser's ``tensor2video`` (the PIL frames a user gets);
+  order on the session's latents, then
+  TeleFuser's ``tensor2video`` (the PIL frames a user gets: equal to the session's, checked by hash);
 - ``frames_bytes`` per chunk (uint8) and ``frames_handout_s``: a copy out of a host buffer and
   one ``Image.fromarray`` per frame, what a restored chunk would do instead;
 - ``cache_bytes`` after each chunk; ``cache_to_host_s`` (a store's write: to pinned memory),
@@ -36,7 +36,7 @@ def measure(factory: Any, session: Any, sync: Callable[[], None]) -> dict:
     import torch
     from PIL import Image
 
-    from cacheseek.runtime.telefuser import frame_hash
+    from cacheseek.runtime.telefuser import images_hash
 
     pipeline = factory.pipeline
     vae = pipeline.vae.vae  # TeleFuser's WanVideoVAE under the recorder
@@ -62,8 +62,8 @@ def measure(factory: Any, session: Any, sync: Callable[[], None]) -> dict:
     frames, caches = [], []
     for k, latent in enumerate(session.latents):
         decoded, wall = timed(lambda: decode(latent, k == 0))
-        out["replay_equals_session"].append(frame_hash(decoded) == session.frame_hashes[k])
         images, t2v = timed(lambda: pipeline.tensor2video(decoded))
+        out["replay_equals_session"].append(images_hash(images) == session.frame_hashes[k])
         kept = np.stack([np.asarray(image) for image in images])  # what a restored chunk would hand out
         start = time.perf_counter()
         [Image.fromarray(frame) for frame in kept.copy()]

@@ -74,7 +74,9 @@ def test_found_by_key_retracted_on_free_and_an_unreadable_recheck_invalidates_no
     else:
         records = SwitchedRecords()
         store = KeyValueTier(DictBackend(), name="shared-dict", records=records)
-    stack = build_stack(compose_cfg(), store=store, run_dir=tmp_path)
+    # the eager restore (what a session materializes at divergence): its re-check of the records;
+    # a full hit served from frames restores no KV, and its frames check themselves (key, digest)
+    stack = build_stack(compose_cfg("runtime.handout=false"), store=store, run_dir=tmp_path)
     n = stack.workload.n
     try:
         k, a = session(stack)

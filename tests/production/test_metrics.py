@@ -39,6 +39,9 @@ KEYS = {
     # issue 34: the parts of lookups and hits, per tier and per hook/error, the histograms, the store's label
     "prefix_lookups", "live_not_cached", "chunks_restored", "hits_by_tier", "hook_failures_by_error",
     "histograms", "store",
+    "frames_handed_out", "frames_read_bytes", "frames_missing", "frames_corrupt", "frames_written",
+    "frames_write_bytes", "frames_dropped", "materializations", "chunks_materialized", "decoder_replays",
+    "recomputed_chunks",
 }  # and "records" where the store's chunk records are shared (the memory and LocalDisk tiers)
 
 
@@ -127,7 +130,9 @@ def test_cli_task_prints_the_block_and_writes_metrics(compose_cfg, tmp_path, cap
     m = saved["metrics"]
     assert set(m) - {"records"} == KEYS and "store_stats" in saved and saved["passed"]
     assert m["hits_by_depth"] == {"2": 2, "4": 1, "1": 1, "3": 1}  # B, C and the ring check
-    assert m["lookups"] == 7 and m["writes"] == 6 and m["restores"] == 5
+    # B is served from frames (no restore); C restores its prefix at its divergence, the ring check at each depth
+    assert m["lookups"] == 7 and m["writes"] == 6 and m["restores"] == 4
+    assert m["frames_handed_out"] == 4 + 2 and m["materializations"] == 4 and m["frames_written"] == 6
     if store == "fluxon_plan":
         assert m["store_capacity_bytes"] == 1048576 and m["registration_seconds"] >= 0
         assert m["store_used_bytes"] > 0 and saved["store_stats"]["puts"] == 6

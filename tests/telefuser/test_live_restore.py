@@ -43,8 +43,10 @@ def _manager(factory):
     return WorldKVManager(NamespaceForest(), InMemoryTierStore(), cfg)
 
 
-def _run(factory, actions, manager=None):
-    binding = None if manager is None else LingBotWorldKVBinding(manager, manager.forest,
+def _run(factory, actions, manager=None, *, handout=False):
+    """``handout=False``: each cached chunk restored eagerly into the ring (`ChunkWindow`), as on
+    TeleFuser main and after a session's divergence; True: served from its stored frames."""
+    binding = None if manager is None else LingBotWorldKVBinding(manager, manager.forest, handout=handout,
                                                                  model_fingerprint=factory.weights_fingerprint)
     session = factory.make(actions, hooks=binding, streamed=True)
     session.generate(stop_after=len(actions) - 1)
@@ -114,6 +116,24 @@ def test_a_live_session_restores_each_chunk_from_the_plan_tier(factory, plan_sto
     frames, state = _run(factory, FOLLOW_THEN_DIVERGE, manager)
     assert manager.metrics.live_hits == K and plan_store.stats.read_hits == K
     assert frames == cold_frames and snapshot_diff(state, cold_state) == []
+
+
+def test_a_live_session_hands_out_frames_from_the_plan_tier_and_materializes_at_divergence(factory, plan_store):
+    if factory.streaming:
+        pytest.skip("TeleFuser main decodes in its actors: its live chunks are restored eagerly, not handed out")
+    L, S = factory.local_attn_size, factory.sink_size
+    cfg = make_full_kv_config() if L == -1 else make_rolling_config(local_attn_size=L, sink_size=S)
+    manager = WorldKVManager(NamespaceForest(), plan_store, cfg)
+    cold_frames, cold_state = _run(factory, FOLLOW_THEN_DIVERGE)
+    _run(factory, X, manager, handout=True)
+    assert manager.metrics.frames_written == len(X)
+    frames, state = _run(factory, FOLLOW_THEN_DIVERGE, manager, handout=True)
+    m = manager.metrics
+    assert m.live_hits == K and m.frames_handed_out == K and plan_store.stats.read_hits == 1  # one path read
+    assert (m.materializations, m.chunks_materialized, m.decoder_replays) == (1, K, K)
+    assert frames == cold_frames and snapshot_diff(state, cold_state) == []
+    frames, _ = _run(factory, X, manager, handout=True)  # the first path again: served until `_run`'s
+    assert frames == _run(factory, X)[0] and m.frames_handed_out == K + len(X) - 1  # snapshot materializes
 
 
 def test_skipping_a_restored_chunks_rng_draws_is_caught(factory, monkeypatch):

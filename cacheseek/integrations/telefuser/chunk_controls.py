@@ -12,6 +12,8 @@ placeholder, and so that a chunk on a cached path can be restored instead of com
 binding's `ChunkWindow`): on the release and the hooked commit the chunk runs next in the same
 thread, so the seam lets the binding restore it there.
 
+A chunk the binding serves from stored frames is handed out without running (`handout`).
+
 `NextChunkSeam` wraps ``generate_next_chunk`` of one release or hooked pipeline instance (the
 integration's hooks install it) and reports each chunk's wall to the binding (``chunk_finished``:
 the metrics' per-chunk wall and time to first frame); main's seam is in `cacheseek.integrations.telefuser.streaming`.
@@ -23,9 +25,11 @@ than show the planned control's frames. Every other failure is the binding's to 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
+
+from cacheseek.integrations.telefuser import handout
 
 __all__ = ["NextChunkSeam", "OverrideSeam", "released_chunk_control", "report"]
 
@@ -51,10 +55,13 @@ def report(binding: Any, runtime: Any, idx: int, control: Any, *, may_restore: b
 
 
 class NextChunkSeam:
-    """``generate_next_chunk`` of one pipeline instance, reporting each chunk's control first."""
+    """``generate_next_chunk`` of one pipeline instance, reporting each chunk's control first;
+    with ``pipeline``, a chunk the binding serves is handed out from its stored frames and a
+    computed chunk's frames go to the binding (`handout`)."""
 
-    def __init__(self, generate_next_chunk: Any) -> None:
+    def __init__(self, generate_next_chunk: Any, pipeline: Optional[Any] = None) -> None:
         self.inner = generate_next_chunk
+        self.pipeline = pipeline
 
     def __call__(self, runtime: Any, *args: Any, **kwargs: Any) -> Any:
         binding = getattr(runtime, "world_kv_binding", None)
@@ -64,13 +71,23 @@ class NextChunkSeam:
         t0 = time.perf_counter()
         override = kwargs.get("control_override", args[0] if args else None)
         control = released_chunk_control(runtime, override)
+        plan = None
         with torch.inference_mode():  # the ring is an inference tensor: a restore writes it here
             report(binding, runtime, idx, control, may_restore=True)
-        out = self.inner(runtime, *args, **kwargs)
+            if self.pipeline is not None and callable(getattr(binding, "next_chunk", None)):
+                plan = binding.next_chunk(runtime, idx, handout.frames_spec(runtime, idx))
+        if plan is not None and plan.handed_out:
+            images = handout.hand_out(runtime, plan.frames)
+        else:
+            if plan is not None:
+                handout.prepare(self.pipeline, runtime, plan, self.inner)
+            images = self.inner(runtime, *args, **kwargs)
+            if plan is not None:
+                binding.on_chunk_frames(runtime, idx, handout.frames_of(images))
         finished = getattr(binding, "chunk_finished", None)  # a caller's own binding may not time chunks
         if finished is not None:
             finished(idx, time.perf_counter() - t0, since_session_start=True)
-        return out
+        return images
 
 
 class OverrideSeam:

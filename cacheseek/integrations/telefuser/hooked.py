@@ -13,6 +13,7 @@ from typing import Any
 
 from cacheseek import weights
 from cacheseek.integrations.telefuser.chunk_controls import NextChunkSeam, OverrideSeam
+from cacheseek.integrations.telefuser.encodes import KeptEncodes
 
 __all__ = ["HookedHooks"]
 
@@ -25,12 +26,14 @@ class HookedHooks:
         self._create_runtime = pipeline.create_runtime
         self._generate_next_chunk = pipeline.generate_next_chunk
         self._build_control_override = pipeline.build_control_override
+        self.encodes = KeptEncodes(pipeline)
         self.installed = False
 
     def install(self) -> None:
         self.pipeline.create_runtime = self.create_runtime
-        self.pipeline.generate_next_chunk = NextChunkSeam(self._generate_next_chunk)
+        self.pipeline.generate_next_chunk = NextChunkSeam(self._generate_next_chunk, self.pipeline)
         self.pipeline.build_control_override = OverrideSeam(self._build_control_override)
+        self.encodes.install()
         self.installed = True
 
     def remove(self) -> None:
@@ -39,8 +42,13 @@ class HookedHooks:
             for name in ("create_runtime", "generate_next_chunk", "build_control_override"):
                 if name in vars(self.pipeline):
                     delattr(self.pipeline, name)
+            self.encodes.remove()
         self.installed = False
 
-    def create_runtime(self, *args: Any, **kwargs: Any) -> Any:
-        with weights.of_model(self.pipeline.dit):
-            return self._create_runtime(*args, **kwargs)
+    def create_runtime(self, session_config: Any, *args: Any, **kwargs: Any) -> Any:
+        binding = getattr(session_config, "world_kv_binding", None)
+        accept = getattr(binding, "accept_handout", None)  # a caller's own binding may not serve frames
+        if accept is not None:
+            accept()  # generate_next_chunk hands out served chunks' frames (`handout`)
+        with weights.of_model(self.pipeline.dit), self.encodes.for_session(binding):
+            return self._create_runtime(session_config, *args, **kwargs)

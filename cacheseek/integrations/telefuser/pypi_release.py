@@ -36,6 +36,7 @@ import torch
 
 from cacheseek import weights
 from cacheseek.integrations.telefuser.chunk_controls import NextChunkSeam, OverrideSeam
+from cacheseek.integrations.telefuser.encodes import KeptEncodes
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class ReleasedHooks:
         self._lock = threading.Lock()
         self._runtimes: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self._pending: dict[int, tuple[int, Optional[Any]]] = {}  # ring id -> (chunk, denoised | None if cached)
+        self.encodes = KeptEncodes(pipeline)
         self.installed = False
 
     def install(self) -> None:
@@ -62,8 +64,9 @@ class ReleasedHooks:
         p.create_runtime = self.create_runtime
         p.denoise_stage = _DenoiseStage(self, self._stage)
         p.dit = _RewriteForward(self, self._dit)
-        p.generate_next_chunk = NextChunkSeam(self._generate_next_chunk)
+        p.generate_next_chunk = NextChunkSeam(self._generate_next_chunk, self.pipeline)
         p.build_control_override = OverrideSeam(self._build_control_override)
+        self.encodes.install()
         self.installed = True
 
     def remove(self) -> None:
@@ -77,12 +80,14 @@ class ReleasedHooks:
                 delattr(p, name)
         p.denoise_stage = self._stage
         p.dit = self._dit
+        self.encodes.remove()
         self.installed = False
 
     # -- create_runtime ---------------------------------------------------------------------
 
     def create_runtime(self, session_config: Any, *args: Any, **kwargs: Any) -> Any:
-        runtime = self._create_runtime(session_config, *args, **kwargs)
+        with self.encodes.for_session(getattr(session_config, "world_kv_binding", None)):
+            runtime = self._create_runtime(session_config, *args, **kwargs)
         cfg = self.pipeline.config
         window = int(cfg.local_attn_size)
         runtime.kv_local_attn_size = window
@@ -92,6 +97,9 @@ class ReleasedHooks:
         runtime.world_kv_binding = binding
         if binding is None:
             return runtime
+        accept = getattr(binding, "accept_handout", None)  # a caller's own binding may not serve frames
+        if accept is not None:
+            accept()  # generate_next_chunk hands out served chunks' frames (`handout`)
         with self._lock:
             self._runtimes[id(runtime.self_kv_cache)] = runtime
         try:

@@ -22,6 +22,7 @@ from typing import Optional
 from cacheseek.errors import HandleStateError, WriteNotCompleteError
 from cacheseek.eviction import Candidate, store_usage
 from cacheseek.reuse.exact_prefix.context import ManagerContext
+from cacheseek.reuse.exact_prefix.frames import free_frames
 from cacheseek.reuse.exact_prefix.demotion import Demoter
 from cacheseek.reuse.exact_prefix.types import NodeState, TrieNode
 
@@ -227,6 +228,7 @@ class Evictor:
         finally:
             with ctx.forest.lock:
                 node.settle(handle if restored else None)
+        free_frames(ctx, node.node_key)  # the chunk's frames leave with its KV
         ctx.metrics.add(evictions=1, evicted_bytes=handle.nbytes)
         return True
 

@@ -23,7 +23,8 @@ from typing import Optional
 
 from cacheseek.errors import StoreError
 from cacheseek.reuse.exact_prefix.context import ManagerContext
-from cacheseek.reuse.exact_prefix.keys import blob_keys, layer_keys
+from cacheseek.reuse.exact_prefix.frames import free_frames
+from cacheseek.reuse.exact_prefix.keys import blob_keys, frames_locator, layer_keys
 from cacheseek.reuse.exact_prefix.types import BlobHandle, NodeState, TrieNode
 
 log = logging.getLogger(__name__)
@@ -105,6 +106,7 @@ class Invalidator:
         kept = None
         try:
             self.ctx.store.free(handle)
+            free_frames(self.ctx, node.node_key)
         except Exception as exc:  # noqa: BLE001 - keep it as a failed blob: freed later
             log.warning("invalidated %r but freeing its values failed: %s", node, exc)
             handle.ready, handle.error, kept = False, exc, handle
@@ -150,6 +152,7 @@ class Invalidator:
                             named.add(n.skeleton.latent_locator)
                         if n.blob is not None:
                             named.update(blob_keys(n.blob.locator, n.blob.n_layers, pairs=n.blob.pairs))
+                            named.add(frames_locator(n.node_key))
             orphans = [k for k in ctx.store.keys() if k not in named]
             if orphans:
                 ctx.store.delete_values(orphans)

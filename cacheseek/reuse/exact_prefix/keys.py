@@ -21,7 +21,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cacheseek.kv.locators import blob_keys, kv_locator, latent_locator, layer_keys, object_key
+from cacheseek.kv.locators import blob_keys, frames_locator, kv_locator, latent_locator, layer_keys, object_key
 
 __all__ = [
     "sha256",
@@ -33,6 +33,7 @@ __all__ = [
     "build_action_chain",
     "derive_seed",
     "kv_locator",
+    "frames_locator",
     "latent_locator",
     "layer_keys",
     "object_key",

@@ -78,7 +78,7 @@ class LiveChunks:
         if idx in timed or idx < 0:
             return
         timed.add(idx)
-        restored = idx in self._restored or idx < self.last_fast_forward
+        restored = idx in self._restored or idx < self.last_fast_forward or idx < self.frames_served
         metrics = self.manager.metrics
         if idx == 0:
             metrics.observe_first_frame(time.perf_counter() - self._session_t0 if since_session_start else seconds,
@@ -157,7 +157,7 @@ class LiveChunks:
                     "without planning (each chunk is then looked up as its control arrives)")
             return
         keys.supply(idx, control)
-        if may_restore and self._restore_chunk(runtime, idx, publish_latent=True) is not None:
+        if may_restore and self._restore_chunk(runtime, idx, publish_latent=True, control=control) is not None:
             return
         if self.ingest_enabled:
             keys.compute_rest_in_background()  # the chunk is computed: its key is needed at ingest
@@ -176,11 +176,13 @@ class LiveChunks:
         except Exception:
             return None
 
-    def _restore_chunk(self, runtime: Any, idx: int, *, publish_latent: bool) -> Any:
+    def _restore_chunk(self, runtime: Any, idx: int, *, publish_latent: bool, control: Any = None) -> Any:
         """Restore chunk ``idx`` when the cursor sits at depth ``idx - 1`` with a ready child for
         its key (computed here only when the cursor has children): its latent, or None. Each
         chunk that reaches here is a lookup in the metrics (``live_lookups``): a hit, or a miss
-        (``live_not_cached``, ``live_misses``) or a failure (``live_restore_failures``)."""
+        (``live_not_cached``, ``live_misses``) or a failure (``live_restore_failures``). A
+        session that hands out frames and has computed nothing yet only serves the chunk
+        (`HandOut`): its node is returned and its KV stays in the store."""
         parent = self._cursor
         index = self.manager.index
         if self._ns is None or parent is None or parent.depth != idx - 1:
@@ -201,6 +203,12 @@ class LiveChunks:
         if child is None:
             self.manager.metrics.add(live_not_cached=1)
             return None
+        if publish_latent and self.lazy and len(self._lazy) == idx:
+            self._serve_lazily(child, control)
+            self._cursor = child
+            self._restored.add(idx)
+            self.manager.metrics.record_live_hit(idx)
+            return child
         k, _ = self.layout.layers(runtime)[0]
         shape = (1, self.ring.chunk_size * self.ring.frame_tokens, int(k.shape[2]), int(k.shape[3]))
         lease = (STAGING.lease(k.device, len(self.layout.ring_layers(runtime)), shape, k.dtype)

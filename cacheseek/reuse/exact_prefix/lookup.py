@@ -69,6 +69,24 @@ class FastForward:
             log.info("restore of depth %d found %s; retrying depth <= %d", match.matched_len,
                      f"{len(outcome.missing)} stale nodes" if outcome.missing else "the path changed", limit)
 
+    def find(self, root_hash: bytes, actions: Sequence[ActionKey]) -> FastForwardResult:
+        """The longest ready prefix of ``actions`` (the local trie, then the store's records),
+        counted as a lookup and a hit or miss like `try_fast_forward`, but restoring nothing: a
+        session that hands out its chunks' stored frames (`handout.HandOut`) restores the KV only
+        where it computes, and a prefix found gone then is computed again."""
+        ctx = self.ctx
+        ctx.metrics.add(prefix_lookups=1)
+        ctx.forest.begin_session(root_hash)
+        match = self.index.extend(ctx.forest.lookup(root_hash, actions), actions, len(actions))
+        if match.namespace is None or match.matched_len == 0 or match.node is None:
+            ctx.metrics.add(misses=1)
+            return cold(match.namespace)
+        if match.matched_len < ctx.cfg.break_even_k:
+            ctx.metrics.add(below_break_even=1)
+            return cold(match.namespace)
+        ctx.metrics.record_hit(match.matched_len, len(actions))
+        return FastForwardResult(match.matched_len, match.node, match.namespace)
+
     def restore_chunk(self, node: TrieNode, window: RestoreWindow) -> bool:
         """Restore ``node`` alone, the next chunk of a live session on a cached path; whether the
         window published it (its ``published``). A miss (values found gone: invalidated, as for

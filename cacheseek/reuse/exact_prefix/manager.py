@@ -11,6 +11,8 @@ clock, eviction settings and policy, metrics, locks); each role is an attribute 
 - ``restorer`` (`restore.Restorer`): references the path, fetches everything, then publishes;
 - ``invalidator`` (`invalidation.Invalidator`): drops the nodes whose values the store lost;
 - ``ingestor`` (`ingest.Ingestor`): the write side; the store's completion callback publishes;
+- ``frames`` (`frames.ChunkFrames`): each chunk's handed-out frames beside its KV, written off
+  the request path, read when a restored chunk is handed out;
 - ``evictor`` (`eviction.Evictor`) and ``demoter`` (`demotion.Demoter`): keep a bounded store,
   and each level of a tiered store, under the watermarks.
 
@@ -31,6 +33,7 @@ from cacheseek.reuse.exact_prefix.config import SharedIndexConfig, WorldKVConfig
 from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.demotion import Demoter
 from cacheseek.reuse.exact_prefix.eviction import Evictor
+from cacheseek.reuse.exact_prefix.frames import ChunkFrames
 from cacheseek.reuse.exact_prefix.ingest import Ingestor
 from cacheseek.reuse.exact_prefix.invalidation import Invalidator
 from cacheseek.reuse.exact_prefix.lookup import FastForward
@@ -98,12 +101,18 @@ class WorldKVManager:
         self.demoter = Demoter(ctx)
         self.evictor = Evictor(ctx, self.demoter)
         self.ingestor = Ingestor(ctx, self.evictor, self.index)
+        self.frames = ChunkFrames(ctx)
         self.fast_forward = FastForward(ctx, self.restorer, self.demoter, self.index)
 
     def try_fast_forward(
         self, root_hash: bytes, actions: Sequence[ActionKey], window: RestoreWindow
     ) -> FastForwardResult:
         return self.fast_forward.try_fast_forward(root_hash, actions, window)
+
+    def find(self, root_hash: bytes, actions: Sequence[ActionKey]) -> FastForwardResult:
+        """The longest cached prefix of ``actions``, restoring nothing (`FastForward.find`): a
+        session that hands out stored frames restores KV only where it computes."""
+        return self.fast_forward.find(root_hash, actions)
 
     def restore_chunk(self, node: TrieNode, window: RestoreWindow) -> bool:
         """Restore ``node`` alone into ``window``: a live session's next chunk, on a cached path

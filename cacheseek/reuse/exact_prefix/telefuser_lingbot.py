@@ -72,6 +72,7 @@ from cacheseek.metrics_server import serve_metrics
 from cacheseek.registry import LAYOUTS
 from cacheseek.reuse.exact_prefix.actions import action_bytes
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
+from cacheseek.reuse.exact_prefix.handout import HandOut
 from cacheseek.reuse.exact_prefix.hook_failures import counted_failures
 from cacheseek.reuse.exact_prefix.keys import canonical_json_bytes, config_blob_hash, node_key, root_hash, sha256
 from cacheseek.reuse.exact_prefix.lazy_keys import UNKNOWN, ControlUnknownError, LazyActionKeys
@@ -131,7 +132,7 @@ def _image_fingerprint(image: Any) -> bytes:
                   xxhash.xxh3_128(image.tobytes()).digest())
 
 
-class LingBotWorldKVBinding(LiveChunks):
+class LingBotWorldKVBinding(LiveChunks, HandOut):
     def __init__(
         self,
         manager: WorldKVManager,
@@ -144,6 +145,7 @@ class LingBotWorldKVBinding(LiveChunks):
         layout: Any = None,
         fingerprint_fields: Optional[Sequence[Any]] = None,
         require_weights_fingerprint: Optional[bool] = None,
+        handout: bool = True,
     ) -> None:
         if unattached_release() and not _warned_unattached:
             _warned_unattached.append(True)
@@ -164,7 +166,10 @@ class LingBotWorldKVBinding(LiveChunks):
         self.layout = layout
         self.fields = list(fingerprint_fields) if fingerprint_fields is not None else namespace.resolve_fields(None)
         self.last_fast_forward = 0
+        self.handout_enabled = handout  # False: the eager restore even where the runtime serves frames
+        self._written: dict[int, TrieNode] = {}  # chunks this session wrote, until their frames are stored
         self._reset_live()
+        self._reset_handout()
         if snapshot_path is not None and len(forest) == 0:
             try:
                 load_forest_snapshot(snapshot_path, into=forest)
@@ -220,7 +225,9 @@ class LingBotWorldKVBinding(LiveChunks):
             self._keys.close()
         self._ns, self._cursor, self._keys, self.actions = None, None, None, []
         self.root, self.last_fast_forward = None, 0
+        self._written = {}
         self._reset_live()
+        self._reset_handout()
         if self._auto_layout:
             self.layout = self._layout_of(runtime)
         self.ring = self._validate_geometry(runtime)  # a misconfiguration is refused even while warming
@@ -243,11 +250,18 @@ class LingBotWorldKVBinding(LiveChunks):
         self.actions = keys
         known = keys.known_prefix()
         self._ns = self.forest.get_or_create_namespace(self.root, cbh)  # the lookup may adopt into it
-        if known:
+        if known and self._handout:  # served from frames; the KV is restored only where it computes
+            result = self.manager.find(self.root, keys[:known])
+            if result.start_chunk > 0:
+                self._lazy = result.node.path()
+        elif known:
             window = PrefixWindow(self.layout, runtime, self.ring, self._published)
             result = self.manager.try_fast_forward(self.root, keys[:known], window)  # keys as the walk needs them
         if not known:
             self._cursor = self._ns.root
+        elif self._lazy:
+            self._cursor = result.node
+            self.last_fast_forward = result.start_chunk
         elif result.start_chunk > 0:
             self._cursor = result.node
             self.bytes_restored = window.bytes_restored
@@ -324,6 +338,7 @@ class LingBotWorldKVBinding(LiveChunks):
                                        nbytes=nbytes, n_layers=len(payload))
             if node.blob is not blob_before and node.blob is not None and node.blob.error is None:
                 self.bytes_written += nbytes
+                self._written[idx] = node  # its frames follow (`HandOut.on_chunk_frames`)
         except CacheSeekError as exc:
             self.ingest_errors += 1
             level = logging.INFO if isinstance(exc, StoreWarmingError) else logging.WARNING  # expected while warming

@@ -72,7 +72,10 @@ __all__ = [
 class SyntheticRuntimeFactory:
     """Validated settings of a synthetic runtime; `make()` builds one session's runtime.
     ``compute_gemm_dim`` 0 means no extra compute; ``compute_gemms`` chained GEMMs per layer and
-    forward pass (see `compute`)."""
+    forward pass (see `compute`). ``handout``: sessions hand out a restored chunk's stored frames
+    and restore KV only where they compute (`HandOut`), as TeleFuser's release and hooked commit
+    do (conf/runtime/synthetic.yaml turns it on); false, the constructor's default, keeps the
+    eager creation-time restore that TeleFuser main runs and that the unit tests pin."""
 
     # Its sessions hold the ring as bshd tensors: naming it lets the orchestrator refuse another
     # layout (``layout=telefuser_main``) when the stack is built, not in the first session's hook.
@@ -91,6 +94,7 @@ class SyntheticRuntimeFactory:
         prompt: str = "a red car driving along a coast road",
         compute_gemm_dim: int = 0,
         compute_gemms: int = 1,
+        handout: bool = False,
     ) -> None:
         self._geometry = get_geometry(geometry)
         validate_window(self._geometry, local_attn_size, sink_size)
@@ -109,6 +113,9 @@ class SyntheticRuntimeFactory:
         self.prompt = prompt
         self.compute_gemm_dim = compute_gemm_dim
         self.compute_gemms = compute_gemms
+        if not isinstance(handout, bool):
+            raise ConfigError("runtime.handout", f"must be true or false, got {handout!r}")
+        self.handout = handout
 
     @property
     def geometry(self) -> Geometry:
@@ -150,6 +157,7 @@ class SyntheticRuntimeFactory:
             self._geometry,
             streamed=streamed,
             lookahead=lookahead,
+            handout=self.handout,
             actions=actions,
             prompt=self.prompt,
             image=image,

@@ -16,6 +16,14 @@ chunk draws `len(timesteps) - 1` tensors of x0's shape and dtype; a restored chu
 binding advances the generator with the same calls instead). The stored and decoded latent is x0
 in the model dtype, never the noise's float32. A last pass over the clean x0 rewrites the chunk's
 KV (the ring keeps the clean rewrite).
+
+Decoding is causal, as the Wan VAE's streaming decode is: a chunk's frames are its latent's
+projection plus a term of the previous chunk's last frame (the decoder's state), so a chunk's
+frames depend on every chunk before it. With ``handout`` the runtime asks the
+binding before each chunk (`HandOut.next_chunk`): a chunk on the cached path hands out its
+stored frames (no denoise, no decode, the decoder's state untouched); at divergence the
+binding restores the served path and the runtime decodes its latents again, in order, to rebuild
+the decoder's state before the chunk it computes.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from typing import Any
 import torch
 
 from cacheseek.errors import ConfigError, LayoutMismatchError
+from cacheseek.kv.frames import FramesSpec
 from cacheseek.runtime.geometry import Geometry, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.synthetic.checks import (
@@ -99,6 +108,7 @@ class SyntheticWorldRuntime:
         compute: dict | None = None,
         streamed: bool = False,
         lookahead: int = 0,
+        handout: bool = False,
     ) -> None:
         if not isinstance(geometry, Geometry):
             raise ConfigError(
@@ -195,8 +205,11 @@ class SyntheticWorldRuntime:
         self.frames: list[torch.Tensor] = []
         self.latents: list[torch.Tensor] = []
         self.restored_chunks: list[int] = []
+        self.handed_out: list[int] = []  # chunks whose stored frames were handed out
         self.next_chunk = 0
         self._started = False
+        self.handout = bool(handout)
+        self._decoder_state: torch.Tensor | None = None  # the previous chunk's last frame
 
         self._model = SyntheticModel(
             g, actions=self.actions, prompt=prompt, image=self.image, kv_size=self.kv_size,
@@ -220,20 +233,45 @@ class SyntheticWorldRuntime:
         if not self._started:
             self._started = True
             if self.hooks is not None:
+                if self.handout and callable(getattr(self.hooks, "accept_handout", None)):
+                    self.hooks.accept_handout()
                 self.hooks.on_runtime_created(self, self.session_config)
         for i in range(self.next_chunk, min(self.total_chunks, self.next_chunk + n)):
             self._run_chunk(i)
         return list(self.frame_hashes)
 
     def state_snapshot(self) -> dict:
-        """Clones of everything a restore must reproduce (`ring_snapshot`) and `next_chunk`.
-        Compare with `snapshot_diff`."""
+        """Clones of everything a restore must reproduce (`ring_snapshot`) and `next_chunk`:
+        the state the next chunk computes on (what the session served from frames is restored
+        first, `materialize_restored`). Compare with `snapshot_diff`."""
+        self.materialize_restored()
         return ring_snapshot(self, next_chunk=self.next_chunk)
 
     def decode(self, latent: torch.Tensor) -> torch.Tensor:
-        """Frames of one chunk: `[chunk_size, 3, latent_h, latent_w]` float32, a fixed channel
-        projection of the latent (cheap, deterministic, changes with any latent element)."""
+        """The latent's part of a chunk's frames: `[chunk_size, 3, latent_h, latent_w]` float32,
+        a fixed channel projection of the latent (cheap, deterministic, changes with any latent
+        element)."""
         return self._model.decode(latent)
+
+    def decode_chunk(self, latent: torch.Tensor, *, first: bool) -> torch.Tensor:
+        """A chunk's frames from the causal decoder (`decode` plus a term of the previous
+        chunk's last frame; ``first`` resets the state), which advances its state."""
+        frames = self.decode(latent)
+        if not first and self._decoder_state is not None:
+            frames = frames + 0.25 * torch.tanh(self._decoder_state)[None]
+        self._decoder_state = frames[-1].clone()
+        return frames
+
+    @property
+    def frames_spec(self) -> Any:
+        """What one chunk's handed-out frames are: ``[chunk_size, 3, h, w]`` float32."""
+        g = self.geometry
+        return FramesSpec((g.chunk_size, 3, g.latent_h, g.latent_w), torch.float32)
+
+    def materialize_restored(self) -> int:
+        """Restore what the session served from frames into the ring now, as its divergence
+        would (the ring check compares that state with a cold run's); chunks restored."""
+        return self.hooks.materialize(self) if self.handout and callable(getattr(self.hooks, "materialize", None)) else 0
 
     # -- chunk loop ---------------------------------------------------------------------------
 
@@ -245,6 +283,22 @@ class SyntheticWorldRuntime:
         if self.streamed and callable(getattr(self.hooks, "on_chunk_control", None)):
             # a live session: chunk i's control arrives now; the binding may restore the chunk
             self.hooks.on_chunk_control(self, i, self._controls[i], may_restore=True)
+        if self.handout and callable(getattr(self.hooks, "next_chunk", None)):
+            plan = self.hooks.next_chunk(self, i, self.frames_spec)
+            if plan.handed_out:
+                frames = torch.from_numpy(plan.frames.copy())
+                self.handed_out.append(i)
+                self.restored_chunks.append(i)
+                self.latents.append(None)
+                self.frame_hashes.append(hashlib.sha256(tensor_bytes(frames)).digest())
+                if self.keep_frames:
+                    self.frames.append(frames.float())
+                self.next_chunk = i + 1
+                return
+            for j, latent in enumerate(plan.replay):  # the decoder's state, as a cold run leaves it
+                self.decode_chunk(latent, first=j == 0)
+            if plan.recompute:
+                self._recompute(len(plan.recompute))
         cached = self.world_kv_cached_latents.pop(i, None)
         if cached is not None:
             self._check_latent(i, cached)
@@ -255,11 +309,23 @@ class SyntheticWorldRuntime:
             if self.hooks is not None:
                 self.hooks.on_chunk_finalized(self, i, x0)
         self.latents.append(x0)
-        frames = self.decode(x0)
+        frames = self.decode_chunk(x0, first=i == 0)
         self.frame_hashes.append(hashlib.sha256(tensor_bytes(frames)).digest())
         if self.keep_frames:
             self.frames.append(frames.detach().float().cpu())
+        if self.handout and i not in self.restored_chunks and callable(getattr(self.hooks, "on_chunk_frames", None)):
+            self.hooks.on_chunk_frames(self, i, frames)
         self.next_chunk = i + 1
+
+    def _recompute(self, n: int) -> None:
+        """Compute chunks 0..n-1 again (the binding lost what it served of them); their frames
+        were handed out already and are dropped here."""
+        for j in range(n):
+            x0 = self._denoise_chunk(j)
+            self.hooks.on_chunk_finalized(self, j, x0)
+            self.latents[j] = x0
+            self.decode_chunk(x0, first=j == 0)
+        self.restored_chunks = [j for j in self.restored_chunks if j >= n]
 
     def _check_latent(self, i: int, latent: Any) -> None:
         shape = tuple(getattr(latent, "shape", ()))

@@ -1,0 +1,123 @@
+"""`ChunkFrames`: each chunk's handed-out frames, kept beside its KV (the manager's ``frames``).
+
+A restored chunk hands out the frames a cold run handed out instead of decoding its latent
+(`handout.HandOut`). The frames are one value per chunk, ``{hex}:frm`` (`cacheseek.kv.frames`:
+bound to the node key, digest-checked on every read), written through the store's small-value
+path (``put_skeleton``, as the latent), so every store and tier holds them and counts them in
+its capacity. Lifetime:
+
+- written once the chunk's frames are out (after the user has them), in the caller's thread:
+  packed (one digest pass and one copy) and written; a store that is full drops them (counted
+  as ``frames_dropped``: no chunk's KV is evicted for frames; the chunk stays cached and its
+  restore decodes). Not on a writer thread: a store closed after a session must
+  never see a write arrive, and the cost is measured (experiments/session_reuse: A against no
+  cache);
+- read when a restored chunk is handed out (`read`): a missing value is ``frames_missing``, a
+  value that fails its checks ``frames_corrupt`` (removed; both are misses: the chunk is then
+  decoded or computed, never handed out wrong);
+- freed with the chunk's KV (eviction, invalidation: `free`), so no frames outlive their chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from cacheseek.errors import CorruptValueError, StoreError
+from cacheseek.kv import frames as frames_value
+from cacheseek.kv.frames import FramesSpec
+from cacheseek.kv.locators import frames_locator
+from cacheseek.reuse.exact_prefix.context import ManagerContext
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ChunkFrames", "FramesSpec", "free_frames"]
+
+
+class ChunkFrames:
+    """The frames of each chunk in the manager's store (see the module docstring)."""
+
+    def __init__(self, ctx: ManagerContext) -> None:
+        self.ctx = ctx
+
+    # -- write ------------------------------------------------------------------------------------
+
+    def write(self, node: Any, frames: Any, device: Any) -> bool:
+        """Store the frames of ``node`` (its chunk computed here and ingested): ``frames`` is the
+        handed-out frames (a tensor, an array, or a callable returning one), stored on
+        ``device`` (the runtime's, for a store that takes device tensors). False when they were
+        not stored (counted as ``frames_dropped``). Never raises."""
+        try:
+            return self._write(node, frames, device)
+        except Exception:  # noqa: BLE001 - frames not stored: the chunk's restore decodes instead
+            log.exception("writing the frames of %r failed", node)
+            self.ctx.metrics.add(frames_dropped=1)
+            return False
+
+    def _write(self, node: Any, frames: Any, device: Any) -> bool:
+        ctx = self.ctx
+        if callable(frames):
+            frames = frames()
+        value = frames_value.pack(node.node_key, frames)
+        if ctx.offers.device_views and str(device) != "cpu":
+            value = value.to(device)
+            torch.cuda.current_stream(value.device).synchronize()
+        loc = frames_locator(node.node_key)
+        try:
+            ctx.store.put_skeleton(loc, value)  # never evicts KV to make room: a full store drops them
+        except StoreError as exc:
+            log.info("the frames of %r were not stored (its restore decodes instead): %s", node, exc)
+            ctx.metrics.add(frames_dropped=1)
+            return False
+        with ctx.forest.lock:
+            gone = node.blob is None or node.blob.error is not None
+        if gone:  # the chunk's KV left meanwhile: its frames go too
+            self.free(node.node_key)
+            return False
+        ctx.metrics.add(frames_written=1, frames_write_bytes=int(value.numel()))
+        return True
+
+    # -- read -----------------------------------------------------------------------------------
+
+    def read(self, node_key: bytes, spec: FramesSpec) -> Any:
+        """The frames of chunk ``node_key`` as a host numpy array of ``spec``, or None (missing,
+        unreadable, or failing a check: then removed). Never raises."""
+        ctx = self.ctx
+        loc = frames_locator(node_key)
+        try:
+            if ctx.offers.reads_paths:  # a Plan-style store: read by length, raw bytes back
+                value = ctx.store.get_skeleton(loc, nbytes=frames_value.packed_nbytes(spec))
+            else:
+                value = ctx.store.get_skeleton(loc)
+            if value is None:
+                ctx.metrics.add(frames_missing=1)
+                return None
+            out = frames_value.unpack(node_key, value, spec, loc)
+        except CorruptValueError as exc:
+            log.warning("frames of chunk %s: %s; removed, the chunk is decoded or computed instead",
+                        node_key.hex()[:12], exc.problem)
+            ctx.metrics.add(frames_corrupt=1)
+            self.free(node_key)
+            return None
+        except Exception as exc:  # noqa: BLE001 - a frames read that fails is a miss
+            log.warning("reading the frames of chunk %s failed: %s", node_key.hex()[:12], exc)
+            ctx.metrics.add(frames_missing=1)
+            return None
+        ctx.metrics.add(frames_handed_out=1, frames_read_bytes=int(out.nbytes))
+        return out
+
+    # -- free -----------------------------------------------------------------------------------
+
+    def free(self, node_key: bytes) -> None:
+        free_frames(self.ctx, node_key)
+
+
+def free_frames(ctx: ManagerContext, node_key: bytes) -> None:
+    """Remove the frames of chunk ``node_key`` (idempotent; a failure is logged: a value no node
+    names is removed by the next reconcile). Eviction and invalidation call it with the KV's free."""
+    try:
+        ctx.store.free_skeleton(frames_locator(node_key))
+    except Exception as exc:  # noqa: BLE001
+        log.warning("freeing the frames of chunk %s failed: %s", node_key.hex()[:12], exc)

@@ -1,0 +1,189 @@
+"""`HandOut`: a session on a cached path hands out stored frames; KV moves only where it computes.
+
+A runtime that hands out frames (the TeleFuser seams of the release and the hooked commit, the
+synthetic runtime) says so with ``accept_handout()`` before each session's ``on_runtime_created``
+and asks, before each chunk ``idx``, ``next_chunk(runtime, idx, spec) -> NextChunk``:
+
+- ``frames``: the chunk is on the session's served path (a planned session's cached prefix found
+  at creation, or a live session's chunk whose cached child `LiveChunks` found as its control
+  arrived) and its stored frames (`frames.ChunkFrames`, checked against the chunk's key and
+  digest) are here: the runtime hands them out and runs nothing of the chunk (no DiT, no decode);
+- ``replay``: the session is about to compute (or decode) chunk ``idx`` after serving chunks
+  0..idx-1 from frames: the served path was just *materialized* (its window's KV, the cursors,
+  the RNG draws and the latents restored into the runtime, as a creation-time restore does, by
+  `PrefixWindow`), and the runtime decodes these latents of chunks 0..idx-1 first, in order and
+  discarding the frames, so that its decoder's causal state is a cold run's (the decoder state is
+  rebuilt, not stored: `experiments/session_reuse` has the table). Latents of served chunks
+  beyond ``idx`` stay the runtime's cached latents (decoded, as today's restore does);
+- ``recompute``: the served path could not be materialized (its KV was evicted or lost since the
+  lookup): the runtime computes chunks 0..idx-1 again, discarding their frames (already handed
+  out), with these controls (None: the planned one), then chunk ``idx``. Correct, slow, counted;
+- neither: compute as usual (a session that has computed keeps today's eager restores).
+
+So a full hit never touches the ring, and a session materializes at most once, at its first
+divergence. Nothing is looked up or restored for a runtime that did not accept: TeleFuser main
+(its decode runs in its actors) and callers that drive a binding themselves keep the eager
+creation-time restore.
+
+Per request the binding counts ``frames_served`` (chunks handed out from frames),
+``chunks_materialized`` (chunks of KV restored at divergence) and ``chunks_computed``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import attrs
+import torch
+
+from cacheseek.kv.frames import FramesSpec
+from cacheseek.reuse.exact_prefix.prefix_window import PrefixWindow
+
+log = logging.getLogger("cacheseek.reuse.exact_prefix.telefuser_lingbot")
+
+__all__ = ["HandOut", "NextChunk", "FramesSpec"]
+
+
+@attrs.frozen
+class NextChunk:
+    """What the runtime does with its next chunk (see the module docstring)."""
+
+    frames: Any = None
+    replay: tuple = ()
+    recompute: tuple = ()
+
+    @property
+    def handed_out(self) -> bool:
+        return self.frames is not None
+
+
+COMPUTE = NextChunk()
+
+
+class HandOut:
+    """The frames role of the binding (a mixin of `LingBotWorldKVBinding`; see the module
+    docstring). Reads the binding's ``manager``, ``layout``, ``ring``, ``_ns``, ``_cursor``,
+    ``last_fast_forward``, ``_restored``, ``bytes_restored``."""
+
+    _handout = False  # the runtime of the coming session hands out frames
+    handout_enabled = True
+    _lazy: list
+    _lazy_controls: dict
+    _computed = False  # the ring holds what the session computed or materialized
+    frames_served = 0
+    chunks_materialized = 0
+    chunks_computed = 0
+
+    def accept_handout(self) -> None:
+        """The runtime of the next session asks `next_chunk` before each chunk and hands out
+        stored frames: its cached prefix is restored only where it computes (unless the binding
+        was made with ``handout=False``)."""
+        self._handout = self.handout_enabled
+
+    def _reset_handout(self) -> None:
+        self._lazy, self._lazy_controls, self._computed, self._replay_pending = [], {}, False, False
+        self.frames_served = self.chunks_materialized = self.chunks_computed = 0
+
+    @property
+    def lazy(self) -> bool:
+        """Whether the session still serves chunks without touching the ring."""
+        return self._handout and not self._computed and self._ns is not None
+
+    def _serve_lazily(self, node: Any, control: Any) -> None:
+        """Chunk ``node.depth`` of a live session is on the cached path: served from frames
+        (`next_chunk`), its KV left in the store."""
+        self._lazy.append(node)
+        self._lazy_controls[node.depth] = control
+
+    def next_chunk(self, runtime: Any, idx: int, spec: FramesSpec) -> NextChunk:
+        """What to do with chunk ``idx`` (see the module docstring). Never raises: a failure
+        computes the chunk as a cold session would."""
+        try:
+            return self._next_chunk(runtime, idx, spec)
+        except Exception as exc:  # noqa: BLE001 - a cache must never take a session down
+            log.exception("chunk %d: choosing between frames and compute failed", idx)
+            self.manager.metrics.record_hook_failure("next_chunk", type(exc).__name__)
+            return self._recompute(idx) if self._lazy and not self._computed else COMPUTE
+
+    def _next_chunk(self, runtime: Any, idx: int, spec: FramesSpec) -> NextChunk:
+        if self._replay_pending:  # materialized before this chunk: the decoder catches up first
+            return self._replay(runtime, idx)
+        if not self.lazy or not self._lazy:
+            if self._handout and idx not in self._restored and idx >= self.last_fast_forward:
+                self.chunks_computed += 1
+                self._computed = True
+            return COMPUTE
+        if idx < len(self._lazy):
+            node = self._lazy[idx]
+            frames = self.manager.frames.read(node.node_key, spec)
+            if frames is not None:
+                with self.forest.lock:
+                    node.last_access = self.manager.clock()
+                self.frames_served += 1
+                return NextChunk(frames=frames)
+        return self._materialize(runtime, idx)
+
+    def materialize(self, runtime: Any) -> int:
+        """Restore the served path into ``runtime`` now, as the session's divergence does (its
+        window's KV, cursors, RNG and cached latents; the ring check compares that state with a
+        cold run's): the number of chunks restored, 0 when nothing was served or the restore
+        failed (nothing published). The next `next_chunk` hands the served chunks' latents to
+        the decoder (``replay``) before its chunk runs."""
+        lazy = self._lazy
+        if not lazy or self._computed:
+            return 0
+        window = PrefixWindow(self.layout, runtime, self.ring, lambda restored: None)
+        ring_k = self.layout.layers(runtime)[0][0]
+        try:
+            with torch.inference_mode(ring_k.is_inference()):  # written in the mode it was made in
+                ok = self.manager.materialize(lazy[-1], window)
+        except Exception as exc:  # noqa: BLE001 - a store error: the served path is computed again
+            log.warning("restoring the %d served chunks failed (%s)", len(lazy), exc)
+            ok = False
+        if not ok:
+            return 0
+        self._lazy, self._computed, self._replay_pending = [], True, True
+        self.bytes_restored += window.bytes_restored
+        self.chunks_materialized += len(lazy)
+        self.manager.metrics.add(materializations=1, chunks_materialized=len(lazy))
+        return len(lazy)
+
+    def _materialize(self, runtime: Any, idx: int) -> NextChunk:
+        """Restore the served path into the runtime (chunk ``idx`` computes or decodes next)."""
+        served = self.materialize(runtime)
+        if not served:
+            return self._recompute(idx)
+        return self._replay(runtime, idx)
+
+    def _replay(self, runtime: Any, idx: int) -> NextChunk:
+        """After a materialization: the served chunks' latents (0..idx-1, leaving the cached
+        latents), decoded again before chunk ``idx``; later ones stay decode-only."""
+        self._replay_pending = False
+        cached = self.layout.cached_latents(runtime)
+        replay = tuple(cached.pop(j) for j in range(idx))
+        self.manager.metrics.add(decoder_replays=len(replay))
+        if idx not in cached and idx not in self._restored:
+            self.chunks_computed += 1
+        return NextChunk(replay=replay)
+
+    def _recompute(self, idx: int) -> NextChunk:
+        """The served chunks 0..idx-1 are computed again (their frames are out already)."""
+        controls = tuple(self._lazy_controls.get(j) for j in range(idx))
+        self._lazy, self._computed = [], True
+        self._restored.clear()
+        self.last_fast_forward = 0
+        self._cursor = self._ns.root  # the recomputed chunks find their nodes again (kept, not rewritten)
+        self.chunks_computed += 1
+        self.manager.metrics.add(recomputed_chunks=idx)
+        return NextChunk(recompute=controls)
+
+    def on_chunk_frames(self, runtime: Any, idx: int, frames: Any) -> None:
+        """Chunk ``idx`` was computed here and its frames handed out: they are stored beside its
+        KV (``frames``: an array or tensor, or a callable returning one). Only a chunk this
+        session wrote gets its frames written. Never raises."""
+        node = self._written.pop(idx, None)
+        if node is None or self._ns is None:
+            return
+        device = self.layout.latent_spec(runtime).device
+        self.manager.frames.write(node, frames, device)
