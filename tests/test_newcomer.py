@@ -15,7 +15,7 @@ import pytest
 
 from cacheseek.errors import ConfigError
 from cacheseek.hydra_errors import config_error_from_hydra
-from cacheseek.runtime.geometry import GEOMETRIES, no_cuda_error
+from cacheseek.runtime.geometry import GEOMETRIES, check_cpu_memory, no_cuda_error
 from cacheseek.sizes import parse_size
 from cacheseek.stores.localdisk import LocalDiskTierStore
 from cacheseek.workloads.prefix_gate import PrefixGate
@@ -44,6 +44,33 @@ def test_a_gpu_sized_geometry_without_cuda_names_what_to_run_on_a_cpu():
     assert "runtime.device=cpu" not in err.fix and "+experiment=rolling_tiny" in err.fix
     small = no_cuda_error(GEOMETRIES["tiny"], "+experiment=rolling_tiny")
     assert small.fix == "use runtime.device=cpu"
+
+
+def test_a_gpu_sized_geometry_on_a_cpu_without_the_memory_is_refused_before_allocating():
+    """Issue 33 newcomer item 2: ``+experiment=lingbot_480p runtime.device=cpu`` ran out of memory
+    with a traceback; it needs 4 chunks' KV (14.28 GiB) before the first chunk computes."""
+    with pytest.raises(ConfigError) as raised:
+        check_cpu_memory(GEOMETRIES["lingbot_480p"], "+experiment=rolling_tiny", available=8 << 30)
+    err = raised.value
+    assert err.field == "runtime.device" and "14.28 GiB" in err.problem and "8 GiB" in err.problem
+    assert "+experiment=rolling_tiny" in err.fix
+    check_cpu_memory(GEOMETRIES["lingbot_480p"], "+experiment=rolling_tiny", available=1 << 40)  # it fits
+    check_cpu_memory(GEOMETRIES["tiny"], "+experiment=rolling_tiny", available=1 << 20)  # small: never refused
+
+
+def test_the_cli_refuses_a_gpu_sized_cpu_run_in_one_line(tmp_path):
+    """The CLI on this machine, when it has less than 14.28 GiB available (CI's has): one line."""
+    from cacheseek.runtime.geometry import CPU_RING_CHUNKS
+    import os
+
+    need = CPU_RING_CHUNKS * GEOMETRIES["lingbot_480p"].chunk_kv_nbytes()
+    if os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") >= need:
+        pytest.skip("this machine has the memory for a 480p CPU run")
+    done = subprocess.run([sys.executable, "-m", "cacheseek", "+experiment=lingbot_480p", "runtime.device=cpu",
+                           f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [ln for ln in done.stderr.splitlines() if "runtime.device" in ln]
+    assert len(lines) == 1 and "of memory" in lines[0] and "Traceback" not in done.stderr
 
 
 def _compose_error(compose_cfg, *overrides) -> ConfigError:

@@ -14,14 +14,17 @@ This module must import without torch.
 
 from __future__ import annotations
 
-from typing import Any
+import os
+
+from typing import Any, Optional
 
 import attrs
 
 from cacheseek.errors import ConfigError, GeometryError
 from cacheseek.sizes import format_size
 
-__all__ = ["GEOMETRIES", "Geometry", "get_geometry", "validate_window", "no_cuda_error", "GPU_CHUNK_BYTES"]
+__all__ = ["GEOMETRIES", "Geometry", "get_geometry", "validate_window", "no_cuda_error", "check_cpu_memory",
+           "GPU_CHUNK_BYTES"]
 
 GPU_CHUNK_BYTES = 256 << 20  # a chunk's KV above this is a model for a GPU (lingbot_480p: 3.57 GiB)
 
@@ -173,3 +176,29 @@ def no_cuda_error(geometry: Geometry, cpu_run: str) -> ConfigError:
                        f"{format_size(kv)} ({geometry.n_layers} layers x {geometry.hidden} wide), which a CPU "
                        "computes for hours and a session's chunks outgrow its memory",
                        f"run it on a machine with a GPU; on this CPU run the same kind of run at a small size: {cpu_run}")
+
+
+CPU_RING_CHUNKS = 4  # a GPU-sized session holds at least this many chunks' KV at once (ring, staging)
+
+
+def check_cpu_memory(geometry: Geometry, cpu_run: str, available: Optional[int] = None) -> None:
+    """``runtime.device=cpu`` with a GPU-sized geometry (chunk KV above `GPU_CHUNK_BYTES`): a
+    `ConfigError` before anything is allocated when this machine's available memory cannot hold
+    `CPU_RING_CHUNKS` chunks' KV (the run would die out of memory after hours of compute);
+    ``available``: bytes (default: the machine's available physical memory)."""
+    kv = geometry.chunk_kv_nbytes()
+    if kv <= GPU_CHUNK_BYTES:
+        return
+    if available is None:
+        try:
+            available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return
+    need = CPU_RING_CHUNKS * kv
+    if available < need:
+        raise ConfigError("runtime.device", f"cpu: this run needs at least {format_size(need)} of memory "
+                          f"({CPU_RING_CHUNKS} chunks' KV of {format_size(kv)}, {geometry.n_layers} layers x "
+                          f"{geometry.hidden} wide) and this machine has {format_size(available)} available; "
+                          "a CPU would also compute each chunk for hours",
+                          f"run it on a machine with a GPU; on this CPU run the same kind of run at a small size: "
+                          f"{cpu_run}")

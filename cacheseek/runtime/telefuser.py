@@ -52,7 +52,7 @@ from cacheseek.integrations.telefuser import TeleFuserLayout, attach, plan_contr
 from cacheseek.integrations.telefuser.tiny import PARTS, TinyDiTSpec, build_tiny_pipeline, rope_head_dim_problem
 from cacheseek.integrations.telefuser.wan_parts import feature_cache_bytes
 from cacheseek.registry import RUNTIMES
-from cacheseek.runtime.geometry import Geometry, no_cuda_error, validate_window
+from cacheseek.runtime.geometry import Geometry, check_cpu_memory, no_cuda_error, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.telefuser_logs import route_telefuser_logs
 
@@ -499,9 +499,11 @@ def _check_device(device: Any, geometry: Geometry) -> str:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ConfigError("runtime.device", f"unknown device {device!r}", "use cpu or cuda[:N]") from None
+    cpu_run = "runtime=telefuser runtime.device=cpu (TeleFuser's real pipeline at its default 2 layers, 64x64)"
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise no_cuda_error(geometry, "runtime=telefuser runtime.device=cpu (TeleFuser's real pipeline at its "
-                            "default 2 layers, 64x64)")
+        raise no_cuda_error(geometry, cpu_run)
+    if dev.type == "cpu":
+        check_cpu_memory(geometry, cpu_run)
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError("runtime.device", f"unsupported device {device!r}", "use cpu or cuda[:N]")
     return str(dev)

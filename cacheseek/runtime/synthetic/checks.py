@@ -11,7 +11,7 @@ import torch
 
 from cacheseek.errors import ConfigError
 from cacheseek.runtime.synthetic.control import MAX_ACTION_DIM
-from cacheseek.runtime.geometry import no_cuda_error
+from cacheseek.runtime.geometry import check_cpu_memory, no_cuda_error
 
 __all__ = [
     "DTYPES",
@@ -60,11 +60,14 @@ def check_device(device: Any, geometry: Any = None) -> torch.device:
         ) from None
     if dev.type not in ("cpu", "cuda"):
         raise ConfigError("runtime.device", f"unsupported device {device!r}", "use cpu or cuda")
+    cpu_run = ("+experiment=rolling_tiny (the gate on a rolling ring, tiny geometry, cpu), or "
+               "runtime.geometry=small runtime.device=cpu")
+    if dev.type == "cpu" and geometry is not None:
+        check_cpu_memory(geometry, cpu_run)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             if geometry is not None:
-                raise no_cuda_error(geometry, "+experiment=rolling_tiny (the gate on a rolling ring, tiny "
-                                    "geometry, cpu), or runtime.geometry=small runtime.device=cpu")
+                raise no_cuda_error(geometry, cpu_run)
             raise ConfigError(
                 "runtime.device", "CUDA is not available", "use runtime.device=cpu"
             )
