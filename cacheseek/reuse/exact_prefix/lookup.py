@@ -21,7 +21,7 @@ from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.demotion import Demoter
 from cacheseek.reuse.exact_prefix.restore import Outcome, Restorer, RestoreWindow
 from cacheseek.reuse.exact_prefix.shared_index import SharedIndex
-from cacheseek.reuse.exact_prefix.trie import Namespace
+from cacheseek.reuse.exact_prefix.trie import Namespace, PrefixMatch
 from cacheseek.reuse.exact_prefix.types import ActionKey, FastForwardResult, TrieNode
 
 log = logging.getLogger(__name__)
@@ -50,11 +50,7 @@ class FastForward:
         limit = requested
         while True:
             match = self.index.extend(ctx.forest.lookup(root_hash, actions[:limit]), actions, limit)
-            if match.namespace is None or match.matched_len == 0 or match.node is None:
-                ctx.metrics.add(misses=1)
-                return cold(match.namespace)
-            if match.matched_len < ctx.cfg.break_even_k:
-                ctx.metrics.add(below_break_even=1)
+            if not self._worth_restoring(match):
                 return cold(match.namespace)
             outcome = self._restore(match.node, window, match.matched_len)
             if outcome is not None and outcome.ok:
@@ -78,14 +74,21 @@ class FastForward:
         ctx.metrics.add(prefix_lookups=1)
         ctx.forest.begin_session(root_hash)
         match = self.index.extend(ctx.forest.lookup(root_hash, actions), actions, len(actions))
-        if match.namespace is None or match.matched_len == 0 or match.node is None:
-            ctx.metrics.add(misses=1)
-            return cold(match.namespace)
-        if match.matched_len < ctx.cfg.break_even_k:
-            ctx.metrics.add(below_break_even=1)
+        if not self._worth_restoring(match):
             return cold(match.namespace)
         ctx.metrics.record_hit(match.matched_len, len(actions))
         return FastForwardResult(match.matched_len, match.node, match.namespace)
+
+    def _worth_restoring(self, match: PrefixMatch) -> bool:
+        """Whether a lookup's ``match`` is a hit: something matched, at least ``break_even_k``
+        chunks deep; otherwise it counts as a miss or below break-even."""
+        if match.namespace is None or match.matched_len == 0 or match.node is None:
+            self.ctx.metrics.add(misses=1)
+            return False
+        if match.matched_len < self.ctx.cfg.break_even_k:
+            self.ctx.metrics.add(below_break_even=1)
+            return False
+        return True
 
     def restore_chunk(self, node: TrieNode, window: RestoreWindow) -> bool:
         """Restore ``node`` alone, the next chunk of a live session on a cached path; whether the
