@@ -180,6 +180,7 @@ def ops(reps: int, root: Path) -> dict[str, Any]:
     value = torch.zeros(g.chunk_kv_nbytes(2) // (4 * g.n_layers), dtype=torch.bfloat16)  # one K (or V) of a layer
     latent = torch.zeros(g.latent_nbytes(2) // 2, dtype=torch.bfloat16)
     shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)  # a store makes its root, never the folders above it
     out: dict[str, Any] = {}
     for name, store in (("memory", InMemoryTierStore()), ("localdisk", LocalDiskTierStore(root / "kv"))):
         r, t = store.records, {k: [] for k in ("find_miss", "find_hit", "find_8_hits", "find_8_misses", "claim",
