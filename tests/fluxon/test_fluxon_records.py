@@ -151,8 +151,10 @@ def close(store) -> None:
 def test_a_record_whose_values_are_gone_is_a_miss_never_a_wrong_restore(fluxon_client, compose_cfg, tmp_path,
                                                                          kind, fault):
     store = plan_store(fluxon_client) if kind == "plan" else FluxonTensorTier(client=fluxon_client)
-    stack = build_stack(compose_cfg(f"namespace.model_fingerprint=records-gone-{kind}-{fault}"), store=store,
-                        run_dir=tmp_path)
+    # runtime.handout=false: the KV restore at creation is what this test faults (a session that
+    # hands out frames reads the KV only where it computes: tests/test_handout.py)
+    stack = build_stack(compose_cfg(f"namespace.model_fingerprint=records-gone-{kind}-{fault}", "runtime.handout=false"),
+                        store=store, run_dir=tmp_path)
     gate = stack.workload
     try:
         k, a = session(stack, gate.P + gate.X)
@@ -193,7 +195,9 @@ def test_etcd_stopped_mid_run_probes_fail_within_the_bound_and_sessions_run_cold
     store = PlanTierStore(client="fluxon", transfer=HostTransferRuntime(), overlap=False, client_options={
         "cluster_name": svc.cluster_name, "share_mem_path": svc.share_mem_path, "op_timeout_s": bound,
         "staging_bytes": MiB})
-    stack = build_stack(compose_cfg("namespace.model_fingerprint=records-etcd-stop"), store=store, run_dir=tmp_path)
+    # runtime.handout=false: the re-check of a restore's records is what etcd's stop faults
+    stack = build_stack(compose_cfg("namespace.model_fingerprint=records-etcd-stop", "runtime.handout=false"),
+                        store=store, run_dir=tmp_path)
     gate = stack.workload
     etcd = svc.pids["etcd"]
     stopped = False

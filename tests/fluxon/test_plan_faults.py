@@ -102,7 +102,9 @@ def test_service_absent_at_start_is_a_clear_error_at_once(tmp_path):
 @pytest.mark.fluxon
 def test_key_missing_invalidates_the_node_and_hits_the_shorter_prefix(fluxon_client, compose_cfg, tmp_path):
     store = public_store(fluxon_client, staging_bytes=MiB)
-    stack = build_stack(compose_cfg("namespace.model_fingerprint=fault-missing"), store=store, run_dir=tmp_path)
+    # runtime.handout=false: the KV restore at creation is what a missing key faults
+    stack = build_stack(compose_cfg("namespace.model_fingerprint=fault-missing", "runtime.handout=false"),
+                        store=store, run_dir=tmp_path)
     try:
         k, a_hashes, _ = request(stack, GATE.P + GATE.X)
         assert k == 0 and len(ready_nodes(stack.forest)) == 4
