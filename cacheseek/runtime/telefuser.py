@@ -38,7 +38,6 @@ not import TeleFuser.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -55,6 +54,7 @@ from cacheseek.registry import RUNTIMES
 from cacheseek.runtime.geometry import Geometry, check_cpu_memory, no_cuda_error, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.telefuser_logs import route_telefuser_logs
+from cacheseek.runtime.telefuser_frames import frame_hash, images_hash, images_tensor, pil_image
 
 __all__ = ["TeleFuserRuntimeFactory", "TeleFuserSession", "camera_path", "frame_hash", "images_hash"]
 
@@ -272,7 +272,7 @@ class TeleFuserRuntimeFactory:
         poses, intrinsics = camera_path(actions, chunk_size=c, width=self.width, height=self.height)
         camera = {} if self.streaming or streamed else {"poses": poses, "intrinsics": intrinsics}
         return LingBotWorldFastSessionConfig(
-            prompt=self.prompt, image=_pil_image(image, self.width, self.height), control_mode="cam",
+            prompt=self.prompt, image=pil_image(image, self.width, self.height), control_mode="cam",
             chunk_size=c, frame_num=len(poses), seed=self.seed, **camera,
         )
 
@@ -447,49 +447,6 @@ def _sync(device: str) -> None:
         import torch
 
         torch.cuda.synchronize(device)
-
-
-def frame_hash(frames: Any) -> bytes:
-    """A chunk's frame hash: sha256 of the decoded frames' bytes (any device), taken before
-    TeleFuser's uint8 conversion so that one changed latent bit shows."""
-    import torch
-
-    raw = frames.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    return hashlib.sha256(raw).digest()
-
-
-def images_hash(images: Sequence[Any]) -> bytes:
-    """A chunk's frame hash on the release and the hooked commit: sha256 of the uint8 frames
-    TeleFuser hands out (their size, then their pixels)."""
-    h = hashlib.sha256()
-    for image in images:
-        h.update(f"{image.mode}:{image.size}".encode())
-        h.update(image.tobytes())
-    return h.digest()
-
-
-def images_tensor(images: Sequence[Any]) -> Any:
-    """The uint8 frames TeleFuser hands out as one float32 tensor ``[n, h, w, c]`` (the frames a
-    lossy codec's quality verdict compares)."""
-    import numpy as np
-    import torch
-
-    return torch.from_numpy(np.stack([np.asarray(image) for image in images])).float()
-
-
-def _pil_image(image: Any, width: int, height: int) -> Any:
-    """A PIL image: the given one, one made from a PIL-like (mode, size, tobytes) image, or a
-    fixed gradient of the configured size."""
-    import numpy as np
-    from PIL import Image
-
-    if image is None:
-        y, x, c = np.ogrid[:height, :width, :3]
-        data = ((x * 3 + y * 5 + c * 70) % 256).astype(np.uint8).tobytes()  # 0.37 s a 480p session as a genexpr
-        return Image.frombytes("RGB", (width, height), data)
-    if isinstance(image, Image.Image):
-        return image
-    return Image.frombytes(image.mode, tuple(image.size), image.tobytes())
 
 
 def _check_device(device: Any, geometry: Geometry) -> str:

@@ -5,7 +5,7 @@ Layout: one file per value, ``{root}/{sha256(key)[:2]}/{escaped key}``. The esca
 an escaped name never contains a dot; temporary files (``.{name}.w{pid}x{random}.tmp``, named for
 the process writing them) always do, so they are never mistaken for values.
 
-File format: ``MAGIC`` (8 bytes), header length (u32 little-endian), a JSON header, the raw
+File format (`cacheseek.stores.disk_values`): ``MAGIC`` (8 bytes), header length (u32 little-endian), a JSON header, the raw
 payload. The header says the kind (``tensor``, ``bytes``, ``str`` or ``json``: plain data such as a
 number or a list, for layers that are not tensors; tuples read back as lists), the payload size,
 for tensors dtype and shape, and the xxh3 checksum of header and payload
@@ -67,13 +67,9 @@ is not counted in usage); only value and temp names this store writes are ever r
 from __future__ import annotations
 
 import errno
-import json
 import logging
-import math
 import os
 import secrets
-import struct
-import sys
 import threading
 import time
 from pathlib import Path
@@ -87,7 +83,6 @@ from cacheseek.kv.handles import Tier
 from cacheseek.kv.claims import CLAIM_SUFFIX
 from cacheseek.kv.records import RECORD_SUFFIX
 from cacheseek.registry import STORES
-from cacheseek.stores import checksum
 from cacheseek.stores.root_files import NotRegularError, RootFolder
 from cacheseek.sizes import AUTO, Size, disk_total_bytes, free_bytes
 from cacheseek.sizing import SizeField
@@ -100,32 +95,20 @@ from cacheseek.stores.disk_names import (
     temp_name,
     writer_gone,
 )
+from cacheseek.stores import disk_values
 from cacheseek.stores.disk_records import DiskRecords
+from cacheseek.stores.disk_values import MAGIC
 from cacheseek.codecs.tier import TierCodec
 from cacheseek.stores.kv_tier import KeyValueTier
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LocalDiskTierStore", "DiskBackend", "encode_key", "decode_key", "TEMP_GRACE_S"]
+__all__ = ["LocalDiskTierStore", "DiskBackend", "encode_key", "decode_key", "TEMP_GRACE_S", "MAGIC"]
 
-MAGIC = b"CSKVAL03"  # 03: the header's xxh3 checksum covers the value's key (cacheseek.stores.checksum)
-_HLEN = struct.Struct("<I")
-_PREFIX = len(MAGIC) + _HLEN.size
 _LOCK_NAME = ".lock"
 _FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 LISTING_THREADS = 4  # shard listings in flight at once (a root's open, usage and orphan scans)
 _ROOT_FIX = "set store.root to a writable folder, e.g. +store=localdisk store.root=/tmp/kv"
-
-
-def _tensor_bytes(t: Any) -> memoryview:
-    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bf16 included)."""
-    return t.reshape(-1).view(_torch().uint8).numpy().data
-
-
-def _torch() -> Any:
-    import torch
-
-    return torch
 
 
 class DiskBackend:
@@ -196,7 +179,7 @@ class DiskBackend:
         return data
 
     def _put(self, key: str, value: Any, *, replace: bool) -> tuple[bool, str]:
-        header, body, digest = self._encode(key, value)
+        header, body, digest = disk_values.encode(key, value)
         return self._put_file(key, (header, body), replace=replace), digest
 
     def _put_file(self, key: str, parts: tuple, *, replace: bool, durable: bool = True) -> bool:
@@ -259,7 +242,7 @@ class DiskBackend:
             return None
         with os.fdopen(fd, "rb") as f:
             try:
-                return self._decode(key, path, f, expect)
+                return disk_values.decode(key, path, f, expect)
             except CorruptValueError as exc:
                 if str(path) in exc.problem:
                     raise
@@ -334,108 +317,9 @@ class DiskBackend:
             self.close()
             raise ConfigError("store.root", f"cannot scan {self.root}: {exc}", _ROOT_FIX) from None
 
-    # -- format -------------------------------------------------------------------------------
-
-    def _encode(self, key: str, value: Any) -> tuple[bytes, Any, str]:
-        """``(header, body, checksum)``: the file's first bytes (magic, length, sealed JSON), its
-        payload, and the checksum the header carries."""
-        meta, body = self._meta(key, value)
-        header = checksum.seal(key, meta, body)
-        return MAGIC + _HLEN.pack(len(header)) + header, body, checksum.claimed_digest(header)
-
     def stored_nbytes(self, key: str, value: Any) -> int:
         """The size of the file ``write(key, value)`` makes (the unit of the tier's usage)."""
-        meta, body = self._meta(key, value)
-        return _PREFIX + len(checksum.seal(key, meta, b"")) + meta["nbytes"]
-
-    def _meta(self, key: str, value: Any) -> tuple[dict[str, Any], Any]:
-        if isinstance(value, str):
-            body: Any = value.encode("utf-8")
-            meta: dict[str, Any] = {"kind": "str"}
-        elif isinstance(value, (bytes, bytearray, memoryview)):
-            body = bytes(value)
-            meta = {"kind": "bytes"}
-        elif _is_tensor(value):
-            if value.device.type != "cpu":
-                raise StoreError(
-                    f"localdisk: {key}: expected a CPU snapshot, got a tensor on {value.device}"
-                )
-            t = value.detach().contiguous()
-            body = _tensor_bytes(t) if t.numel() else b""
-            meta = {"kind": "tensor", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
-        else:
-            try:
-                text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
-                body = text.encode("utf-8")
-            except (TypeError, ValueError):
-                raise StoreError(
-                    f"localdisk: {key}: cannot store a {type(value).__name__} (a CPU tensor, bytes, "
-                    "str, or plain JSON data: numbers, lists, dicts with string keys)"
-                ) from None
-            meta = {"kind": "json"}
-        meta["nbytes"] = memoryview(body).nbytes
-        return meta, body
-
-    def _decode(self, key: str, path: Path, f: Any, expect: Optional[str] = None) -> Any:
-        def corrupt(problem: str) -> CorruptValueError:
-            return CorruptValueError(key, f"file {path}: {problem}")
-
-        size = os.fstat(f.fileno()).st_size
-        prefix = f.read(_PREFIX)
-        if len(prefix) < _PREFIX or prefix[: len(MAGIC)] != MAGIC:
-            raise corrupt("not a CacheSeek value of this format (bad magic)")
-        (hlen,) = _HLEN.unpack(prefix[len(MAGIC) :])
-        if _PREFIX + hlen > size:
-            raise corrupt(f"{size} bytes on disk, shorter than its header (truncated)")
-        sealed = checksum.unseal(key, f.read(hlen))
-        if expect is not None and sealed.claimed != expect:
-            raise corrupt(f"checksum {sealed.claimed} is not the {expect} its chunk's record names "
-                          "(another writer's bytes)")
-        meta = sealed.meta
-        try:
-            kind, nbytes = meta["kind"], int(meta["nbytes"])
-        except (ValueError, KeyError, TypeError):
-            raise corrupt("unreadable header") from None
-        if size != _PREFIX + hlen + nbytes:
-            raise corrupt(f"{size} bytes on disk, header says {_PREFIX + hlen + nbytes} (truncated or damaged)")
-        if kind in ("str", "bytes", "json"):
-            raw = f.read(nbytes)
-            if len(raw) != nbytes:
-                raise corrupt("truncated payload")
-            sealed.verify(raw)
-            if kind == "bytes":
-                return raw
-            try:
-                text = raw.decode("utf-8")
-                return json.loads(text) if kind == "json" else text
-            except (ValueError, UnicodeDecodeError):
-                raise corrupt(f"unreadable {kind} payload") from None
-        if kind != "tensor":
-            raise corrupt(f"unknown kind {kind!r}")
-        torch = _torch()
-        dtype = getattr(torch, str(meta.get("dtype")), None)
-        shape = meta.get("shape")
-        if not isinstance(dtype, torch.dtype) or not isinstance(shape, list):
-            raise corrupt("bad dtype or shape in header")
-        if not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise corrupt(f"bad shape {shape!r}")
-        if math.prod(shape) * torch.empty((), dtype=dtype).element_size() != nbytes:
-            raise corrupt("shape and size disagree")
-        out = torch.empty(shape, dtype=dtype)
-        buf = _tensor_bytes(out) if nbytes else b""
-        got = 0
-        while got < nbytes:
-            n = f.readinto(buf[got:])
-            if not n:
-                raise corrupt("truncated payload")
-            got += n
-        sealed.verify(buf)
-        return out
-
-
-def _is_tensor(value: Any) -> bool:
-    torch = sys.modules.get("torch")  # no torch imported: cannot be a tensor
-    return torch is not None and isinstance(value, torch.Tensor)
+        return disk_values.stored_nbytes(key, value)
 
 
 @STORES.register("localdisk")

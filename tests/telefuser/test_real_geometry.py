@@ -10,7 +10,8 @@ import torch
 
 from cacheseek.errors import ConfigError
 from cacheseek.integrations.telefuser import tiny
-from cacheseek.runtime.telefuser import TeleFuserRuntimeFactory, _pil_image, camera_path
+from cacheseek.runtime.telefuser import TeleFuserRuntimeFactory, camera_path
+from cacheseek.runtime.telefuser_frames import pil_image
 
 SMALL = dict(n_layers=1, n_heads=1, height=32, width=32)
 
@@ -26,7 +27,7 @@ def _telefuser_runs(head_dim: int) -> bool:
     if tiny.is_streaming_telefuser():
         pytest.skip("the release's create_runtime path")
     poses, intrinsics = camera_path([[0.1]], chunk_size=3, width=32, height=32)
-    cfg = LingBotWorldFastSessionConfig(prompt="p", image=_pil_image(None, 32, 32), control_mode="cam", chunk_size=3,
+    cfg = LingBotWorldFastSessionConfig(prompt="p", image=pil_image(None, 32, 32), control_mode="cam", chunk_size=3,
                                         frame_num=len(poses), seed=1, poses=poses, intrinsics=intrinsics)
     try:
         pipeline.generate_next_chunk(pipeline.create_runtime(cfg))
