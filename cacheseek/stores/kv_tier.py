@@ -34,20 +34,10 @@ or a removal gives its bytes back (the accounting is `ValueLedger`'s). Bytes are
 backend's unit when it has one (``stored_nbytes(key, value)``: LocalDisk counts file bytes, header
 included, the same unit it reads back from the files on reopen), else in payload bytes.
 
-A full medium: a backend raises `StoreFullError` from ``write``. When the backend says the tier
-accounts for its medium (``full_caps_tier``: a LocalDisk root at ENOSPC), the tier lowers
-``capacity_bytes`` to the bytes it holds at that moment (logged; the medium holds no more), so
-the manager's watermarks apply from then on, and a write-through ``put_async`` (or
-``put_skeleton``) raises that `StoreFullError` after removing what it wrote, like a capacity
-refusal, so the manager evicts and retries once; a write-back blob fails on its handle. A shared
-store that evicts by itself (Fluxon) reports the failure on the handle and caps nothing.
-
-Optional capabilities for the manager: ``contains(keys)`` (which values exist, without reading
-them where the backend has ``exists``), ``free_skeleton``, and ``get_layers`` (`LayerBatchStore`:
-the layers of a whole restore in one call). ``get_layers`` reads up to ``read_parallelism`` values
-at once (default 1: one after another, as ``get_layer``): a backend whose reads wait on a network
-rather than on this process's CPU (Fluxon, a value pulled from another host's owner) overlaps
-them; after the first missing value no new read starts.
+Optional capabilities for the manager: ``contains(keys)``, ``free_skeleton`` and ``get_layers``
+(a restore's layers in one call, ``read_parallelism`` reads at once: network-bound backends
+overlap them; after the first missing value no new read starts). A full or stalled medium: how
+a backend says so and what the tier does, `cacheseek.stores.value_backend`.
 
 Chunk records (`cacheseek.kv.records`, the shared index): ``records`` is what the tier's medium
 offers other processes (none by default; LocalDisk keeps them as files, the in-memory tier in a
@@ -65,14 +55,6 @@ them) and decoded after the backend read it, on ``codec_device``; a value the co
 is a corrupt value like one that fails its checksum. Latents and non-pair layers are stored as
 they are.
 
-Stalled media: with ``op_timeout_s`` (LocalDisk: ``store.op_timeout_s``) every backend call
-(write, read, delete, exists, listing) runs through `BoundedCalls`: a call that does not return
-within the bound is a `StoreTimeoutError` for its caller (a read is a failed restore and the
-session runs cold; a write fails on its handle, a dropped write), and it goes on in the
-background. A write that lands after its blob was reported failed is removed again unless a
-later write holds its key. While 4 calls are stuck, new ones fail at once: sessions run uncached,
-never hang. Without ``op_timeout_s`` (an in-memory dict) calls are direct.
-
 ``flush`` and ``close`` are bounded (``flush_timeout_s``; `wait_drained`): past the bound they
 raise `StoreTimeoutError`. Latent writes (``put_skeleton``) count as pending writes like blobs.
 ``close`` waits for every write and every backend call still running, stuck ones included,
@@ -87,14 +69,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Protocol
+from typing import Any, Optional
 
-import attrs
 
 from cacheseek.bounded_calls import BoundedCalls
 from cacheseek.codecs.tier import TierCodec
 from cacheseek.errors import (
-    ConfigError,
     CorruptValueError,
     StoreClosedError,
     StoreError,
@@ -107,72 +87,16 @@ from cacheseek.kv.handles import BlobHandle, Tier, kv_pairs
 from cacheseek.kv.locators import blob_keys, layer_keys, node_key_of, object_key
 from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.kv.records import NO_RECORDS, ChunkRecords
-from cacheseek.sizes import AUTO, available_memory, parse_size, total_memory
+from cacheseek.sizes import available_memory, total_memory
 from cacheseek.sizing import SizeField
 from cacheseek.stores.flush import wait_drained
+from cacheseek.stores.value_backend import TierStats, ValueBackend, _check_capacity, check_read_parallelism
 from cacheseek.stores.value_ledger import ValueLedger
 from cacheseek.stores.write_back import WriteBackWorker
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ValueBackend", "KeyValueTier", "TierStats", "check_read_parallelism"]
-
-
-class ValueBackend(Protocol):
-    """Where a generic tier's values live. Values are CPU tensors or plain Python objects."""
-
-    def write(self, key: str, value: Any) -> Any:
-        """Store ``value``; a backend with ``checks_digests`` returns the value's checksum."""
-        ...
-
-    def read(self, key: str) -> Optional[Any]:
-        """The value or None. A backend with ``checks_digests`` takes ``expect`` (a checksum
-        ``write`` returned) and raises `CorruptValueError` when the value's differs."""
-        ...
-
-    def delete(self, key: str) -> None:
-        """Remove ``key``; a missing key is not an error."""
-        ...
-
-    def close(self) -> None: ...
-
-
-@attrs.define
-class TierStats:
-    """Counters of one tier, shown in the CLI report and written to results.json."""
-
-    puts: int = 0
-    put_bytes: int = 0
-    put_seconds: float = 0.0
-    gets: int = 0
-    get_bytes: int = 0
-    get_seconds: float = 0.0
-    failed_writes: int = 0
-    corrupt_values: int = 0
-    frees: int = 0
-    pending_writes: int = 0
-    refused_full: int = 0
-    used_bytes: int = 0
-    peak_bytes: int = 0
-    capacity_bytes: Optional[int] = None
-    last_error: Optional[str] = None
-
-    def as_dict(self) -> dict[str, Any]:
-        return attrs.asdict(self)
-
-
-def check_read_parallelism(value: Any) -> int:
-    """``store.read_parallelism``: an int >= 1, else `ConfigError`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError("store.read_parallelism", f"must be an integer >= 1, got {value!r}",
-                          "1 reads one value after another; 4 overlaps the reads of a restore's values")
-    return value
-
-
-def _check_capacity(value: Any) -> Optional[int]:
-    """Bytes or None; ``auto`` that no workload resolved (the store built directly) is unbounded."""
-    n = parse_size(value, "store.capacity_bytes", allow_none=True, allow_auto=True)
-    return None if n == AUTO else n
 
 
 class KeyValueTier:
@@ -574,8 +498,3 @@ class KeyValueTier:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "stats": self.stats.as_dict()}
-
-
-def check_not_failed(handle: BlobHandle) -> None:
-    if handle.error is not None:
-        raise StoreError(f"{handle.locator}: write failed: {handle.error}")
