@@ -42,7 +42,7 @@ from typing import Any, Optional
 
 import attrs
 
-from cacheseek.eviction.base import store_label, store_usage
+from cacheseek.eviction.base import store_usage
 from cacheseek.histogram import BYTES_BUCKETS, SECONDS_BUCKETS, Histogram
 from cacheseek.metric_fields import counter, exports, histogram, labelled
 
@@ -161,9 +161,9 @@ class CacheMetrics:
     # -- recording ------------------------------------------------------------------------------
     def bind_store(self, store: Any) -> None:
         """The store whose usage and stats `as_dict` and the endpoint read (the last one bound wins)."""
-        self._store, self._store_label = store, store_label(store)
+        self._store, self._store_label = store, store.label if store is not None else "none"
         tiers = [self._store_label]
-        if store is not None and callable(getattr(store, "tier_usages", None)):  # a tiered store: its levels
+        if store is not None:  # a tiered store: its levels
             tiers = [u.name for u in _safe(store.tier_usages) or ()] or tiers
         with self._lock:  # every (kind, tier) served from the start, at 0
             for key in ((kind, tier) for kind in ("prefix", "live") for tier in tiers):
@@ -333,9 +333,8 @@ class CacheMetrics:
         out["failed_writes"] = _first(stats, "failed_writes", "put_failures", default=0)
         out["pending_writes"] = _first(stats, "pending_writes", default=0)
         out["registration_seconds"] = _first(stats, "register_seconds", default=0.0)
-        records = getattr(store, "records", None) if store is not None else None
-        if records is not None and records.shared:
-            out["records"] = records.stats.as_dict()
+        if store is not None and store.records.shared:
+            out["records"] = store.records.stats.as_dict()
         if isinstance(stats.get("tiers"), list):  # a tiered store: capacity and traffic per tier
             out["tiers"] = [{k: v for k, v in row.items() if k != "store"} for row in stats["tiers"]]
         if timeline:
@@ -363,13 +362,10 @@ def store_stats(store: Any) -> dict[str, Any]:
     if store is None:
         return {}
     try:
-        stats = getattr(store, "stats", None)
+        stats = store.stats
         if stats is None:
             return {}
-        if isinstance(stats, dict):
-            return stats
-        as_dict = getattr(stats, "as_dict", None)
-        return as_dict() if callable(as_dict) else {}
+        return stats if isinstance(stats, dict) else stats.as_dict()
     except Exception:  # noqa: BLE001 - a closed store's stats are not worth a crash in a report
         return {}
 

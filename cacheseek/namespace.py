@@ -138,7 +138,7 @@ def _store_format(ctx):
     store = ctx.store
     if store is None:
         return None
-    return getattr(store, "storage_format", None) or f"{type(store).__module__}.{type(store).__qualname__}"
+    return store.storage_format
 
 
 @_field("codec")
@@ -147,7 +147,7 @@ def _codec(ctx):
     different codecs never mix, and a lossy codec's KV is never served as another's."""
     if ctx.store is None:
         return None
-    return getattr(ctx.store, "codec_id", None)  # a generic or tiered store's; Plan and HBM move raw bytes
+    return ctx.store.codec_id  # a generic or tiered store's; Plan and HBM move raw bytes
 
 
 # -- compute identity ---------------------------------------------------------------------------

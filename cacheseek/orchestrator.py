@@ -52,7 +52,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from cacheseek import namespace, sizing
 from cacheseek.errors import CacheSeekError, ConfigError
-from cacheseek.eviction import EvictionConfig, StoreOffers, make_policy, store_usage
+from cacheseek.eviction import EvictionConfig, make_policy, store_usage
 from cacheseek.hydra_errors import appended_key, choose_a_store
 from cacheseek.layout.ring_layout import RingLayout
 from cacheseek.metrics import CacheMetrics
@@ -61,7 +61,7 @@ from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config, make_rolling_config
 from cacheseek.reuse.exact_prefix.config import SharedIndexConfig
 from cacheseek.sizes import format_size
-from cacheseek.stores.base import TierStore
+from cacheseek.stores.base import TierStore, as_store
 from cacheseek.transfer.protocol import TransferRuntime
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,6 @@ class Stack:
     workload: Any = None  # a WORKLOADS entry: ``run(stack) -> results``
     notes: list[str] = attrs.field(factory=list)
     metrics: CacheMetrics = attrs.field(factory=CacheMetrics)
-    offers: StoreOffers = attrs.field(default=attrs.Factory(lambda s: StoreOffers.of(s.store), takes_self=True))
 
     def manager_config(self):
         return _manager_config(self.cfg, self.runtime_factory)
@@ -123,12 +122,12 @@ class Stack:
         hashes = rt.generate()
         if frames is not None:
             frames.extend(rt.frames)
-        self.offers.flush()
+        self.store.flush()
         return binding, hashes, time.perf_counter() - t0
 
     def close(self) -> None:
         """Close the store (it flushes what is pending, bounded)."""
-        self.offers.close()
+        self.store.close()
 
 
 def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = None,
@@ -197,18 +196,18 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
         store = _starting("store", lambda: instantiate(store_cfg, transfer=transfer,
                                                         geometry_bytes=_geometry_bytes(runtime_factory), **objects), store_name)
         ask_capacity = not sized  # its capacity is not in its config (a Fluxon service's segment)
-    offers = StoreOffers.of(store)
+    store = as_store(store)
     if ask_capacity:
-        capacity = _check_reported_capacity(store, offers, need)
+        capacity = _check_reported_capacity(store, need)
         if capacity is not None:
             tell(f"store capacity: {format_size(capacity)} (as the {store_name} store reports it)")
     forest = NamespaceForest()
     stack = Stack(cfg=cfg, runtime_factory=runtime_factory, store=store, store_name=store_name,
                   transfer=transfer, layout=layout, fields=fields, forest=forest,
-                  run_dir=run_dir, workload=workload, notes=notes, offers=offers)
+                  run_dir=run_dir, workload=workload, notes=notes)
     try:
         stack.metrics.bind_store(store)
-        if offers.reconciles:
+        if store.lists_values:
             # A killed writer's uncommitted values (no record names them) are unreachable.
             done = stack.new_manager().reconcile()
             if done["orphans_removed"] or done["invalidated"]:
@@ -270,14 +269,14 @@ def _starting(component: str, build: Callable[[], Any], name: str = "") -> Any:
 _NEEDS_NOTHING = {"store": "+store=memory", "transfer": "transfer=host"}
 
 
-def _check_reported_capacity(store: Any, offers: StoreOffers, need: Any) -> Optional[int]:
+def _check_reported_capacity(store: TierStore, need: Any) -> Optional[int]:
     """The capacity ``store`` reports (None: unbounded or unknown), checked against one chunk."""
     usage = store_usage(store)
     capacity = None if usage is None else usage.capacity_bytes
     try:
-        sizing.check_capacity(capacity, need, "store", offers.capacity_fix)
+        sizing.check_capacity(capacity, need, "store", store.capacity_fix)
     except BaseException:
-        offers.close()
+        store.close()
         raise
     return capacity
 

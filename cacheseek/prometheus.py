@@ -199,9 +199,9 @@ def _store_families(m: CacheMetrics) -> Iterator[Metric]:
 
 
 def _record_families(store: Any) -> Iterator[Metric]:
-    records = getattr(store, "records", None)
-    if records is None or not records.shared:
+    if store is None or not store.records.shared:
         return
+    records = store.records
     s = records.stats_snapshot()
     probes = _counter("cacheseek_index_probes_total", [])
     probes.add_metric([], s.probes)

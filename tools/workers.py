@@ -203,7 +203,7 @@ def run_worker(args: argparse.Namespace) -> dict[str, Any]:
     try:
         try:
             res = wl.run(stack, sessions, on_ready=on_ready, on_session=on_session)
-            stack.offers.flush()
+            stack.store.flush()
             result["metrics"] = stack.metrics.as_dict()
         finally:
             stack.close()

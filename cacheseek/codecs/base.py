@@ -89,7 +89,7 @@ def get_codec(name: Any) -> KVCodec:
 def codec_fingerprint(store: Any) -> Any:
     """The namespace's ``codec`` field of a store: its ``codec_id`` (a generic tier's codec, a
     tiered store's levels), ``none`` for stores that move raw bytes (Plan, HBM)."""
-    return getattr(store, "codec_id", None) or KVCodec().fingerprint
+    return store.codec_id or KVCodec().fingerprint
 
 
 def codec_label(codec: KVCodec) -> dict[str, Any]:

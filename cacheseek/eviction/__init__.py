@@ -6,7 +6,6 @@ from cacheseek.eviction.base import (
     Candidate,
     EvictionConfig,
     EvictionPolicy,
-    StoreOffers,
     StoreUsage,
     store_usage,
 )
@@ -19,7 +18,6 @@ __all__ = [
     "EvictionConfig",
     "EvictionPolicy",
     "LruPolicy",
-    "StoreOffers",
     "StoreUsage",
     "make_policy",
     "store_usage",

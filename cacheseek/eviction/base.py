@@ -4,17 +4,17 @@ The seam is split by role (one side decides, the other moves bytes): a store *ac
 the decisions; a policy *orders* candidates and touches no store; the manager (`WorldKVManager`)
 collects the candidates from the trie, asks the policy, and frees the victims' values.
 
-Store capabilities, each optional (probed once per store: `StoreOffers`):
+Store capabilities, each optional (`cacheseek.stores.base.TierStore`: a default, or a class flag):
 
 - ``usage() -> StoreUsage | PlanUsage | None``: bytes in use and the capacity (None = unbounded).
   Generic tiers count the bytes of their live values (KV and latents, writes in flight included);
   the Plan tier reports its client's segment usage. Without it the store is unbounded.
-- ``contains(keys) -> list[bool]``: which values exist, without reading them. Lets a failed
+- ``contains(keys) -> list[bool]`` (``knows_contents``): which values exist, without reading them. Lets a failed
   restore name the nodes whose values are gone (`WorldKVManager` invalidates exactly those).
-- ``free_skeleton(locator)``: removes a latent (idempotent). Lets the manager reclaim the latents
+- ``free_skeleton(locator)`` (``frees_latents``): removes a latent (idempotent). Lets the manager reclaim the latents
   of dead subtrees (no blob anywhere below); without it latents are kept.
 - ``get_layers(requests) -> list``: the layers of a whole restore in one call (`KeyValueTier`:
-  up to ``read_parallelism`` values read at once); without it the manager calls ``get_layer``.
+  up to ``read_parallelism`` values read at once); by default ``get_layer`` of each in turn.
 
 A victim is a READY leaf, not pinned by a live namespace, that no restore reads; its eviction
 is the node's READY --> FREEING --> EMPTY (`cacheseek.reuse.exact_prefix.types.TrieNode`).
@@ -30,23 +30,19 @@ never breaks the prefix of another cached node: lookups descend only through rea
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional, Protocol
 
 import attrs
 
 from cacheseek.errors import ConfigError
-from cacheseek.kv.records import NO_RECORDS, ChunkRecords
-from cacheseek.registry import STORES
 
 __all__ = [
     "StoreUsage",
     "EvictionConfig",
     "Candidate",
     "EvictionPolicy",
-    "StoreOffers",
     "store_usage",
-    "store_label",
 ]
 
 
@@ -71,88 +67,21 @@ class StoreUsage:
 
 
 def store_usage(store: Any) -> Optional[StoreUsage]:
-    """The store's usage as a `StoreUsage`, or None when it cannot say (no ``usage()`` and no
-    ``stats`` with ``used_bytes`` and ``capacity_bytes``, a failure, a closed store). Accepts any
-    object with ``used_bytes`` and ``capacity_bytes``."""
-    fn = getattr(store, "usage", None)
+    """The store's ``usage()`` as a `StoreUsage`, or None when it cannot say (None, a failure, a
+    closed store). Takes a usage of any type with ``used_bytes`` and ``capacity_bytes`` (a Plan
+    client's `PlanUsage`)."""
     try:
-        if callable(fn):
-            u = fn()
-        else:
-            u = getattr(store, "stats", None)
-            if getattr(u, "capacity_bytes", None) is None or getattr(u, "used_bytes", None) is None:
-                return None
+        u = store.usage()
     except Exception:  # noqa: BLE001 - a closed store or a client that cannot say: unbounded
         return None
-    if u is None:
-        return None
-    if isinstance(u, StoreUsage):
+    if u is None or isinstance(u, StoreUsage):
         return u
     return StoreUsage(
         used_bytes=int(u.used_bytes),
-        capacity_bytes=None if getattr(u, "capacity_bytes", None) is None else int(u.capacity_bytes),
+        capacity_bytes=None if u.capacity_bytes is None else int(u.capacity_bytes),
         peak_bytes=getattr(u, "peak_bytes", None),
         n_values=getattr(u, "n_values", None),
     )
-
-
-def store_label(store: Any) -> str:
-    """A store's tier label on the metrics: its registry name (``memory``, ``localdisk``,
-    ``fluxon_plan``, ``hbm``, ``tiered``, ...), else its class name in lower case (a caller's own
-    store). Bounded: one per store class, never a path or a key."""
-    if store is None:
-        return "none"
-    return STORES.name_of(type(store)) or type(store).__name__.lower()
-
-
-@attrs.frozen(slots=True)
-class StoreOffers:
-    """What the manager and the stack use of a store beyond `TierStore`, probed once per store:
-    ``contains``, ``reconciles`` (``keys()`` and ``delete_values(keys)``: LocalDisk),
-    ``frees_latents`` (``free_skeleton``), ``tiered`` (``tier_usages`` and ``demote``:
-    `TieredStore`), ``device_views`` (it takes the ring's device views as a chunk's payload and
-    copies them itself), ``reads_paths`` (and restores whole paths into device views),
-    ``reads_layers`` (``get_layers``: a generic tier's layers of one restore in one call); ``close`` and
-    ``flush`` (no-ops where it has none), the fix to print when its capacity cannot hold a chunk, and its chunk
-    ``records`` (`ChunkRecords`: the shared index; `NO_RECORDS` where it keeps none); its metrics
-    ``label`` (`store_label`) and ``served_tier()``: the level that served this thread's last
-    restore (a tiered store's ``served_tier``; None elsewhere: the store itself)."""
-
-    contains: bool
-    reconciles: bool
-    frees_latents: bool
-    tiered: bool
-    device_views: bool
-    reads_paths: bool
-    close: Callable[[], Any]
-    flush: Callable[[], Any]
-    capacity_fix: str
-    records: ChunkRecords = NO_RECORDS
-    reads_layers: bool = False
-    label: str = "store"
-    served_tier: Callable[[], Optional[str]] = attrs.field(default=lambda: None)
-
-    @classmethod
-    def of(cls, store: Any) -> "StoreOffers":
-        def has(*names: str) -> bool:
-            return all(callable(getattr(store, n, None)) for n in names)
-
-        views = bool(getattr(store, "accepts_device_views", False))
-        return cls(contains=has("contains"), reconciles=has("keys", "delete_values"),
-                   frees_latents=has("free_skeleton"), tiered=has("tier_usages", "demote"),
-                   device_views=views, reads_paths=has("read_path") and views,
-                   close=getattr(store, "close", None) or _nothing, flush=getattr(store, "flush", None) or _nothing,
-                   capacity_fix=getattr(store, "capacity_fix", "give the store more room"),
-                   records=getattr(store, "records", None) or NO_RECORDS, reads_layers=has("get_layers"),
-                   label=store_label(store), served_tier=getattr(store, "served_tier", None) or _no_tier)
-
-
-def _nothing() -> None:
-    return None
-
-
-def _no_tier() -> Optional[str]:
-    return None
 
 
 def _fraction(name: str):

@@ -75,6 +75,17 @@ class BlobHandle:
     def in_flight(self) -> bool:
         return self.state is BlobState.PENDING
 
+    def publish(self) -> None:
+        """Every value is written: ready (the publication bit), unless the write failed. The
+        one place a handle turns ready."""
+        if self.error is None:
+            self.ready = True
+
+    def fail(self, error: BaseException) -> None:
+        """The write failed, or the values were lost: never ready again. The one place a handle
+        takes an error."""
+        self.ready, self.error = False, error
+
 
 def kv_pairs(payload: Sequence[Any]) -> bool:
     """Whether a blob's layers are ``(k, v)`` pairs (each a 2-tuple), the binding's payload."""

@@ -89,6 +89,7 @@ from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 from cacheseek.sizes import available_memory, total_memory
 from cacheseek.sizing import SizeField
+from cacheseek.stores.base import TierStore
 from cacheseek.stores.flush import wait_drained
 from cacheseek.stores.value_backend import TierStats, ValueBackend, _check_capacity, check_read_parallelism
 from cacheseek.stores.value_ledger import ValueLedger
@@ -99,10 +100,11 @@ log = logging.getLogger(__name__)
 __all__ = ["ValueBackend", "KeyValueTier", "TierStats", "check_read_parallelism"]
 
 
-class KeyValueTier:
+class KeyValueTier(TierStore):
     """A `TierStore` over a `ValueBackend`; see the module docstring for the contract."""
 
-    accepts_device_views = False
+    knows_contents = True
+    frees_latents = True
     storage_format = "cacheseek.tier.objects.v1"  # a value per layer and key, as the backend encodes it
     tier = Tier.CPU
     flush_timeout_s: float = 300.0  # the bound of `flush` and `close`; settable per store
@@ -235,7 +237,7 @@ class KeyValueTier:
                     removed.append(key)
                 except Exception:  # noqa: BLE001
                     log.exception("%s: could not remove %s after a failed write", self.name, key)
-            handle.error = exc
+            handle.fail(exc)
             with self._lock:
                 self._ledger.unreserve(old, removed=removed)
                 if self._caps_on_full(exc):
@@ -253,7 +255,7 @@ class KeyValueTier:
             self.stats.put_bytes += handle.nbytes
             self.stats.put_seconds += time.perf_counter() - t0
         handle.digests = digests or None
-        handle.ready = True
+        handle.publish()
         try:
             if on_ready is not None:
                 on_ready(handle)
@@ -401,10 +403,7 @@ class KeyValueTier:
         None. The first error, in request order, is raised once every started read is done."""
         self._check_open()
         if self.read_parallelism == 1 or len(requests) < 2:
-            out: list[Optional[Any]] = []
-            for handle, layer in requests:
-                out.append(self.get_layer(handle, layer) if all(x is not None for x in out[-1:]) else None)
-            return out
+            return super().get_layers(requests)
         stop = threading.Event()
 
         def one(handle: BlobHandle, layer: int) -> Optional[Any]:

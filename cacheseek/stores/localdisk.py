@@ -340,6 +340,7 @@ class LocalDiskTierStore(KeyValueTier):
     """
 
     tier = Tier.DISK
+    lists_values = True
     usage_scan_s = 1.0  # how old the root's usage scan may be (other processes write the root too) ...
     usage_scan_share = 0.1  # ... or, for a large root, ten times as long as a scan takes (<= 10% of the time)
 

@@ -113,7 +113,7 @@ class InteractiveWorkload:
                 progress.update()
         finally:
             progress.close()
-        stack.offers.flush()
+        stack.store.flush()
         m = stack.metrics.as_dict()
         figures = {
             "sessions": len(rows), "distinct_paths": len(distinct), "depth": len(tree.plan[0][1]),

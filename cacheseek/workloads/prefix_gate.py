@@ -132,8 +132,7 @@ class PrefixGate:
 
     def run(self, stack) -> dict[str, Any]:
         n, p = self.n, self.p
-        wait_ready = getattr(stack.store, "wait_ready", None)
-        if wait_ready is not None and not wait_ready(None):  # a background warm-up: the gate needs hits
+        if not stack.store.wait_ready(None):  # a background warm-up: the gate needs hits
             log.warning("the store's warm-up failed; the gate runs against a store that refuses writes")
         warm = _holds_kv(stack)
         codec = store_codec(stack.store)
@@ -261,4 +260,4 @@ def _holds_kv(stack: Any) -> bool:
     with forest.lock:
         if any(n.has_kv for ns in forest.namespaces() for n in ns.iter_nodes()):
             return True
-    return bool(stack.offers.records.node_keys())
+    return bool(stack.store.records.node_keys())

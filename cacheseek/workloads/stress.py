@@ -158,7 +158,7 @@ class StressWorkload:
                 rows = list(pool.map(session, chosen))
         finally:
             progress.close()
-        stack.offers.flush()
+        stack.store.flush()
         sessions_s = time.perf_counter() - t1
 
         m = stack.metrics.as_dict(timeline=True)
@@ -201,7 +201,7 @@ class StressWorkload:
             blob, latent = node.blob, node.skeleton
         store = manager.store
         try:
-            if pick < 0.5 or latent is None or not callable(getattr(store, "free_skeleton", None)):
+            if pick < 0.5 or latent is None or not store.frees_latents:
                 store.free(blob)
             else:
                 store.free_skeleton(latent.latent_locator)

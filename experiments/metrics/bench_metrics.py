@@ -88,7 +88,7 @@ def live_run(cfg, run_dir: Path, progress: Progress) -> dict:
 
         try:
             res = stack.workload.run(stack, on_session=after)
-            stack.offers.flush()
+            stack.store.flush()
             final, _ = scrape(server.url)
             m = stack.metrics.as_dict()
         finally:

@@ -236,7 +236,7 @@ def _sweep(stack: Any, factory: Any, ks: list[int], nocache_ref: bool, sync: Any
     manager = stack.new_manager()
     writer = stack.new_binding(manager)
     cold_written = _chunks(factory.make(z, hooks=writer), n, sync)
-    stack.offers.flush()
+    stack.store.flush()
     cold = _chunks(factory.make(z, hooks=None), n, sync) if nocache_ref else cold_written
     print(f"  sweep: {n} chunks cold {sum(cold):.2f} s (written {sum(cold_written):.2f} s)", flush=True)
     rows = []

@@ -6,7 +6,7 @@ Two emulated hosts (tools/emulated_hosts.py: namespaces on a bridge, each its ow
 /tmp), a Fluxon control plane and owner on ``a``, an owner on ``b`` (tools/multi_host_demo.py
 `FluxonHosts`). One worker process per host (this script with ``--worker``) attaches the
 project's generic Fluxon tier, ``FluxonTensorTier`` (``+store=fluxon``). Per case and rep, on a
-fresh chunk: ``a`` writes the chunk's values (``put_async``, as the Ingestor does), ``b`` reads
+fresh chunk: ``a`` writes the chunk's values (``put_async``, as the manager's ``ingest`` does), ``b`` reads
 them (the first read: a value on ``a``'s owner crosses the link), ``b`` reads them again (every
 value now in ``b``'s segment: the same-host reference), ``a`` frees them. The chunk's record is
 not involved: ``b`` builds the handle from the digests ``a``'s write returned, as an adopted

@@ -29,7 +29,7 @@ PARTS = {
     "validate_geometry": "cacheseek.reuse.exact_prefix.telefuser_lingbot:LingBotWorldKVBinding._validate_geometry",
     "trie_lookup": "cacheseek.reuse.exact_prefix.trie:NamespaceForest.lookup",
     "restore": "cacheseek.reuse.exact_prefix.restore:Restorer.restore",
-    "demote_tiers": "cacheseek.reuse.exact_prefix.demotion:Demoter.demote_tiers",
+    "demote_tiers": "cacheseek.reuse.exact_prefix.capacity:Demoter.demote_tiers",
 }
 
 

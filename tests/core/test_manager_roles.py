@@ -1,23 +1,19 @@
-"""The manager's roles alone (torch-free): the restore outcome's retry rule, invalidation, the
-restore's references and publication, eviction's single-blob lifetime and predicates, the
-write side's make-room-and-retry, and the facade's shared settings."""
+"""The manager's parts on a caller's own store (torch-free): the restore outcome's retry rule,
+invalidation, the restore's references and publication, eviction's single-blob lifetime and
+predicates, the write side's make-room-and-retry, and the store contract's adapter."""
 
 from __future__ import annotations
 
 import pytest
 
 from cacheseek.errors import HandleStateError, StoreError, StoreFullError, WriteNotCompleteError
-from cacheseek.eviction import EvictionConfig, make_policy
-from cacheseek.metrics import CacheMetrics
 from cacheseek.reuse.exact_prefix import InMemoryTierStore, NamespaceForest, WorldKVConfig, WorldKVManager
-from cacheseek.reuse.exact_prefix.context import ManagerContext
-from cacheseek.reuse.exact_prefix.demotion import Demoter
-from cacheseek.reuse.exact_prefix.eviction import Evictor, evictable, holds_blob, subtree_has_blob
-from cacheseek.reuse.exact_prefix.ingest import Ingestor
-from cacheseek.reuse.exact_prefix.invalidation import Invalidator, owner_of
+from cacheseek.reuse.exact_prefix.capacity import evictable, holds_blob, subtree_has_blob
+from cacheseek.reuse.exact_prefix.invalidation import owner_of
 from cacheseek.reuse.exact_prefix.keys import kv_locator, latent_locator, layer_keys, node_key
-from cacheseek.reuse.exact_prefix.lookup import cold
-from cacheseek.reuse.exact_prefix.restore import NOT_WHOLE, OK, Outcome, Restorer
+from cacheseek.reuse.exact_prefix.manager import cold
+from cacheseek.reuse.exact_prefix.restore import NOT_WHOLE, OK, Outcome
+from cacheseek.stores.base import TierStore, as_store
 from cacheseek.reuse.exact_prefix.types import BlobHandle, BlobState, NodeState, Skeleton, Tier, TrieNode
 
 ROOT = b"R" * 32
@@ -39,13 +35,10 @@ class FakeStore:
         self.freed.append(handle.locator)
 
 
-def ctx_for(store, forest=None, *, eviction=None, window_chunks=0, sink_chunks=0):
-    eviction = EvictionConfig.from_conf(eviction)
-    return ManagerContext(
-        forest=forest or NamespaceForest(), store=store,
-        cfg=WorldKVConfig(window_chunks=window_chunks, sink_chunks=sink_chunks, break_even_k=1),
-        clock=lambda: 42.0, eviction=eviction, policy=make_policy(eviction.policy), metrics=CacheMetrics(),
-    )
+def manager_on(store, forest=None, *, eviction=None, window_chunks=0, sink_chunks=0):
+    return WorldKVManager(forest or NamespaceForest(), store,
+                          WorldKVConfig(window_chunks=window_chunks, sink_chunks=sink_chunks, break_even_k=1),
+                          clock=lambda: 42.0, eviction=eviction)
 
 
 def chain(n, *, ready=True, n_layers=2):
@@ -91,24 +84,24 @@ def test_cold_names_the_virtual_root_or_nothing():
 def test_find_missing_adds_what_contains_reports_sorted_by_depth():
     nodes = chain(4)
     store = FakeStore(gone={nodes[3].skeleton.latent_locator, layer_keys(nodes[1].blob.locator, 1)[1]})
-    inv = Invalidator(ctx_for(store))
+    inv = manager_on(store).invalidator
     assert inv.find_missing(nodes, nodes, nodes[2]) == (nodes[1], nodes[2], nodes[3])
 
 
 def test_find_missing_without_contains_or_with_a_failing_one_is_only_the_first():
     nodes = chain(3)
-    assert Invalidator(ctx_for(FakeStore(contains=False))).find_missing(nodes, nodes, nodes[1]) == (nodes[1],)
+    assert manager_on(FakeStore(contains=False)).invalidator.find_missing(nodes, nodes, nodes[1]) == (nodes[1],)
     store = FakeStore()
     store.contains = lambda keys: (_ for _ in ()).throw(OSError("down"))
-    assert Invalidator(ctx_for(store)).find_missing(nodes, nodes, None) == ()
+    assert manager_on(store).invalidator.find_missing(nodes, nodes, None) == ()
 
 
 def test_invalidate_frees_an_unread_node_and_only_marks_a_read_one():
     a, b = chain(2)
     b.ref_count = 1
     store = FakeStore()
-    ctx = ctx_for(store)
-    inv = Invalidator(ctx)
+    ctx = manager_on(store)
+    inv = ctx.invalidator
     assert inv.invalidate([a, b]) == 2
     assert a.state is NodeState.EMPTY and store.freed == [kv_locator(a.node_key)]
     assert b.state is NodeState.INVALID and b.blob.state is BlobState.FAILED
@@ -124,13 +117,13 @@ def test_invalidate_skips_in_flight_and_blobless_nodes():
     a, b = chain(2, ready=False)  # pending: a write in flight
     b.blob = None
     store = FakeStore()
-    assert Invalidator(ctx_for(store)).invalidate([a, b]) == 0 and store.freed == [] and a.blob is not None
+    assert manager_on(store).invalidator.invalidate([a, b]) == 0 and store.freed == [] and a.blob is not None
 
 
 def test_a_failed_free_keeps_the_handle_as_a_failed_blob():
     (a,) = chain(1)
     handle = a.blob
-    Invalidator(ctx_for(FakeStore(free_error=OSError("io")))).invalidate([a])
+    manager_on(FakeStore(free_error=OSError("io"))).invalidator.invalidate([a])
     assert a.blob is handle and a.state is NodeState.FAILED
 
 
@@ -159,7 +152,7 @@ class Window:
 def test_release_refuses_a_reference_never_taken_and_changes_nothing():
     a, b = chain(2)
     a.ref_count = 1
-    restorer = Restorer(ctx_for(FakeStore()), Invalidator(ctx_for(FakeStore())))
+    restorer = manager_on(FakeStore()).restorer
     with pytest.raises(HandleStateError):
         restorer.release([a, b], ())
     assert (a.ref_count, b.ref_count) == (1, 0)
@@ -168,7 +161,7 @@ def test_release_refuses_a_reference_never_taken_and_changes_nothing():
 def test_a_path_not_whole_takes_no_references():
     nodes = chain(3)
     nodes[1].blob.ready = False
-    restorer = Restorer(ctx_for(FakeStore()), Invalidator(ctx_for(FakeStore())))
+    restorer = manager_on(FakeStore()).restorer
     assert restorer.restore(nodes[2], Window()) is NOT_WHOLE
     assert [n.ref_count for n in nodes] == [0, 0, 0]
 
@@ -218,12 +211,13 @@ def test_eviction_predicates():
 def test_evict_blob_puts_the_blob_back_when_free_fails():
     (a,) = chain(1)
     handle = a.blob
-    ctx = ctx_for(FakeStore(free_error=OSError("io")))
-    ev = Evictor(ctx, Demoter(ctx))
+    store = FakeStore(free_error=OSError("io"))
+    ctx = manager_on(store)
+    ev = ctx.evictor
     with pytest.raises(OSError):
         ev.evict_blob(a, honour_pins=True)
     assert a.blob is handle and a.state is NodeState.READY and ctx.metrics.evictions == 0
-    ctx.store.free_error = WriteNotCompleteError("still writing")
+    store.free_error = WriteNotCompleteError("still writing")
     assert ev.evict_blob(a, honour_pins=True) is False and a.blob is handle
 
 
@@ -231,8 +225,8 @@ def test_evict_blob_refuses_pinned_read_and_in_flight_nodes():
     a, b, c = chain(3)
     a.pinned, b.ref_count, c.blob.ready = True, 1, False
     store = FakeStore()
-    ctx = ctx_for(store)
-    ev = Evictor(ctx, Demoter(ctx))
+    ctx = manager_on(store)
+    ev = ctx.evictor
     assert not any(ev.evict_blob(n, honour_pins=True) for n in (a, b, c)) and store.freed == []
     c.blob.ready = True
     assert ev.evict_blob(c, honour_pins=True) and c.blob is None and c.skeleton is not None
@@ -240,8 +234,7 @@ def test_evict_blob_refuses_pinned_read_and_in_flight_nodes():
 
 
 def test_demotion_is_a_no_op_on_a_store_without_tiers():
-    ctx = ctx_for(FakeStore())
-    assert Demoter(ctx).demote_tiers() == 0
+    assert manager_on(FakeStore()).demoter.demote_tiers() == 0
 
 
 # --- write side ----------------------------------------------------------------------------------
@@ -265,7 +258,8 @@ def test_with_room_evicts_at_least_one_then_retries_once():
     store = FakeStore()
     store.usage = lambda: Usage(900, 1000)
     ev = FakeEvictor()
-    ing = Ingestor(ctx_for(store), ev)
+    ing = manager_on(store)
+    ing.evictor = ev
     attempts = []
 
     def write():
@@ -285,19 +279,22 @@ def test_with_room_without_eviction_raises_at_once():
     store = FakeStore()
     store.usage = lambda: Usage(900, 1000)
     ev = FakeEvictor()
-    ing = Ingestor(ctx_for(store, eviction={"enabled": False}), ev)
+    ing = manager_on(store, eviction={"enabled": False})
+    ing.evictor = ev
     with pytest.raises(StoreFullError):
         ing.with_room(lambda: (_ for _ in ()).throw(StoreFullError("full")), need=1)
     assert ev.calls == []
 
 
-# --- context and facade --------------------------------------------------------------------------
+# --- the store contract ---------------------------------------------------------------------------
 
 
-def test_facade_settings_reach_every_role():
-    mgr = WorldKVManager(NamespaceForest(), InMemoryTierStore(), WorldKVConfig(0, 0, 1))
-    other = InMemoryTierStore()
-    mgr.store = other
-    roles = (mgr.restorer, mgr.invalidator, mgr.evictor, mgr.demoter, mgr.ingestor, mgr.fast_forward)
-    assert all(role.ctx.store is other for role in roles)
-    assert mgr.metrics is mgr.restorer.ctx.metrics and WorldKVManager.store is not None
+def test_a_callers_store_is_wrapped_once_with_what_it_has():
+    store = FakeStore()
+    mgr = manager_on(store)
+    assert isinstance(mgr.store, TierStore) and mgr.store.wrapped is store and as_store(mgr.store) is mgr.store
+    assert mgr.store.knows_contents and not mgr.store.frees_latents and not mgr.store.lists_values
+    assert not mgr.store.reads_paths and mgr.store.usage() is None and mgr.store.tier_usages() == ()
+    assert not manager_on(FakeStore(contains=False)).store.knows_contents
+    mgr.store = other = InMemoryTierStore()  # a product store is taken as it is
+    assert mgr.store is other and mgr.restorer.ctx is mgr

@@ -52,7 +52,7 @@ def run(role: str, cluster: str, shm: str, specs: list[str]) -> dict:
         gate = instantiate(cfg.workload)
         stack = build_stack(cfg, run_dir=Path(tempfile.mkdtemp(prefix=f"rw-{store}-")), workload=gate)
         try:
-            result = {"n": gate.n, "records_shared": stack.offers.records.shared}
+            result = {"n": gate.n, "records_shared": stack.store.records.shared}
             if role == "write":
                 result["a"] = session(stack, gate.P + gate.X)
             else:

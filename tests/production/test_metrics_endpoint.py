@@ -79,7 +79,7 @@ def test_the_endpoint_counts_what_live_sessions_did_while_they_run(compose_cfg, 
 
         try:
             results = stack.workload.run(stack, on_session=after_session)
-            stack.offers.flush()
+            stack.store.flush()
             final = scrape(server.url)
             m = stack.metrics.as_dict()
         finally:
@@ -112,7 +112,7 @@ def test_every_declared_family_is_served(compose_cfg, tmp_path, scrape):
     with MetricsServer(stack.metrics, port=0) as server:
         try:
             results = stack.workload.run(stack)
-            stack.offers.flush()
+            stack.store.flush()
             s = scrape(server.url)
             m = stack.metrics.as_dict()
         finally:

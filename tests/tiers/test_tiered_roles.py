@@ -25,7 +25,9 @@ from cacheseek.stores.tiered.levels import (
     storage_format,
 )
 from cacheseek.stores.tiered.residency import Copies, Residency, TieredHandle, latent_of
-from cacheseek.stores.tiered.stats import TieredStats, stats_dict, tier_usages, tiered_stats
+from cacheseek.metrics import store_stats
+from cacheseek.stores.base import as_store
+from cacheseek.stores.tiered.stats import TieredStats, tier_usages, tiered_stats
 from plan_testkit import ingest, restore_target
 
 FULL = RingGeometry(chunk_size=3, frame_tokens=2)
@@ -107,7 +109,7 @@ def test_building_levels_rejects_bad_lists_and_closes_what_it_built(monkeypatch)
 def test_the_storage_format_is_shared_when_the_levels_agree_else_names_each():
     assert storage_format(make_levels([("hbm", PathStore()), ("fluxon_plan", PathStore())])) == "raw"
     mixed = make_levels([("hbm", PathStore()), ("x", KeysStore())])
-    assert storage_format(mixed) == "cacheseek.tiered.v1[hbm=raw,x=KeysStore]"
+    assert storage_format(mixed) == f"cacheseek.tiered.v1[hbm=raw,x={__name__}.KeysStore]"
 
 
 def test_close_levels_closes_last_first_and_goes_on_after_a_failure(caplog):
@@ -214,7 +216,8 @@ def test_raw_bytes_become_flat_uint8_tensors_and_devices_are_inferred():
     class OnDevice:
         device = "cuda:1"
 
-    assert device_of(Cuda()) == "cuda" and device_of(OnDevice()) == "cuda:1" and device_of(object()) == "cpu"
+    assert device_of(as_store(Cuda())) == "cuda" and device_of(as_store(OnDevice())) == "cuda:1"
+    assert device_of(as_store(object())) == "cpu"
 
 
 def test_a_generic_level_restores_a_path_or_changes_nothing():
@@ -346,5 +349,5 @@ def test_a_levels_own_stats_are_read_defensively():
     class Plain:
         stats = {"hits": 1}
 
-    assert stats_dict(Raises()) == {} and stats_dict(Plain()) == {"hits": 1} and stats_dict(object()) == {}
-    assert isinstance(Level(0, "x", Tier.CPU, object(), False).counters, dict)
+    assert store_stats(Raises()) == {} and store_stats(Plain()) == {"hits": 1} and store_stats(object()) == {}
+    assert isinstance(Level(0, "x", as_store(object())).counters, dict)

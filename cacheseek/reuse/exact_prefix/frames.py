@@ -21,7 +21,7 @@ its capacity. Lifetime:
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,9 +29,11 @@ from cacheseek.errors import CorruptValueError, StoreError
 from cacheseek.kv import frames as frames_value
 from cacheseek.kv.frames import FramesSpec
 from cacheseek.kv.locators import frames_locator
-from cacheseek.reuse.exact_prefix.context import ManagerContext
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from cacheseek.reuse.exact_prefix.manager import WorldKVManager
 
 __all__ = ["ChunkFrames", "FramesSpec", "free_frames"]
 
@@ -39,7 +41,7 @@ __all__ = ["ChunkFrames", "FramesSpec", "free_frames"]
 class ChunkFrames:
     """The frames of each chunk in the manager's store (see the module docstring)."""
 
-    def __init__(self, ctx: ManagerContext) -> None:
+    def __init__(self, ctx: "WorldKVManager") -> None:
         self.ctx = ctx
 
     # -- write ------------------------------------------------------------------------------------
@@ -61,7 +63,7 @@ class ChunkFrames:
         if callable(frames):
             frames = frames()
         value = frames_value.pack(node.node_key, frames)
-        if ctx.offers.device_views and str(device) != "cpu":
+        if ctx.store.accepts_device_views and str(device) != "cpu":
             value = value.to(device)
             torch.cuda.current_stream(value.device).synchronize()
         loc = frames_locator(node.node_key)
@@ -87,7 +89,7 @@ class ChunkFrames:
         ctx = self.ctx
         loc = frames_locator(node_key)
         try:
-            if ctx.offers.reads_paths:  # a Plan-style store: read by length, raw bytes back
+            if ctx.store.reads_paths:  # a Plan-style store: read by length, raw bytes back
                 value = ctx.store.get_skeleton(loc, nbytes=frames_value.packed_nbytes(spec))
             else:
                 value = ctx.store.get_skeleton(loc)
@@ -114,9 +116,11 @@ class ChunkFrames:
         free_frames(self.ctx, node_key)
 
 
-def free_frames(ctx: ManagerContext, node_key: bytes) -> None:
+def free_frames(ctx: "WorldKVManager", node_key: bytes) -> None:
     """Remove the frames of chunk ``node_key`` (idempotent; a failure is logged: a value no node
     names is removed by the next reconcile). Eviction and invalidation call it with the KV's free."""
+    if not ctx.store.frees_latents:
+        return
     try:
         ctx.store.free_skeleton(frames_locator(node_key))
     except Exception as exc:  # noqa: BLE001

@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from cacheseek.errors import StoreError
-from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.frames import free_frames
 from cacheseek.reuse.exact_prefix.keys import blob_keys, frames_locator, layer_keys
 from cacheseek.reuse.exact_prefix.types import BlobHandle, NodeState, TrieNode
+
+if TYPE_CHECKING:
+    from cacheseek.reuse.exact_prefix.manager import WorldKVManager
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +38,7 @@ class Invalidator:
     """Finds the nodes whose values the store lost and drops their blobs (see the module
     docstring). Store calls run outside the forest lock."""
 
-    def __init__(self, ctx: ManagerContext) -> None:
+    def __init__(self, ctx: "WorldKVManager") -> None:
         self.ctx = ctx
 
     def find_missing(
@@ -45,7 +47,7 @@ class Invalidator:
         """The nodes of ``path`` whose latent or (``win`` nodes) KV values are gone: ``first``
         (the one a fetch met) plus every node the store's ``contains`` reports missing; by depth."""
         found: dict[int, TrieNode] = {} if first is None else {id(first): first}
-        if self.ctx.offers.contains:
+        if self.ctx.store.knows_contents:
             owners: list[TrieNode] = []
             keys: list[str] = []
             for n in path:
@@ -109,7 +111,8 @@ class Invalidator:
             free_frames(self.ctx, node.node_key)
         except Exception as exc:  # noqa: BLE001 - keep it as a failed blob: freed later
             log.warning("invalidated %r but freeing its values failed: %s", node, exc)
-            handle.ready, handle.error, kept = False, exc, handle
+            handle.fail(exc)
+            kept = handle
         finally:
             with self.ctx.forest.lock:
                 node.settle(kept)
@@ -118,7 +121,7 @@ class Invalidator:
         """Invalidate the ready nodes whose values ``contains`` says are gone; how many (0 when
         the store cannot say)."""
         ctx = self.ctx
-        if not ctx.offers.contains:
+        if not ctx.store.knows_contents:
             return 0
         with ctx.forest.lock:
             ready = [n for ns in ctx.forest.namespaces() for n in ns.iter_nodes() if n.has_kv]
@@ -132,7 +135,7 @@ class Invalidator:
         ctx = self.ctx
         removed = 0
         incomplete = ctx.forest.incomplete
-        if ctx.offers.reconciles and ctx.offers.records.shared:
+        if ctx.store.lists_values and ctx.store.records.shared:
             # The records name what is committed; other processes may be writing: the store removes
             # only values without a record that are older than any write in flight.
             orphans = ctx.store.orphans()
@@ -140,10 +143,10 @@ class Invalidator:
                 ctx.store.delete_values(orphans)
                 removed = len(orphans)
                 log.info("reconcile: removed %d values of chunks never committed (no record)", removed)
-        elif incomplete and ctx.offers.reconciles:
+        elif incomplete and ctx.store.lists_values:
             log.warning("reconcile removes nothing: the forest snapshot did not load whole (%s); the "
                         "values it named stay until a snapshot that names them, or none, is loaded", incomplete)
-        elif ctx.offers.reconciles:
+        elif ctx.store.lists_values:
             with ctx.forest.lock:
                 named: set[str] = set()
                 for ns in ctx.forest.namespaces():

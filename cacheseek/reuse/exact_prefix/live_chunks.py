@@ -212,7 +212,7 @@ class LiveChunks:
         k, _ = self.layout.layers(runtime)[0]
         shape = (1, self.ring.chunk_size * self.ring.frame_tokens, int(k.shape[2]), int(k.shape[3]))
         lease = (STAGING.lease(k.device, len(self.layout.ring_layers(runtime)), shape, k.dtype)
-                 if self.manager.ctx.offers.reads_paths else contextlib.nullcontext(None))
+                 if self.manager.store.reads_paths else contextlib.nullcontext(None))
         window: Optional[ChunkWindow] = None
         try:
             with lease as staging:

@@ -13,10 +13,10 @@ invalidates nothing.
 
 Two store paths, chosen by capability:
 
-- generic `TierStore`: latents via ``get_skeleton``, then every window layer via ``get_layer``
-  (a store that offers ``get_layers``: all of them in one call, which may overlap the reads); all
-  of it is fetched before the first ``seed_layer`` call;
-- `PathReadStore` (and a window that offers ``restore_target``): the store restores the whole
+- generic `TierStore`: latents via ``get_skeleton``, then every window layer in one
+  ``get_layers`` call (a store may overlap the reads); all of it is fetched before the first
+  ``seed_layer`` call;
+- a store that ``reads_paths`` (and a window that offers ``restore_target``): the store restores the whole
   window path into the runtime's buffers itself (``read_path``); when it returns False, the
   store's ``contains`` names what is gone.
 
@@ -32,17 +32,18 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any, Optional, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from cacheseek.errors import CorruptValueError, HandleStateError, LayoutMismatchError
 from cacheseek.kv.payload import layer_nbytes, payload_nbytes
-from cacheseek.reuse.exact_prefix.context import ManagerContext
-from cacheseek.reuse.exact_prefix.invalidation import Invalidator, owner_of
-from cacheseek.reuse.exact_prefix.shared_index import SharedIndex
+from cacheseek.reuse.exact_prefix.invalidation import owner_of
 from cacheseek.reuse.exact_prefix.types import NodeState, TrieNode
+
+if TYPE_CHECKING:
+    from cacheseek.reuse.exact_prefix.manager import WorldKVManager
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +90,11 @@ NOT_WHOLE = Outcome(False, not_whole=True)
 
 
 class Restorer:
-    """Restores paths (see the module docstring); the invalidator drops what a restore finds gone."""
+    """Restores paths (see the module docstring); the manager's invalidator drops what a restore
+    finds gone, its shared index re-checks the chunk records."""
 
-    def __init__(self, ctx: ManagerContext, invalidator: Invalidator, index: Optional[SharedIndex] = None) -> None:
+    def __init__(self, ctx: "WorldKVManager") -> None:
         self.ctx = ctx
-        self.invalidator = invalidator
-        self.index = index if index is not None else SharedIndex.off(ctx)
 
     def window_path(self, node: TrieNode) -> list[TrieNode]:
         """The nodes of ``node``'s path whose KV a restore reads: the config's window depths."""
@@ -126,14 +126,14 @@ class Restorer:
                 missing = tuple(n for n, _ in bad)
                 return Outcome(False, missing)
             t0 = time.perf_counter()
-            tier = ctx.offers.label
+            tier = ctx.store.label
             try:
-                if ctx.offers.reads_paths and hasattr(window, "restore_target"):
+                if ctx.store.reads_paths and hasattr(window, "restore_target"):
                     target = window.restore_target(len(path), [n.depth for n in win])
                     if not ctx.store.read_path(path, win, target):
-                        missing = self.invalidator.find_missing(path, win, None)
+                        missing = self.ctx.invalidator.find_missing(path, win, None)
                         return Outcome(False, missing)
-                    tier = ctx.offers.served_tier() or tier
+                    tier = ctx.store.served_tier() or tier
                     nbytes = int(getattr(window, "bytes_restored", 0) or 0)
                 else:
                     fetched = self._fetch_generic(path, win, window)
@@ -150,9 +150,9 @@ class Restorer:
             except CorruptValueError as exc:
                 # A store that raises on a corrupt value instead of reading it as missing: the same miss.
                 log.warning("restore of depth %d met %s", len(path), exc)
-                missing = self.invalidator.find_missing(path, win, owner_of(exc.key, path, win))
+                missing = self.ctx.invalidator.find_missing(path, win, owner_of(exc.key, path, win))
                 return Outcome(False, missing)
-            lost = self.index.gone(path)
+            lost = self.ctx.index.gone(path)
             if lost is None:  # the records could not be re-read: not trusted, nothing known gone
                 log.info("restore of depth %d: the chunk records could not be re-checked; a miss", len(path))
                 return Outcome(False)
@@ -185,9 +185,9 @@ class Restorer:
                 if n.ref_count == 0 and n.state is NodeState.INVALID:
                     settle.append(n)
         if missing:
-            self.invalidator.invalidate(missing)
+            self.ctx.invalidator.invalidate(missing)
         for n in settle:
-            self.invalidator.free_invalidated(n)
+            self.ctx.invalidator.free_invalidated(n)
 
     def _fetch_generic(
         self, path: list[TrieNode], win: list[TrieNode], window: RestoreWindow
@@ -200,22 +200,19 @@ class Restorer:
             latent = store.get_skeleton(n.skeleton.latent_locator)
             if latent is None:
                 log.info("latent of depth %d missing", n.depth)
-                return Outcome(False, self.invalidator.find_missing(path, win, n))
+                return Outcome(False, self.ctx.invalidator.find_missing(path, win, n))
             latents.append(latent)
             nbytes += payload_nbytes(latent)
         n_layers = {n.blob.n_layers for n in win}
         if len(n_layers) != 1:
             return Outcome(False)
         reads = [(n, layer) for layer in range(n_layers.pop()) for n in win]
-        if self.ctx.offers.reads_layers:
-            values: Iterable[Any] = store.get_layers([(n.blob, layer) for n, layer in reads])
-        else:
-            values = (store.get_layer(n.blob, layer) for n, layer in reads)  # lazy: stops at a miss
+        values = store.get_layers([(n.blob, layer) for n, layer in reads])  # none read after a miss
         per_layer: list[list[tuple[int, Any]]] = []
         for (n, layer), kv in zip(reads, values):
             if kv is None or (n.blob.pairs and (kv[0] is None or kv[1] is None)):
                 log.info("layer %d of depth %d missing", layer, n.depth)
-                return Outcome(False, self.invalidator.find_missing(path, win, n))
+                return Outcome(False, self.ctx.invalidator.find_missing(path, win, n))
             if layer == len(per_layer):
                 per_layer.append([])
             per_layer[layer].append((n.depth, kv))

@@ -43,18 +43,20 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from cacheseek.kv.handles import BlobHandle, Skeleton
 from cacheseek.kv.locators import kv_locator, latent_locator
 from cacheseek.kv.records import ChunkRecord
 from cacheseek.reuse.exact_prefix.config import SharedIndexConfig
-from cacheseek.reuse.exact_prefix.context import ManagerContext
 from cacheseek.reuse.exact_prefix.keys import node_key
 from cacheseek.reuse.exact_prefix.trie import Namespace, PrefixMatch
 from cacheseek.reuse.exact_prefix.types import ActionKey, TrieNode
 
 log = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from cacheseek.reuse.exact_prefix.manager import WorldKVManager
 
 __all__ = ["SharedIndex"]
 
@@ -69,22 +71,22 @@ def _action_bytes(action: ActionKey) -> Optional[bytes]:
 class SharedIndex:
     """Finds chunks past the local trie in the store's records and publishes this process's."""
 
-    def __init__(self, ctx: ManagerContext, cfg: SharedIndexConfig) -> None:
+    def __init__(self, ctx: "WorldKVManager", cfg: SharedIndexConfig) -> None:
         self.ctx = ctx
         self.cfg = cfg
-        self._format = str(getattr(ctx.store, "storage_format", ""))  # what records name, and must name
+        self._format = ctx.store.storage_format  # what records name, and must name
         self._claims: dict[bytes, int] = {}  # node key -> id of the owner (a session) holding its claim
         self._claims_lock = threading.Lock()
 
     @classmethod
-    def off(cls, ctx: ManagerContext) -> "SharedIndex":
+    def off(cls, ctx: "WorldKVManager") -> "SharedIndex":
         """An index that never asks the store (a role built on its own: it sees only its trie)."""
         return cls(ctx, SharedIndexConfig(enabled=False))
 
     @property
     def active(self) -> bool:
         """Whether lookups ask the store: the index is on and the store's records are shared."""
-        return self.cfg.enabled and self.ctx.offers.records.shared
+        return self.cfg.enabled and self.ctx.store.records.shared
 
     # -- lookup ---------------------------------------------------------------------------------
 
@@ -151,7 +153,7 @@ class SharedIndex:
         raw = _action_bytes(action)
         if not self.active or raw is None or self.cfg.wait_s <= 0:
             return None
-        records, metrics = self.ctx.offers.records, self.ctx.metrics
+        records, metrics = self.ctx.store.records, self.ctx.metrics
         key = node_key(parent.node_key, raw)
         t0 = time.monotonic()
         deadline, pause, waited = t0 + self.cfg.wait_s, 0.001, False
@@ -202,17 +204,17 @@ class SharedIndex:
             for k in mine:
                 del self._claims[k]
         for k in mine:
-            self.ctx.offers.records.drop_claim(k)
+            self.ctx.store.records.drop_claim(k)
 
     def _release(self, key: bytes) -> None:
         with self._claims_lock:
             held = self._claims.pop(key, None) is not None
         if held:
-            self.ctx.offers.records.drop_claim(key)
+            self.ctx.store.records.drop_claim(key)
 
     def _find(self, keys: list[bytes]) -> list[Optional[ChunkRecord]]:
         self.ctx.metrics.add(index_probes=1, index_keys_probed=len(keys))
-        return self.ctx.offers.records.find(keys)
+        return self.ctx.store.records.find(keys)
 
     def adopt(self, ns: Namespace, parent: TrieNode, action: ActionKey, record: ChunkRecord) -> Optional[TrieNode]:
         """``record``'s chunk as ``parent``'s child for ``action``, ready (None when the record
@@ -263,7 +265,7 @@ class SharedIndex:
             depth=node.depth, n_layers=handle.n_layers, nbytes=int(handle.nbytes), pairs=handle.pairs,
             latent_nbytes=int(latent_nbytes), storage_format=self._format,
             digests=handle.digests or {})
-        if self.ctx.offers.records.publish(record):
+        if self.ctx.store.records.publish(record):
             handle.recorded = True
             self.ctx.metrics.add(index_published=1)
         self._release(node.node_key)  # the record is there (or could not be): waiters stop waiting
@@ -272,7 +274,7 @@ class SharedIndex:
         """Whether another writer has made this chunk findable already (its write can be skipped)."""
         if not self.active:
             return False
-        (record,) = self.ctx.offers.records.find([node_key_])
+        (record,) = self.ctx.store.records.find([node_key_])
         return record is not None
 
     # -- the read side's re-check ---------------------------------------------------------------
@@ -287,7 +289,7 @@ class SharedIndex:
         if not self.active or not shared:
             return ()
         nodes = shared
-        records = self.ctx.offers.records.probe([n.node_key for n in nodes])
+        records = self.ctx.store.records.probe([n.node_key for n in nodes])
         if records is None:
             return None
         lost = tuple(n for n, r in zip(nodes, records) if r is None)

@@ -188,8 +188,7 @@ class LingBotWorldKVBinding(LiveChunks, HandOut):
         self._keys: Optional[LazyActionKeys] = None
         # A background warm-up yields to this session's start-up (the runtime's allocations)
         # until on_runtime_created returns; a token never released expires in the store.
-        starting = getattr(getattr(manager, "store", None), "session_starting", None)
-        self._start_token: Any = starting() if starting is not None else None
+        self._start_token: Any = manager.store.session_starting()
 
     # -- hooks (each inside `counted_failures`: TeleFuser swallows a hook's exceptions) ---------
     # the live-session hooks (on_control_arrived, on_chunk_control, restore_chunk) are `LiveChunks`'
@@ -232,7 +231,7 @@ class LingBotWorldKVBinding(LiveChunks, HandOut):
             self.layout = self._layout_of(runtime)
         self.ring = self._validate_geometry(runtime)  # a misconfiguration is refused even while warming
         runtime_weights = self._runtime_weights(runtime)
-        self.bypassed_warming = not getattr(self.manager.store, "ready", True)
+        self.bypassed_warming = not self.manager.store.ready
         if self.bypassed_warming:
             self._bypass_warming()
             return
@@ -325,7 +324,7 @@ class LingBotWorldKVBinding(LiveChunks, HandOut):
         key = node_key(parent.node_key, action)
         views = self.layout.tail_views(runtime, self.ring.chunk_size * self.ring.frame_tokens)
         latent = self._stored_latent(runtime, idx, denoised)
-        if self.manager.ctx.offers.device_views:
+        if self.manager.store.accepts_device_views:
             payload = views
         else:
             payload = [(k.to("cpu", copy=True), v.to("cpu", copy=True)) for k, v in views]

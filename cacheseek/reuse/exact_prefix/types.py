@@ -111,7 +111,7 @@ class TrieNode:
     def invalidate(self, error: BaseException) -> None:
         """A read node whose values are gone --> INVALID: no hit from now (its handle failed with
         ``error``); its last reader's release detaches it."""
-        self.blob.ready, self.blob.error = False, error
+        self.blob.fail(error)
         self._claim = NodeState.INVALID
 
     def path(self) -> list["TrieNode"]:

@@ -161,11 +161,11 @@ class Completion:
             plans.undo(exc)
             self._counters.count(put_failures=1)
             error = exc if isinstance(exc, Exception) else PlanError(repr(exc))
-            handle.error = as_store_error(error, f"put of {handle.locator}")
+            handle.fail(as_store_error(error, f"put of {handle.locator}"))
             log.warning("Plan tier: write of %s failed after submission: %s", handle.locator, handle.error)
             return
         self._counters.count(puts=1, put_bytes=item.nbytes, put_seconds=time.perf_counter() - item.t0)
-        handle.ready = True
+        handle.publish()
         if item.on_ready is not None:
             try:
                 item.on_ready(handle)

@@ -47,6 +47,7 @@ from cacheseek.plan.base import PlanClient
 from cacheseek.registry import STORES
 from cacheseek.sizes import AUTO, Size, available_memory, free_bytes, parse_size
 from cacheseek.sizing import UNFITTED, SizeField
+from cacheseek.stores.base import PathReadStore
 from cacheseek.stores.plan_tier.capacity import SegmentCapacity, StagingSlots
 from cacheseek.stores.plan_tier.client import (
     ClientOptions,
@@ -83,7 +84,7 @@ _BACKGROUND_PIECE_BYTES = 16 << 20
 
 
 @STORES.register("fluxon_plan", objects=("transfer", "plan_client", "geometry_bytes"))
-class PlanTierStore:
+class PlanTierStore(PathReadStore):
     """KV tier over a Plan client and a transfer runtime (see the module docstring).
 
     ``client``: a `PLAN_CLIENTS` name, built with ``segment_bytes`` (``"auto"``: fitted to the
@@ -111,7 +112,9 @@ class PlanTierStore:
 
     __module__ = "cacheseek.stores.plan_tier"  # its public path: configs and results name it there
 
-    accepts_device_views = True
+    knows_contents = True
+    frees_latents = True
+    copies_values = True
     storage_format = "cacheseek.plan.raw.v1"  # bare bytes; shapes and dtypes come from the runtime
     tier = Tier.FLUXON_DRAM
 

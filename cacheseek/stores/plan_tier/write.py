@@ -107,13 +107,13 @@ class Writer:
             self._put_values(items, stream=stream)
         except Exception as exc:
             self._counters.count(put_failures=1)
-            handle.error = as_store_error(exc, f"put of {locator}")
+            handle.fail(as_store_error(exc, f"put of {locator}"))
             if handle.error is exc:
                 raise
             raise handle.error from exc
         elapsed = time.perf_counter() - t0
         self._counters.count(puts=1, put_bytes=handle.nbytes, put_seconds=elapsed, put_submit_seconds=elapsed)
-        handle.ready = True
+        handle.publish()
         if on_ready is not None:
             on_ready(handle)
         return handle

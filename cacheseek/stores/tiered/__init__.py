@@ -47,7 +47,7 @@ from cacheseek.errors import StoreClosedError
 from cacheseek.eviction.base import StoreUsage, store_usage
 from cacheseek.kv.handles import BlobHandle, ChunkNode, Tier
 from cacheseek.registry import STORES
-from cacheseek.stores.base import RestoreTarget
+from cacheseek.stores.base import PathReadStore, RestoreTarget
 from cacheseek.stores.startup import StartToken, combine
 from cacheseek.stores.tiered import demotion, read, removal, write
 from cacheseek.stores.tiered.levels import (
@@ -69,13 +69,14 @@ log = logging.getLogger(__name__)
 
 @STORES.register("tiered", objects=("transfer", "stores"),
                  keywords=lambda: [(name, Any, None) for name in STORES.names() if name != "tiered"])
-class TieredStore:
+class TieredStore(PathReadStore):
     """Levels fastest first (see the package docstring). ``tiers``: registry names, each with its
     config node passed by that name (``hbm={...}``); or ``stores``: built levels (the caller
     keeps owning them; tests). ``transfer``: the runtime every level shares. Its config has one
     node per registered store, whatever the registry names; only the listed ones are built."""
 
-    accepts_device_views = True
+    knows_contents = True
+    frees_latents = True
 
     @classmethod
     def size_fields(cls, config: dict) -> list:
@@ -84,8 +85,7 @@ class TieredStore:
         fields = []
         for name in config.get("tiers") or []:
             level = config.get(name) or {}
-            sized = getattr(STORES.get(name), "size_fields", None) if name in STORES else None
-            for f in sized(level) if sized is not None else []:
+            for f in STORES.get(name).size_fields(level) if name in STORES else []:
                 fields.append(attrs.evolve(f, path=f"{name}.{f.path}"))
         return fields
 
@@ -107,9 +107,9 @@ class TieredStore:
         built = list(stores) if stores is not None else build_stores(list(tiers), levels, transfer)
         self._levels = make_levels(built)
         self._book = Residency(self._levels)
-        self.records = TieredRecords(self._levels[-1].store_records, self._shared_copy)
+        self.records = TieredRecords(self._levels[-1].store.records, self._shared_copy)
         self._book.on_shared_copy = self.records.copy_ready
-        self.storage_format = storage_format(self._levels)
+        self._format = storage_format(self._levels)
         self.codec_id = codec_id(self._levels)
         log.info("tiered store: %s (write-through %s, promote %s)",
                  " > ".join(lv.name for lv in self._levels), self.write_through, self.promote)
@@ -119,6 +119,10 @@ class TieredStore:
     def levels(self) -> list[Any]:
         """The level stores, fastest first."""
         return [lv.store for lv in self._levels]
+
+    @property
+    def storage_format(self) -> str:
+        return self._format
 
     @property
     def transfer(self) -> Any:
@@ -133,7 +137,7 @@ class TieredStore:
     def ready(self) -> bool:
         """Some level can serve (a level without a notion of readiness always can): False only
         while every level is still warming up in the background."""
-        return any(getattr(lv.store, "ready", True) for lv in self._levels)
+        return any(lv.store.ready for lv in self._levels)
 
     def session_starting(self) -> StartToken:
         """A session is starting: every level warming in the background yields to it until the
@@ -141,8 +145,7 @@ class TieredStore:
         taken: list[StartToken] = []
         try:
             for lv in self._levels:
-                if lv.calls.session_starting is not None:
-                    taken.append(lv.calls.session_starting())
+                taken.append(lv.store.session_starting())
         except BaseException:
             combine(taken).release()  # what was taken before the failure
             raise
@@ -154,8 +157,7 @@ class TieredStore:
         end = None if timeout_s is None else time.monotonic() + timeout_s
         ok = True
         for lv in self._levels:
-            if lv.calls.wait_ready is not None:
-                ok = lv.calls.wait_ready(None if end is None else max(end - time.monotonic(), 0.0)) and ok
+            ok = lv.store.wait_ready(None if end is None else max(end - time.monotonic(), 0.0)) and ok
         return ok
 
     # -- residency ------------------------------------------------------------------------------
@@ -210,7 +212,13 @@ class TieredStore:
     def served_tier(self) -> Optional[str]:
         """The level (its registry name) that served this thread's last `read_path`, for the
         metrics' per-tier hits and restore histograms; None when it served none."""
-        return getattr(self._book.served, "name", None)
+        return self._book.served.name
+
+    def promoted_last_read(self) -> bool:
+        """Whether this thread's last `read_path` was served below level 0 with ``promote`` on:
+        the path was copied into level 0, which may be above its watermark now."""
+        served = self._book.served.name
+        return self.promote and served is not None and served != self._levels[0].name
 
     def get_skeleton(self, locator: str, *args: Any, **kwargs: Any) -> Any:
         """The latent from the nearest level holding it (None when none does)."""
@@ -276,8 +284,7 @@ class TieredStore:
     def flush(self) -> None:
         """Wait for every level's pending writes, then settle them."""
         for lv in self._levels:
-            if lv.calls.flush is not None:
-                lv.calls.flush()
+            lv.store.flush()
         self._book.reap()
 
     def close(self) -> None:

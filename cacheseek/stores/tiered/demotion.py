@@ -135,11 +135,11 @@ def drop_latent(book: Residency, level: int, loc: Optional[str]) -> None:
                 break
         else:
             return
-    fn = book.levels[level].calls.free_skeleton
-    if fn is None:
+    store = book.levels[level].store
+    if not store.frees_latents:
         return
     try:
-        fn(loc)
+        store.free_skeleton(loc)
     except Exception as exc:  # noqa: BLE001 - kept; freed with the chunk later
         log.warning("tiered store: latent %s not freed from %s: %s", loc, book.levels[level].name, exc)
         return

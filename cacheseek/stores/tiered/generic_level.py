@@ -45,11 +45,9 @@ def as_tensors(value: Any, nbytes: int) -> Any:
 
 def device_of(store: Any) -> Any:
     """Where a path level keeps its values: its ``device``, else its transfer runtime's kind."""
-    device = getattr(store, "device", None)
-    if device is not None:
-        return device
-    transfer = getattr(store, "transfer", None)
-    return "cuda" if getattr(transfer, "device_kind", "cpu") == "cuda" else "cpu"
+    if store.device is not None:
+        return store.device
+    return "cuda" if store.transfer is not None and store.transfer.device_kind == "cuda" else "cpu"
 
 
 def bytes_view(t: Any) -> Any:

@@ -11,7 +11,7 @@ Every level shares one transfer runtime, so Plan-style levels copy between one a
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import attrs
@@ -20,58 +20,35 @@ from omegaconf import DictConfig, OmegaConf
 from cacheseek.codecs.base import codec_fingerprint
 from cacheseek.errors import ConfigError
 from cacheseek.kv.handles import Tier
-from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 from cacheseek.registry import STORES, instantiate
+from cacheseek.stores.base import TierStore, as_store
 
-__all__ = ["Level", "LevelCalls", "tier_of", "is_path_store", "build_stores", "make_levels", "storage_format", "codec_id",
-           "shared_transfer", "close_levels"]
+__all__ = ["Level", "build_stores", "make_levels", "storage_format", "codec_id", "shared_transfer", "close_levels"]
 
 log = logging.getLogger(__name__)
 
 
-def tier_of(name: str, store: Any) -> Tier:
-    """The `Tier` a level stands for (on its blob handles and in the report): the ``tier`` its
-    registered class declares, else the store's own, else CPU."""
-    return getattr(STORES.get(name) if name in STORES else store, "tier", Tier.CPU)
-
-
-@attrs.frozen
-class LevelCalls:
-    """The optional calls of one level's store, each None where it lacks it: resolved once when
-    the levels are made, not looked up on every call."""
-
-    contains: Optional[Callable[[Sequence[str]], list[bool]]] = None
-    free_skeleton: Optional[Callable[[str], None]] = None
-    copy_values_from: Optional[Callable[..., Any]] = None
-    session_starting: Optional[Callable[[], Any]] = None
-    wait_ready: Optional[Callable[[Optional[float]], bool]] = None
-    flush: Optional[Callable[[], None]] = None
-    close: Optional[Callable[[], None]] = None
-
-    @classmethod
-    def of(cls, store: Any) -> "LevelCalls":
-        found = {f.name: getattr(store, f.name, None) for f in attrs.fields(cls)}
-        return cls(**{name: fn if callable(fn) else None for name, fn in found.items()})
-
-
 @attrs.define(eq=False)
 class Level:
-    """One level: its position (0 = fastest), registry ``name``, `Tier`, store, whether it is a
-    path level, its optional calls, and its counters (hits, writes, promotions, demotions,
-    failures; see stats)."""
+    """One level: its position (0 = fastest), registry ``name``, `Tier`, store (a `TierStore`),
+    whether it is a path level (it restores into the ring itself and takes device views on
+    write), and its counters (hits, writes, promotions, demotions, failures; see stats)."""
 
     index: int
     name: str
-    tier: Tier
-    store: Any
-    path: bool  # restores into the ring itself (read_path) and takes device views on write
-    calls: LevelCalls = attrs.field(factory=LevelCalls)
+    store: TierStore
     counters: dict = attrs.field(factory=dict)
-    store_records: ChunkRecords = NO_RECORDS  # the level store's chunk records (the last level's are shared)
 
+    @property
+    def tier(self) -> Tier:
+        """The `Tier` it stands for (on its blob handles and in the report): the one its
+        registered class declares, else its store's."""
+        cls = STORES.get(self.name) if self.name in STORES else None
+        return cls.tier if isinstance(cls, type) and issubclass(cls, TierStore) else self.store.tier
 
-def is_path_store(store: Any) -> bool:
-    return callable(getattr(store, "read_path", None)) and bool(getattr(store, "accepts_device_views", False))
+    @property
+    def path(self) -> bool:
+        return self.store.reads_paths
 
 
 def build_stores(names: list[str], nodes: dict[str, Any], transfer: Any) -> list[tuple[str, Any]]:
@@ -92,12 +69,10 @@ def build_stores(names: list[str], nodes: dict[str, Any], transfer: Any) -> list
             if node is None:
                 raise ConfigError(f"store.{name}", f"tier {name!r} has no config node",
                                   "use conf/store/tiered.yaml, which has one per backend")
-            built.append((name, instantiate(node, transfer=transfer)))
+            built.append((name, as_store(instantiate(node, transfer=transfer))))
     except BaseException:
         for _, store in reversed(built):
-            close = getattr(store, "close", None)
-            if close is not None:
-                close()
+            store.close()
         raise
     return built
 
@@ -106,16 +81,14 @@ def make_levels(built: Sequence[tuple[str, Any]]) -> list[Level]:
     """The levels of built ``(name, store)`` pairs, fastest first; none is a `ConfigError`."""
     if not built:
         raise ConfigError("store.tiers", "is empty", "list at least one store, e.g. [hbm,fluxon_plan]")
-    return [Level(i, name, tier_of(name, store), store, is_path_store(store), LevelCalls.of(store),
-                  store_records=getattr(store, "records", None) or NO_RECORDS)
-            for i, (name, store) in enumerate(built)]
+    return [Level(i, name, as_store(store)) for i, (name, store) in enumerate(built)]
 
 
 def storage_format(levels: Sequence[Level]) -> str:
     """The namespace's store_format field: levels that all encode values one way share it with a
     plain store of that kind (an HBM tier over a shared Fluxon Plan service reads and writes what
     the other workers do); a mixed hierarchy gets a namespace of its own."""
-    formats = [getattr(lv.store, "storage_format", None) or type(lv.store).__qualname__ for lv in levels]
+    formats = [lv.store.storage_format for lv in levels]
     if len(set(formats)) == 1:
         return formats[0]
     return "cacheseek.tiered.v1[" + ",".join(f"{lv.name}={f}" for lv, f in zip(levels, formats)) + "]"
@@ -135,18 +108,15 @@ def shared_transfer(transfer: Optional[Any], levels: Sequence[Level]) -> Any:
     if transfer is not None:
         return transfer
     for lv in levels:
-        t = getattr(lv.store, "transfer", None)
-        if t is not None:
-            return t
+        if lv.store.transfer is not None:
+            return lv.store.transfer
     return None
 
 
 def close_levels(levels: Sequence[Level]) -> None:
     """Close every level, last first; a failure is logged and the others are still closed."""
     for lv in reversed(levels):
-        if lv.calls.close is None:
-            continue
         try:
-            lv.calls.close()
+            lv.store.close()
         except Exception as exc:  # noqa: BLE001 - close the others
             log.warning("tiered store: closing %s failed: %s", lv.name, exc)

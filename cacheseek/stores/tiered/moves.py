@@ -35,10 +35,9 @@ def copy_blob(book: Residency, src: int, dst: int, rec: Copies) -> Optional[Blob
         return None
     outer = rec.outer
     keys = blob_keys(outer.locator, outer.n_layers, pairs=outer.pairs)
-    copy = b.calls.copy_values_from
-    if a.path and b.path and copy is not None:
+    if a.store.copies_values and b.store.copies_values:
         size = outer.nbytes // len(keys)
-        if copy(a.store, keys, [size] * len(keys)) is None:
+        if b.store.copy_values_from(a.store, keys, [size] * len(keys)) is None:
             return None
         return BlobHandle(b.tier, outer.locator, outer.nbytes, outer.n_layers, ready=True, pairs=outer.pairs)
     layers = []
@@ -67,9 +66,8 @@ def copy_latent(book: Residency, src: int, dst: int, loc: Optional[str]) -> None
         return
     a, b = book.levels[src], book.levels[dst]
     try:
-        copy = b.calls.copy_values_from
-        if a.path and b.path and copy is not None:
-            done = copy(a.store, [loc]) is not None
+        if a.store.copies_values and b.store.copies_values:
+            done = b.store.copy_values_from(a.store, [loc]) is not None
         else:
             value = a.store.get_skeleton(loc)
             done = value is not None

@@ -80,11 +80,11 @@ def _holds_path(book: Residency, level: int, path: list[ChunkNode], recs: list[C
 def _probe_latents(book: Residency, level: int, path: list[ChunkNode]) -> bool:
     """Latents not recorded at ``level`` (a forest snapshot): ask the level, record them."""
     keys = [n.skeleton.latent_locator for n in path if level not in book.latents.get(n.skeleton.latent_locator, ())]
-    contains = book.levels[level].calls.contains
-    if contains is None or any(level in book.probed.get(k, ()) for k in keys):
+    store = book.levels[level].store
+    if not store.knows_contents or any(level in book.probed.get(k, ()) for k in keys):
         return False  # asked before, or written here: recorded where it is
     try:
-        present = contains(keys)
+        present = store.contains(keys)
     except Exception:  # noqa: BLE001
         return False
     for k, ok in zip(keys, present):
@@ -97,16 +97,16 @@ def _probe_latents(book: Residency, level: int, path: list[ChunkNode]) -> bool:
 def _forget_missing(book: Residency, level: int, path: list[ChunkNode], window: list[ChunkNode]) -> None:
     """A level missed a value it was recorded to hold (lost behind our back): drop the
     records of that level that its ``contains`` no longer confirms."""
-    contains = book.levels[level].calls.contains
-    if contains is None:
+    store = book.levels[level].store
+    if not store.knows_contents:
         return
     try:
         for n in window:
-            if not all(contains(blob_keys(n.blob.locator, n.blob.n_layers, pairs=n.blob.pairs))):
+            if not all(store.contains(blob_keys(n.blob.locator, n.blob.n_layers, pairs=n.blob.pairs))):
                 book.drop(book.copies(n.blob), level)
         for n in path:
             loc = n.skeleton.latent_locator
-            if not all(contains([loc])):
+            if not all(store.contains([loc])):
                 book.discard_latent(loc, level)
     except Exception as exc:  # noqa: BLE001 - records stay; the next read tries again
         log.warning("tiered store: could not check %s after a miss: %s", book.levels[level].name, exc)
@@ -135,12 +135,11 @@ def contains(book: Residency, keys: Sequence[str]) -> list[bool]:
     keys = list(keys)
     out = [False] * len(keys)
     for lv in book.levels:
-        fn = lv.calls.contains
-        if fn is None:
+        if not lv.store.knows_contents:
             continue
         rest = [i for i, ok in enumerate(out) if not ok]
         if not rest:
             break
-        for i, ok in zip(rest, fn([keys[i] for i in rest])):
+        for i, ok in zip(rest, lv.store.contains([keys[i] for i in rest])):
             out[i] = out[i] or bool(ok)
     return out

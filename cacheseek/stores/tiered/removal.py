@@ -43,11 +43,10 @@ def free_latent(book: Residency, locator: str) -> None:
     """Remove a latent from every level that can (idempotent); see the module docstring."""
     errors: list[BaseException] = []
     for lv in book.levels:
-        fn = lv.calls.free_skeleton
-        if fn is None:
+        if not lv.store.frees_latents:
             continue
         try:
-            fn(locator)
+            lv.store.free_skeleton(locator)
         except Exception as exc:  # noqa: BLE001 - raised below, the copy stays recorded
             errors.append(exc)
             continue

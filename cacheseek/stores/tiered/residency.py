@@ -60,6 +60,12 @@ def latent_of(kv_locator: str) -> Optional[str]:
     return kv_locator[: -len(":kv")] + ":lat" if kv_locator.endswith(":kv") else None
 
 
+class _Served(threading.local):
+    """``name``: the level that served this thread's last read_path (None: none)."""
+
+    name: Optional[str] = None
+
+
 class Residency:
     """The record of what ``levels`` hold. ``blobs`` (locator -> `Copies`), ``latents`` (latent
     -> levels holding it), ``probed`` (latent -> levels asked), ``pending`` (records with a write
@@ -69,7 +75,7 @@ class Residency:
     def __init__(self, levels: Sequence[Level]) -> None:
         self.levels = list(levels)
         self.lock = threading.RLock()
-        self.served = threading.local()  # .name: the level that served this thread's last read_path
+        self.served = _Served()
         self.blobs: dict[str, Copies] = {}
         self.latents: dict[str, set] = {}
         self.probed: dict[str, set] = {}  # latents this store did not write
@@ -94,9 +100,8 @@ class Residency:
         keys = blob_keys(handle.locator, handle.n_layers, pairs=handle.pairs)
         rec = Copies(handle)
         for lv in self.levels:
-            contains = lv.calls.contains
             try:
-                whole = contains is not None and all(contains(keys))
+                whole = lv.store.knows_contents and all(lv.store.contains(keys))
             except Exception as exc:  # noqa: BLE001 - cannot tell: not held there
                 log.warning("tiered store: %s cannot say whether it holds %s: %s", lv.name, handle.locator, exc)
                 whole = False
@@ -159,7 +164,7 @@ class Residency:
                         log.warning("tiered store: write of %s to %s failed: %s", rec.outer.locator,
                                     self.levels[i].name, h.error)
                         if rec.outer.error is None and not rec.outer.ready and not rec.at:
-                            rec.outer.error = h.error
+                            rec.outer.fail(h.error)
                 if any(h.in_flight for h in rec.at.values()):
                     self.pending[id(rec)] = rec
                 if not rec.at and self.blobs.get(rec.outer.locator) is rec:
@@ -173,13 +178,13 @@ class Residency:
         with self.lock:
             h = handle if handle is not None else rec.at.get(level)
             if h is not None:
-                h.ready = True
+                h.publish()
                 rec.at[level] = h
             self.count(level, writes=1, write_bytes=rec.outer.nbytes)
             self.refresh(rec)
             if not rec.notified and rec.outer.error is None:
                 rec.notified = True
-                rec.outer.ready = True
+                rec.outer.publish()
                 notify = rec.on_ready
         if notify is not None:
             notify(rec.outer)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import attrs
 
 from cacheseek.eviction.base import StoreUsage, store_usage
+from cacheseek.metrics import store_stats
 from cacheseek.kv.handles import Tier
 from cacheseek.stores.tiered.residency import Residency
 
@@ -64,17 +65,5 @@ def tiered_stats(book: Residency, usages: list[TierUsage]) -> TieredStats:
         rows.append(dict(level=u.level, name=u.name, tier=u.tier.value, blobs=u.blobs,
                          used_bytes=u.usage.used_bytes if u.usage else None,
                          capacity_bytes=u.usage.capacity_bytes if u.usage else None,
-                         **c, store=stats_dict(lv.store)))
+                         **c, store=store_stats(lv.store)))
     return TieredStats(counters, rows)
-
-
-def stats_dict(store: Any) -> dict:
-    """A level's own stats as a dict (``{}`` when it has none or cannot say)."""
-    try:
-        stats = getattr(store, "stats", None)
-    except Exception:  # noqa: BLE001
-        return {}
-    if stats is None:
-        return {}
-    as_dict = getattr(stats, "as_dict", None)
-    return as_dict() if callable(as_dict) else dict(stats) if isinstance(stats, dict) else {}

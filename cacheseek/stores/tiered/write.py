@@ -77,7 +77,7 @@ def put_chunk(
     with book.lock:
         if not rec.at:
             del book.blobs[locator]
-            outer.error = errors[-1] if errors else StoreError(f"{locator}: no tier took it")
+            outer.fail(errors[-1] if errors else StoreError(f"{locator}: no tier took it"))
     if outer.error is None:
         for level in range(min(rec.at)):  # levels that refused the KV need not keep its latent
             drop_latent(book, level, latent_of(locator))
