@@ -40,6 +40,7 @@ from cacheseek.cli_help import CONF_DIR
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.hydra_errors import config_error_from_hydra
 from cacheseek.codecs.quality import store_codec
+from cacheseek.metrics import store_stats
 from cacheseek.metrics_server import MetricsConfig, MetricsServer
 from cacheseek.orchestrator import build_stack
 from cacheseek.registry import LAYOUTS, import_backends
@@ -79,15 +80,13 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
             server = MetricsServer(stack.metrics, host=metrics_cfg.host, port=metrics_cfg.port).start()
             print(f"metrics: serving {server.url}", flush=True)
         results = stack.workload.run(stack)
-        flush = getattr(stack.store, "flush", None)
-        if flush is not None:
-            flush()
+        stack.store.flush()
         results["store"] = stack.store_name
         results["codec"] = store_codec(stack.store)  # ``lossy`` names a lossy codec: frames judged by PSNR
         describe = getattr(stack.runtime_factory, "describe", None)
         results["runtime"] = describe() if describe is not None else {"runtime": type(stack.runtime_factory).__name__}
         results["layout"] = _layout_name(stack.layout)
-        results["store_stats"] = _stats(stack.store)
+        results["store_stats"] = store_stats(stack.store)
         results["metrics"] = stack.metrics.as_dict()
         results["metrics_endpoint"] = server.url if server is not None else None
         results["notes"] = stack.notes
@@ -130,14 +129,6 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
 def _layout_name(layout: Any) -> str:
     """The registered name of the layout adapter that ran (``layout=auto`` resolved)."""
     return next((n for n in LAYOUTS.names() if LAYOUTS.get(n) is type(layout)), type(layout).__name__)
-
-
-def _stats(store: Any) -> dict[str, Any]:
-    stats = getattr(store, "stats", None)
-    if stats is None:
-        return {}
-    as_dict = getattr(stats, "as_dict", None)
-    return as_dict() if as_dict else dict(stats) if isinstance(stats, dict) else {"repr": repr(stats)}
 
 
 class OutputDirCheck(Callback):

@@ -33,7 +33,9 @@ Defaults that are already the right behaviour for a store without the operation:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, Optional
 
 from cacheseek.eviction.base import StoreUsage
@@ -56,11 +58,13 @@ class TierStore:
     frees_latents: ClassVar[bool] = False
     lists_values: ClassVar[bool] = False
     copies_values: ClassVar[bool] = False
+    resizable: ClassVar[bool] = False  # ``capacity_bytes`` may be set at run time
     tier: ClassVar[Tier] = Tier.CPU
     capacity_fix: ClassVar[str] = "give the store more room"
     records: ChunkRecords = NO_RECORDS
     codec_id: Optional[str] = None
     stats: Any = None
+    read_parallelism: int = 1  # layers `get_layers` reads at once
     transfer: Any = None  # the transfer runtime a path store copies with
     device: Any = None  # where a path store keeps its values (None: its transfer runtime's kind)
 
@@ -83,12 +87,32 @@ class TierStore:
 
     # -- optional, with the meaning of "not offered" ----------------------------------------------
     def get_layers(self, requests: Sequence[tuple[BlobHandle, int]]) -> list[Optional[Any]]:
-        """`get_layer` of every ``(handle, layer)`` in order; after the first miss none is read
-        (None). A store that overlaps reads overrides it."""
-        out: list[Optional[Any]] = []
-        for handle, layer in requests:
-            out.append(self.get_layer(handle, layer) if all(x is not None for x in out[-1:]) else None)
-        return out
+        """`get_layer` of every ``(handle, layer)``, in order, up to ``read_parallelism`` layers
+        at once (network-bound backends overlap them). After the first miss (or error) no new
+        read starts; the layers not read are None. The first error, in request order, is raised
+        once every started read is done."""
+        if self.read_parallelism == 1 or len(requests) < 2:
+            out: list[Optional[Any]] = []
+            for handle, layer in requests:
+                out.append(self.get_layer(handle, layer) if all(x is not None for x in out[-1:]) else None)
+            return out
+        stop = threading.Event()
+
+        def one(handle: BlobHandle, layer: int) -> Optional[Any]:
+            if stop.is_set():
+                return None
+            try:
+                got = self.get_layer(handle, layer)
+            except BaseException:
+                stop.set()
+                raise
+            if got is None:
+                stop.set()
+            return got
+
+        with ThreadPoolExecutor(min(self.read_parallelism, len(requests)), thread_name_prefix=f"{self.label}-read") as pool:
+            futures = [pool.submit(one, handle, layer) for handle, layer in requests]
+        return [f.result() for f in futures]
 
     def read_path(self, path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget) -> bool:
         """Only where ``reads_paths``: see `PathReadStore`."""
@@ -205,6 +229,8 @@ class _CallerStore(TierStore):
         self.copies_values = self.reads_paths and callable(found["copy_values_from"])  # type: ignore[misc]
         if not callable(found["usage"]):
             self.usage = lambda: _usage_of_stats(obj)  # type: ignore[method-assign]
+        size = getattr(type(obj), "capacity_bytes", None)
+        self.resizable = isinstance(size, property) and size.fset is not None  # type: ignore[misc]
         self.tier = getattr(obj, "tier", Tier.CPU)  # type: ignore[misc]
         self.capacity_fix = getattr(obj, "capacity_fix", TierStore.capacity_fix)  # type: ignore[misc]
         self.records = getattr(obj, "records", None) or NO_RECORDS
@@ -227,6 +253,14 @@ class _CallerStore(TierStore):
     @property
     def stats(self) -> Any:  # type: ignore[override]
         return getattr(self.wrapped, "stats", None)
+
+    @property
+    def capacity_bytes(self) -> Any:
+        return self.wrapped.capacity_bytes
+
+    @capacity_bytes.setter
+    def capacity_bytes(self, value: Any) -> None:
+        self.wrapped.capacity_bytes = value
 
     @property
     def storage_format(self) -> str:

@@ -33,7 +33,7 @@ class DiskRecords(ChunkRecords):
     def _put_new(self, name: str, data: bytes) -> bool:
         disk = self._tier.disk
         durable = not name.endswith(CLAIM_SUFFIX)  # a claim is a hint: no fsync
-        stored = self._tier._io("write", lambda: disk.write_raw_new(name, data, durable=durable), name)
+        stored = self._tier.calls.run("write", lambda: disk.write_raw_new(name, data, durable=durable), name)
         if stored:
             with self._tier._lock:
                 self._tier._ledger.seed({name: len(data)})
@@ -52,12 +52,12 @@ class DiskRecords(ChunkRecords):
                     out.append(b"")  # present but unreadable: the record's checks reject it
             return out
 
-        return self._tier._io("read", read_all)
+        return self._tier.calls.run("read", read_all)
 
     def _delete(self, name: str) -> None:
-        self._tier._delete(name)
+        self._tier.calls.delete(name)
         with self._tier._lock:
-            self._tier._forget(name)
+            self._tier._ledger.forget(name)
 
     def _names(self) -> list[str]:
         return [k for k in self._tier.keys() if k.endswith(RECORD_SUFFIX)]

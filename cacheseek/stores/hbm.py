@@ -75,7 +75,7 @@ class HbmTierStore(PlanTierStore):
                                   "give bytes, or store.capacity_fraction=0.3 (of free memory)")
             capacity_bytes = 0  # the fraction sizes the pool
         if device is None:
-            device = "cuda" if getattr(transfer, "device_kind", "cpu") == "cuda" else "cpu"
+            device = "cuda" if transfer is not None and transfer.device_kind == "cuda" else "cpu"
         client = plan_client or DevicePlanClient(capacity_bytes, capacity_fraction, device, alignment)
         try:
             super().__init__(device=str(client.device), commit_timeout_s=commit_timeout_s, overlap=overlap,

@@ -55,7 +55,7 @@ them) and decoded after the backend read it, on ``codec_device``; a value the co
 is a corrupt value like one that fails its checksum. Latents and non-pair layers are stored as
 they are.
 
-``flush`` and ``close`` are bounded (``flush_timeout_s``; `wait_drained`): past the bound they
+``flush`` and ``close`` are bounded (``flush_timeout_s``; `PendingWrites`): past the bound they
 raise `StoreTimeoutError`. Latent writes (``put_skeleton``) count as pending writes like blobs.
 ``close`` waits for every write and every backend call still running, stuck ones included,
 before it closes the backend (a LocalDisk root's lock is released only then); past the bound it
@@ -68,17 +68,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 
-from cacheseek.bounded_calls import BoundedCalls
 from cacheseek.codecs.tier import TierCodec
 from cacheseek.errors import (
     CorruptValueError,
     StoreClosedError,
     StoreError,
-    StoreFullError,
     StoreTimeoutError,
     WriteNotCompleteError,
 )
@@ -89,11 +86,11 @@ from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 from cacheseek.sizes import available_memory, total_memory
 from cacheseek.sizing import SizeField
+from cacheseek.stores.backend_calls import BackendCalls
 from cacheseek.stores.base import TierStore
-from cacheseek.stores.flush import wait_drained
 from cacheseek.stores.value_backend import TierStats, ValueBackend, _check_capacity, check_read_parallelism
 from cacheseek.stores.value_ledger import ValueLedger
-from cacheseek.stores.write_back import WriteBackWorker
+from cacheseek.stores.write_back import PendingWrites
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +102,7 @@ class KeyValueTier(TierStore):
 
     knows_contents = True
     frees_latents = True
+    resizable = True
     storage_format = "cacheseek.tier.objects.v1"  # a value per layer and key, as the backend encodes it
     tier = Tier.CPU
     flush_timeout_s: float = 300.0  # the bound of `flush` and `close`; settable per store
@@ -128,52 +126,43 @@ class KeyValueTier(TierStore):
         self._codec = TierCodec(codec, codec_device)
         self.codec = self._codec.codec
         self.codec_id = self._codec.codec_id  # the namespace's codec field (`cacheseek.codecs`)
-        self.backend = backend
         self.records = records
-        self._digests = bool(getattr(backend, "checks_digests", False))  # decided once, here
-        self._calls = None if op_timeout_s is None else BoundedCalls(
-            op_timeout_s, name=name, field="store.op_timeout_s", hint=" (a stalled disk or file system?)")
         self.name = name
         self.stats = TierStats(capacity_bytes=_check_capacity(capacity_bytes))
+        self.calls = BackendCalls(backend, name=name, op_timeout_s=op_timeout_s, reserved=self._reserved,
+                                  on_corrupt=self._corrupt)
         # bytes of every value this tier holds or is writing; a backend that knows its medium's free
         # bytes lets a full medium's cap rise again
-        self._ledger = ValueLedger(self.stats, free_bytes=self._medium_free if hasattr(backend, "free_bytes") else None)
+        self._ledger = ValueLedger(self.stats, free_bytes=self.calls.free_bytes if self.calls.knows_free_bytes else None)
         self._lock = threading.Lock()  # guards stats and the ledger
         self._closed = False  # to callers
         self._backend_closed = False  # once nothing runs in it any more (`close`)
-        self._idle = threading.Condition(self._lock)  # notified when a pending write completes
-        self._worker: Optional[WriteBackWorker] = None
-        if write_back:
-            self._worker = WriteBackWorker(self._run_queued, depth=queue_depth, name=name)
+        self.pending = PendingWrites(self._lock, self.stats, self._run_write, write_back=write_back,
+                                      depth=queue_depth, name=name)
 
-    def _medium_free(self) -> Optional[int]:
-        """The backend medium's free bytes now (the backend may be replaced: asked each time)."""
-        return self.backend.free_bytes()
+    @property
+    def backend(self) -> ValueBackend:
+        return self.calls.backend
 
-    def _io(self, op: str, fn: Callable[[], Any], key: Optional[str] = None, on_late=None) -> Any:
-        """``fn()``, a backend call: bounded when the tier has ``op_timeout_s`` (module docstring)."""
-        if self._calls is None:
-            return fn()
-        return self._calls.run(op, fn, key=key, on_late=on_late)
+    @backend.setter
+    def backend(self, backend: ValueBackend) -> None:
+        self.calls.backend = backend
 
-    def _write(self, key: str, value: Any) -> Any:
-        """One bounded backend write (its checksum, where the backend has one); one that lands
-        after its caller gave up is removed again unless a later write reserved the key meanwhile."""
-        def late(_: Any, error: Optional[BaseException]) -> None:
-            if error is None:
-                with self._lock:
-                    if key not in self._ledger.sizes:
-                        self.backend.delete(key)
+    def _reserved(self, key: str) -> bool:
+        with self._lock:
+            return key in self._ledger.sizes
 
-        return self._io("write", lambda: self.backend.write(key, value), key, on_late=late)
-
-    def _delete(self, key: str) -> None:
-        self._io("delete", lambda: self.backend.delete(key), key)
+    def _corrupt(self, key: str, exc: CorruptValueError, *, removed: bool) -> None:
+        with self._lock:
+            self.stats.corrupt_values += 1
+            self.stats.last_error = f"{type(exc).__name__}: {exc}"
+            if removed:
+                self._ledger.forget(key)
 
     @property
     def write_back(self) -> bool:
         """Whether writes run on the write-back thread (``put_async`` returns before they land)."""
-        return self._worker is not None
+        return self.pending.worker is not None
 
     @classmethod
     def size_fields(cls, config: dict[str, Any]) -> list[SizeField]:
@@ -206,15 +195,11 @@ class KeyValueTier(TierStore):
         handle = BlobHandle(tier=tier, locator=locator, nbytes=nbytes, n_layers=len(payload), pairs=pairs)
         if pairs:
             items = self._codec.encode_items(items)  # the stored (and counted) values are the encoded ones
-        sizes = [(key, self._value_nbytes(key, value)) for key, value in items]
+        sizes = [(key, self.calls.stored_nbytes(key, value)) for key, value in items]
         with self._lock:
             old = self._reserve(sizes)
             self.stats.pending_writes += 1
-        job = (handle, items, on_ready, old)
-        if self._worker is None:
-            self._write_blob(*job)
-        else:
-            self._worker.submit(job)
+        self.pending.submit((handle, items, on_ready, old))
         return handle
 
     def _write_blob(
@@ -226,28 +211,19 @@ class KeyValueTier(TierStore):
         try:
             for key, value in items:
                 touched.append(key)  # before the write: a failed write may leave part of it
-                digest = self._write(key, value)
-                if self._digests and isinstance(digest, str):
+                digest = self.calls.write(key, value)
+                if self.calls.checks_digests and isinstance(digest, str):
                     digests[key] = digest
         except BaseException as exc:  # noqa: BLE001 - every failure is surfaced on the handle
-            removed = []
-            for key in touched:
-                try:
-                    self._delete(key)
-                    removed.append(key)
-                except Exception:  # noqa: BLE001
-                    log.exception("%s: could not remove %s after a failed write", self.name, key)
+            removed = self.calls.remove_partial(touched)
             handle.fail(exc)
             with self._lock:
-                self._ledger.unreserve(old, removed=removed)
-                if self._caps_on_full(exc):
-                    self._ledger.cap_at_used(exc, name=self.name)
+                self._ledger.refund(old, removed, exc, caps=self.calls.caps_on_full(exc), name=self.name)
                 self.stats.failed_writes += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
-                self.stats.pending_writes -= 1
-                self._idle.notify_all()
+                self.pending.done()
             log.error("%s: write of %s failed: %s", self.name, handle.locator, exc)
-            if self._worker is None and (self._caps_on_full(exc) or not isinstance(exc, Exception)):
+            if not self.write_back and (self.calls.caps_on_full(exc) or not isinstance(exc, Exception)):
                 raise  # a full medium (the caller evicts and retries); KeyboardInterrupt and the like
             return
         with self._lock:
@@ -261,11 +237,14 @@ class KeyValueTier(TierStore):
                 on_ready(handle)
         finally:
             with self._lock:
-                self.stats.pending_writes -= 1
-                self._idle.notify_all()
+                self.pending.done()
 
-    def _run_queued(self, job: tuple) -> None:
-        """A write on the write-back thread: a failed write is on its handle already."""
+    def _run_write(self, job: tuple) -> None:
+        """A write; on the write-back thread a failed write is on its handle already, and only
+        ``on_ready``'s failure is left to log."""
+        if not self.write_back:
+            self._write_blob(*job)
+            return
         try:
             self._write_blob(*job)
         except Exception:  # noqa: BLE001 - the write succeeded; on_ready raised
@@ -275,24 +254,21 @@ class KeyValueTier(TierStore):
         """Write a latent (synchronously). `StoreFullError` when it does not fit; any backend
         failure is a `StoreError` (what it wrote is not counted)."""
         self._check_open()
-        size = self._value_nbytes(locator, latent)
+        size = self.calls.stored_nbytes(locator, latent)
         with self._lock:
             old = self._reserve([(locator, size)])
             self.stats.pending_writes += 1  # close waits for it like for a blob
         try:
-            self._write(locator, latent)
+            self.calls.write(locator, latent)
         except BaseException as exc:
             with self._lock:
-                self._ledger.unreserve(old, removed=[])
-                if self._caps_on_full(exc):
-                    self._ledger.cap_at_used(exc, name=self.name)
+                self._ledger.refund(old, [], exc, caps=self.calls.caps_on_full(exc), name=self.name)
             if isinstance(exc, StoreError) or not isinstance(exc, Exception):
                 raise
             raise StoreError(f"{self.name}: write of {locator} failed: {type(exc).__name__}: {exc}") from exc
         finally:
             with self._lock:
-                self.stats.pending_writes -= 1
-                self._idle.notify_all()
+                self.pending.done()
 
     # -- accounting ---------------------------------------------------------------------------
 
@@ -300,28 +276,6 @@ class KeyValueTier(TierStore):
         """Under ``_lock``: `ValueLedger.reserve`, the refusal naming this tier and its fix."""
         return self._ledger.reserve(sizes, name=self.name, fix=self.capacity_fix)
 
-    def _value_nbytes(self, key: str, value: Any) -> int:
-        sized = getattr(self.backend, "stored_nbytes", None)
-        if callable(sized):
-            try:
-                return int(sized(key, value))
-            except StoreError:  # a value the backend cannot store: its write fails on the handle
-                pass
-        return payload_nbytes(value)
-
-    def _caps_on_full(self, exc: BaseException) -> bool:
-        """A full medium this tier accounts for alone (``backend.full_caps_tier``: LocalDisk). A
-        shared store that evicts by itself (Fluxon) reports full without capping the tier."""
-        return isinstance(exc, StoreFullError) and bool(getattr(self.backend, "full_caps_tier", False))
-
-    def _forget(self, key: str) -> None:
-        """Under ``_lock``: ``key`` was removed from the backend."""
-        self._ledger.forget(key)
-
-    def _seed_usage(self, sizes: dict[str, int]) -> None:
-        """Count values that already exist in the backend (a reopened persistent tier)."""
-        with self._lock:
-            self._ledger.seed(sizes)
 
     @property
     def capacity_bytes(self) -> Optional[int]:
@@ -336,9 +290,7 @@ class KeyValueTier(TierStore):
 
     def usage(self) -> StoreUsage:
         with self._lock:
-            self._ledger.refresh(self.name, time.monotonic())  # a full medium's cap rises again
-            return StoreUsage(self.stats.used_bytes, self.stats.capacity_bytes, self.stats.peak_bytes,
-                              len(self._ledger))
+            return self._ledger.usage(self.name, time.monotonic())
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -350,29 +302,9 @@ class KeyValueTier(TierStore):
         return self._read(locator)
 
     def _read(self, key: str, expect: Optional[str] = None, *, decode: bool = False) -> Optional[Any]:
-        """The backend's value, or None when it is missing or corrupt (then it is removed);
-        ``expect``: the checksum the chunk's record names (a backend with ``checks_digests``);
-        ``decode``: a K or V value, decoded by the tier's codec (a value it cannot decode is corrupt)."""
-        if expect is not None and self._digests:
-            read = lambda: self.backend.read(key, expect)  # noqa: E731
-        else:
-            read = lambda: self.backend.read(key)  # noqa: E731
-        try:
-            value = self._io("read", read, key)
-            return self._codec.decode(key, value) if decode else value
-        except CorruptValueError as exc:
-            log.error("%s: %s; removing it and reading it as missing", self.name, exc)
-            with self._lock:
-                self.stats.corrupt_values += 1
-                self.stats.last_error = f"{type(exc).__name__}: {exc}"
-            try:
-                self._delete(key)
-            except Exception:  # noqa: BLE001 - the manager's free of the blob retries the removal
-                log.exception("%s: could not remove corrupt value %s", self.name, key)
-            else:
-                with self._lock:
-                    self._forget(key)
-            return None
+        """The value, or None when it is missing or corrupt (`BackendCalls.read`); ``decode``: a
+        K or V value, decoded by the tier's codec."""
+        return self.calls.read(key, expect, (lambda v: self._codec.decode(key, v)) if decode else None)
 
     def get_layer(self, handle: BlobHandle, layer: int) -> Optional[Any]:
         self._check_open()
@@ -398,29 +330,9 @@ class KeyValueTier(TierStore):
         return out
 
     def get_layers(self, requests: Sequence[tuple[BlobHandle, int]]) -> list[Optional[Any]]:
-        """`get_layer` of every ``(handle, layer)``, in order, up to ``read_parallelism`` layers
-        at once. After the first miss (or error) no new read starts; the layers not read are
-        None. The first error, in request order, is raised once every started read is done."""
+        """`TierStore.get_layers`: up to ``read_parallelism`` layers at once."""
         self._check_open()
-        if self.read_parallelism == 1 or len(requests) < 2:
-            return super().get_layers(requests)
-        stop = threading.Event()
-
-        def one(handle: BlobHandle, layer: int) -> Optional[Any]:
-            if stop.is_set():
-                return None
-            try:
-                got = self.get_layer(handle, layer)
-            except BaseException:
-                stop.set()
-                raise
-            if got is None:
-                stop.set()
-            return got
-
-        with ThreadPoolExecutor(min(self.read_parallelism, len(requests)), thread_name_prefix=f"{self.name}-read") as pool:
-            futures = [pool.submit(one, handle, layer) for handle, layer in requests]
-        return [f.result() for f in futures]
+        return super().get_layers(requests)
 
     # -- lifetime -----------------------------------------------------------------------------
 
@@ -430,37 +342,30 @@ class KeyValueTier(TierStore):
             raise WriteNotCompleteError(f"{handle.locator}: write still in flight; cannot free")
         self.records.retract(node_key_of(handle.locator))  # unfindable first, then its values go
         for key in blob_keys(handle.locator, handle.n_layers, pairs=handle.pairs):
-            self._delete(key)
+            self.calls.delete(key)
             with self._lock:
-                self._forget(key)
+                self._ledger.forget(key)
         with self._lock:
             self.stats.frees += 1
 
     def free_skeleton(self, locator: str) -> None:
         """Remove a latent (idempotent); backend errors surface."""
         self._check_open()
-        self._delete(locator)
+        self.calls.delete(locator)
         with self._lock:
-            self._forget(locator)
+            self._ledger.forget(locator)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Which of ``keys`` hold a value, in order (the backend's ``exists`` when it has one,
         else a read)."""
         self._check_open()
-        exists = getattr(self.backend, "exists", None)
-        if callable(exists):
-            return self._io("exists", lambda: [bool(exists(key)) for key in keys])
-        return self._io("read", lambda: [self.backend.read(key) is not None for key in keys])
+        return self.calls.contains(keys)
 
     def flush(self, timeout_s: Optional[float] = None) -> None:
         """Wait until every queued write has completed (successfully or not), at most
         ``timeout_s`` seconds (default ``flush_timeout_s``); `StoreTimeoutError` past it, naming
         how many writes are still pending (they go on; a later flush may succeed)."""
-        bound = self.flush_timeout_s if timeout_s is None else timeout_s
-        with self._lock:
-            wait_drained(self._idle, lambda: self.stats.pending_writes, bound,
-                         lambda n: StoreTimeoutError(f"{self.name}: {n} writes still pending after {bound} s "
-                                                     "(a stuck backend?)"))
+        self.pending.flush(self.flush_timeout_s if timeout_s is None else timeout_s)
 
     def close(self) -> None:
         """Flush pending writes, stop the write-back thread, wait for backend calls still running
@@ -478,17 +383,12 @@ class KeyValueTier(TierStore):
                 self.flush()
             except StoreTimeoutError:
                 self._closed = True
-                if self._worker is not None:
-                    self._worker.stop(wait_s=0.0)
+                self.pending.stop(0.0)
                 raise
             self._closed = True
-        if self._worker is not None and not self._worker.stop(wait_s=self.flush_timeout_s):
+        if not self.pending.stop(self.flush_timeout_s):
             raise StoreTimeoutError(f"{self.name}: the write-back thread did not stop; backend left open")
-        running = self._calls.wait_quiet(self.flush_timeout_s) if self._calls is not None else 0
-        if running:
-            raise StoreTimeoutError(f"{self.name}: {running} backend calls still running after "
-                                    f"{self.flush_timeout_s} s (a stalled medium?); backend left open")
-        self.backend.close()
+        self.calls.close(self.flush_timeout_s)
         self._backend_closed = True
 
     def _check_open(self) -> None:

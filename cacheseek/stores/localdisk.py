@@ -381,7 +381,8 @@ class LocalDiskTierStore(KeyValueTier):
                              codec=codec, codec_device=codec_device)
             t0 = time.monotonic()
             for files in self._per_shard(lambda s: disk.shard_files(s, sweep=True)):  # no list of the root
-                self._seed_usage({key: size for key, size, _ in files})
+                with self._lock:
+                    self._ledger.seed({key: size for key, size, _ in files})
             self._scan_total = self._scan_mine = self.stats.used_bytes
             self._scanned_at = time.monotonic()
             self._scan_cost_s = self._scanned_at - t0
@@ -423,9 +424,9 @@ class LocalDiskTierStore(KeyValueTier):
         """``fn(shard)`` for every shard folder, `LISTING_THREADS` shards at once (a listing
         waits on the file system's metadata, in the kernel, not on the GIL), each call bounded;
         the results in shard order, as they come."""
-        shards = self._io("scan", self.disk.folder.shard_names)
+        shards = self.calls.run("scan", self.disk.folder.shard_names)
         with ThreadPoolExecutor(LISTING_THREADS, thread_name_prefix="localdisk-scan") as pool:
-            yield from pool.map(lambda s: self._io("scan", lambda: fn(s)), shards)
+            yield from pool.map(lambda s: self.calls.run("scan", lambda: fn(s)), shards)
 
     def orphans(self) -> list[str]:
         """Values of chunks that were never committed (no record names their chunk) and are older
@@ -465,16 +466,16 @@ class LocalDiskTierStore(KeyValueTier):
 
     def disk_usage_bytes(self) -> int:
         self._check_open()
-        return self._io("scan", self.disk.disk_usage_bytes)
+        return self.calls.run("scan", self.disk.disk_usage_bytes)
 
     def delete_values(self, keys: list[str]) -> None:
         """Remove these values (idempotent), giving their bytes back; `WorldKVManager.reconcile`
         uses it for the values of chunks never committed (`orphans`)."""
         self._check_open()
         for key in keys:
-            self._delete(key)
+            self.calls.delete(key)
             with self._lock:
-                self._forget(key)
+                self._ledger.forget(key)
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, Optional
 
 from cacheseek.errors import StoreFullError
+from cacheseek.eviction.base import StoreUsage
 
 __all__ = ["ValueLedger"]
 
@@ -77,6 +78,19 @@ class ValueLedger:
             if previous is not None and key not in gone:
                 self.sizes[key] = previous
                 self.stats.used_bytes += previous
+
+    def refund(self, old: dict[str, Optional[int]], removed: Iterable[str], exc: BaseException, *, caps: bool,
+               name: str) -> None:
+        """A failed write: `unreserve`, and where the medium was full and ``caps`` (the tier
+        accounts for it alone), `cap_at_used`."""
+        self.unreserve(old, removed=removed)
+        if caps:
+            self.cap_at_used(exc, name=name)
+
+    def usage(self, name: str, now: float) -> StoreUsage:
+        """What the tier holds (after `refresh`: a full medium's cap rises again)."""
+        self.refresh(name, now)
+        return StoreUsage(self.stats.used_bytes, self.stats.capacity_bytes, self.stats.peak_bytes, len(self.sizes))
 
     def forget(self, key: str) -> None:
         """``key`` was removed from the backend (idempotent)."""

@@ -12,6 +12,9 @@ Lifecycle::
         queue stayed full or the thread is still running after ``wait_s`` (it goes on)
 
 ``run`` owns its failures: an exception that escapes it ends the thread.
+
+`PendingWrites`: the writes a store has begun and not finished, counted in its stats under the
+store's lock, and the optional worker that runs them; ``flush`` waits for them, bounded.
 """
 
 from __future__ import annotations
@@ -21,7 +24,10 @@ import threading
 from collections.abc import Callable
 from typing import Any, Optional
 
-__all__ = ["WriteBackWorker"]
+from cacheseek.errors import StoreTimeoutError
+from cacheseek.stores.flush import wait_drained
+
+__all__ = ["WriteBackWorker", "PendingWrites"]
 
 _STOP = None  # the job that ends the thread
 
@@ -70,3 +76,40 @@ class WriteBackWorker:
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait for the thread to exit (after `stop`), at most ``timeout`` seconds."""
         self._thread.join(timeout=timeout)
+
+
+class PendingWrites:
+    """``stats.pending_writes`` of a store, guarded by its ``lock``; with ``write_back`` a
+    `WriteBackWorker` runs each job (``run(job)``), else it runs in the caller's thread."""
+
+    def __init__(self, lock: threading.Lock, stats: Any, run: Callable[[Any], None], *, write_back: bool,
+                 depth: int, name: str) -> None:
+        self.stats = stats
+        self.name = name
+        self.idle = threading.Condition(lock)  # notified when a pending write completes
+        self._run = run
+        self.worker = WriteBackWorker(run, depth=depth, name=name) if write_back else None
+
+    def submit(self, job: Any) -> None:
+        """Run ``job`` now, or queue it on the write-back thread."""
+        if self.worker is None:
+            self._run(job)
+        else:
+            self.worker.submit(job)
+
+    def done(self) -> None:
+        """With the lock held: one pending write completed (succeeded or failed)."""
+        self.stats.pending_writes -= 1
+        self.idle.notify_all()
+
+    def flush(self, bound_s: float) -> None:
+        """Wait until every pending write has completed, at most ``bound_s``; `StoreTimeoutError`
+        past it, naming how many are still pending (they go on; a later flush may succeed)."""
+        with self.idle:
+            wait_drained(self.idle, lambda: self.stats.pending_writes, bound_s,
+                         lambda n: StoreTimeoutError(f"{self.name}: {n} writes still pending after {bound_s} s "
+                                                     "(a stuck backend?)"))
+
+    def stop(self, wait_s: float) -> bool:
+        """Stop the write-back thread (`WriteBackWorker.stop`); True when there is none."""
+        return self.worker is None or self.worker.stop(wait_s=wait_s)

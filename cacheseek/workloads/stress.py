@@ -216,8 +216,7 @@ class StressWorkload:
         usage = store_usage(store)
         if usage is not None and usage.capacity_bytes is not None:
             return usage.capacity_bytes
-        prop = getattr(type(store), "capacity_bytes", None)
-        if self.capacity_chunks is None or not (isinstance(prop, property) and prop.fset):
+        if self.capacity_chunks is None or not store.resizable:
             return None
         g = stack.runtime_factory.geometry
         item = _ITEMSIZE[stack.runtime_factory.dtype]
