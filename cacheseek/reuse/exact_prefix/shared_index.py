@@ -78,11 +78,6 @@ class SharedIndex:
         self._claims: dict[bytes, int] = {}  # node key -> id of the owner (a session) holding its claim
         self._claims_lock = threading.Lock()
 
-    @classmethod
-    def off(cls, ctx: "WorldKVManager") -> "SharedIndex":
-        """An index that never asks the store (a role built on its own: it sees only its trie)."""
-        return cls(ctx, SharedIndexConfig(enabled=False))
-
     @property
     def active(self) -> bool:
         """Whether lookups ask the store: the index is on and the store's records are shared."""
@@ -269,13 +264,6 @@ class SharedIndex:
             handle.recorded = True
             self.ctx.metrics.add(index_published=1)
         self._release(node.node_key)  # the record is there (or could not be): waiters stop waiting
-
-    def is_published(self, node_key_: bytes) -> bool:
-        """Whether another writer has made this chunk findable already (its write can be skipped)."""
-        if not self.active:
-            return False
-        (record,) = self.ctx.store.records.find([node_key_])
-        return record is not None
 
     # -- the read side's re-check ---------------------------------------------------------------
 
