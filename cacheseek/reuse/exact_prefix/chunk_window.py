@@ -35,6 +35,7 @@ from cacheseek.errors import CacheSeekError, GeometryError, LayoutMismatchError
 from cacheseek.kv.payload import RestoreTarget
 from cacheseek.kv.ring import CopyRun
 from cacheseek.reuse.exact_prefix.keys import node_key
+from cacheseek.reuse.exact_prefix.restore import RestoreWindow
 
 __all__ = ["ChunkWindow", "StagingPool", "STAGING", "advance_rng", "check_latents", "node_problem"]
 
@@ -127,9 +128,11 @@ class StagingPool:
 STAGING = StagingPool()
 
 
-class ChunkWindow:
+class ChunkWindow(RestoreWindow):
     """The restore target of chunk ``idx`` of a live session (see the module docstring).
     ``staging``: device buffers per layer ``(k, v)`` for a whole-path store, None otherwise."""
+
+    restores_paths = True
 
     def __init__(self, layout: Any, runtime: Any, ring: Any, idx: int, staging: Any = None, *,
                  publish_latent: bool = True) -> None:

@@ -46,7 +46,7 @@ from cacheseek.reuse.exact_prefix.config import SharedIndexConfig, WorldKVConfig
 from cacheseek.reuse.exact_prefix.frames import ChunkFrames
 from cacheseek.reuse.exact_prefix.invalidation import Invalidator
 from cacheseek.reuse.exact_prefix.keys import kv_locator, latent_locator
-from cacheseek.reuse.exact_prefix.restore import Outcome, Restorer, RestoreWindow
+from cacheseek.reuse.exact_prefix.restore import Outcome, Restorer, RestoreWindow, as_window
 from cacheseek.reuse.exact_prefix.shared_index import SharedIndex
 from cacheseek.reuse.exact_prefix.trie import Namespace, NamespaceForest, PrefixMatch
 from cacheseek.reuse.exact_prefix.types import ActionKey, BlobHandle, FastForwardResult, Skeleton, TrieNode, kv_pairs
@@ -146,8 +146,9 @@ class WorldKVManager:
         runtime as it was, and the chunk is computed. A failure after publication (releasing
         the references, the counters) does not unpublish: the chunk counts as restored. Never
         raises for a store's or the window's failure."""
+        window = as_window(window)
         outcome = self._restore(node, window, node.depth + 1, chunk_only=True)
-        if getattr(window, "published", outcome is not None and outcome.ok):
+        if window.published if window.published is not None else outcome is not None and outcome.ok:
             self.metrics.record_live_hit(node.depth, outcome.tier if outcome is not None else None)
             self._after_hit(node)
             return True

@@ -22,14 +22,17 @@ import torch
 from cacheseek.errors import CacheSeekError, GeometryError, LayoutMismatchError
 from cacheseek.kv.payload import RestoreTarget
 from cacheseek.reuse.exact_prefix.chunk_window import advance_rng, check_latents, node_problem
+from cacheseek.reuse.exact_prefix.restore import RestoreWindow
 
 __all__ = ["PrefixWindow"]
 
 
-class PrefixWindow:
+class PrefixWindow(RestoreWindow):
     """The restore target of a session's cached prefix (see the module docstring). ``layout``:
     the runtime's layout adapter; ``ring``: its `RingGeometry`; ``on_published(K)``: called at
     publication with the number of chunks restored (the binding's ``last_fast_forward``)."""
+
+    restores_paths = True
 
     def __init__(self, layout: Any, runtime: Any, ring: Any, on_published: Callable[[int], None]) -> None:
         self.layout = layout

@@ -33,12 +33,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 import attrs
 
 from cacheseek.errors import CorruptValueError, HandleStateError, LayoutMismatchError
-from cacheseek.kv.payload import layer_nbytes, payload_nbytes
+from cacheseek.kv.payload import RestoreTarget, layer_nbytes, payload_nbytes
 from cacheseek.reuse.exact_prefix.invalidation import owner_of
 from cacheseek.reuse.exact_prefix.types import NodeState, TrieNode
 
@@ -47,18 +47,66 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NOT_WHOLE", "OK", "Outcome", "RestoreWindow", "Restorer"]
+__all__ = ["NOT_WHOLE", "OK", "Outcome", "RestoreWindow", "Restorer", "as_window"]
 
 
-class RestoreWindow(Protocol):
+class RestoreWindow:
     """What a restore seeds. ``blobs`` is ``[(chunk_depth, layer_payload), ...]`` oldest first
     (``(k, v)`` from the binding, any object a generic tier stored). ``depth`` in both calls is the
     trie depth of the deepest restored node, ``node.depth`` = K-1 for K restored chunks (as
-    upstream CacheSeek passes it); the runtime resumes at chunk ``depth + 1``."""
+    upstream CacheSeek passes it); the runtime resumes at chunk ``depth + 1``.
 
-    def seed_layer(self, layer: int, blobs: list[tuple[int, Any]], depth: int) -> None: ...
+    Optional, with defaults: ``node_problem(node, in_window)`` (why a node cannot be restored into
+    this runtime; None: it can), ``seed_latents(latents)``, ``bytes_restored`` (0: counted from
+    what was fetched), ``published`` (None: the restore's outcome says). ``restores_paths``: it
+    offers ``restore_target(depth, window_depths)``, where a store that ``reads_paths`` restores
+    the whole path itself. A caller's own window is wrapped once per restore (`as_window`)."""
 
-    def set_resume_depth(self, depth: int) -> None: ...
+    restores_paths: ClassVar[bool] = False
+    bytes_restored: int = 0
+    published: Optional[bool] = None
+
+    def seed_layer(self, layer: int, blobs: list[tuple[int, Any]], depth: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.seed_layer")
+
+    def set_resume_depth(self, depth: int) -> None:
+        raise NotImplementedError(f"{type(self).__name__}.set_resume_depth")
+
+    def node_problem(self, node: TrieNode, in_window: bool) -> Optional[str]:
+        return None
+
+    def seed_latents(self, latents: Sequence[Any]) -> None:
+        return None
+
+    def restore_target(self, depth: int, window_depths: Sequence[int]) -> RestoreTarget:
+        raise NotImplementedError(f"{type(self).__name__} has no restore target")
+
+
+class _CallerWindow(RestoreWindow):
+    """A caller's own window (``seed_layer`` and ``set_resume_depth``, docs/api.md) behind the
+    contract: what else it has is resolved here, once."""
+
+    def __init__(self, obj: Any) -> None:
+        self.wrapped = obj
+        self.seed_layer = obj.seed_layer  # type: ignore[method-assign]
+        self.set_resume_depth = obj.set_resume_depth  # type: ignore[method-assign]
+        for name in ("node_problem", "seed_latents", "restore_target"):
+            if callable(getattr(obj, name, None)):
+                setattr(self, name, getattr(obj, name))
+        self.restores_paths = callable(getattr(obj, "restore_target", None))  # type: ignore[misc]
+
+    @property
+    def bytes_restored(self) -> int:  # type: ignore[override]
+        return int(getattr(self.wrapped, "bytes_restored", 0) or 0)
+
+    @property
+    def published(self) -> Optional[bool]:  # type: ignore[override]
+        return getattr(self.wrapped, "published", None)
+
+
+def as_window(obj: Any) -> RestoreWindow:
+    """``obj`` when it is a `RestoreWindow`, else the caller's own window behind the contract."""
+    return obj if isinstance(obj, RestoreWindow) else _CallerWindow(obj)
 
 
 @attrs.frozen(slots=True)
@@ -107,14 +155,14 @@ class Restorer:
         node alone (its latent and KV: a live session's next chunk, whose ring already holds
         the rest). Raises on store errors other than missing or corrupt values."""
         ctx = self.ctx
+        window = as_window(window)
         path = [node] if chunk_only else node.path()
         win = [node] if chunk_only else self.window_path(node)
-        problem_of = getattr(window, "node_problem", None)
         in_win = {id(n) for n in win}
         with ctx.forest.lock:
             if not all(n.has_kv for n in win) or not all(n.skeleton is not None for n in path):
                 return NOT_WHOLE
-            bad = [(n, why) for n in path if callable(problem_of) and (why := problem_of(n, id(n) in in_win))]
+            bad = [(n, why) for n in path if (why := window.node_problem(n, id(n) in in_win))]
             for n in path:
                 n.ref_count += 1
         missing: tuple[TrieNode, ...] = ()
@@ -128,19 +176,19 @@ class Restorer:
             t0 = time.perf_counter()
             tier = ctx.store.label
             try:
-                if ctx.store.reads_paths and hasattr(window, "restore_target"):
+                if ctx.store.reads_paths and window.restores_paths:
                     target = window.restore_target(len(path), [n.depth for n in win])
                     if not ctx.store.read_path(path, win, target):
                         missing = self.ctx.invalidator.find_missing(path, win, None)
                         return Outcome(False, missing)
                     tier = ctx.store.served_tier() or tier
-                    nbytes = int(getattr(window, "bytes_restored", 0) or 0)
+                    nbytes = window.bytes_restored
                 else:
                     fetched = self._fetch_generic(path, win, window)
                     if isinstance(fetched, Outcome):
                         missing = fetched.missing
                         return fetched
-                    nbytes = int(getattr(window, "bytes_restored", 0) or 0) or fetched
+                    nbytes = window.bytes_restored or fetched
             except LayoutMismatchError as exc:
                 if exc.depth is None:
                     raise
@@ -217,8 +265,7 @@ class Restorer:
                 per_layer.append([])
             per_layer[layer].append((n.depth, kv))
             nbytes += layer_nbytes(kv)
-        if hasattr(window, "seed_latents"):
-            window.seed_latents(latents)
+        window.seed_latents(latents)
         for layer, blobs in enumerate(per_layer):
             window.seed_layer(layer, blobs, path[-1].depth)
         return nbytes
