@@ -28,7 +28,6 @@ Torch-free; imports only `cacheseek.errors` and `cacheseek.kv.claims`.
 
 from __future__ import annotations
 
-import bisect
 import json
 import logging
 import threading
@@ -101,18 +100,6 @@ class ChunkRecord:
     @property
     def name(self) -> str:
         return record_name(self.node_key)
-
-    def digest_of(self, key: str) -> Optional[str]:
-        """The checksum the writer recorded for value ``key`` (None: none recorded)."""
-        keys = [k for k, _ in self.digests]
-        i = bisect.bisect_left(keys, key)
-        return self.digests[i][1] if i < len(keys) and keys[i] == key else None
-
-    def same_chunk(self, other: "ChunkRecord") -> bool:
-        """Whether ``other`` describes the same chunk in the same place (a second writer's record)."""
-        return (self.node_key, self.parent_key, self.root_hash, self.depth, self.n_layers, self.nbytes,
-                self.pairs) == (other.node_key, other.parent_key, other.root_hash, other.depth,
-                                other.n_layers, other.nbytes, other.pairs)
 
 
 def _seal(name: str, body: bytes) -> bytes:

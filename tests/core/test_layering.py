@@ -20,7 +20,7 @@ PACKAGE = Path(cacheseek.__file__).parent
 LAYERS = {
     "errors": 0, "histogram": 0,
     "sizes": 1, "registry": 1, "kv": 1, "progress": 1, "schema": 1, "weights": 1, "bounded_calls": 1,
-    "metric_fields": 1,
+    "metric_fields": 1, "hooks": 1,
     "sizing": 2, "namespace": 2, "codecs": 2, "eviction": 2, "transfer": 2, "fluxon": 2, "layout": 2,
     "hydra_errors": 2,
     "metrics": 3, "plan": 3, "integrations": 3, "fluxon_service": 3,

@@ -29,6 +29,7 @@ from typing import Any, Optional
 
 import torch
 
+from cacheseek.hooks import as_hooks
 from cacheseek.integrations.telefuser import handout
 
 __all__ = ["NextChunkSeam", "OverrideSeam", "released_chunk_control", "report"]
@@ -49,9 +50,7 @@ def report(binding: Any, runtime: Any, idx: int, control: Any, *, may_restore: b
     """Tell ``binding`` that chunk ``idx`` runs with ``control`` (a binding without the hook, e.g.
     a caller's own, is left alone); ``may_restore``: the chunk runs next in this thread, so the
     binding may restore it instead (a live session on a cached path)."""
-    hook = getattr(binding, "on_chunk_control", None)
-    if hook is not None:
-        hook(runtime, idx, control, may_restore=may_restore)
+    as_hooks(binding).on_chunk_control(runtime, idx, control, may_restore=may_restore)
 
 
 class NextChunkSeam:
@@ -64,7 +63,7 @@ class NextChunkSeam:
         self.pipeline = pipeline
 
     def __call__(self, runtime: Any, *args: Any, **kwargs: Any) -> Any:
-        binding = getattr(runtime, "world_kv_binding", None)
+        binding = as_hooks(getattr(runtime, "world_kv_binding", None))
         idx = int(runtime.current_chunk_index)
         if binding is None or idx >= len(runtime.noise_chunks):
             return self.inner(runtime, *args, **kwargs)
@@ -74,7 +73,7 @@ class NextChunkSeam:
         plan = None
         with torch.inference_mode():  # the ring is an inference tensor: a restore writes it here
             report(binding, runtime, idx, control, may_restore=True)
-            if self.pipeline is not None and callable(getattr(binding, "next_chunk", None)):
+            if self.pipeline is not None:
                 plan = binding.next_chunk(runtime, idx, handout.frames_spec(runtime, idx))
         if plan is not None and plan.handed_out:
             images = handout.hand_out(runtime, plan.frames)
@@ -84,9 +83,7 @@ class NextChunkSeam:
             images = self.inner(runtime, *args, **kwargs)
             if plan is not None:
                 binding.on_chunk_frames(runtime, idx, handout.frames_of(images))
-        finished = getattr(binding, "chunk_finished", None)  # a caller's own binding may not time chunks
-        if finished is not None:
-            finished(idx, time.perf_counter() - t0, since_session_start=True)
+        binding.chunk_finished(idx, time.perf_counter() - t0, since_session_start=True)
         return images
 
 
@@ -100,8 +97,7 @@ class OverrideSeam:
 
     def __call__(self, runtime: Any, *args: Any, **kwargs: Any) -> Any:
         override = self.inner(runtime, *args, **kwargs)
-        binding = getattr(runtime, "world_kv_binding", None)
-        arrived = getattr(binding, "on_control_arrived", None)
-        if arrived is not None and override is not None:
-            arrived(runtime, int(runtime.current_chunk_index), override)
+        binding = as_hooks(getattr(runtime, "world_kv_binding", None))
+        if binding is not None and override is not None:
+            binding.on_control_arrived(runtime, int(runtime.current_chunk_index), override)
         return override

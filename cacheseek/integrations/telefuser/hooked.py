@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from cacheseek import weights
+from cacheseek.hooks import as_hooks
 from cacheseek.integrations.telefuser.chunk_controls import NextChunkSeam, OverrideSeam
 from cacheseek.integrations.telefuser.encodes import KeptEncodes
 
@@ -47,8 +48,7 @@ class HookedHooks:
 
     def create_runtime(self, session_config: Any, *args: Any, **kwargs: Any) -> Any:
         binding = getattr(session_config, "world_kv_binding", None)
-        accept = getattr(binding, "accept_handout", None)  # a caller's own binding may not serve frames
-        if accept is not None:
-            accept()  # generate_next_chunk hands out served chunks' frames (`handout`)
+        if binding is not None:
+            as_hooks(binding).accept_handout()  # generate_next_chunk hands out served chunks' frames (`handout`)
         with weights.of_model(self.pipeline.dit), self.encodes.for_session(binding):
             return self._create_runtime(session_config, *args, **kwargs)

@@ -35,6 +35,7 @@ from typing import Any, Optional
 import torch
 
 from cacheseek import weights
+from cacheseek.hooks import as_hooks
 from cacheseek.integrations.telefuser.chunk_controls import NextChunkSeam, OverrideSeam
 from cacheseek.integrations.telefuser.encodes import KeptEncodes
 
@@ -97,9 +98,8 @@ class ReleasedHooks:
         runtime.world_kv_binding = binding
         if binding is None:
             return runtime
-        accept = getattr(binding, "accept_handout", None)  # a caller's own binding may not serve frames
-        if accept is not None:
-            accept()  # generate_next_chunk hands out served chunks' frames (`handout`)
+        if binding is not None:
+            as_hooks(binding).accept_handout()  # generate_next_chunk hands out served chunks' frames (`handout`)
         with self._lock:
             self._runtimes[id(runtime.self_kv_cache)] = runtime
         try:

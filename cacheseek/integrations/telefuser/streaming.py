@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from cacheseek import weights
+from cacheseek.hooks import as_hooks
 from cacheseek.integrations.telefuser.chunk_controls import report
 from cacheseek.integrations.telefuser.layouts import UnsupportedTeleFuserError
 from cacheseek.integrations.telefuser.pypi_release import _Proxy
@@ -179,9 +180,8 @@ class StreamingHooks:
             with self._lock:
                 self._admitted.setdefault(handle, set()).add(int(chunk_index))
             return
-        withdraw = getattr(binding, "withdraw_control", None)
-        if withdraw is not None:
-            withdraw(int(chunk_index))
+        if binding is not None:
+            as_hooks(binding).withdraw_control(int(chunk_index))
 
     def denoise(self, kwargs: dict[str, Any], call: Any) -> Any:
         """One ``denoise_and_update_cache`` call of the denoise actor: a chunk of a live session
@@ -190,12 +190,11 @@ class StreamingHooks:
         handle = kwargs.get("cache_handle")
         with self._lock:
             session = self._sessions.get(handle)
-        binding = getattr(session, "world_kv_binding", None)
-        restore = getattr(binding, "restore_chunk", None)
-        if restore is None or "current_start" not in kwargs:
+        binding = as_hooks(getattr(session, "world_kv_binding", None))
+        if binding is None or "current_start" not in kwargs:
             return call()
         idx = int(kwargs["current_start"]) // (int(session.chunk_size) * int(session.frame_tokens))
-        latent = restore(session, idx)
+        latent = binding.restore_chunk(session, idx)
         if latent is None:
             return call()
         advanced = self._stage.advance_noise(cache_handle=handle)

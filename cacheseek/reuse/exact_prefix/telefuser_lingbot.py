@@ -64,6 +64,7 @@ import xxhash
 
 from cacheseek import namespace, weights
 from cacheseek.errors import CacheSeekError, ConfigError, GeometryError, LayoutMismatchError, StoreError, StoreWarmingError
+from cacheseek.hooks import RuntimeHooks
 from cacheseek.integrations.telefuser import unattached_release
 from cacheseek.kv.ring import RingGeometry
 from cacheseek.layout.auto import layout_name_of_runtime
@@ -132,7 +133,7 @@ def _image_fingerprint(image: Any) -> bytes:
                   xxhash.xxh3_128(image.tobytes()).digest())
 
 
-class LingBotWorldKVBinding(LiveChunks, HandOut):
+class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
     def __init__(
         self,
         manager: WorldKVManager,

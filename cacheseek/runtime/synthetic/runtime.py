@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from cacheseek.hooks import as_hooks
 from cacheseek.errors import ConfigError, LayoutMismatchError
 from cacheseek.kv.frames import FramesSpec
 from cacheseek.runtime.geometry import Geometry, validate_window
@@ -139,7 +140,7 @@ class SyntheticWorldRuntime:
 
         g = geometry
         self.geometry = g
-        self.hooks = hooks
+        self.hooks = as_hooks(hooks)
         self.total_chunks = total_chunks
         self.num_steps = num_steps
         self.device = device
@@ -233,7 +234,7 @@ class SyntheticWorldRuntime:
         if not self._started:
             self._started = True
             if self.hooks is not None:
-                if self.handout and callable(getattr(self.hooks, "accept_handout", None)):
+                if self.handout:
                     self.hooks.accept_handout()
                 self.hooks.on_runtime_created(self, self.session_config)
         for i in range(self.next_chunk, min(self.total_chunks, self.next_chunk + n)):
@@ -271,20 +272,20 @@ class SyntheticWorldRuntime:
     def materialize_restored(self) -> int:
         """Restore what the session served from frames into the ring now, as its divergence
         would (the ring check compares that state with a cold run's); chunks restored."""
-        return self.hooks.materialize(self) if self.handout and callable(getattr(self.hooks, "materialize", None)) else 0
+        return self.hooks.materialize(self) if self.handout and self.hooks is not None else 0
 
     # -- chunk loop ---------------------------------------------------------------------------
 
     def _run_chunk(self, i: int) -> None:
-        if self.streamed and callable(getattr(self.hooks, "on_control_arrived", None)):
+        if self.streamed and self.hooks is not None:
             # controls queued ahead of their chunks, as a service queues its users' actions
             for j in range(i + 1, min(i + 1 + self.lookahead, self.total_chunks)):
                 self.hooks.on_control_arrived(self, j, self._controls[j])
-        if self.streamed and callable(getattr(self.hooks, "on_chunk_control", None)):
+        if self.streamed and self.hooks is not None:
             # a live session: chunk i's control arrives now; the binding may restore the chunk
             self.hooks.on_chunk_control(self, i, self._controls[i], may_restore=True)
-        if self.handout and callable(getattr(self.hooks, "next_chunk", None)):
-            plan = self.hooks.next_chunk(self, i, self.frames_spec)
+        plan = self.hooks.next_chunk(self, i, self.frames_spec) if self.handout and self.hooks is not None else None
+        if plan is not None:
             if plan.handed_out:
                 frames = torch.from_numpy(plan.frames.copy())
                 self.handed_out.append(i)
@@ -313,7 +314,7 @@ class SyntheticWorldRuntime:
         self.frame_hashes.append(hashlib.sha256(tensor_bytes(frames)).digest())
         if self.keep_frames:
             self.frames.append(frames.detach().float().cpu())
-        if self.handout and i not in self.restored_chunks and callable(getattr(self.hooks, "on_chunk_frames", None)):
+        if self.handout and i not in self.restored_chunks and self.hooks is not None:
             self.hooks.on_chunk_frames(self, i, frames)
         self.next_chunk = i + 1
 
