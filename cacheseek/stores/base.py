@@ -68,6 +68,11 @@ class TierStore:
     transfer: Any = None  # the transfer runtime a path store copies with
     device: Any = None  # where a path store keeps its values (None: its transfer runtime's kind)
 
+    @classmethod
+    def size_fields(cls, config: dict[str, Any]) -> list[Any]:
+        """The size fields (`SizeField`) of its config that the orchestrator fits to the workload: none."""
+        return []
+
     # -- required -------------------------------------------------------------------------------
     def put_async(self, locator: str, payload: Sequence[Any], *, tier: Tier,
                   on_ready: Optional[Callable[[BlobHandle], None]] = None) -> BlobHandle:
