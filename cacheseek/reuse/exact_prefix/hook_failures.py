@@ -24,13 +24,7 @@ def counted_failures(binding: Any, hook: str) -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        metrics = getattr(binding.manager, "metrics", None)
-        if metrics is not None:
-            first = metrics.record_hook_failure(hook, type(exc).__name__)
-        else:
-            first = (hook, type(exc).__name__) not in binding.logged_failures
-            binding.logged_failures.add((hook, type(exc).__name__))
-        if first:
+        if binding.manager.metrics.record_hook_failure(hook, type(exc).__name__):
             log.error("CacheSeek %s failed (the runtime falls back to a cold run; later failures of "
                       "this kind are only counted): %s: %s", hook, type(exc).__name__, exc, exc_info=exc)
         raise

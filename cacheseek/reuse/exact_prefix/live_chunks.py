@@ -133,9 +133,7 @@ class LiveChunks:
 
     def _count_unkeyed(self, idx: int) -> None:
         """Chunk ``idx`` is not cached: its control, or an earlier chunk's, was never named."""
-        metrics = getattr(self.manager, "metrics", None)
-        if metrics is not None:
-            metrics.add(chunks_unkeyed=1)
+        self.manager.metrics.add(chunks_unkeyed=1)
         if not _logged_unkeyed:
             _logged_unkeyed.append(True)
             log.warning(

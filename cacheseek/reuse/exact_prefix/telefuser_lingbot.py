@@ -180,7 +180,6 @@ class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
         self.actions: list[bytes] = []
         self.ring: Optional[RingGeometry] = None
         self.ingest_errors = 0
-        self.logged_failures: set[tuple[str, str]] = set()
         self.bytes_written = 0
         self.bytes_restored = 0
         self.bypassed_warming = False
@@ -283,9 +282,7 @@ class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
     def _bypass_warming(self) -> None:
         """The store cannot serve yet (a background warm-up): the session runs as with no cache,
         without a namespace, keys or a lookup, and ingests nothing."""
-        metrics = getattr(self.manager, "metrics", None)
-        if metrics is not None:
-            metrics.add(sessions_bypassed_warming=1)
+        self.manager.metrics.add(sessions_bypassed_warming=1)
         if not _logged_bypass:
             _logged_bypass.append(True)
             log.info("the store is still warming up: sessions run uncached (no keys, no lookup, no "
@@ -314,9 +311,7 @@ class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
         except ValueError as exc:  # a control without a key: nothing from here on can be keyed
             self.ingest_errors += 1
             self._cursor = None
-            metrics = getattr(self.manager, "metrics", None)
-            if metrics is not None:
-                metrics.add(action_key_errors=1)
+            self.manager.metrics.add(action_key_errors=1)
             log.warning("ingest of chunk %d failed (the run goes on uncached from here): %s", idx, exc)
             return
         finally:
@@ -366,7 +361,7 @@ class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
         if not self.snapshot_path:
             return False
         try:
-            save_forest_snapshot(self.forest, self.snapshot_path, live_sessions=getattr(getattr(self.manager, "eviction", None), "live_sessions", None))
+            save_forest_snapshot(self.forest, self.snapshot_path, live_sessions=self.manager.eviction.live_sessions)
         except StoreError as exc:
             log.warning("%s", exc)
             return False
