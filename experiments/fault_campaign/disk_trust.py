@@ -359,7 +359,7 @@ def fifo_scenario(c: Any, cfg: dict, work: Path, rng: Any) -> dict[str, Any]:
         replay(c, out, mgr, store, reqs, ingest=True, t_fault=t_fault, reference=ref)
         replay(c, out, mgr, store, reqs, ingest=False)
         _unblock(fifos)
-        out["stuck_after"] = store._calls.wait_quiet(10.0)
+        out["stuck_after"] = store.calls.bounded.wait_quiet(10.0)
         # A value a FIFO replaced is destroyed by the fault itself (no store can keep it): the
         # audit invalidates the committed chunks that lost one, which no session happened to reach,
         # so they are counted as destroyed, not lost by the store.
@@ -427,7 +427,7 @@ def stalled_scenario(c: Any, cfg: dict, work: Path, rng: Any) -> dict[str, Any]:
             stall.release()
             out["blocked_calls"] += stall.blocked
             t_back = time.perf_counter()
-            store._calls.wait_quiet(HANG_S)  # the stuck calls finish (late writes removed again)
+            store.calls.bounded.wait_quiet(HANG_S)  # the stuck calls finish (late writes removed again)
             out["orphan_files"] += len(set(store.keys()) - set(store._ledger.sizes))
             sub = c.row("")
             replay(c, sub, mgr, store, batch, ingest=op == "write", t_fault=t_back,
