@@ -11,7 +11,7 @@ Lifecycle of a get plan (`GetRead`)::
                          ``release_views`` when transferred, else ``cancel_get_transfer``
     held                 a restore whose copies did not land within the transfer runtime's bound
                          (``TransferTimeoutError``) keeps its views: the copies may still read
-                         them. `Reader.release_held` ends it once its batch is known to have
+                         them. `HeldReads.release` ends it once its batch is known to have
                          ended (at the next read, and at close); at close the plans still copying
                          are leaked, never released under DMA (counted: ``views_held``,
                          ``views_released_late``, ``views_leaked``). The ring is safe meanwhile:
@@ -63,7 +63,7 @@ from cacheseek.transfer.lazy import LazyModule
 from cacheseek.transfer.memory import DeviceRanges, MemoryRange
 from cacheseek.transfer.pending import PendingBatch
 
-__all__ = ["GetRead", "Reader", "check_path"]
+__all__ = ["GetRead", "HeldReads", "Reader", "check_path"]
 
 np = LazyModule("numpy")
 log = logging.getLogger(__name__)
@@ -188,38 +188,28 @@ def _run_arrays(target: RestoreTarget) -> tuple:
     return _runs_as_arrays(tuple(target.runs), tuple(target.window_depths), int(target.token_bytes))
 
 
-class Reader:
-    """Reads through ``link``; ``latent_sizes`` is the store's record of the latents it wrote
-    (the size of a latent read without ``like``, the length check of a client that reports
-    none)."""
+class HeldReads:
+    """Restores whose copies did not land within their wait, with their get plans (module
+    docstring, ``held``): ended once their batches are known to have ended, leaked at close."""
 
-    def __init__(self, link: TransferLink, counters: Counters, latent_sizes: dict[str, int]) -> None:
-        self._link = link  # read for `Attached` (attached_for) and `ValueMemory` (values) only
-        self.client = link.client
-        self.calls = link.calls
+    def __init__(self, counters: Counters) -> None:
         self._counters = counters
-        self._latent_sizes = latent_sizes
-        self._ring: Optional[_Declared] = None
-        self._best_rate = 0.0  # bytes/s of the fastest restore so far (submission to landing)
-        self._dests: Optional[tuple] = None  # (declared, runs key, (dsts, sizes, codes)) of the last shape
-        self._held: list[tuple[GetRead, PendingBatch]] = []  # restores whose copies may still run
-        self._held_lock = threading.Lock()
+        self._held: list[tuple[GetRead, PendingBatch]] = []
+        self._lock = threading.Lock()
 
-    @property
-    def values(self) -> ValueMemory:
-        """Where the client's values live (known once its segments are ready)."""
-        return self._link.values
+    def __bool__(self) -> bool:
+        return bool(self._held)
 
     def hold(self, read: GetRead, pending: PendingBatch) -> None:
-        """Keep ``read``'s views until ``pending`` is known to have ended (module docstring)."""
-        with self._held_lock:
+        """Keep ``read``'s views until ``pending`` is known to have ended."""
+        with self._lock:
             self._held.append((read, pending))
             self._counters.note(views_held=len(self._held))
 
-    def release_held(self, *, final: bool = False) -> int:
+    def release(self, *, final: bool = False) -> int:
         """End the held plans whose batches have ended; with ``final`` (the store's close) leak
         the others, counted. Returns how many are still copying."""
-        with self._held_lock:
+        with self._lock:
             held, self._held = self._held, []
         still = []
         for read, pending in held:
@@ -235,14 +225,36 @@ class Reader:
             log.error("plan tier: %d restores' copies still in flight at close: their views are leaked, "
                       "not released under DMA", len(still))
             self._counters.count(views_leaked=len(still))
-        with self._held_lock:
+        with self._lock:
             self._held.extend(() if final else still)
             self._counters.note(views_held=len(self._held))
         return len(still)
 
+
+class Reader:
+    """Reads through ``link``; ``latent_sizes`` is the store's record of the latents it wrote
+    (the size of a latent read without ``like``, the length check of a client that reports
+    none)."""
+
+    def __init__(self, link: TransferLink, counters: Counters, latent_sizes: dict[str, int]) -> None:
+        self._link = link  # read for `Attached` (attached_for) and `ValueMemory` (values) only
+        self.client = link.client
+        self.calls = link.calls
+        self._counters = counters
+        self._latent_sizes = latent_sizes
+        self._ring: Optional[_Declared] = None
+        self._best_rate = 0.0  # bytes/s of the fastest restore so far (submission to landing)
+        self._dests: Optional[tuple] = None  # (declared, runs key, (dsts, sizes, codes)) of the last shape
+        self.held = HeldReads(counters)  # restores whose copies may still run
+
+    @property
+    def values(self) -> ValueMemory:
+        """Where the client's values live (known once its segments are ready)."""
+        return self._link.values
+
     def _start(self, keys: list[str], group_lens: list[int]) -> GetRead:
-        if self._held:
-            self.release_held()
+        if self.held:
+            self.held.release()
         read = GetRead(self.client, self._counters, self._latent_sizes, self.client.get_start(keys, group_lens),
                        self.calls.value_lengths)
         self._counters.count(gets_started=1)
@@ -334,7 +346,7 @@ class Reader:
             if producer is not None:
                 transfer.release_event(producer)
             if not landed:  # the copies may still read the views: keep them (module docstring)
-                self.hold(read, pending)
+                self.held.hold(read, pending)
                 if error is not None:
                     add_note(error, "the restore's Plan views stay held until its copies are known to have ended")
             else:

@@ -7,7 +7,7 @@ write paths get from it (`ValueMemory`, `Attached`) and the one way they copy (`
 Warm-up (construction, never a request's first write): the Plan client's segments are made ready
 (an embedded client maps and pre-faults its segment here: 2 MiB pages where allowed, else libc
 ``madvise(MADV_POPULATE_WRITE)`` from several threads), each host mapping is registered with the
-transfer runtime once, ``overlap`` is resolved, the runtime's write and read streams are made and
+transfer runtime once, ``overlap`` is resolved, the runtime's write and read streams are made and, with overlap,
 ``on_attach(like)`` runs (the store allocates its staging slots there). Every stage is timed into
 the counters (ready, register per mapping, total). Without a runtime or a ``device``, the runtime
 is chosen from the device of the first tensors seen (`transfer_for`) and that first request pays
@@ -60,8 +60,8 @@ from cacheseek.errors import ConfigError
 from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 from cacheseek.plan.base import PlanClient, SegmentMapping
 from cacheseek.registry import PLAN_CLIENTS, TRANSFERS
-from cacheseek.sizes import available_memory, free_bytes
-from cacheseek.sizing import SizeField
+from cacheseek.sizes import AUTO, available_memory, free_bytes
+from cacheseek.sizing import UNFITTED, SizeField
 from cacheseek.stores.plan_tier.stats import Counters
 from cacheseek.transfer.batch import CopyBatch, Direction
 from cacheseek.transfer.memory import HostMapping, MemoryRange
@@ -109,9 +109,17 @@ def given_options(options: Union[ClientOptions, dict[str, Any], None]) -> dict[s
     return {k: v for k, v in items.items() if v is not None}
 
 
-def build_client(name: str, given: dict[str, Any], options: Union[ClientOptions, dict[str, Any], None]) -> PlanClient:
+def build_client(name: str, given: dict[str, Any], options: Union[ClientOptions, dict[str, Any], None], *,
+                 geometry_bytes: Optional[tuple[int, int]] = None) -> PlanClient:
     """The `PLAN_CLIENTS` entry ``name``, built with those of ``given`` that its schema takes,
-    then every option given (the store's ``client_options``)."""
+    then every option given (the store's ``client_options``). A ``segment_bytes`` of ``"auto"``
+    left unfitted (a store built directly: no workload to fit it to) is `UNFITTED`'s;
+    ``geometry_bytes`` (largest value, one chunk's KV) lets clients size their staging."""
+    segment_bytes = given.get("segment_bytes")
+    if isinstance(segment_bytes, str) and segment_bytes.strip().lower() == AUTO:
+        given = {**given, "segment_bytes": UNFITTED["segment"]}
+    if geometry_bytes is not None:
+        given = {**given, "value_bytes": geometry_bytes[0], "chunk_bytes": geometry_bytes[1]}
     accepted = client_fields(name)
     kwargs = {k: v for k, v in given.items() if k in accepted}
     kwargs.update(given_options(options))
@@ -372,7 +380,7 @@ class TransferLink:
 
     def _attach(self, like: Any) -> None:
         """Register the segments with the runtime, resolve ``overlap``, make the streams, then
-        ``on_attach(like)``."""
+        (with overlap) ``on_attach(like)``."""
         transfer = self._transfer
         assert transfer is not None
         self._register()
@@ -389,7 +397,8 @@ class TransferLink:
         streams = (transfer.new_stream(), transfer.new_stream()) if can_async else (None, None)  # type: ignore[attr-defined]
         self.attached = Attached(transfer, self.values, bool(wanted), *streams,
                                  fast_on=getattr(transfer, "fast_on", None))
-        self._on_attach(like)
+        if self.attached.overlap:
+            self._on_attach(like)
 
     def _register(self) -> None:
         transfer = self._transfer

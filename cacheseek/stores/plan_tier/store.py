@@ -47,7 +47,7 @@ from cacheseek.kv.payload import LayerPayload, RestoreTarget
 from cacheseek.plan.base import PlanClient
 from cacheseek.registry import STORES
 from cacheseek.sizes import AUTO, Size, parse_size
-from cacheseek.sizing import UNFITTED, SizeField
+from cacheseek.sizing import SizeField
 from cacheseek.stores.plan_tier.capacity import SegmentCapacity, StagingSlots
 from cacheseek.stores.plan_tier.completion import Completion
 from cacheseek.stores.plan_tier.read import Reader
@@ -98,16 +98,9 @@ class PlanTierStore:
     first chunk) of device memory hold the snapshots of in-flight writes; ``max_inflight_bytes``
     (0: no bound beyond the slots) bounds the bytes of pending writes. ``write_piece_bytes``: the
     overlapped D2H goes out in pieces of about this size, ``write_pieces_in_flight`` at a time,
-    from the completion thread (0: one batch from put_async). A copy the runtime makes in the same
-    direction meanwhile (a frame read back, a ``.tolist()``) shares the copy engine: behind one
-    3.6 GiB batch it would wait ~70 ms, behind two pieces of 32 MiB ~1.3 ms. ``warmup``:
-    ``foreground`` or ``background`` (`Warmup`; `wait_ready`; a background warm-up pre-faults
-    with 2 threads unless ``prefault_threads`` says otherwise). ``register_piece_bytes``: each
-    host mapping is faulted and registered in pieces of this size (rounded up to 2 MiB; 0 or None:
-    one registration call; ``"auto"``, the default: 16 MiB pieces in a background warm-up, one call
-    in the foreground), so no single driver call holds the driver's and the mmap locks for long; a
-    background warm-up pauses 1 ms between pieces (`TransferLink`), and longer while a session is
-    starting (`session_starting`), at most ``warmup_yield_s`` per session start.
+    from the completion thread (0: one batch from put_async; why: `Completion`). ``warmup``,
+    ``register_piece_bytes``, ``warmup_yield_s`` and, in a background warm-up, the default
+    ``prefault_threads``: `WarmupOptions`.
     """
 
     __module__ = "cacheseek.stores.plan_tier"  # its public path: configs and results name it there
@@ -151,20 +144,16 @@ class PlanTierStore:
         self._counters = Counters()
         self._warmup = Warmup(options, self._counters)
         self._starts = self._warmup.starts
-        if isinstance(segment_bytes, str) and segment_bytes.strip().lower() == AUTO:
-            segment_bytes = UNFITTED["segment"]  # built directly: no workload to fit it to
         self._owns_client = plan_client is None
         if plan_client is None:
-            given = dict(segment_bytes=segment_bytes, prefault_threads=options.prefault_threads, backing=backing,
-                         hugepages=hugepages, shm_dir=shm_dir)
-            if geometry_bytes is not None:  # (largest value, one chunk's KV): clients size staging
-                given.update(value_bytes=geometry_bytes[0], chunk_bytes=geometry_bytes[1])
-            plan_client = build_client(client, given, client_options)
+            plan_client = build_client(client, dict(segment_bytes=segment_bytes, prefault_threads=options.prefault_threads,
+                                                    backing=backing, hugepages=hugepages, shm_dir=shm_dir),
+                                       client_options, geometry_bytes=geometry_bytes)
         self._client: PlanClient = plan_client
         self.records = client_records(plan_client)
         self._latent_sizes: dict[str, int] = {}
         self._link = TransferLink(plan_client, transfer, transfer_kind=transfer_kind, device=device,
-                                  overlap=overlap, counters=self._counters, on_attach=self._attached,
+                                  overlap=overlap, counters=self._counters, on_attach=lambda like: self._slots.fill(like),
                                   piece_bytes=options.piece_bytes, piece_pause_s=options.piece_pause_s,
                                   yield_to=self._warmup.yield_to)
         self._slots = StagingSlots(writes.staging_slots, writes.staging_slot_bytes, writes.max_inflight_bytes,
@@ -183,11 +172,6 @@ class PlanTierStore:
             if self._owns_client:
                 self._client.close()
             raise
-
-    def _attached(self, like: Any) -> None:
-        """The link is attached to its runtime: with overlap, the staging slots are made now."""
-        if self._link.overlap:
-            self._slots.fill(like)
 
     @classmethod
     def size_fields(cls, config: dict[str, Any]) -> list[SizeField]:
@@ -235,18 +219,10 @@ class PlanTierStore:
     def stats(self) -> PlanTierStats:
         self._warmup.note_state()
         inflight, peak, staging = self._slots.snapshot()
-        timers_fn = self._link.calls.segment_timers
-        transfer = self._link.transfer
-        return collect(
-            self._counters,
-            usage=self.usage(),
-            timers=timers_fn() if timers_fn is not None else None,
-            pending_writes=self._completion.pending,
-            inflight_bytes=inflight,
-            peak_inflight_bytes=peak,
-            staging_bytes=staging,
-            transfer=transfer.stats.as_dict() if transfer is not None else {},
-        )
+        timers_fn, transfer = self._link.calls.segment_timers, self._link.transfer
+        return collect(self._counters, usage=self.usage(), timers=timers_fn() if timers_fn is not None else None,
+                       pending_writes=self._completion.pending, inflight_bytes=inflight, peak_inflight_bytes=peak,
+                       staging_bytes=staging, transfer=transfer.stats.as_dict() if transfer is not None else {})
 
     @property
     def _worker(self) -> Optional[threading.Thread]:
@@ -389,7 +365,7 @@ class PlanTierStore:
             self._slots.close()
             # Never tear streams, registrations or the client down under a live completion thread.
             self._completion.stop()
-            if self._reader.release_held(final=True):  # a late restore's copies: views leaked
+            if self._reader.held.release(final=True):  # a late restore's copies: views leaked
                 raise StoreTimeoutError("plan tier: a restore's copies are still in flight at close; its "
                                         "views, registrations and client are left in place (leaked)")
             try:

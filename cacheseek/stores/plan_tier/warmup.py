@@ -65,9 +65,14 @@ _BACKGROUND_PIECE_BYTES = 16 << 20
 
 @attrs.frozen(slots=True)
 class WarmupOptions:
-    """The store's warm-up options, checked: ``mode`` (``foreground``/``background``),
-    ``piece_bytes`` (``register_piece_bytes`` resolved and rounded up to 2 MiB; 0: one call),
-    ``prefault_threads`` (0 in the background: 2) and ``yield_s`` (``warmup_yield_s``)."""
+    """The store's warm-up options, checked: ``mode`` (``warmup``: ``foreground`` or
+    ``background``), ``piece_bytes`` (``register_piece_bytes``: each host mapping is faulted and
+    registered in pieces of this size, rounded up to 2 MiB; 0 or None: one registration call;
+    ``"auto"``, the default: 16 MiB pieces in a background warm-up, one call in the foreground),
+    so no single driver call holds the driver's and the mmap locks for long; a background warm-up
+    pauses 1 ms between pieces (`TransferLink`), and longer while a session is starting, at most
+    ``yield_s`` (``warmup_yield_s``) per session start; ``prefault_threads`` (a background
+    warm-up pre-faults with 2 threads unless it says otherwise)."""
 
     mode: str
     piece_bytes: int

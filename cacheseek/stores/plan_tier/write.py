@@ -150,13 +150,13 @@ class PutPlans:
         dsts: list[int] = []
         order: list[int] = []
         sizes: list[int] = []
-        for nbytes, idxs in group_by_size(lengths).items():
-            plan, table = self._client.local_fast_put_start([keys[i] for i in idxs], nbytes)
+        for value_len, idxs in group_by_size(lengths).items():
+            plan, table = self._client.local_fast_put_start([keys[i] for i in idxs], value_len)
             self.started.append(plan)
             self._counters.count(plans_started=1)
             dsts += decode_plan_table(table, len(idxs), arena=arena)
             order += idxs
-            sizes += [nbytes] * len(idxs)
+            sizes += [value_len] * len(idxs)
         return dsts, order, sizes
 
     def commit(self) -> None:
