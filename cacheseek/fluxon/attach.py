@@ -52,7 +52,7 @@ def attach_native(endpoint: FluxonEndpoint, instance_key: str, run: Callable[...
     shared = owner_info(endpoint.segment_dir, endpoint.cluster_name, endpoint.share_mem_path)
     segment_bytes = int(shared.get("segment_len") or 0)
     where = (instance_key, endpoint.cluster_name, endpoint.share_mem_path)
-    config = native_config(fx, *where)
+    config = native_config(fx, endpoint.native_spec(instance_key))
     with native_output_to_log(log):
         store = run("attach", None, lambda: new_native_store(fx, config, *where), endpoint.attach_timeout_s)
     adopt(store)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import attrs
 
@@ -58,6 +58,28 @@ class FluxonEndpoint:
         object.__setattr__(self, "op_timeout_s", float(self.op_timeout_s))
         object.__setattr__(self, "attach_timeout_s", float(self.attach_timeout_s))
         object.__setattr__(self, "settle_s", float(self.settle_s))
+
+    @classmethod
+    def keywords(cls, **defaults: Any) -> list[tuple[str, Any, Any]]:
+        """``(name, type, default)`` of each field, ``defaults`` overriding: the flat config keys
+        of a constructor that takes them as ``**endpoint`` (`cacheseek.registry.schema_of`)."""
+        attrs.resolve_types(cls)
+        return [(f.name, f.type, defaults.get(f.name, f.default)) for f in attrs.fields(cls)
+                if f.name != "field_prefix"]
+
+    @classmethod
+    def of(cls, options: dict[str, Any], *, field_prefix: str = "store.", **defaults: Any) -> "FluxonEndpoint":
+        """The endpoint of the fields given in ``options`` (others ignored), else ``defaults``,
+        else the class defaults."""
+        names = [f.name for f in attrs.fields(cls) if f.name != "field_prefix"]
+        given = {**{k: v for k, v in defaults.items() if k in names}, **{k: options[k] for k in names if k in options}}
+        return cls(**given, field_prefix=field_prefix)
+
+    def native_spec(self, instance_key: Optional[str] = None) -> dict[str, Any]:
+        """fluxon-py's client config (``FluxonKvClientConfig``) for this cluster, registering as
+        ``instance_key`` (default: the endpoint's)."""
+        return {"instance_key": instance_key or self.instance_key,
+                "fluxonkv_spec": {"cluster_name": self.cluster_name, "share_mem_path": self.share_mem_path}}
 
     @property
     def segment_dir(self) -> Path:

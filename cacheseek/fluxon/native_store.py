@@ -21,13 +21,11 @@ __all__ = ["native_config", "new_native_store", "close_native_store", "abandon_n
 log = logging.getLogger("cacheseek.fluxon.client")
 
 
-def native_config(fx: Any, instance_key: str, cluster_name: str, share_mem_path: str) -> Any:
-    """fluxon-py's client config; a rejected one is a `ConfigError`."""
+def native_config(fx: Any, spec: dict[str, Any]) -> Any:
+    """fluxon-py's client config of ``spec`` (`FluxonEndpoint.native_spec`); a rejected one is a
+    `ConfigError`."""
     try:
-        return fx.FluxonKvClientConfig({
-            "instance_key": instance_key,
-            "fluxonkv_spec": {"cluster_name": cluster_name, "share_mem_path": share_mem_path},
-        })
+        return fx.FluxonKvClientConfig(spec)
     except (ValueError, TypeError) as exc:
         raise ConfigError("store", f"fluxon rejected the client config: {exc}") from None
 
