@@ -29,7 +29,7 @@ from cacheseek.kv.locators import layer_keys, node_key_of
 from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 from cacheseek.plan.base import PlanClient
 from cacheseek.stores.plan_tier.segments import ClientCalls
-from cacheseek.stores.plan_tier.stats import Counters, as_store_error
+from cacheseek.stores.plan_tier.stats import Counters, store_errors
 from cacheseek.transfer.memory import MemoryRange
 
 __all__ = ["SLOT_ROUND", "SegmentCapacity", "Slot", "StagingSlots"]
@@ -205,12 +205,7 @@ class SegmentCapacity:
 
     def free_latent(self, locator: str) -> None:
         """Remove a latent (idempotent); raises a `StoreError` if the removal fails."""
-        try:
+        with store_errors(f"remove of latent {locator}"):
             self._client.remove(locator)
-        except Exception as exc:
-            error = as_store_error(exc, f"remove of latent {locator}")
-            if error is exc:
-                raise
-            raise error from exc
         self._counters.count(values_removed=1)
         self._latent_sizes.pop(locator, None)

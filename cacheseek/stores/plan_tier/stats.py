@@ -10,7 +10,9 @@ Plan views: `Reader`). A write's end on its handle is set in one place: `fail_wr
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any, Dict, Optional
 
 import attrs
@@ -19,7 +21,7 @@ from cacheseek.errors import PlanError, StoreError, TransferTimeoutError, add_no
 from cacheseek.kv.handles import BlobHandle
 from cacheseek.transfer.pending import PendingBatch
 
-__all__ = ["Counters", "PlanTierStats", "as_store_error", "collect", "fail_write", "land_write", "settle"]
+__all__ = ["Counters", "PlanTierStats", "as_store_error", "collect", "fail_write", "land_write", "settle", "store_errors"]
 
 
 @attrs.frozen(slots=True)
@@ -184,6 +186,19 @@ def as_store_error(exc: Exception, what: str) -> Exception:
     if isinstance(exc, StoreError):
         return exc
     return PlanError(f"{what} failed: {type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def store_errors(what: str) -> Iterator[None]:
+    """Every `Exception` leaving the block leaves as a `StoreError` (`as_store_error` of it,
+    naming ``what``, the cause chained)."""
+    try:
+        yield
+    except Exception as exc:
+        error = as_store_error(exc, what)
+        if error is exc:
+            raise
+        raise error from exc
 
 
 def fail_write(handle: BlobHandle, exc: BaseException, counters: Counters) -> Exception:

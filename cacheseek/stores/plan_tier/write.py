@@ -58,7 +58,7 @@ from cacheseek.stores.plan_tier.capacity import Slot, StagingSlots
 from cacheseek.stores.plan_tier.completion import Completion, PendingWrite
 from cacheseek.stores.plan_tier.read import Reader
 from cacheseek.stores.plan_tier.segments import TransferLink, copy_now, direction, nbytes
-from cacheseek.stores.plan_tier.stats import Counters, as_store_error, fail_write, land_write, settle
+from cacheseek.stores.plan_tier.stats import Counters, fail_write, land_write, settle, store_errors
 from cacheseek.transfer.batch import CopyBatch, Direction
 from cacheseek.transfer.lazy import LazyModule
 from cacheseek.transfer.pending import PendingBatch
@@ -284,13 +284,8 @@ class Writer:
 
     def put_latent(self, locator: str, latent: Any, *, stream: Any) -> None:
         """One latent as the value ``locator``, synchronously. Raises a `StoreError`."""
-        try:
+        with store_errors(f"put of latent {locator}"):
             self._put_values(self._link.attached_for(latent), [(locator, latent)], stream=stream)
-        except Exception as exc:
-            error = as_store_error(exc, f"put of latent {locator}")
-            if error is exc:
-                raise
-            raise error from exc
         self._latent_sizes[locator] = nbytes(latent)
 
     def _waves(self, items: list[tuple[str, Any]]) -> list[list[int]]:
@@ -378,7 +373,7 @@ class Writer:
                             "transfer= or device=")
         keys = list(keys)
         plans = self._plans()
-        try:
+        with store_errors(f"copy of {len(keys)} values between Plan stores"):
             with source.reading(keys, [len(keys)]) as read:
                 table, n = read.transfer(lengths)
                 if n < len(keys):
@@ -396,11 +391,6 @@ class Writer:
                 except BaseException as exc:
                     plans.undo(exc)
                     raise
-        except Exception as exc:
-            error = as_store_error(exc, f"copy of {len(keys)} values between Plan stores")
-            if error is exc:
-                raise
-            raise error from exc
         for key, length in zip(keys, lengths):
             if key.endswith(":lat"):
                 self._latent_sizes[key] = int(length)
