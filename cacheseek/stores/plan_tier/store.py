@@ -83,6 +83,7 @@ class _WriteOptions:
     max_inflight_bytes: int = attrs.field(converter=lambda v: parse_size(v, "store.max_inflight_bytes"))
     write_piece_bytes: int = attrs.field(converter=lambda v: parse_size(v, "store.write_piece_bytes"))
 
+
 @STORES.register("fluxon_plan", objects=("transfer", "plan_client", "geometry_bytes"))
 class PlanTierStore:
     """KV tier over a Plan client and a transfer runtime (see the module docstring).
