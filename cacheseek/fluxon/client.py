@@ -56,7 +56,6 @@ from typing import Any, Optional, TypeVar
 from cacheseek.errors import StoreClosedError, StoreError, StoreTimeoutError
 from cacheseek.fluxon.attach import attach_native
 from cacheseek.fluxon.calls import MAX_STUCK_CALLS, FluxonCalls
-from cacheseek.fluxon.config import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
 from cacheseek.fluxon.endpoint import FluxonEndpoint
 from cacheseek.fluxon.errors import FluxonImportError, FluxonUnavailableError, FluxonValueTooLargeError
 from cacheseek.fluxon.held_views import HeldViews
@@ -102,6 +101,9 @@ _instance_counter = itertools.count(1)
 class FluxonClient:
     """A client attached to one Fluxon cluster; see the module docstring for the contract.
 
+    ``endpoint``: `FluxonEndpoint`'s fields (``cluster_name``, ``share_mem_path``,
+    ``instance_key``, ``op_timeout_s``, ``attach_timeout_s``, ``settle_s``), positional in that
+    order or by name; or `attach` a built endpoint.
     ``instance_key`` is a prefix: the client registers as ``<instance_key>-<pid>-<n>``
     (`instance_key` property) so that several clients and processes never collide.
     ``fluxon_log``: sets FLUXON_LOG for this process if it is not set yet: the level of what the
@@ -112,20 +114,9 @@ class FluxonClient:
     ``cacheseek.log`` at attach) keeps them whatever the level.
     """
 
-    def __init__(
-        self,
-        cluster_name: str = DEFAULT_CLUSTER_NAME,
-        share_mem_path: str = DEFAULT_SHARE_MEM_PATH,
-        instance_key: str = "cacheseek-client",
-        *,
-        op_timeout_s: float = 30.0,
-        attach_timeout_s: float = 30.0,
-        settle_s: float = 2.0,
-        key_index: bool = True,
-        fluxon_log: Optional[str] = "error",
-    ) -> None:
-        endpoint = FluxonEndpoint(cluster_name, share_mem_path, instance_key, op_timeout_s, attach_timeout_s, settle_s)
-        self._open(endpoint, key_index, fluxon_log)
+    def __init__(self, *endpoint: Any, key_index: bool = True, fluxon_log: Optional[str] = "error",
+                 **endpoint_kw: Any) -> None:
+        self._open(FluxonEndpoint(*endpoint, **endpoint_kw), key_index, fluxon_log)
 
     @classmethod
     def attach(cls, endpoint: FluxonEndpoint, *, key_index: bool = True,

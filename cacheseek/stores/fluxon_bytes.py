@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from cacheseek.errors import CorruptValueError, StoreClosedError, StoreError
 from cacheseek.fluxon.client import FluxonClient
+from cacheseek.fluxon.config import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
 from cacheseek.fluxon.endpoint import FluxonEndpoint
 from cacheseek.kv.handles import Tier
 from cacheseek.registry import STORES
@@ -227,11 +228,11 @@ class FluxonValueBackend:
             self.client.close()
 
 
-@STORES.register("fluxon", objects=("client", "transfer"), keywords=FluxonEndpoint.keywords)
+@STORES.register("fluxon", objects=("client", "transfer"))
 class FluxonTensorTier(KeyValueTier):
     """The generic per-layer tier over Fluxon (`KeyValueTier` over a `FluxonValueBackend`).
 
-    ``endpoint``: the connection keys of `FluxonEndpoint`, by name (``store.cluster_name``...); ``write_back``/``queue_depth`` as in
+    The connection keys are `FluxonEndpoint`'s (``store.cluster_name``...), checked there once; ``write_back``/``queue_depth`` as in
     `KeyValueTier`; ``client`` shares an attached `FluxonClient` (left open by `close`). The
     capacity is the service's segment as the client sees it. ``records``: the cluster's chunk
     records (`EtcdRecords` in the service's etcd, the client's): every worker attached to the
@@ -248,19 +249,25 @@ class FluxonTensorTier(KeyValueTier):
 
     def __init__(
         self,
+        cluster_name: str = DEFAULT_CLUSTER_NAME,
+        share_mem_path: str = DEFAULT_SHARE_MEM_PATH,
+        instance_key: str = "cacheseek-client",
+        op_timeout_s: float = 30.0,
+        attach_timeout_s: float = 30.0,
         *,
         write_back: bool = False,
         queue_depth: int = 4,
+        settle_s: float = 2.0,
         read_parallelism: int = 4,
         codec: str = "none",
         codec_device: str = "auto",
         client: Any = None,
         transfer: Any = None,
-        **endpoint: Any,
     ) -> None:
+        endpoint = FluxonEndpoint(cluster_name, share_mem_path, instance_key, op_timeout_s, attach_timeout_s, settle_s)
         check_read_parallelism(read_parallelism)  # before attaching: a bad config attaches nothing
         TierCodec(codec, codec_device)
-        client, owns = _make_client(client, FluxonEndpoint(**endpoint))
+        client, owns = _make_client(client, endpoint)
         segment = getattr(client, "segment_bytes", None)
         super().__init__(FluxonValueBackend(client, owns_client=owns), write_back=write_back,
                          queue_depth=queue_depth, name="fluxon", read_parallelism=read_parallelism,
