@@ -139,6 +139,14 @@ class CudaTransferRuntime(TransferRuntimeBase):
         return self._kernels.batches
 
     @property
+    def kernel_min_copies(self) -> int:
+        return self._kernels.min_copies
+
+    @property
+    def kernel_h2d_max_mean_bytes(self) -> int:
+        return self._kernels.h2d_max_mean_bytes
+
+    @property
     def kernel_unavailable(self) -> Optional[str]:
         """Why the range-copy kernel is off in auto mode (None: it is not)."""
         return self._kernels.unavailable
