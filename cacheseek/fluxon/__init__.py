@@ -1,7 +1,8 @@
 """Real Fluxon (the public fluxon-py 0.2.4 package): a bounded-time client of a running service.
 
 One role a module: `client.FluxonClient` attaches to a running service, every call bounded in
-time; `owner` (finding the serving owner), `etcd` (its binary, command line and health),
+time; `endpoint` (`FluxonEndpoint`: the cluster, its path and time bounds, what every Fluxon
+constructor builds), `attach` (attaching), `owner` (finding the serving owner), `etcd` (its binary, command line and health),
 `loader` (importing fluxon-py), `native_store` and `native_output` (fluxon-py's native client and
 what it prints), `calls` (bounded calls), `results` (Results to errors), `values` (the value
 format, `ValueView`), `held_views` (views handed out, removes they hide), `segment` (the owner's
@@ -12,6 +13,7 @@ Importing this package costs nothing: fluxon-py (and numpy) are imported inside 
 """
 
 from cacheseek.fluxon.client import FluxonClient
+from cacheseek.fluxon.endpoint import FluxonEndpoint
 from cacheseek.fluxon.errors import (
     FluxonImportError,
     FluxonServiceError,
@@ -24,6 +26,7 @@ from cacheseek.fluxon.values import ValueView
 
 __all__ = [
     "FluxonClient",
+    "FluxonEndpoint",
     "FluxonImportError",
     "FluxonServiceError",
     "FluxonUnavailableError",

@@ -53,21 +53,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Optional, TypeVar
 
-from cacheseek.errors import ConfigError, StoreClosedError, StoreError, StoreTimeoutError
+from cacheseek.errors import StoreClosedError, StoreError, StoreTimeoutError
+from cacheseek.fluxon.attach import attach_native
 from cacheseek.fluxon.calls import MAX_STUCK_CALLS, FluxonCalls
-from cacheseek.fluxon.config import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
+from cacheseek.fluxon.endpoint import FluxonEndpoint
 from cacheseek.fluxon.errors import FluxonImportError, FluxonUnavailableError, FluxonValueTooLargeError
 from cacheseek.fluxon.held_views import HeldViews
 from cacheseek.fluxon.key_index import KeyIndex
-from cacheseek.fluxon.loader import fluxon_runtime_info, load_fluxon
-from cacheseek.fluxon.native_output import native_output_to_log
-from cacheseek.fluxon.native_store import (
-    abandon_native_store,
-    close_native_store,
-    native_config,
-    new_native_store,
-)
-from cacheseek.fluxon.owner import owner_info
+from cacheseek.fluxon.loader import fluxon_runtime_info
+from cacheseek.fluxon.native_store import shut_native_store
 from cacheseek.fluxon.records import EtcdRecords
 from cacheseek.fluxon.results import Miss, unwrap
 from cacheseek.fluxon.segment import SegmentMapping, file_generation, mappings_of, zero_copy_mapping
@@ -76,6 +70,7 @@ from cacheseek.fluxon.values import (
     VALUE_FIELD,
     ValueView,
     buffer_address,
+    check_address,
     slot_bytes,
     too_large_text,
     writable_u8,
@@ -100,13 +95,15 @@ __all__ = [
 
 T = TypeVar("T")
 
-PROBE_KEY = "__cacheseek_probe__"
 _instance_counter = itertools.count(1)
 
 
 class FluxonClient:
     """A client attached to one Fluxon cluster; see the module docstring for the contract.
 
+    ``endpoint``: `FluxonEndpoint`'s fields (``cluster_name``, ``share_mem_path``,
+    ``instance_key``, ``op_timeout_s``, ``attach_timeout_s``, ``settle_s``), positional in that
+    order or by name; or `attach` a built endpoint.
     ``instance_key`` is a prefix: the client registers as ``<instance_key>-<pid>-<n>``
     (`instance_key` property) so that several clients and processes never collide.
     ``fluxon_log``: sets FLUXON_LOG for this process if it is not set yet: the level of what the
@@ -117,34 +114,24 @@ class FluxonClient:
     ``cacheseek.log`` at attach) keeps them whatever the level.
     """
 
-    def __init__(
-        self,
-        cluster_name: str = DEFAULT_CLUSTER_NAME,
-        share_mem_path: str = DEFAULT_SHARE_MEM_PATH,
-        instance_key: str = "cacheseek-client",
-        *,
-        op_timeout_s: float = 30.0,
-        attach_timeout_s: float = 30.0,
-        settle_s: float = 2.0,
-        key_index: bool = True,
-        fluxon_log: Optional[str] = "error",
-    ) -> None:
-        for field, value in (("op_timeout_s", op_timeout_s), ("attach_timeout_s", attach_timeout_s)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"store.{field}", f"must be a positive number of seconds, got {value!r}")
-        if not cluster_name or not isinstance(cluster_name, str):
-            raise ConfigError("store.cluster_name", f"must be a non-empty string, got {cluster_name!r}")
-        if not isinstance(share_mem_path, str) or not os.path.isabs(share_mem_path):
-            raise ConfigError("store.share_mem_path", f"must be an absolute path, got {share_mem_path!r}",
-                              "e.g. /dev/shm/cacheseek-fluxon (what the service was started with)")
-        if not instance_key or not isinstance(instance_key, str):
-            raise ConfigError("store.instance_key", f"must be a non-empty string, got {instance_key!r}")
-        self.cluster_name = cluster_name
-        self.share_mem_path = os.path.normpath(share_mem_path)
-        self.instance_key = f"{instance_key}-{os.getpid()}-{next(_instance_counter)}"
-        self.op_timeout_s = float(op_timeout_s)
-        self.attach_timeout_s = float(attach_timeout_s)
-        self._calls = FluxonCalls(self.op_timeout_s, owner=self.instance_key, cluster_name=cluster_name,
+    def __init__(self, *endpoint: Any, key_index: bool = True, fluxon_log: Optional[str] = "error",
+                 **endpoint_kw: Any) -> None:
+        self._open(FluxonEndpoint(*endpoint, **endpoint_kw), key_index, fluxon_log)
+
+    @classmethod
+    def attach(cls, endpoint: FluxonEndpoint, *, key_index: bool = True,
+               fluxon_log: Optional[str] = "error") -> "FluxonClient":
+        """A client attached to ``endpoint``'s cluster (what every Fluxon constructor builds)."""
+        client = cls.__new__(cls)
+        client._open(endpoint, key_index, fluxon_log)
+        return client
+
+    def _open(self, endpoint: FluxonEndpoint, key_index: bool, fluxon_log: Optional[str]) -> None:
+        self.endpoint = endpoint
+        self.cluster_name, self.share_mem_path = endpoint.cluster_name, endpoint.share_mem_path
+        self.instance_key = f"{endpoint.instance_key}-{os.getpid()}-{next(_instance_counter)}"
+        self.op_timeout_s, self.attach_timeout_s = endpoint.op_timeout_s, endpoint.attach_timeout_s
+        self._calls = FluxonCalls(self.op_timeout_s, owner=self.instance_key, cluster_name=self.cluster_name,
                                    share_mem_path=self.share_mem_path)
         self._lock = self._calls.lock  # guards the views below and the call counts together
         self._store: Any = None
@@ -154,43 +141,25 @@ class FluxonClient:
         self.etcd_endpoints: tuple[str, ...] = ()
         if fluxon_log:
             os.environ.setdefault("FLUXON_LOG", fluxon_log)
-        self._attach(float(settle_s), key_index)
+        self.segment_bytes, self.owner_id = 0, "?"
+        self._attach(key_index)
 
     # -- attach ---------------------------------------------------------------------------------
 
     @property
     def segment_dir(self) -> Path:
-        return Path(self.share_mem_path) / self.cluster_name
+        return self.endpoint.segment_dir
 
-    def _attach(self, settle_s: float, key_index: bool) -> None:
-        fx = load_fluxon()  # first: without fluxon-py, starting a service would not help either
-        shared = owner_info(self.segment_dir, self.cluster_name, self.share_mem_path)
-        self.segment_bytes = int(shared.get("segment_len") or 0)
-        self.owner_id = str(shared.get("owner_id", "?"))
-        where = (self.instance_key, self.cluster_name, self.share_mem_path)
-        config = native_config(fx, *where)
+    def _attach(self, key_index: bool) -> None:
         t0 = time.monotonic()
-        with native_output_to_log(log):
-            self._store = self._run("attach", None, lambda: new_native_store(fx, config, *where),
-                                    self.attach_timeout_s)
         try:
-            with native_output_to_log(log):
-                time.sleep(settle_s)
-                # the first RPC is part of attaching: bounded by attach_timeout_s, not op_timeout_s
-                self._run("exists", PROBE_KEY,
-                          lambda: self._unwrap("exists", PROBE_KEY, self._store.is_exist(PROBE_KEY)),
-                          self.attach_timeout_s)
-            endpoints = self._run("attach", None, lambda: [str(e) for e in self._store.get_etcd_config()])
-            self.etcd_endpoints = tuple(endpoints)
-            self._records = EtcdRecords(endpoints, self.cluster_name, op_timeout_s=self.op_timeout_s)
-            if key_index:
-                from fluxon_py.tool import import_fluxon_pyo3_local
-
-                etcd = import_fluxon_pyo3_local().EtcdKvClient(endpoints)
-                self._index = KeyIndex(etcd, self.cluster_name, self._run, log)
+            found = attach_native(self.endpoint, self.instance_key, self._run, key_index=key_index,
+                                  adopt=lambda store: setattr(self, "_store", store))
         except BaseException:
             self.close()
             raise
+        self.segment_bytes, self.owner_id, self.etcd_endpoints = found.segment_bytes, found.owner_id, found.etcd_endpoints
+        self._records, self._index = found.records, found.index
         log.info("fluxon client %s attached to cluster %r (owner %s, segment %d bytes at %s) in %.1f s",
                  self.instance_key, self.cluster_name, self.owner_id, self.segment_bytes,
                  self.segment_dir, time.monotonic() - t0)
@@ -226,12 +195,7 @@ class FluxonClient:
         responsibility) under ``key``. One copy, by Fluxon, into the segment. After a
         StoreTimeoutError keep the memory valid: the call may still be reading it."""
         self._check_key(key)
-        if isinstance(ptr, bool) or not isinstance(ptr, int) or ptr < 0:
-            raise ValueError(f"ptr must be a non-negative int address, got {ptr!r}")
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-            raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
-        if nbytes and not ptr:
-            raise ValueError("ptr is NULL")
+        check_address(ptr, nbytes)
         self._put(key, ptr, nbytes, meta, keepalive=None, ptr_note=True)
 
     def _put(self, key: str, ptr: int, nbytes: int, meta: bytes, *, keepalive: Any, ptr_note: bool) -> None:
@@ -253,8 +217,8 @@ class FluxonClient:
         try:
             self._run("put", key, _do, ptr_note=ptr_note)
         except StoreError as exc:
-            if not isinstance(exc, StoreTimeoutError):
-                self._index_drop_if_absent(key, exc)
+            if not isinstance(exc, StoreTimeoutError) and self._index is not None and not self._calls.closed:
+                self._index.drop_if_absent(key, self.exists, exc)
             raise
 
     # -- reads ----------------------------------------------------------------------------------
@@ -402,22 +366,10 @@ class FluxonClient:
                         self.instance_key, len(views))
         if self._records is not None:
             self._records.close()
-        stuck, inflight = self._calls.drain(self.op_timeout_s)
+        drained = self._calls.drain(self.op_timeout_s)
         store, self._store, self._index = self._store, None, None
-        if store is None:
-            return
-        if stuck or inflight:
-            log.warning("fluxon client %s: %d calls are still stuck in Fluxon; the native client cannot "
-                        "be closed while they run and is left to process exit", self.instance_key,
-                        stuck + inflight)
-            abandon_native_store(store)
-            return
-        try:
-            with native_output_to_log(log):
-                self._run("close", None, lambda: close_native_store(store))
-        except StoreTimeoutError as exc:
-            log.warning("fluxon client %s: %s", self.instance_key, exc)
-        log.debug("fluxon client %s closed", self.instance_key)
+        if store is not None:
+            shut_native_store(store, drained, self._run, who=self.instance_key)
 
     def __enter__(self) -> "FluxonClient":
         return self
@@ -435,13 +387,3 @@ class FluxonClient:
         if not isinstance(key, str) or not key:
             raise ValueError(f"fluxon keys must be non-empty strings, got {key!r}")
         self._check_open()
-
-    def _index_drop_if_absent(self, key: str, cause: BaseException) -> None:
-        """After a failed put: drop the index entry unless an older value is still there."""
-        if self._index is None or self._calls.closed:
-            return
-        try:
-            if not self.exists(key):
-                self._index.remove(key)
-        except StoreError as exc:
-            log.debug("fluxon: could not tidy the key index after %s: %s", cause, exc)

@@ -16,6 +16,8 @@ import logging
 from collections.abc import Callable
 from typing import Any, Optional
 
+from cacheseek.errors import StoreError
+
 __all__ = ["KeyIndex"]
 
 Run = Callable[..., Any]
@@ -29,6 +31,14 @@ class KeyIndex:
         self._root = f"/cacheseek/key_index/{cluster_name}/"
         self._run = run
         self._log = logger or logging.getLogger(__name__)
+
+    @classmethod
+    def open(cls, endpoints: list[str], cluster_name: str, run: Run,
+             logger: Optional[logging.Logger] = None) -> "KeyIndex":
+        """The index in the etcd at ``endpoints``, through fluxon-py's own etcd client."""
+        from fluxon_py.tool import import_fluxon_pyo3_local
+
+        return cls(import_fluxon_pyo3_local().EtcdKvClient(endpoints), cluster_name, run, logger)
 
     def path(self, key: str) -> str:
         """The etcd key of ``key``'s entry (of a prefix: the root of its entries)."""
@@ -59,3 +69,11 @@ class KeyIndex:
             self._log.info("fluxon list_keys(%r): dropped %d stale index entries (values evicted or never "
                            "written)", prefix, len(keys) - len(present))
         return present
+
+    def drop_if_absent(self, key: str, exists: Callable[[str], bool], cause: BaseException) -> None:
+        """After a failed put: drop ``key``'s entry unless an older value is still there."""
+        try:
+            if not exists(key):
+                self.remove(key)
+        except StoreError as exc:
+            self._log.debug("fluxon: could not tidy the key index after %s: %s", cause, exc)

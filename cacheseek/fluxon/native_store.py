@@ -9,21 +9,23 @@ stuck in it cannot be closed; `abandon_native_store` takes it off fluxon-py's ex
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import logging
+from typing import Any, Callable
 
-from cacheseek.errors import ConfigError, StoreError
+from cacheseek.errors import ConfigError, StoreError, StoreTimeoutError
+from cacheseek.fluxon.native_output import native_output_to_log
 from cacheseek.fluxon.results import error_text
 
-__all__ = ["native_config", "new_native_store", "close_native_store", "abandon_native_store"]
+__all__ = ["native_config", "new_native_store", "close_native_store", "abandon_native_store", "shut_native_store"]
+
+log = logging.getLogger("cacheseek.fluxon.client")
 
 
-def native_config(fx: Any, instance_key: str, cluster_name: str, share_mem_path: str) -> Any:
-    """fluxon-py's client config; a rejected one is a `ConfigError`."""
+def native_config(fx: Any, spec: dict[str, Any]) -> Any:
+    """fluxon-py's client config of ``spec`` (`FluxonEndpoint.native_spec`); a rejected one is a
+    `ConfigError`."""
     try:
-        return fx.FluxonKvClientConfig({
-            "instance_key": instance_key,
-            "fluxonkv_spec": {"cluster_name": cluster_name, "share_mem_path": share_mem_path},
-        })
+        return fx.FluxonKvClientConfig(spec)
     except (ValueError, TypeError) as exc:
         raise ConfigError("store", f"fluxon rejected the client config: {exc}") from None
 
@@ -53,3 +55,21 @@ def abandon_native_store(store: Any) -> None:
         from fluxon_py.kvclient.backend_fallback_close import unregister_store_from_cleanup
 
         unregister_store_from_cleanup(store)
+
+
+def shut_native_store(store: Any, drained: tuple[int, int], run: Callable[..., Any], *, who: str) -> None:
+    """A closing client's native store, once its calls in flight were waited for (``drained``:
+    `BoundedCalls.drain`'s ``(stuck, inflight)``): closed (bounded, by ``run``), or, with calls
+    still stuck in it, left to process exit (`abandon_native_store`)."""
+    stuck, inflight = drained
+    if stuck or inflight:
+        log.warning("fluxon client %s: %d calls are still stuck in Fluxon; the native client cannot "
+                    "be closed while they run and is left to process exit", who, stuck + inflight)
+        abandon_native_store(store)
+        return
+    try:
+        with native_output_to_log(log):
+            run("close", None, lambda: close_native_store(store))
+    except StoreTimeoutError as exc:
+        log.warning("fluxon client %s: %s", who, exc)
+    log.debug("fluxon client %s closed", who)

@@ -32,6 +32,7 @@ __all__ = [
     "too_large_text",
     "writable_u8",
     "buffer_address",
+    "check_address",
 ]
 
 VALUE_FIELD = "cacheseek.value." + "_" * 35  # 51 bytes: payload 64-byte aligned (see above)
@@ -61,6 +62,16 @@ def writable_u8(ptr: int, nbytes: int) -> Any:
     if nbytes == 0:
         return np.zeros(0, dtype=np.uint8)
     return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+
+
+def check_address(ptr: Any, nbytes: Any) -> None:
+    """A host address and length a put reads from: non-negative ints, not NULL when not empty."""
+    if isinstance(ptr, bool) or not isinstance(ptr, int) or ptr < 0:
+        raise ValueError(f"ptr must be a non-negative int address, got {ptr!r}")
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+    if nbytes and not ptr:
+        raise ValueError("ptr is NULL")
 
 
 def buffer_address(data: Any) -> tuple[int, int]:

@@ -38,7 +38,7 @@ The owner's shared-memory segment is ``<share_mem_path>/<cluster_name>/mmap.file
 Its parts live beside it: the configs handed to Fluxon (`cacheseek.fluxon.config`), the child
 processes and their logs (`cacheseek.fluxon_service.children`), the etcd binary and health checks
 (`cacheseek.fluxon.etcd`), the namespace check
-(`cacheseek.fluxon_service.netns`); this module re-exports what ``tools/fluxon_service.py`` reaches
+(`cacheseek.fluxon_service.netns`), the segment folder (`cacheseek.fluxon_service.segment_folder`); this module re-exports what ``tools/fluxon_service.py`` reaches
 through it.
 
 Lifecycle::
@@ -60,9 +60,6 @@ Hazards (docs/design.md, "Fluxon"):
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import json
 import logging
 import os
 import re
@@ -70,13 +67,13 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional, Union
 
 from cacheseek.errors import ConfigError
 from cacheseek.fluxon_service.children import Children, free_ports
+from cacheseek.fluxon.endpoint import FluxonEndpoint
 from cacheseek.fluxon.config import (
     DEFAULT_CLUSTER_NAME,
     DEFAULT_SHARE_MEM_PATH,
@@ -85,11 +82,11 @@ from cacheseek.fluxon.config import (
     owner_config,
 )
 from cacheseek.fluxon.errors import FluxonServiceError
-from cacheseek.fluxon.etcd import etcd_command, etcd_healthy, live_endpoints, resolve_etcd_binary
+from cacheseek.fluxon.etcd import etcd_command, etcd_healthy, resolve_etcd_binary
 from cacheseek.fluxon.loader import fluxon_py_problem
 from cacheseek.fluxon_service.netns import private_netns_problem
-from cacheseek.fluxon.owner import SHARED_JSON
 from cacheseek.fluxon_service.owner_sizing import OwnerSizing
+from cacheseek.fluxon_service.segment_folder import SegmentFolder
 from cacheseek.sizes import format_size, parse_size
 
 log = logging.getLogger(__name__)
@@ -187,13 +184,13 @@ class FluxonService:
             except OSError:
                 raise ConfigError("listen_host", f"{listen_host!r} is not an IPv4 address",
                                   "give the address the other hosts reach this one at") from None
-        if not share_mem_path or not os.path.isabs(share_mem_path):
-            raise ConfigError("share_mem_path", f"{share_mem_path!r} is not an absolute path", "e.g. /dev/shm/cacheseek-fluxon")
+        self.endpoint = FluxonEndpoint(cluster_name, share_mem_path, client_instance_key, field_prefix="")
         self.workdir = Path(workdir).expanduser().absolute()
         self.dram_bytes = aligned
         self._cluster_name = cluster_name
-        self._share_mem_path = os.path.normpath(share_mem_path)
+        self._share_mem_path = self.endpoint.share_mem_path
         self._client_instance_key = client_instance_key
+        self._segment = SegmentFolder(self.endpoint)
         self.ready_timeout_s = float(ready_timeout_s)
         self.stop_timeout_s = float(stop_timeout_s)
         self.require_private_netns = require_private_netns
@@ -206,8 +203,6 @@ class FluxonService:
         self._children = Children(self.workdir, self.logs_dir, {"FLUXON_LOG": fluxon_log, "PYTHONUNBUFFERED": "1"},
                                   ("etcd", "master", "owner"))
         self._lock_fd: Optional[int] = None
-        self._created_share_root = False
-        self._owns_segment = False  # set once this service may create the segment folder
         self._running = False
         self.ready_seconds: Optional[float] = None
 
@@ -228,17 +223,16 @@ class FluxonService:
 
     @property
     def segment_dir(self) -> Path:
-        return Path(self._share_mem_path) / self._cluster_name
+        return self._segment.path
 
     @property
     def ipc_dir(self) -> Path:
         """Where fluxon-py 0.2.4 keeps the local IPC (iceoryx2) files of this segment."""
-        digest = hashlib.sha256(str(self.segment_dir).encode()).hexdigest()[:20]
-        return Path(tempfile.gettempdir()) / "fluxon_ipc" / digest
+        return self._segment.ipc_dir
 
     @property
     def shared_json(self) -> Path:
-        return self.segment_dir / SHARED_JSON
+        return self._segment.shared_json
 
     @property
     def etcd_endpoint(self) -> str:
@@ -315,7 +309,7 @@ class FluxonService:
         t0 = time.monotonic()
         self._prepare_dirs()
         try:
-            self._check_share_mem()
+            self._segment.claim(self.dram_bytes)
             self._pick_ports()
             if self.join:
                 if not etcd_healthy(self.join, 3.0):
@@ -357,15 +351,7 @@ class FluxonService:
             return
         self._children.stop((("owner", signal.SIGTERM), ("master", signal.SIGINT), ("etcd", signal.SIGTERM)),
                             self.stop_timeout_s)
-        if self._owns_segment:  # never another live service's folder
-            shutil.rmtree(self.segment_dir, ignore_errors=True)
-            shutil.rmtree(self.ipc_dir, ignore_errors=True)
-            with contextlib.suppress(OSError):
-                os.rmdir(self.ipc_dir.parent)  # fluxon's shared /tmp/fluxon_ipc, only if empty
-            if self._created_share_root:
-                with contextlib.suppress(OSError):
-                    os.rmdir(self._share_mem_path)  # only if empty
-            self._owns_segment = self._created_share_root = False
+        self._segment.remove()
         shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
@@ -395,30 +381,6 @@ class FluxonService:
             (self.workdir / sub).mkdir(parents=True, exist_ok=True)
         for name in ("etcd", "master", "owner"):
             (self.logs_dir / f"{name}.log").unlink(missing_ok=True)
-
-    def _check_share_mem(self) -> None:
-        seg = self.segment_dir
-        if seg.exists():
-            info = None
-            with contextlib.suppress(OSError, ValueError):
-                info = json.loads((seg / SHARED_JSON).read_text())
-            live = live_endpoints((info or {}).get("etcd_addresses"), 0.5)
-            if live:
-                raise FluxonServiceError(
-                    f"a Fluxon owner already serves cluster {self._cluster_name!r} at {seg} (its etcd "
-                    f"{live[0]} answers); stop it, or choose another cluster_name/share_mem_path")
-            log.warning("fluxon service: removing the stale segment folder %s of a service that is gone", seg)
-            shutil.rmtree(seg, ignore_errors=True)
-        self._owns_segment = True
-        root = Path(self._share_mem_path)
-        if not root.exists():
-            root.mkdir(parents=True)
-            self._created_share_root = True
-        free = shutil.disk_usage(root).free
-        if free < self.dram_bytes:
-            raise FluxonServiceError(
-                f"{root} has {format_size(free)} free, less than the {format_size(self.dram_bytes)} "
-                "segment asked for: lower dram or free shared memory")
 
     def _pick_ports(self) -> None:
         etcd, master, p2p = self._ports

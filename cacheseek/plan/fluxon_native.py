@@ -45,6 +45,7 @@ import attrs
 
 from cacheseek.errors import CacheSeekError, PlanError, StoreClosedError, StoreTimeoutError
 from cacheseek.bounded_calls import BoundedCalls
+from cacheseek.fluxon.endpoint import FluxonEndpoint
 from cacheseek.plan.base import (
     GetPlan,
     GetPlanState,
@@ -54,18 +55,15 @@ from cacheseek.plan.base import (
     SegmentMapping,
 )
 from cacheseek.plan.fluxon_native_api import (
-    as_int,
+    bounded_commit,
     build_native,
-    commit_result,
-    inside,
+    checked_pointers,
     keys_text,
     missing_plan_calls,
     segment_mapping,
-    settle_once,
     transferable,
     unavailable,
 )
-from cacheseek.plan.table import decode_plan_table
 from cacheseek.plan.table_arena import TableArena, table_arena_for
 from cacheseek.registry import PLAN_CLIENTS
 from cacheseek.sizes import AUTO, Size, parse_size
@@ -93,7 +91,7 @@ class _Record:
     end_deferred: bool = False  # the plan was ended while that call was stuck
 
 
-@PLAN_CLIENTS.register("fluxon_native", objects=("client",))
+@PLAN_CLIENTS.register("fluxon_native", objects=("client", "endpoint"))
 class FluxonNativePlanClient:
     """`PlanClient` over a Fluxon client exposing the Plan API (see the module docstring).
 
@@ -103,6 +101,8 @@ class FluxonNativePlanClient:
     connecting and ``wait_local_segments_ready``. ``table_arena_bytes``: the arena of plan tables
     (`TableArena`; auto sizes it from ``value_bytes`` and ``chunk_bytes``, the largest value and
     one chunk's KV, which the Plan tier passes); one chunk's table must fit (`ConfigError`).
+    ``endpoint``: a `FluxonEndpoint` (the ``fluxon`` Plan client's connection options) gives the
+    config and both time bounds instead.
     """
 
     def __init__(
@@ -115,7 +115,10 @@ class FluxonNativePlanClient:
         table_arena_bytes: Optional[Size] = AUTO,
         value_bytes: Optional[int] = None,
         chunk_bytes: Optional[int] = None,
+        endpoint: Optional[FluxonEndpoint] = None,
     ) -> None:
+        if endpoint is not None:
+            config, op_timeout_s, attach_timeout_s = endpoint.native_spec(), endpoint.op_timeout_s, endpoint.attach_timeout_s
         if client is not None:
             missing = missing_plan_calls(client)
             if missing:
@@ -195,21 +198,8 @@ class FluxonNativePlanClient:
                     writable: bool) -> tuple[int, int]:
         """Validate the native table at ``ptr`` (``len(keys)`` values of ``nbytes`` bytes each,
         or of unknown length) and copy it into the arena: ``(offset, address)``."""
-        arena_fn = getattr(native, "table_arena", None)
-        try:
-            if not keys:  # nothing transferable: the native table is not read
-                pointers = []
-            else:
-                pointers = decode_plan_table(as_int(ptr), len(keys), arena=arena_fn() if callable(arena_fn) else None)
-        except CacheSeekError as exc:
-            raise PlanError(f"fluxon_native {op}{keys_text(keys)}: bad plan table: {exc}") from exc
-        mappings = self._segments()
-        for i, p in enumerate(pointers):
-            n = nbytes[i] if nbytes is not None else 1
-            if not inside(mappings, p, n, writable=writable):
-                raise PlanError(
-                    f"fluxon_native {op}: value {keys[i]!r} [{p:#x}, +{n}) lies outside every "
-                    f"{'writable ' if writable else ''}segment mapping of wait_local_segments_ready")
+        pointers = checked_pointers(op, ptr, keys, nbytes, writable=writable, mappings=self._segments,
+                                    arena=getattr(native, "table_arena", None))
         with self._lock:
             return self._tables.write(pointers)
 
@@ -247,41 +237,9 @@ class FluxonNativePlanClient:
         record: _Record = plan.native
         self._free_table(record)  # the caller decoded it at start; the values are written
         result = self._call("local_fast_put_commit", lambda: native.local_fast_put_commit(record.handle), plan.keys)
-        return self._adapt(result, plan.keys)
-
-    def _adapt(self, native_future: Any, keys: tuple[str, ...]) -> "Future[PutCommitResult]":
-        """A Future of the commit's result, settled at most ``op_timeout_s`` from now."""
-        out: Future[PutCommitResult] = Future()
-        timer: Optional[threading.Timer] = None
-
-        def settle(get: Callable[[], Any]) -> None:
-            if timer is not None:
-                timer.cancel()
-            try:
-                result = commit_result(get(), keys)
-            except BaseException as exc:  # noqa: BLE001 - the failure travels in the future
-                settle_once(out, exception=exc)
-            else:
-                settle_once(out, result=result)
-
-        def expire() -> None:
-            settle_once(out, exception=StoreTimeoutError(
-                f"fluxon_native commit of {len(keys)} keys{keys_text(keys)} did not settle within "
-                f"{self.op_timeout_s:g} s ({_OP_FIELD}){_HINT}; if it is only slow, raise {_OP_FIELD}"))
-
-        if callable(getattr(native_future, "add_done_callback", None)) or callable(
-                getattr(native_future, "result", None)):
-            timer = threading.Timer(self.op_timeout_s, expire)
-            timer.daemon = True
-            timer.start()
-            if callable(getattr(native_future, "add_done_callback", None)):
-                native_future.add_done_callback(lambda fut: settle(fut.result))
-            else:  # a result-only future: wait for it off the caller's thread
-                threading.Thread(target=settle, args=(native_future.result,), daemon=True,
-                                 name="fluxon_native-commit").start()
-        else:
-            settle(lambda: native_future)
-        return out
+        return bounded_commit(result, plan.keys, self.op_timeout_s, lambda: StoreTimeoutError(
+            f"fluxon_native commit of {len(plan.keys)} keys{keys_text(plan.keys)} did not settle within "
+            f"{self.op_timeout_s:g} s ({_OP_FIELD}){_HINT}; if it is only slow, raise {_OP_FIELD}"))
 
     def put_abort(self, plan: PutPlan) -> None:
         native = self._check(plan)

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import numbers
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Optional
 
-from cacheseek.errors import PlanError, PlanUnavailableError
+from cacheseek.errors import CacheSeekError, PlanError, PlanUnavailableError
 from cacheseek.plan.base import REQUIRED_PLAN_CALLS, GetPlan, PutCommitResult, SegmentMapping
+from cacheseek.plan.table import decode_plan_table
 
-__all__ = ["as_int", "missing_plan_calls", "unavailable", "build_native", "inside", "keys_text", "transferable",
+__all__ = ["as_int", "bounded_commit", "checked_pointers", "missing_plan_calls", "unavailable", "build_native", "inside", "keys_text", "transferable",
            "segment_mapping", "commit_result", "settle_once"]
 
 
@@ -110,3 +112,61 @@ def settle_once(out: Future, *, result: Any = None, exception: Optional[BaseExce
             out.set_result(result)
     except InvalidStateError:  # the deadline (or the result) came first
         pass
+
+
+def checked_pointers(op: str, ptr: Any, keys: Sequence[str], nbytes: Optional[Sequence[int]], *, writable: bool,
+                     mappings: Callable[[], Sequence[SegmentMapping]],
+                     arena: Optional[Callable[[], Optional[tuple[int, int]]]]) -> list[int]:
+    """The value pointers of the native table at ``ptr`` (``len(keys)`` values of ``nbytes``
+    bytes each, or of unknown length), checked before this process reads any of them: the table
+    itself (`decode_plan_table`, inside the native client's ``arena`` when it reports one), then
+    every value inside one of ``mappings()`` (writable ones for a put). A failure is a `PlanError`
+    naming the call and the key."""
+    try:
+        if not keys:  # nothing transferable: the native table is not read
+            pointers = []
+        else:
+            pointers = decode_plan_table(as_int(ptr), len(keys), arena=arena() if callable(arena) else None)
+    except CacheSeekError as exc:
+        raise PlanError(f"fluxon_native {op}{keys_text(keys)}: bad plan table: {exc}") from exc
+    segments = mappings()
+    for i, p in enumerate(pointers):
+        n = nbytes[i] if nbytes is not None else 1
+        if not inside(segments, p, n, writable=writable):
+            raise PlanError(
+                f"fluxon_native {op}: value {keys[i]!r} [{p:#x}, +{n}) lies outside every "
+                f"{'writable ' if writable else ''}segment mapping of wait_local_segments_ready")
+    return pointers
+
+
+def bounded_commit(native_future: Any, keys: tuple[str, ...], timeout_s: float,
+                   expired: Callable[[], BaseException]) -> "Future[PutCommitResult]":
+    """A Future of a native commit's result (`commit_result`), settled at most ``timeout_s``
+    from now (with ``expired()`` past it). The native future may offer ``add_done_callback``, or
+    only ``result`` (waited for off the caller's thread), or be the result itself."""
+    out: Future[PutCommitResult] = Future()
+    timer: Optional[threading.Timer] = None
+
+    def settle(get: Callable[[], Any]) -> None:
+        if timer is not None:
+            timer.cancel()
+        try:
+            result = commit_result(get(), keys)
+        except BaseException as exc:  # noqa: BLE001 - the failure travels in the future
+            settle_once(out, exception=exc)
+        else:
+            settle_once(out, result=result)
+
+    if callable(getattr(native_future, "add_done_callback", None)) or callable(
+            getattr(native_future, "result", None)):
+        timer = threading.Timer(timeout_s, lambda: settle_once(out, exception=expired()))
+        timer.daemon = True
+        timer.start()
+        if callable(getattr(native_future, "add_done_callback", None)):
+            native_future.add_done_callback(lambda fut: settle(fut.result))
+        else:  # a result-only future: wait for it off the caller's thread
+            threading.Thread(target=settle, args=(native_future.result,), daemon=True,
+                             name="fluxon_native-commit").start()
+    else:
+        settle(lambda: native_future)
+    return out

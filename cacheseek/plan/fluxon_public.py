@@ -1,7 +1,7 @@
 """`FluxonPublicPlanClient` (Plan client ``fluxon_public``): Plan semantics over the public
 fluxon-py 0.2.4 client, which has no Plan API.
 
-It takes the connection options of `FluxonClient` (``cluster_name``, ``share_mem_path``,
+It takes the connection options of `FluxonEndpoint` (``cluster_name``, ``share_mem_path``,
 ``instance_key``, ``op_timeout_s``, ``attach_timeout_s``, ``settle_s``), given to the Plan tier as
 ``store.client_options.*``. Constructing a client attaches to the running service at once: no
 service is `FluxonUnavailableError` within a second. (The ``fluxon`` Plan client chooses between
@@ -78,7 +78,7 @@ import attrs
 
 from cacheseek.errors import ConfigError, PlanError, StoreClosedError
 from cacheseek.fluxon.client import FluxonClient
-from cacheseek.fluxon.config import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
+from cacheseek.fluxon.endpoint import FluxonEndpoint
 from cacheseek.kv.records import ChunkRecords
 from cacheseek.plan.base import GetPlan, PutCommitResult, PutPlan, SegmentMapping
 from cacheseek.plan.fluxon_calls import CommitOutcome, fetch_prefix, release_all
@@ -108,12 +108,29 @@ class _GetRecord:
     table: Optional[int] = None
 
 
-@PLAN_CLIENTS.register("fluxon_public", objects=("client",))
+# The connection options of a Plan client: registered as ``cacheseek-plan``, attaching bounded by 60 s.
+PLAN_ENDPOINT_DEFAULTS = {"instance_key": "cacheseek-plan", "attach_timeout_s": 60.0}
+_FIELD_PREFIX = "store.client_options."
+
+
+def plan_endpoint_keywords() -> list:
+    return FluxonEndpoint.keywords(**PLAN_ENDPOINT_DEFAULTS)
+
+
+def plan_endpoint(options: dict[str, Any]) -> FluxonEndpoint:
+    """The `FluxonEndpoint` of a Plan client's options (``store.client_options.*``; those that
+    are not its fields are ignored)."""
+    return FluxonEndpoint.of(options, field_prefix=_FIELD_PREFIX, **PLAN_ENDPOINT_DEFAULTS)
+
+
+@PLAN_CLIENTS.register("fluxon_public", objects=("client",), keywords=plan_endpoint_keywords)
 class FluxonPublicPlanClient(InProcessPlanClient):
     """`PlanClient` emulated over a public fluxon-py client (see the module docstring).
 
     ``client``: an attached `FluxonClient` to share (the caller keeps owning it: `close` leaves
-    it open); else one is attached now from the connection options. ``staging_bytes``: host
+    it open); else one is attached now from the connection options (``endpoint``: the fields of
+    `FluxonEndpoint`, by name; a Plan client registers as ``cacheseek-plan`` and waits up to 60 s
+    to attach). ``staging_bytes``: host
     staging for uncommitted puts; None sizes it from the geometry (`staging_for`: ``value_bytes``,
     the largest value, one layer's K or V of a chunk; ``chunk_bytes``, one chunk's KV; the Plan
     tier passes both). A staging that cannot hold one value is a `ConfigError` here. A chunk
@@ -128,12 +145,6 @@ class FluxonPublicPlanClient(InProcessPlanClient):
 
     def __init__(
         self,
-        cluster_name: str = DEFAULT_CLUSTER_NAME,
-        share_mem_path: str = DEFAULT_SHARE_MEM_PATH,
-        instance_key: str = "cacheseek-plan",
-        op_timeout_s: float = 30.0,
-        attach_timeout_s: float = 60.0,
-        settle_s: float = 2.0,
         staging_bytes: Optional[Size] = AUTO,
         io_threads: int = 4,
         prefault: bool = True,
@@ -143,6 +154,7 @@ class FluxonPublicPlanClient(InProcessPlanClient):
         chunk_bytes: Optional[int] = None,
         *,
         client: Any = None,
+        **endpoint: Any,
     ) -> None:
         for name, value, low in (("value_bytes", value_bytes, 1), ("chunk_bytes", chunk_bytes, 1)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
@@ -154,10 +166,10 @@ class FluxonPublicPlanClient(InProcessPlanClient):
                                             minimum=4096)
         self.io_threads = io_threads
         self.prefault = bool(prefault)
+        where = FluxonEndpoint(**{**PLAN_ENDPOINT_DEFAULTS, **endpoint}, field_prefix=_FIELD_PREFIX)
         self._owns_client = client is None
         if client is None:
-            client = FluxonClient(cluster_name, share_mem_path, instance_key, op_timeout_s=op_timeout_s,
-                                  attach_timeout_s=attach_timeout_s, settle_s=settle_s, key_index=key_index)
+            client = FluxonClient.attach(where, key_index=key_index)
         super().__init__()
         self._client = client
         self._idle = threading.Condition(self._lock)

@@ -18,12 +18,11 @@ import logging
 from typing import Any, Optional
 
 from cacheseek.errors import ConfigError, PlanUnavailableError
-from cacheseek.fluxon.config import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
 from cacheseek.fluxon.errors import FluxonImportError
 from cacheseek.fluxon.loader import load_fluxon
 from cacheseek.plan.base import REQUIRED_PLAN_CALLS
 from cacheseek.plan.fluxon_native import FluxonNativePlanClient, missing_plan_calls
-from cacheseek.plan.fluxon_public import FluxonPublicPlanClient
+from cacheseek.plan.fluxon_public import FluxonPublicPlanClient, plan_endpoint
 from cacheseek.registry import PLAN_CLIENTS
 
 __all__ = ["native_plan_api_problem", "open_fluxon_plan_client"]
@@ -31,7 +30,7 @@ __all__ = ["native_plan_api_problem", "open_fluxon_plan_client"]
 log = logging.getLogger(__name__)
 
 _APIS = ("auto", "native", "public")
-_NATIVE_OPTIONS = ("op_timeout_s", "attach_timeout_s", "table_arena_bytes", "value_bytes", "chunk_bytes")
+_NATIVE_OPTIONS = ("table_arena_bytes", "value_bytes", "chunk_bytes")
 
 
 def native_plan_api_problem() -> Optional[str]:
@@ -74,11 +73,8 @@ def open_fluxon_plan_client(api: str = "auto", **options: Any) -> Any:
     if problem is None:
         log.info("Plan client 'fluxon': the installed fluxon-py offers the Plan API: using it natively "
                  "(fluxon_native)")
-        spec = {"cluster_name": options.get("cluster_name", DEFAULT_CLUSTER_NAME),
-                "share_mem_path": options.get("share_mem_path", DEFAULT_SHARE_MEM_PATH)}
-        return FluxonNativePlanClient(
-            config={"instance_key": options.get("instance_key", "cacheseek-plan"), "fluxonkv_spec": spec},
-            **{k: options[k] for k in _NATIVE_OPTIONS if k in options})
+        return FluxonNativePlanClient(endpoint=plan_endpoint(options),
+                                      **{k: options[k] for k in _NATIVE_OPTIONS if k in options})
     log.info("Plan client 'fluxon': %s; emulating it over the public client (fluxon_public: zero-copy "
              "reads, staged writes copied once by Fluxon)", problem)
     return FluxonPublicPlanClient(**options)

@@ -2,7 +2,8 @@
 
 Both attach a `FluxonClient` to a running Fluxon service (``tools/fluxon_service.py start``)
 identified by ``cluster_name`` and ``share_mem_path``; every call is bounded by ``op_timeout_s``
-and attaching by ``attach_timeout_s`` (`StoreTimeoutError` naming the op and key past that).
+and attaching by ``attach_timeout_s`` (`StoreTimeoutError` naming the op and key past that):
+the fields of `FluxonEndpoint`, given flat, checked once.
 
 `FluxonBytesStore` (a Python API; ``+store=fluxon`` is the tensor tier below): ``put``/``get``/``remove``/
 ``list_keys``. A missing key reads as None; a full store raises `StoreFullError` with Fluxon's
@@ -32,6 +33,7 @@ from typing import Any, Optional
 from cacheseek.errors import CorruptValueError, StoreClosedError, StoreError
 from cacheseek.fluxon.client import FluxonClient
 from cacheseek.fluxon.config import DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH
+from cacheseek.fluxon.endpoint import FluxonEndpoint
 from cacheseek.kv.handles import Tier
 from cacheseek.registry import STORES
 from cacheseek.stores import checksum
@@ -50,37 +52,25 @@ __all__ = [
 _HEADER_VERSION = 2  # 2: the checksum covers the value's key
 
 
-def _make_client(client: Any, *, cluster_name: str, share_mem_path: str, instance_key: str,
-                 op_timeout_s: float, attach_timeout_s: float, settle_s: float) -> tuple[Any, bool]:
+def _make_client(client: Any, endpoint: FluxonEndpoint) -> tuple[Any, bool]:
+    """``client`` (the caller keeps owning it), else one attached to ``endpoint`` now (owned)."""
     if client is not None:
         return client, False
-    return FluxonClient(cluster_name, share_mem_path, instance_key, op_timeout_s=op_timeout_s,
-                        attach_timeout_s=attach_timeout_s, settle_s=settle_s), True
+    return FluxonClient.attach(endpoint), True
 
 
 class FluxonBytesStore:
     """Bytes under string keys in a running Fluxon service.
 
-    ``client``: an attached `FluxonClient` to use instead of attaching a new one (then `close`
-    leaves it open). ``transfer`` is accepted and ignored (the orchestrator passes it to every
-    store).
+    ``endpoint``: `FluxonEndpoint`'s fields (``cluster_name``, ``share_mem_path``,
+    ``instance_key``, ``op_timeout_s``, ``attach_timeout_s``, ``settle_s``), positional in that
+    order or by name. ``client``: an attached `FluxonClient` to use instead of attaching a new one
+    (then `close` leaves it open). ``transfer`` is accepted and ignored (the orchestrator passes
+    it to every store).
     """
 
-    def __init__(
-        self,
-        cluster_name: str = DEFAULT_CLUSTER_NAME,
-        share_mem_path: str = DEFAULT_SHARE_MEM_PATH,
-        instance_key: str = "cacheseek-client",
-        op_timeout_s: float = 30.0,
-        attach_timeout_s: float = 30.0,
-        *,
-        settle_s: float = 2.0,
-        client: Any = None,
-        transfer: Any = None,
-    ) -> None:
-        self._client, self._owns_client = _make_client(
-            client, cluster_name=cluster_name, share_mem_path=share_mem_path, instance_key=instance_key,
-            op_timeout_s=op_timeout_s, attach_timeout_s=attach_timeout_s, settle_s=settle_s)
+    def __init__(self, *endpoint: Any, client: Any = None, transfer: Any = None, **endpoint_kw: Any) -> None:
+        self._client, self._owns_client = _make_client(client, FluxonEndpoint(*endpoint, **endpoint_kw))
         self._closed = False
 
     @property
@@ -242,7 +232,7 @@ class FluxonValueBackend:
 class FluxonTensorTier(KeyValueTier):
     """The generic per-layer tier over Fluxon (`KeyValueTier` over a `FluxonValueBackend`).
 
-    Same connection arguments as `FluxonBytesStore`; ``write_back``/``queue_depth`` as in
+    The connection keys are `FluxonEndpoint`'s (``store.cluster_name``...), checked there once; ``write_back``/``queue_depth`` as in
     `KeyValueTier`; ``client`` shares an attached `FluxonClient` (left open by `close`). The
     capacity is the service's segment as the client sees it. ``records``: the cluster's chunk
     records (`EtcdRecords` in the service's etcd, the client's): every worker attached to the
@@ -274,11 +264,10 @@ class FluxonTensorTier(KeyValueTier):
         client: Any = None,
         transfer: Any = None,
     ) -> None:
+        endpoint = FluxonEndpoint(cluster_name, share_mem_path, instance_key, op_timeout_s, attach_timeout_s, settle_s)
         check_read_parallelism(read_parallelism)  # before attaching: a bad config attaches nothing
         TierCodec(codec, codec_device)
-        client, owns = _make_client(
-            client, cluster_name=cluster_name, share_mem_path=share_mem_path, instance_key=instance_key,
-            op_timeout_s=op_timeout_s, attach_timeout_s=attach_timeout_s, settle_s=settle_s)
+        client, owns = _make_client(client, endpoint)
         segment = getattr(client, "segment_bytes", None)
         super().__init__(FluxonValueBackend(client, owns_client=owns), write_back=write_back,
                          queue_depth=queue_depth, name="fluxon", read_parallelism=read_parallelism,

@@ -7,23 +7,20 @@
   someone else and is never unregistered here.
 - Copies go on the stream given (None: the caller's current torch CUDA stream). Where the bindings
   offer ``cudaMemcpyBatchAsync`` and the stream is not the legacy default stream (which that call
-  refuses), the batch is a few calls: 32 copies first, so the engine starts while the rest is
-  converted, then doubling up to ``max_batch``; otherwise one ``cudaMemcpyAsync`` per copy. `copy_batch` then synchronizes the stream once; `submit_batch` records an event instead.
+  refuses), the batch is a few calls (`MemcpyBatch`: 32 copies first, so the engine starts
+  while the rest is converted, then doubling up to ``max_batch``); otherwise one
+  ``cudaMemcpyAsync`` per copy. `copy_batch` then synchronizes the stream once; `submit_batch` records an event instead.
 - Streams of its own (`new_stream`) are created with ``cudaStreamNonBlocking``: they never wait
   for the legacy default stream (where PyTorch computes by default) nor block it, so copies on
   them overlap compute. Ordering across streams is explicit: events (``cudaEventRecord``,
   ``cudaStreamWaitEvent``), created with ``cudaEventDisableTiming``.
 - Device ranges not declared by the caller are checked with ``cudaPointerGetAttributes``.
 - The range-copy kernel (`cacheseek.transfer.copy_kernel`) takes the batches that the copy
-  engines serve worst: at least ``kernel_min_copies`` copies, every one device-to-device, or
-  host-to-device averaging at most ``kernel_h2d_max_mean_bytes`` (where the device reads
-  registered host memory at its host address), all 16-byte aligned. It is one launch per
-  1024 copies instead of a descriptor each. ``copy_kernel``: None = that policy where the
-  kernel can be built (NVRTC), False = never, True = the policy, and the kernel must build.
+  engines serve worst (`KernelPolicy`: ``kernel_min_copies``, ``kernel_h2d_max_mean_bytes``,
+  ``copy_kernel``). It is one launch per 1024 copies instead of a descriptor each.
 
 ``cudart`` is injectable (tests/fakes/cudart.py `FakeCudart` in CPU tests); the real module
-is imported only when none is given. The batch call's signature differs between bindings
-(12.8 also returns a failing index, 13.x does not); it is read from the function's signature line.
+is imported only when none is given.
 """
 
 from __future__ import annotations
@@ -36,15 +33,11 @@ from cacheseek.errors import RegistrationError, TransferError
 from cacheseek.registry import TRANSFERS
 from cacheseek.transfer.base import SubmitFailed, TransferRuntimeBase
 from cacheseek.transfer.batch import DIRECTIONS, CopyBatch, Direction
-from cacheseek.transfer.copy_kernel import CudaRangeKernel, RangeKernel, aligned, range_tables
-from cacheseek.transfer.cuda_bindings import (
-    coerce_stream,
-    device_index,
-    import_cudart,
-    parameter_names,
-    torch_current_stream,
-)
+from cacheseek.transfer.copy_kernel import RangeKernel
+from cacheseek.transfer.cuda_bindings import coerce_stream, device_index, import_cudart, torch_current_stream
 from cacheseek.transfer.idle_events import IdleEvents
+from cacheseek.transfer.kernel_policy import KernelPolicy
+from cacheseek.transfer.memcpy_batch import MemcpyBatch
 from cacheseek.transfer.memory import HostMapping
 from cacheseek.transfer.pending import Event
 from cacheseek.transfer.registrations import Registration
@@ -54,9 +47,6 @@ __all__ = ["CudaTransferRuntime"]
 log = logging.getLogger(__name__)
 
 _LEGACY_STREAMS = (0, 1)  # the NULL stream and cudaStreamLegacy
-_BATCH_UNSUPPORTED = ("cudaErrorNotSupported", "cudaErrorCallRequiresNewerDriver")
-_LEAD_COPIES = 32  # the first batched call of a batch (`CudaTransferRuntime._calls`)
-_BATCH_13_PARAMS = ("dsts", "srcs", "sizes", "count", "attrs", "attrsIdxs", "numAttrs", "stream")
 
 
 @TRANSFERS.register("cuda", objects=("cudart", "current_stream", "tensor_device_type", "device", "range_kernel"))
@@ -102,13 +92,12 @@ class CudaTransferRuntime(TransferRuntimeBase):
         err = self._rt.cudaError_t
         self._ok = err.cudaSuccess
         self._already = err.cudaErrorHostMemoryAlreadyRegistered
-        self._unsupported = tuple(getattr(err, n) for n in _BATCH_UNSUPPORTED if hasattr(err, n))
         self._not_ready = getattr(err, "cudaErrorNotReady", None)
         batch_fn = None if use_batch_api is False else getattr(self._rt, "cudaMemcpyBatchAsync", None)
         if use_batch_api and batch_fn is None:
             raise TransferError("use_batch_api=True but these cuda bindings lack cudaMemcpyBatchAsync")
-        self._batch_fn = batch_fn
-        self._batch_params = parameter_names(batch_fn) if batch_fn is not None else []
+        self._batch = None if batch_fn is None else MemcpyBatch(
+            self._rt, batch_fn, max_batch, name=self._name, clear=self._clear_last_error, synchronize=self._synchronize)
         self._kinds = {
             Direction.H2D: self._rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
             Direction.D2H: self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost,
@@ -119,21 +108,12 @@ class CudaTransferRuntime(TransferRuntimeBase):
         self._stream_flags = getattr(self._rt, "cudaStreamNonBlocking", 1)
         self._event_flags = getattr(self._rt, "cudaEventDisableTiming", 2)
         self._idle = IdleEvents()  # released events kept for reuse
-        for name, value, least in (("kernel_min_copies", kernel_min_copies, 1), ("kernel_h2d_max_mean_bytes", kernel_h2d_max_mean_bytes, 0)):
-            if not isinstance(value, int) or value < least:
-                raise TransferError(f"{name} must be an int >= {least}, got {value!r}")
-        self.kernel_min_copies = kernel_min_copies
-        self.kernel_h2d_max_mean_bytes = kernel_h2d_max_mean_bytes
         # auto mode builds the real kernel only over the real bindings (an injected cudart is a
         # test's fake: it gets the kernel it is given, or none)
-        self._kernel_mode = copy_kernel if (cudart is None or range_kernel is not None or copy_kernel) else False
-        self._given_kernel = range_kernel if copy_kernel is not False else None
-        self._kernels: dict[int, RangeKernel] = {}  # per device: a kernel lives in one context
-        self._kernel: Optional[RangeKernel] = self._given_kernel  # the last one used
-        self.kernel_unavailable: Optional[str] = None  # why the policy is off in auto mode
-        self.kernel_batches = 0
-        if copy_kernel and self._kernel is None:
-            self._kernel = self._device_kernel()
+        self._kernels = KernelPolicy(
+            self._rt, mode=copy_kernel if (cudart is None or range_kernel is not None or copy_kernel) else False,
+            given=range_kernel if copy_kernel is not False else None, min_copies=kernel_min_copies,
+            h2d_max_mean_bytes=kernel_h2d_max_mean_bytes, device=self._bound_device)
 
     def bind_thread(self) -> None:
         """Make the runtime's device current on the calling thread (no-op without an index)."""
@@ -142,30 +122,39 @@ class CudaTransferRuntime(TransferRuntimeBase):
             if set_device is not None:
                 self._check(set_device(self.device_index)[0], f"cudaSetDevice({self.device_index})")
 
-    def _device_kernel(self) -> RangeKernel:
-        """The kernel of the device copies go to now (the runtime's, else the thread's current
-        one), built on first use there; the injected one when a test gave it."""
-        if self._given_kernel is not None:
-            return self._given_kernel
+    def _bound_device(self) -> int:
+        """The device copies go to now (the runtime's, else the thread's current one), the
+        calling thread bound to it."""
         self.bind_thread()
-        device = self.device_index
-        if device is None:
-            err, device = self._rt.cudaGetDevice()[:2]
-            self._check(err, "cudaGetDevice")
-        kernel = self._kernels.get(device)
-        if kernel is None:
-            kernel = self._kernels[device] = CudaRangeKernel(self._rt, device)
-        return kernel
+        return self._current_device()
 
     @property
     def range_kernel(self) -> Optional[RangeKernel]:
         """The range-copy kernel last used (None: none yet, or off)."""
-        return self._kernel
+        return self._kernels.last
+
+    @property
+    def kernel_batches(self) -> int:
+        """Batches the range-copy kernel took."""
+        return self._kernels.batches
+
+    @property
+    def kernel_min_copies(self) -> int:
+        return self._kernels.min_copies
+
+    @property
+    def kernel_h2d_max_mean_bytes(self) -> int:
+        return self._kernels.h2d_max_mean_bytes
+
+    @property
+    def kernel_unavailable(self) -> Optional[str]:
+        """Why the range-copy kernel is off in auto mode (None: it is not)."""
+        return self._kernels.unavailable
 
     @property
     def batch_api(self) -> bool:
         """True while batches on non-legacy streams go through ``cudaMemcpyBatchAsync``."""
-        return self._batch_fn is not None
+        return self._batch is not None
 
     # -- helpers --------------------------------------------------------------------------------
     def _name(self, err: Any) -> str:
@@ -229,70 +218,28 @@ class CudaTransferRuntime(TransferRuntimeBase):
         handle = coerce_stream(stream)
         return int(self._current_stream()) if handle is None else handle
 
-    def _kernel_for(self, batch: CopyBatch) -> Optional[RangeKernel]:
-        """The range-copy kernel when the policy (module docstring) gives it ``batch``, else None."""
-        if self._kernel_mode is False or len(batch) < self.kernel_min_copies:
-            return None
-        codes = batch.codes
-        d2d = codes == Direction.D2D.code
-        if not d2d.all():
-            h2d = codes == Direction.H2D.code
-            if not (h2d | d2d).all() or int(batch.sizes[h2d].mean()) > self.kernel_h2d_max_mean_bytes:
-                return None
-        if not aligned(batch.dsts, batch.srcs, batch.sizes):
-            return None
-        try:
-            kernel = self._kernel = self._device_kernel()
-        except TransferError as exc:
-            self._kernel_mode = False
-            self.kernel_unavailable = str(exc)
-            log.info("range-copy kernel off: %s", exc)
-            return None
-        if not d2d.all() and not kernel.host_readable:
-            return None
-        return kernel
-
     def fast_on(self, batch: CopyBatch, stream: Any = None) -> bool:
         """Whether ``batch`` submitted on ``stream`` (None: the caller's current stream) runs as
         fast as on a stream of the runtime's own: the range-copy kernel takes it, or the batch
         API is offered there (the legacy default stream refuses it). A restore then goes straight
         on the producer stream, ordered by the stream itself, with no events to make and wait
         for."""
-        if self._kernel_for(batch) is not None:
+        if self._kernels.kernel_for(batch) is not None:
             return True
-        return self._batch_fn is not None and self._resolve_stream(stream) not in _LEGACY_STREAMS
+        return self._batch is not None and self._resolve_stream(stream) not in _LEGACY_STREAMS
 
     def _submit(self, batch: CopyBatch, stream: int) -> None:
         self.bind_thread()
-        kernel = self._kernel_for(batch)
+        kernel = self._kernels.kernel_for(batch)
         if kernel is not None:
-            return self._submit_kernel(kernel, batch, stream)
-        if self._batch_fn is not None and stream not in _LEGACY_STREAMS:
-            dsts, srcs, sizes = batch.dsts.tolist(), batch.srcs.tolist(), batch.sizes.tolist()
-            for lo, hi in self._calls(len(dsts)):
-                if not self._submit_batch(dsts[lo:hi], srcs[lo:hi], sizes[lo:hi], stream, n_before=lo):
-                    return self._submit_loop(batch, stream, start=lo)
-            return
+            return self._kernels.submit(kernel, batch, stream)
+        if self._batch is not None and stream not in _LEGACY_STREAMS:
+            left = self._batch.submit(batch, stream)
+            if left is None:
+                return
+            self._batch = None  # the driver does not support the call: the loop takes over for good
+            return self._submit_loop(batch, stream, start=left)
         self._submit_loop(batch, stream)
-
-    def _calls(self, n: int) -> list[tuple[int, int]]:
-        """``(lo, hi)`` of each batched call for ``n`` copies: `_LEAD_COPIES` first, then twice as
-        many each call, at most ``max_batch``. The bindings convert a call's lists at about 1.4 us
-        a copy before the driver sees any of it; a short first call starts the engine while the
-        rest converts, and each later call converts faster than the engine drains the one before."""
-        out, lo, size = [], 0, min(_LEAD_COPIES, self.max_batch)
-        while lo < n:
-            out.append((lo, min(n, lo + size)))
-            lo, size = lo + size, min(2 * size, self.max_batch)
-        return out
-
-    def _submit_kernel(self, kernel: RangeKernel, batch: CopyBatch, stream: int) -> None:
-        for k, table in enumerate(range_tables(batch.dsts, batch.srcs, batch.sizes)):
-            try:
-                kernel.launch(table, stream)
-            except TransferError as exc:
-                raise SubmitFailed(-1 if k else 0, exc) from exc
-        self.kernel_batches += 1
 
     def _submit_loop(self, batch: CopyBatch, stream: int, start: int = 0) -> None:
         memcpy = self._rt.cudaMemcpyAsync
@@ -311,43 +258,6 @@ class CudaTransferRuntime(TransferRuntimeBase):
                         f"{size} B) failed: {self._name(err)}"
                     ),
                 )
-
-    def _submit_batch(self, dsts: list, srcs: list, sizes: list, stream: int, *, n_before: int = 0) -> bool:
-        """One cudaMemcpyBatchAsync; False when the driver does not support it (then the loop
-        takes over for good, after a synchronize in case anything went out)."""
-        rt = self._rt
-        attr = rt.cudaMemcpyAttributes()
-        attr.srcAccessOrder = rt.cudaMemcpySrcAccessOrder.cudaMemcpySrcAccessOrderStream
-        values = {
-            "dsts": dsts,
-            "srcs": srcs,
-            "sizes": sizes,
-            "count": len(dsts),
-            "attrs": [attr],
-            "attrsIdxs": [0],
-            "numAttrs": 1,
-            "failIdx": None,
-            "hStream": stream,
-            "stream": stream,
-        }
-        ret = self._batch_fn(*(values[n] for n in self._batch_params or _BATCH_13_PARAMS))
-        ret = ret if isinstance(ret, tuple) else (ret,)
-        err = ret[0]
-        if err == self._ok:
-            return True
-        self._clear_last_error()
-        if err in self._unsupported:
-            self._synchronize(stream)
-            self._batch_fn = None
-            return False
-        fail_idx = ret[1] if len(ret) > 1 else None
-        where = f" at copy {n_before + int(fail_idx)}" if fail_idx is not None else ""
-        raise SubmitFailed(
-            -1,
-            TransferError(
-                f"cudaMemcpyBatchAsync of {len(dsts)} copies failed{where}: {self._name(err)}"
-            ),
-        )
 
     # -- streams and events ---------------------------------------------------------------------
     def _check(self, err: Any, what: str) -> None:
@@ -428,6 +338,6 @@ class CudaTransferRuntime(TransferRuntimeBase):
 
     def __repr__(self) -> str:
         return (
-            f"CudaTransferRuntime(batch_api={self.batch_api}, kernel={self._kernel!r}, "
+            f"CudaTransferRuntime(batch_api={self.batch_api}, kernel={self._kernels.last!r}, "
             f"registered={len(self.registered())})"
         )

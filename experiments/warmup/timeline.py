@@ -30,7 +30,7 @@ def main(argv: list[str]) -> None:
     from cacheseek import orchestrator
     from cacheseek.orchestrator import Stack
     from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding
-    from cacheseek.stores.plan_tier import segment_registration as link, store
+    from cacheseek.stores.plan_tier import segments as link, store
     from cacheseek.stores.startup import SessionStarts
     from cacheseek.transfer import base, cuda_transfer, registrations
 

@@ -14,7 +14,7 @@ from cacheseek.kv.handles import BlobHandle, Skeleton, Tier
 from cacheseek.kv.payload import RestoreTarget
 from cacheseek.kv.ring import CopyRun
 from cacheseek.plan.embedded import EmbeddedPlanClient
-from cacheseek.stores.plan_tier.client import ClientCalls
+from cacheseek.stores.plan_tier.segments import ClientCalls
 from cacheseek.stores.plan_tier.read import GetRead, check_path
 from cacheseek.stores.plan_tier.stats import Counters
 

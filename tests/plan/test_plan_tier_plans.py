@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 
 from cacheseek.errors import PlanError
-from cacheseek.stores.plan_tier.batches import ALIGN, direction, staging_layout
-from cacheseek.stores.plan_tier.client import ClientCalls
-from cacheseek.stores.plan_tier.plans import PutPlans, group_by_size, plan_waves
+from cacheseek.stores.plan_tier.segments import ClientCalls, direction
+from cacheseek.stores.plan_tier.write import ALIGN, PutPlans, group_by_size, plan_waves, staging_layout
 from cacheseek.stores.plan_tier.stats import Counters
 from cacheseek.transfer.batch import Direction
 

@@ -125,7 +125,7 @@ def test_a_token_never_released_holds_the_warm_up_at_most_warmup_yield_s(make_st
 def test_a_background_warm_up_begins_after_the_first_session_start_up(make_store, monkeypatch):
     """Nothing of the warm-up (not even its transfer runtime or its segment) runs while the first
     session starts; the session's release starts it, and `wait_ready` does too."""
-    from cacheseek.stores.plan_tier.segment_registration import TransferLink
+    from cacheseek.stores.plan_tier.segments import TransferLink
 
     started = threading.Event()
     original = TransferLink.warm_up

@@ -1,28 +1,29 @@
 """The Plan tier (store ``fluxon_plan``): KV and latents moved straight between the runtime's
 tensors and a Plan store's registered host segments, in batches, with no CPU staging.
 
-One module per role; each states the lifecycle of what it hands out:
+One module per idea; each states the lifecycle of what it hands out:
 
-    store.py       `PlanTierStore`, the facade: the store interfaces, each call to one role
-    segment_registration.py  warm-up and registration: segments ready, registered, streams
-                   (`TransferLink`)
-    write.py       the write path: plans per size, D2H batches, overlapped snapshots (`Writer`)
-    plans.py       put plans of one write: start, commit and check, abort or remove (`PutPlans`)
+    store.py       `PlanTierStore`, the store interfaces over the parts below
+    warmup.py      the warm-up, in the foreground or on a thread, and the session starts it
+                   yields to (`Warmup`, `WarmupOptions`)
+    segments.py    the client (built from its registry name; its optional calls and records)
+                   and its segments registered with the transfer runtime (`TransferLink`), and
+                   what the paths copy with (`Attached`, `ValueMemory`)
+    write.py       the write path: put plans per size, D2H batches, overlapped snapshots
+                   (`Writer`, `PutPlans`)
     completion.py  the completion thread of overlapped writes: pieces, commit, ready (`Completion`)
     read.py        the read path: path checks, H2D batches, get plans released (`Reader`)
     capacity.py    staging slots and in-flight bytes; segment usage and removals
-    batches.py     numpy-built copy batches: staging layout, pieces, directions
-    client.py      building the Plan client; its optional calls, probed by attribute
-    stats.py       `Counters` and the `PlanTierStats` snapshot
-    failures.py    every failure a `StoreError`; submitted batches waited for on failure paths
+    stats.py       `Counters`, the `PlanTierStats` snapshot, failures as `StoreError`s and the one
+                   place a write's end is set on its blob
 
 ``hbm`` (`cacheseek.stores.hbm`) is this store over a device-memory pool.
 """
 
-from cacheseek.stores.plan_tier import batches
+from cacheseek.stores.plan_tier import write
 from cacheseek.stores.plan_tier.stats import PlanTierStats
 from cacheseek.stores.plan_tier.store import PlanTierStore
 
 __all__ = ["PlanTierStats", "PlanTierStore"]
 
-_split = batches.split  # the name it had when the Plan tier was one module
+_split = write.split  # the name it had when the Plan tier was one module

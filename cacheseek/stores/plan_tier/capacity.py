@@ -25,11 +25,11 @@ import attrs
 
 from cacheseek.errors import PlanError, StoreClosedError, StoreTimeoutError, WriteNotCompleteError
 from cacheseek.kv.handles import BlobHandle
-from cacheseek.kv.locators import layer_keys
+from cacheseek.kv.locators import layer_keys, node_key_of
+from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 from cacheseek.plan.base import PlanClient
-from cacheseek.stores.plan_tier.client import ClientCalls
-from cacheseek.stores.plan_tier.failures import as_store_error
-from cacheseek.stores.plan_tier.stats import Counters
+from cacheseek.stores.plan_tier.segments import ClientCalls
+from cacheseek.stores.plan_tier.stats import Counters, store_errors
 from cacheseek.transfer.memory import MemoryRange
 
 __all__ = ["SLOT_ROUND", "SegmentCapacity", "Slot", "StagingSlots"]
@@ -164,10 +164,13 @@ class StagingSlots:
 class SegmentCapacity:
     """The segment's room: the client's `PlanUsage`, and the removals the manager's eviction and
     invalidation call (`free` of a blob's K/V values, `free_latent` of one latent).
-    ``latent_sizes`` is the store's record of the latents it wrote (a freed latent leaves it)."""
+    ``latent_sizes`` is the store's record of the latents it wrote (a freed latent leaves it);
+    ``records`` the client's chunk records (a freed blob's record is retracted first)."""
 
-    def __init__(self, client: PlanClient, counters: Counters, latent_sizes: dict[str, int]) -> None:
+    def __init__(self, client: PlanClient, counters: Counters, latent_sizes: dict[str, int],
+                 records: ChunkRecords = NO_RECORDS) -> None:
         self._client = client
+        self._records = records
         self._calls = ClientCalls.of(client)
         self._counters = counters
         self._latent_sizes = latent_sizes
@@ -178,11 +181,14 @@ class SegmentCapacity:
         return fn() if fn is not None else None
 
     def free(self, handle: BlobHandle) -> None:
-        """Remove every K/V value of the blob (idempotent). Refuses a blob whose write is still
-        in flight (`WriteNotCompleteError`); raises `PlanError` if any removal fails (after
-        trying every one)."""
+        """Remove every K/V value of the blob (idempotent): its chunk record first (no other
+        process finds it from then on), then its values. Refuses a blob whose write is still in
+        flight (`WriteNotCompleteError`); raises `PlanError` if any removal fails (after trying
+        every one)."""
         if handle.in_flight:
             raise WriteNotCompleteError(f"{handle.locator}: write still in flight; cannot free")
+        if self._records.shared:
+            self._records.retract(node_key_of(handle.locator))
         errors: list[tuple[str, BaseException]] = []
         for layer in range(handle.n_layers):
             for key in layer_keys(handle.locator, layer):
@@ -199,12 +205,7 @@ class SegmentCapacity:
 
     def free_latent(self, locator: str) -> None:
         """Remove a latent (idempotent); raises a `StoreError` if the removal fails."""
-        try:
+        with store_errors(f"remove of latent {locator}"):
             self._client.remove(locator)
-        except Exception as exc:
-            error = as_store_error(exc, f"remove of latent {locator}")
-            if error is exc:
-                raise
-            raise error from exc
         self._counters.count(values_removed=1)
         self._latent_sizes.pop(locator, None)

@@ -11,7 +11,7 @@ Lifecycle of a get plan (`GetRead`)::
                          ``release_views`` when transferred, else ``cancel_get_transfer``
     held                 a restore whose copies did not land within the transfer runtime's bound
                          (``TransferTimeoutError``) keeps its views: the copies may still read
-                         them. `Reader.release_held` ends it once its batch is known to have
+                         them. `HeldReads.release` ends it once its batch is known to have
                          ended (at the next read, and at close); at close the plans still copying
                          are leaked, never released under DMA (counted: ``views_held``,
                          ``views_released_late``, ``views_leaked``). The ring is safe meanwhile:
@@ -56,16 +56,14 @@ from cacheseek.kv.locators import blob_keys, layer_keys
 from cacheseek.kv.payload import LayerPayload, RestoreTarget
 from cacheseek.plan.base import GetPlan, PlanClient
 from cacheseek.plan.table import decode_plan_table
-from cacheseek.stores.plan_tier.batches import copy_now, nbytes
-from cacheseek.stores.plan_tier.failures import settle
-from cacheseek.stores.plan_tier.segment_registration import TransferLink
-from cacheseek.stores.plan_tier.stats import Counters
+from cacheseek.stores.plan_tier.segments import Attached, TransferLink, ValueMemory, copy_now, nbytes
+from cacheseek.stores.plan_tier.stats import Counters, settle
 from cacheseek.transfer.batch import CopyBatch
 from cacheseek.transfer.lazy import LazyModule
 from cacheseek.transfer.memory import DeviceRanges, MemoryRange
 from cacheseek.transfer.pending import PendingBatch
 
-__all__ = ["GetRead", "Reader", "check_path"]
+__all__ = ["GetRead", "HeldReads", "Reader", "check_path"]
 
 np = LazyModule("numpy")
 log = logging.getLogger(__name__)
@@ -190,32 +188,28 @@ def _run_arrays(target: RestoreTarget) -> tuple:
     return _runs_as_arrays(tuple(target.runs), tuple(target.window_depths), int(target.token_bytes))
 
 
-class Reader:
-    """Reads through ``link``; ``latent_sizes`` is the store's record of the latents it wrote
-    (the size of a latent read without ``like``, the length check of a client that reports
-    none)."""
+class HeldReads:
+    """Restores whose copies did not land within their wait, with their get plans (module
+    docstring, ``held``): ended once their batches are known to have ended, leaked at close."""
 
-    def __init__(self, link: TransferLink, counters: Counters, latent_sizes: dict[str, int]) -> None:
-        self.link = link
-        self.client = link.client
+    def __init__(self, counters: Counters) -> None:
         self._counters = counters
-        self._latent_sizes = latent_sizes
-        self._ring: Optional[_Declared] = None
-        self._best_rate = 0.0  # bytes/s of the fastest restore so far (submission to landing)
-        self._dests: Optional[tuple] = None  # (declared, runs key, (dsts, sizes, codes)) of the last shape
-        self._held: list[tuple[GetRead, PendingBatch]] = []  # restores whose copies may still run
-        self._held_lock = threading.Lock()
+        self._held: list[tuple[GetRead, PendingBatch]] = []
+        self._lock = threading.Lock()
+
+    def __bool__(self) -> bool:
+        return bool(self._held)
 
     def hold(self, read: GetRead, pending: PendingBatch) -> None:
-        """Keep ``read``'s views until ``pending`` is known to have ended (module docstring)."""
-        with self._held_lock:
+        """Keep ``read``'s views until ``pending`` is known to have ended."""
+        with self._lock:
             self._held.append((read, pending))
             self._counters.note(views_held=len(self._held))
 
-    def release_held(self, *, final: bool = False) -> int:
+    def release(self, *, final: bool = False) -> int:
         """End the held plans whose batches have ended; with ``final`` (the store's close) leak
         the others, counted. Returns how many are still copying."""
-        with self._held_lock:
+        with self._lock:
             held, self._held = self._held, []
         still = []
         for read, pending in held:
@@ -231,16 +225,38 @@ class Reader:
             log.error("plan tier: %d restores' copies still in flight at close: their views are leaked, "
                       "not released under DMA", len(still))
             self._counters.count(views_leaked=len(still))
-        with self._held_lock:
+        with self._lock:
             self._held.extend(() if final else still)
             self._counters.note(views_held=len(self._held))
         return len(still)
 
+
+class Reader:
+    """Reads through ``link``; ``latent_sizes`` is the store's record of the latents it wrote
+    (the size of a latent read without ``like``, the length check of a client that reports
+    none)."""
+
+    def __init__(self, link: TransferLink, counters: Counters, latent_sizes: dict[str, int]) -> None:
+        self._link = link  # read for `Attached` (attached_for) and `ValueMemory` (values) only
+        self.client = link.client
+        self.calls = link.calls
+        self._counters = counters
+        self._latent_sizes = latent_sizes
+        self._ring: Optional[_Declared] = None
+        self._best_rate = 0.0  # bytes/s of the fastest restore so far (submission to landing)
+        self._dests: Optional[tuple] = None  # (declared, runs key, (dsts, sizes, codes)) of the last shape
+        self.held = HeldReads(counters)  # restores whose copies may still run
+
+    @property
+    def values(self) -> ValueMemory:
+        """Where the client's values live (known once its segments are ready)."""
+        return self._link.values
+
     def _start(self, keys: list[str], group_lens: list[int]) -> GetRead:
-        if self._held:
-            self.release_held()
+        if self.held:
+            self.held.release()
         read = GetRead(self.client, self._counters, self._latent_sizes, self.client.get_start(keys, group_lens),
-                       self.link.calls.value_lengths)
+                       self.calls.value_lengths)
         self._counters.count(gets_started=1)
         return read
 
@@ -261,8 +277,8 @@ class Reader:
 
     def lengths(self, read: GetRead) -> list[int]:
         """Byte lengths of a transferred read's values: the client's, else the latent records."""
-        if self.link.calls.value_lengths is not None:
-            return [int(n) for n in self.link.calls.value_lengths(read.plan)]
+        if self.calls.value_lengths is not None:
+            return [int(n) for n in self.calls.value_lengths(read.plan)]
         lengths = [self._latent_sizes.get(k) for k in read.plan.keys]
         if any(n is None for n in lengths):
             raise LayoutMismatchError("value lengths unknown: pass lengths= to copy_values_from")
@@ -279,8 +295,7 @@ class Reader:
             self._counters.count(read_misses=1)
             return False
         latent_keys, blobs = found
-        transfer = self.link.transfer_for(target.kv[0][0])
-        moved = self._read_window(latent_keys, blobs, target, transfer)
+        moved = self._read_window(latent_keys, blobs, target, self._link.attached_for(target.kv[0][0]))
         if moved is None:
             self._counters.count(read_misses=1)
             return False
@@ -288,13 +303,13 @@ class Reader:
         return True
 
     def _read_window(
-        self, latent_keys: list[str], blobs: list[BlobHandle], target: RestoreTarget, transfer: Any
+        self, latent_keys: list[str], blobs: list[BlobHandle], target: RestoreTarget, attached: Attached
     ) -> Optional[int]:
         """One get of the path's latents and the window's KV, then one batch (every copy run of
         every layer into the ring, then the latents) ordered after the producer stream's work and
         before its next (module docstring), one synchronize, the views released. Bytes moved, or
         None on a miss (a missing latent or a partial transferable prefix: nothing is copied)."""
-        link = self.link
+        transfer = attached.transfer
         width = 2 * target.n_layers
         keys = latent_keys + [k for blob in blobs for k in blob_keys(blob.locator, target.n_layers)]
         lat_sizes = [nbytes(t) for t in target.latents]
@@ -306,19 +321,20 @@ class Reader:
             table, n = read.transfer(lat_sizes + [target.chunk_value_nbytes] * (len(keys) - len(latent_keys)))
             if n < len(keys):
                 return None
-            values = np.array(decode_plan_table(table, n, arena=self.link.calls.arena()), dtype=np.int64)
+            values = np.array(decode_plan_table(table, n, arena=self.calls.arena()), dtype=np.int64)
             declared = self._declared(transfer, target)
             batch = self._window_batch(values, len(latent_keys), len(blobs), target, declared)
             ranges = declared.ranges
-            if link.read_stream is None:  # a runtime without streams: synchronous, on the caller's stream
+            if attached.read_stream is None:  # a runtime without streams: synchronous, on the caller's stream
                 transfer.copy_batch(batch.descriptors(), device_ranges=ranges)
                 return batch.nbytes
-            if link.fast_on is not None and link.fast_on(batch):  # the producer stream orders it: no events
+            if attached.fast_on is not None and attached.fast_on(batch):  # the producer stream orders it: no events
                 pending = transfer.submit_batch(batch, stream=None, device_ranges=ranges)
                 self._wait(pending)
                 return batch.nbytes
             producer = transfer.record_event(None)  # the ring's zeroing and earlier work land first
-            pending = transfer.submit_batch(batch, stream=link.read_stream, device_ranges=ranges, after=[producer])
+            pending = transfer.submit_batch(batch, stream=attached.read_stream, device_ranges=ranges,
+                                            after=[producer])
             transfer.stream_wait(None, pending)  # the runtime reads the ring after the copies
             self._wait(pending)  # the one synchronize before the views are released
             return batch.nbytes
@@ -330,7 +346,7 @@ class Reader:
             if producer is not None:
                 transfer.release_event(producer)
             if not landed:  # the copies may still read the views: keep them (module docstring)
-                self.hold(read, pending)
+                self.held.hold(read, pending)
                 if error is not None:
                     add_note(error, "the restore's Plan views stay held until its copies are known to have ended")
             else:
@@ -378,7 +394,7 @@ class Reader:
                                np.array([p for p, _ in declared.lat_spans], dtype=np.int64)])
         sizes = np.concatenate([np.repeat(run_bytes, width),
                                 np.array([n for _, n in declared.lat_spans], dtype=np.int64)])
-        codes = np.full(len(dsts), self.link.from_values.code, dtype=np.int8)
+        codes = np.full(len(dsts), self.values.from_values.code, dtype=np.int8)
         for a in (dsts, sizes, codes):
             a.flags.writeable = False
         self._dests = (declared, key, (dsts, sizes, codes))
@@ -399,7 +415,7 @@ class Reader:
                              np.array([p for p, _ in ring_spans], dtype=np.int64))
         if memo.lat_spans != lat_spans or memo.ranges is None:
             ranges = DeviceRanges.of(list(memo.ring_ranges) + [transfer.device_range(t) for t in target.latents]
-                                     + list(self.link.value_ranges))
+                                     + self.values.device_ranges)
             memo = attrs.evolve(memo, lat_spans=lat_spans, ranges=ranges)
         self._ring = memo
         return memo
@@ -419,10 +435,11 @@ class Reader:
             if like is None:
                 return self._raw(src, size)
             out = like.new_empty(like.shape)
-            transfer = self.link.transfer_for(out)
-            batch = CopyBatch.of([out.data_ptr()], [src], [size], self.link.from_values)
-            copy_now(transfer, batch, [transfer.device_range(out)] + self.link.value_ranges,
-                     producer=None, on=self.link.read_stream)
+            attached = self._link.attached_for(out)
+            transfer = attached.transfer
+            batch = CopyBatch.of([out.data_ptr()], [src], [size], attached.values.from_values)
+            copy_now(transfer, batch, [transfer.device_range(out)] + attached.values.device_ranges,
+                     producer=None, on=attached.read_stream)
             return out
 
     def get_layer(self, handle: BlobHandle, layer: int, like: Optional[LayerPayload]) -> Optional[LayerPayload]:
@@ -438,10 +455,11 @@ class Reader:
             if like is None:
                 return self._raw(srcs[0], size), self._raw(srcs[1], size)
             k, v = (t.new_empty(t.shape) for t in like)
-            transfer = self.link.transfer_for(k)
-            batch = CopyBatch.of([k.data_ptr(), v.data_ptr()], srcs, [nbytes(k), nbytes(v)], self.link.from_values)
-            copy_now(transfer, batch, [transfer.device_range(k), transfer.device_range(v)] + self.link.value_ranges,
-                     producer=None, on=self.link.read_stream)
+            attached = self._link.attached_for(k)
+            transfer, values = attached.transfer, attached.values
+            batch = CopyBatch.of([k.data_ptr(), v.data_ptr()], srcs, [nbytes(k), nbytes(v)], values.from_values)
+            copy_now(transfer, batch, [transfer.device_range(k), transfer.device_range(v)] + values.device_ranges,
+                     producer=None, on=attached.read_stream)
             return k, v
 
     def _value_pointers(self, read: GetRead, table: int, sizes: Sequence[int], *, raw: bool) -> list[int]:
@@ -452,14 +470,14 @@ class Reader:
         segment mapping of the client: else `CorruptValueError` naming the key."""
         keys = read.plan.keys[: len(sizes)]
         try:
-            srcs = decode_plan_table(table, len(sizes), arena=self.link.calls.arena())
+            srcs = decode_plan_table(table, len(sizes), arena=self.calls.arena())
         except PlanTableError as exc:
             raise PlanError(f"read of {keys[0]!r}: {exc}") from exc
         if not raw:
             return srcs  # the transfer runtime checks every copy against the registered mappings
-        lengths_fn = self.link.calls.value_lengths
+        lengths_fn = self.calls.value_lengths
         lengths = list(lengths_fn(read.plan)) if lengths_fn is not None else None
-        spans = self.link.value_spans
+        spans = self.values.spans
         for i, (key, src, size) in enumerate(zip(keys, srcs, sizes)):
             if lengths is not None and lengths[i] != size:
                 raise CorruptValueError(key, f"holds {lengths[i]} B where {size} B were written")
@@ -470,7 +488,7 @@ class Reader:
 
     def _raw(self, src: int, size: int) -> bytes:
         """The bytes of a value this store holds a view of (through the pool for device values)."""
-        if self.link.value_ranges:  # published values were synchronized before their commit
+        if self.values.on_device:  # published values were synchronized before their commit
             return bytes(self.client.value_tensor(src, size).cpu().numpy())  # type: ignore[attr-defined]
         return ctypes.string_at(src, size)
 

@@ -1,15 +1,27 @@
-"""The Plan tier's counters: `Counters`, which every role of the store adds to, and the frozen
+"""How the Plan tier reports: `Counters`, which every part of the store adds to, the frozen
 snapshot `PlanTierStats` that ``PlanTierStore.stats`` returns (the field names are what reports
-and benchmarks read: keep them)."""
+and benchmarks read: keep them), and its failures: every error that leaves the store is a
+`StoreError` (`as_store_error`), and a batch already submitted is waited for before a failure
+path goes on (`settle`: its own failure becomes a note on the first error, never a second
+exception). `settle` says whether the batch is known to have ended: after a wait that timed out
+its copies may still read or write their buffers, so the caller keeps them (a restore keeps its
+Plan views: `Reader`). A write's end on its handle is set in one place: `fail_write`,
+`land_write`."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any, Dict, Optional
 
 import attrs
 
-__all__ = ["Counters", "PlanTierStats", "collect"]
+from cacheseek.errors import PlanError, StoreError, TransferTimeoutError, add_note
+from cacheseek.kv.handles import BlobHandle
+from cacheseek.transfer.pending import PendingBatch
+
+__all__ = ["Counters", "PlanTierStats", "as_store_error", "collect", "fail_write", "land_write", "settle", "store_errors"]
 
 
 @attrs.frozen(slots=True)
@@ -147,3 +159,59 @@ def collect(
         huge_page_bytes=getattr(timers, "huge_page_bytes", -1) if timers else -1,
         transfer=transfer,
     )
+
+
+def settle(pending: Optional[PendingBatch], error: Optional[BaseException] = None, *,
+           wait_s: Optional[float] = None) -> bool:
+    """Wait for a batch on a failure path (at most ``wait_s``, default the runtime's bound); its
+    own failure becomes a note on ``error``. True when the batch is known to have ended (landed,
+    or failed: the device reported its end); False when it may still be copying."""
+    if pending is None:
+        return True
+    try:
+        pending.wait(timeout_s=wait_s)
+    except TransferTimeoutError as wait_error:
+        if error is not None and error is not wait_error:
+            add_note(error, f"a submitted batch has not landed either: {wait_error}")
+        return False
+    except Exception as wait_error:  # noqa: BLE001
+        if error is not None:
+            add_note(error, f"waiting for a submitted batch failed too: {wait_error!r}")
+    return True
+
+
+def as_store_error(exc: Exception, what: str) -> Exception:
+    """``exc`` when it already is a `StoreError`; else a `PlanError` naming the cause (a transfer,
+    table or layout error, or a payload that is not a tensor pair)."""
+    if isinstance(exc, StoreError):
+        return exc
+    return PlanError(f"{what} failed: {type(exc).__name__}: {exc}")
+
+
+@contextlib.contextmanager
+def store_errors(what: str) -> Iterator[None]:
+    """Every `Exception` leaving the block leaves as a `StoreError` (`as_store_error` of it,
+    naming ``what``, the cause chained)."""
+    try:
+        yield
+    except Exception as exc:
+        error = as_store_error(exc, what)
+        if error is exc:
+            raise
+        raise error from exc
+
+
+def fail_write(handle: BlobHandle, exc: BaseException, counters: Counters) -> Exception:
+    """The write of ``handle`` failed: counted and its ``error`` set (a `StoreError`), which is
+    returned. Through `BlobHandle.fail`, the one place a handle takes an error."""
+    counters.count(put_failures=1)
+    error = exc if isinstance(exc, Exception) else PlanError(repr(exc))
+    handle.fail(as_store_error(error, f"put of {handle.locator}"))
+    return handle.error
+
+
+def land_write(handle: BlobHandle, counters: Counters, seconds: float, **counts: Any) -> None:
+    """The write of ``handle`` landed and committed: counted, then ``ready`` (the caller calls
+    its ``on_ready`` after)."""
+    counters.count(puts=1, put_bytes=handle.nbytes, put_seconds=seconds, **counts)
+    handle.publish()

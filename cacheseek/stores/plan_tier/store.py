@@ -6,8 +6,8 @@ detached views of the ring tail on write and a `RestoreTarget` on read (docs/des
 
 Lifecycle::
 
-    PlanTierStore(...)   the client built (or given), then warmed up: its segments ready and
-                         registered, streams made, staging allocated (`TransferLink`)
+    PlanTierStore(...)   the client built (or given), then warmed up (`Warmup`): its segments
+                         ready and registered, streams made, staging allocated (`TransferLink`)
     put_async / put_skeleton / copy_values_from          -> `Writer` (overlapped writes end on
                                                             the `Completion` thread)
     read_path / get_skeleton / get_layer / contains      -> `Reader`
@@ -16,7 +16,7 @@ Lifecycle::
     records                                              the client's chunk records
                                                             (`client_records`: a Fluxon
                                                             cluster's; none for the embedded one)
-    ready / wait_ready / session_starting                -> `Warmup`, `SessionStarts`
+    ready / wait_ready / session_starting                -> `Warmup` (and its `SessionStarts`)
     stats                                                -> `PlanTierStats` (`Counters`)
     flush()   every pending write ended (bounded)
     close()   flush; the completion thread stopped; staging dropped; streams destroyed;
@@ -39,48 +39,50 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
-from cacheseek.errors import ConfigError, StoreClosedError, StoreTimeoutError, WriteNotCompleteError
+import attrs
+
+from cacheseek.errors import ConfigError, StoreClosedError, StoreTimeoutError
 from cacheseek.kv.handles import BlobHandle, ChunkNode, Tier
-from cacheseek.kv.locators import node_key_of
 from cacheseek.kv.payload import LayerPayload, RestoreTarget
 from cacheseek.plan.base import PlanClient
 from cacheseek.registry import STORES
-from cacheseek.sizes import AUTO, Size, available_memory, free_bytes, parse_size
-from cacheseek.sizing import UNFITTED, SizeField
+from cacheseek.sizes import AUTO, Size, parse_size
+from cacheseek.sizing import SizeField
 from cacheseek.stores.base import PathReadStore
 from cacheseek.stores.plan_tier.capacity import SegmentCapacity, StagingSlots
-from cacheseek.stores.plan_tier.client import (
-    ClientOptions,
-    build_client,
-    client_fields,
-    client_records,
-    given_options,
-)
 from cacheseek.stores.plan_tier.completion import Completion
-from cacheseek.stores.plan_tier.segment_registration import TransferLink
 from cacheseek.stores.plan_tier.read import Reader
+from cacheseek.stores.plan_tier.segments import (
+    ClientOptions,
+    TransferLink,
+    build_client,
+    client_records,
+    client_size_fields,
+)
 from cacheseek.stores.plan_tier.stats import Counters, PlanTierStats, collect
-from cacheseek.stores.plan_tier.warmup import Warmup
+from cacheseek.stores.plan_tier.warmup import Warmup, WarmupOptions
 from cacheseek.stores.plan_tier.write import Writer
-from cacheseek.stores.startup import NO_TOKEN, SessionStarts, StartToken, combine
+from cacheseek.stores.startup import StartToken
 from cacheseek.transfer.protocol import TransferRuntime
 
 __all__ = ["PlanTierStore"]
 
-# Threads that pre-fault the segment of a background warm-up (prefault_threads=0): every fault
-# step holds the mmap lock that the runtime's own cudaMalloc calls wait for, so fewer threads
-# keep the requests served meanwhile as fast as with no cache; the warm-up takes longer.
-_BACKGROUND_FAULT_THREADS = 2
-# Pause between two registered pieces of a background warm-up: the request thread's cudaMalloc
-# calls, waiting for the driver's and the mmap locks, get them before the next piece does.
-_BACKGROUND_PIECE_PAUSE_S = 1e-3
-_PIECE_ROUND = 2 << 20  # register_piece_bytes rounds up to whole 2 MiB pages
-# register_piece_bytes=auto in a background warm-up. On the H200 (24 GiB segment, experiments/warmup)
-# the first request came 0.76 s after start with 1 GiB pieces, 0.61 s with 256 MiB, 0.24 s with
-# 64 MiB and 0.14 s with 16 MiB (no cache: 0.06 s): each of the request's CUDA calls waits for the
-# piece being registered. Smaller pieces cost registration time (2.5 s for 1536 pieces, 0.65 s for
-# one call), which a background warm-up spends while requests run uncached.
-_BACKGROUND_PIECE_BYTES = 16 << 20
+
+def _positive(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"store.{name}", f"must be an int >= 1, got {value!r}")
+    return value
+
+
+@attrs.frozen(slots=True)
+class _WriteOptions:
+    """The write path's options, checked (`PlanTierStore`'s docstring says what each does)."""
+
+    staging_slots: int = attrs.field(converter=lambda v: _positive("staging_slots", v))
+    write_pieces_in_flight: int = attrs.field(converter=lambda v: _positive("write_pieces_in_flight", v))
+    staging_slot_bytes: int = attrs.field(converter=lambda v: parse_size(v, "store.staging_slot_bytes"))
+    max_inflight_bytes: int = attrs.field(converter=lambda v: parse_size(v, "store.max_inflight_bytes"))
+    write_piece_bytes: int = attrs.field(converter=lambda v: parse_size(v, "store.write_piece_bytes"))
 
 
 @STORES.register("fluxon_plan", objects=("transfer", "plan_client", "geometry_bytes"))
@@ -98,16 +100,9 @@ class PlanTierStore(PathReadStore):
     first chunk) of device memory hold the snapshots of in-flight writes; ``max_inflight_bytes``
     (0: no bound beyond the slots) bounds the bytes of pending writes. ``write_piece_bytes``: the
     overlapped D2H goes out in pieces of about this size, ``write_pieces_in_flight`` at a time,
-    from the completion thread (0: one batch from put_async). A copy the runtime makes in the same
-    direction meanwhile (a frame read back, a ``.tolist()``) shares the copy engine: behind one
-    3.6 GiB batch it would wait ~70 ms, behind two pieces of 32 MiB ~1.3 ms. ``warmup``:
-    ``foreground`` or ``background`` (`Warmup`; `wait_ready`; a background warm-up pre-faults
-    with 2 threads unless ``prefault_threads`` says otherwise). ``register_piece_bytes``: each
-    host mapping is faulted and registered in pieces of this size (rounded up to 2 MiB; 0 or None:
-    one registration call; ``"auto"``, the default: 16 MiB pieces in a background warm-up, one call
-    in the foreground), so no single driver call holds the driver's and the mmap locks for long; a
-    background warm-up pauses 1 ms between pieces (`TransferLink`), and longer while a session is
-    starting (`session_starting`), at most ``warmup_yield_s`` per session start.
+    from the completion thread (0: one batch from put_async; why: `Completion`). ``warmup``,
+    ``register_piece_bytes``, ``warmup_yield_s`` and, in a background warm-up, the default
+    ``prefault_threads``: `WarmupOptions`.
     """
 
     __module__ = "cacheseek.stores.plan_tier"  # its public path: configs and results name it there
@@ -144,91 +139,49 @@ class PlanTierStore(PathReadStore):
         plan_client: Optional[PlanClient] = None,
         geometry_bytes: Optional[tuple[int, int]] = None,
     ) -> None:
-        for name, value in (("staging_slots", staging_slots), ("write_pieces_in_flight", write_pieces_in_flight)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"store.{name}", f"must be an int >= 1, got {value!r}")
-        staging_slot_bytes = parse_size(staging_slot_bytes, "store.staging_slot_bytes")
-        max_inflight_bytes = parse_size(max_inflight_bytes, "store.max_inflight_bytes")
-        write_piece_bytes = parse_size(write_piece_bytes, "store.write_piece_bytes")
-        if register_piece_bytes == "auto":
-            register_piece_bytes = _BACKGROUND_PIECE_BYTES if warmup == "background" else 0
-        piece_bytes = parse_size(register_piece_bytes, "store.register_piece_bytes", allow_none=True) or 0
-        piece_bytes = -(-piece_bytes // _PIECE_ROUND) * _PIECE_ROUND
-        if isinstance(warmup_yield_s, bool) or not isinstance(warmup_yield_s, (int, float)) or warmup_yield_s < 0:
-            raise ConfigError("store.warmup_yield_s", f"must be seconds >= 0, got {warmup_yield_s!r}",
-                              "0 never pauses the warm-up for a starting session")
+        writes = _WriteOptions(staging_slots, write_pieces_in_flight, staging_slot_bytes, max_inflight_bytes,
+                               write_piece_bytes)
+        options = WarmupOptions.of(warmup, register_piece_bytes, prefault_threads, warmup_yield_s)
         self.commit_timeout_s = commit_timeout_s
         self.transfer_kind = transfer_kind
         self._closed = False
-        self._starts = SessionStarts(warmup_yield_s)
-        # A background store is built for sessions that are about to start: the warm-up waits for
-        # the first one's start-up too (released by it, by wait_ready, by close, or after
-        # warmup_yield_s), so its own setup does not run under the first request's allocations.
-        self._first_start = self._starts.begin() if warmup == "background" else NO_TOKEN
-        if warmup == "background" and prefault_threads == 0:
-            prefault_threads = _BACKGROUND_FAULT_THREADS  # leave the memory system to the requests
-        if isinstance(segment_bytes, str) and segment_bytes.strip().lower() == AUTO:
-            segment_bytes = UNFITTED["segment"]  # built directly: no workload to fit it to
+        self._counters = Counters()
+        self._warmup = Warmup(options, self._counters)
+        self._starts = self._warmup.starts
+        self._owns_client = plan_client is None
         if plan_client is None:
-            given = dict(segment_bytes=segment_bytes, prefault_threads=prefault_threads, backing=backing,
-                         hugepages=hugepages, shm_dir=shm_dir)
-            if geometry_bytes is not None:  # (largest value, one chunk's KV): clients size staging
-                given.update(value_bytes=geometry_bytes[0], chunk_bytes=geometry_bytes[1])
-            plan_client = build_client(client, given, client_options)
-            self._owns_client = True
-        else:
-            self._owns_client = False
+            plan_client = build_client(client, dict(segment_bytes=segment_bytes, prefault_threads=options.prefault_threads,
+                                                    backing=backing, hugepages=hugepages, shm_dir=shm_dir),
+                                       client_options, geometry_bytes=geometry_bytes)
         self._client: PlanClient = plan_client
         self.records = client_records(plan_client)
-        self._counters = Counters()
         self._latent_sizes: dict[str, int] = {}
         self._link = TransferLink(plan_client, transfer, transfer_kind=transfer_kind, device=device,
-                                  overlap=overlap, counters=self._counters, on_attach=self._attached,
-                                  piece_bytes=piece_bytes,
-                                  piece_pause_s=_BACKGROUND_PIECE_PAUSE_S if warmup == "background" else 0.0,
-                                  yield_to=self._starts.wait_clear if warmup == "background" else None)
-        self._slots = StagingSlots(staging_slots, staging_slot_bytes, max_inflight_bytes,
+                                  overlap=overlap, counters=self._counters, on_attach=lambda like: self._slots.fill(like),
+                                  piece_bytes=options.piece_bytes, piece_pause_s=options.piece_pause_s,
+                                  yield_to=self._warmup.yield_to)
+        self._slots = StagingSlots(writes.staging_slots, writes.staging_slot_bytes, writes.max_inflight_bytes,
                                    timeout_s=commit_timeout_s, allocate=self._link.staging_tensor,
                                    counters=self._counters, pending_writes=lambda: self._completion.pending)
-        self._completion = Completion(self._link, self._slots, self._counters,
-                                      pieces_in_flight=write_pieces_in_flight, timeout_s=commit_timeout_s)
+        self._completion = Completion(self._slots, self._counters, pieces_in_flight=writes.write_pieces_in_flight,
+                                      timeout_s=commit_timeout_s)
         self._reader = Reader(self._link, self._counters, self._latent_sizes)
         self._writer = Writer(self._link, self._slots, self._completion, self._counters, self._latent_sizes,
-                              piece_bytes=write_piece_bytes, timeout_s=commit_timeout_s)
-        self._capacity = SegmentCapacity(plan_client, self._counters, self._latent_sizes)
+                              piece_bytes=writes.write_piece_bytes, timeout_s=commit_timeout_s)
+        self._capacity = SegmentCapacity(plan_client, self._counters, self._latent_sizes, self.records)
         try:
-            self._warmup = Warmup(lambda: self._link.warm_up(device), mode=warmup)
+            self._warmup.start(lambda: self._link.warm_up(device))
         except BaseException:
             self._teardown()
             if self._owns_client:
                 self._client.close()
             raise
 
-    def _attached(self, like: Any) -> None:
-        """The link is attached to its runtime: with overlap, the staging slots are made now."""
-        if self._link.overlap:
-            self._slots.fill(like)
-
     @classmethod
     def size_fields(cls, config: dict[str, Any]) -> list[SizeField]:
         """`SizedStore`: the embedded client's ``segment_bytes``, or the host staging
         (``client_options.staging_bytes``) of a client that stages writes, against free memory."""
-        options = given_options(config.get("client_options"))
-        accepted = client_fields(config.get("client", "embedded"))
-        room, label = available_memory(), "free memory"
-        if options.get("backing", config.get("backing")) == "shm":
-            shm = options.get("shm_dir") or config.get("shm_dir") or "/dev/shm"
-            shm_free = free_bytes(shm)
-            if shm_free is not None and (room is None or shm_free < room):
-                room, label = shm_free, f"free space in {shm}"
-        fields = []
-        if "segment_bytes" in accepted:
-            fields.append(SizeField("segment_bytes", "segment", room=room, room_label=label,
-                                    alignment=int(options.get("alignment", 256))))
-        if "staging_bytes" in accepted:
-            fields.append(SizeField("client_options.staging_bytes", "staging", room=room, room_label=label,
-                                    alignment=256))
-        return fields
+        return client_size_fields(config)
 
     # -- what it is attached to -----------------------------------------------------------------
     @property
@@ -248,7 +201,7 @@ class PlanTierStore(PathReadStore):
     def values_on_device(self) -> bool:
         """Whether the client's values live in device memory (the HBM tier): copies in and out
         of them are D2D and the segment is a declared device range, not a registered mapping."""
-        return self._link.values_on_device
+        return self._link.values.on_device
 
     @property
     def ready(self) -> bool:
@@ -258,48 +211,22 @@ class PlanTierStore(PathReadStore):
     def wait_ready(self, timeout_s: Optional[float] = None) -> bool:
         """Block until a background warm-up ended, at most ``timeout_s``; whether it is ready. The
         caller wants the store warm now: the warm-up stops waiting for a first session."""
-        self._release_first_start()
         return self._warmup.wait(timeout_s)
 
     def session_starting(self) -> StartToken:
-        """A session is starting (`SessionStarts`): while the token is held, and at most
-        ``warmup_yield_s``, a background warm-up does no further step (its setup, a segment
-        piece). The first session's token also ends the wait the warm-up begins with. A store
-        whose warm-up ended hands out `NO_TOKEN`."""
-        if self._warmup.ended:
-            return NO_TOKEN
-        first, self._first_start = self._first_start, NO_TOKEN
-        return combine([self._starts.begin(), first])
-
-    def _release_first_start(self) -> None:
-        first, self._first_start = self._first_start, NO_TOKEN
-        first.release()
-
-    def _warming(self, reads: int = 0, writes: int = 0) -> bool:
-        """True (counting the call) while the segment is not ready to serve."""
-        if self._warmup.ready:
-            return False
-        self._counters.count(reads_while_warming=reads, writes_while_warming=writes, reads=reads,
-                             read_misses=reads)
-        return True
+        """A session is starting: while the token is held, and at most ``warmup_yield_s``, a
+        background warm-up does no further step (its setup, a segment piece); `NO_TOKEN` once
+        the warm-up ended (`Warmup.session_starting`)."""
+        return self._warmup.session_starting()
 
     @property
     def stats(self) -> PlanTierStats:
-        self._counters.note(warmup=self._warmup.mode, ready=self._warmup.ready,
-                            warmup_error=None if self._warmup.error is None else repr(self._warmup.error))
+        self._warmup.note_state()
         inflight, peak, staging = self._slots.snapshot()
-        timers_fn = self._link.calls.segment_timers
-        transfer = self._link.transfer
-        return collect(
-            self._counters,
-            usage=self.usage(),
-            timers=timers_fn() if timers_fn is not None else None,
-            pending_writes=self._completion.pending,
-            inflight_bytes=inflight,
-            peak_inflight_bytes=peak,
-            staging_bytes=staging,
-            transfer=transfer.stats.as_dict() if transfer is not None else {},
-        )
+        timers_fn, transfer = self._link.calls.segment_timers, self._link.transfer
+        return collect(self._counters, usage=self.usage(), timers=timers_fn() if timers_fn is not None else None,
+                       pending_writes=self._completion.pending, inflight_bytes=inflight, peak_inflight_bytes=peak,
+                       staging_bytes=staging, transfer=transfer.stats.as_dict() if transfer is not None else {})
 
     @property
     def _worker(self) -> Optional[threading.Thread]:
@@ -309,6 +236,11 @@ class PlanTierStore(PathReadStore):
     def _check_open(self) -> None:
         if self._closed:
             raise StoreClosedError("Plan tier store used after close()")
+
+    def _check_writable(self) -> None:
+        self._check_open()
+        if self._warmup.warming(writes=1):
+            raise self._warmup.refuse_write()
 
     # -- write ----------------------------------------------------------------------------------
     def put_async(
@@ -326,17 +258,13 @@ class PlanTierStore(PathReadStore):
         ready (on_ready already called); with overlap it comes back PENDING and turns ready (or
         gets ``error``) on the completion thread. Raises a `StoreError` (handle.error set) for a
         failure found before it returns."""
-        self._check_open()
-        if self._warming(writes=1):
-            raise self._warmup.refuse_write()
+        self._check_writable()
         return self._writer.put_async(locator, payload, tier=tier, on_ready=on_ready, stream=stream)
 
     def put_skeleton(self, locator: str, latent: Any, *, stream: Any = None) -> None:
         """Write one latent (a contiguous tensor on the runtime device) as the value ``locator``
         (``{hex}:lat``), synchronously. Raises a `StoreError`."""
-        self._check_open()
-        if self._warming(writes=1):
-            raise self._warmup.refuse_write()
+        self._check_writable()
         self._writer.put_latent(locator, latent, stream=stream)
 
     def copy_values_from(
@@ -355,8 +283,7 @@ class PlanTierStore(PathReadStore):
         source._check_open()
         if not source.ready:
             return None
-        if self._warming(writes=1):
-            raise self._warmup.refuse_write()
+        self._check_writable()
         return self._writer.copy_from(source._reader, keys, lengths)
 
     # -- read -----------------------------------------------------------------------------------
@@ -367,7 +294,7 @@ class PlanTierStore(PathReadStore):
         the runs disagree with ``target``; `TransferError`, `PlanTableError`, `PlanError` on
         failures. Fills ``target.latents`` and ``target.kv``; publishes nothing."""
         self._check_open()
-        if self._warming(reads=1):
+        if self._warmup.warming(reads=1):
             return False
         return self._reader.read_path(path, window, target)
 
@@ -413,10 +340,6 @@ class PlanTierStore(PathReadStore):
         `PlanError` if any removal fails (the caller keeps the blob)."""
         self._check_open()
         if self._warmup.ready:  # nothing was written before (and a miss while warming is no loss)
-            if handle.in_flight:
-                raise WriteNotCompleteError(f"{handle.locator}: write still in flight; cannot free")
-            if self.records.shared:
-                self.records.retract(node_key_of(handle.locator))
             self._capacity.free(handle)
 
     def free_skeleton(self, locator: str) -> None:
@@ -438,7 +361,6 @@ class PlanTierStore(PathReadStore):
         unregister the segments, close what this store built. Idempotent."""
         if self._closed:
             return
-        self._starts.close()  # no session start holds the warm-up any more (nor the first one)
         self._warmup.join(max(60.0, self.commit_timeout_s))  # never tear down under the warm-up
         try:
             self.flush()
@@ -447,7 +369,7 @@ class PlanTierStore(PathReadStore):
             self._slots.close()
             # Never tear streams, registrations or the client down under a live completion thread.
             self._completion.stop()
-            if self._reader.release_held(final=True):  # a late restore's copies: views leaked
+            if self._reader.held.release(final=True):  # a late restore's copies: views leaked
                 raise StoreTimeoutError("plan tier: a restore's copies are still in flight at close; its "
                                         "views, registrations and client are left in place (leaked)")
             try:

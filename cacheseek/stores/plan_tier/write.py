@@ -22,31 +22,196 @@ Write of one chunk (`put_async`)::
 
 Both batches of an overlapped write are validated whole before the first copy goes out
 (docs/design.md section 2), although the D2H goes out later, in pieces.
+
+The put plans of one write (`PutPlans`), grouped by value size; a plan is in exactly one of
+``started`` and ``submitted``::
+
+    start(keys, lengths)  one plan per value size (``local_fast_put_start``): -> started;
+                          returns where each value goes (decoded from the plan's table)
+    commit()              ``local_fast_put_commit`` of every started plan (-> submitted, before
+                          the call, so a commit call that raised counts as submitted), then every
+                          status and key code of this call's commits checked: `PlanError`
+                          naming each failure, `StoreTimeoutError` past ``timeout_s``
+    undo(exc)             ``put_abort`` of every started plan; each submitted plan's commit
+                          waited for, then each of its keys removed (a submitted commit is never
+                          aborted); a failure of these is a note on ``exc``
+
+Copy batches are built with numpy (`staging_layout`, `split`): no step costs Python work per
+copy (a 480p chunk is thousands of copies).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Optional
 
-from cacheseek.errors import PlanError
+from cacheseek.errors import PlanError, StoreTimeoutError, add_note
 from cacheseek.kv.handles import BlobHandle, Tier
 from cacheseek.kv.locators import layer_keys
 from cacheseek.kv.payload import LayerPayload
+from cacheseek.plan.base import PlanClient, PutCommitResult, PutPlan
 from cacheseek.plan.table import decode_plan_table
-from cacheseek.stores.plan_tier.batches import copy_now, direction, nbytes, split, staging_layout
 from cacheseek.stores.plan_tier.capacity import Slot, StagingSlots
 from cacheseek.stores.plan_tier.completion import Completion, PendingWrite
-from cacheseek.stores.plan_tier.failures import as_store_error, settle
-from cacheseek.stores.plan_tier.segment_registration import TransferLink
-from cacheseek.stores.plan_tier.plans import PutPlans, plan_waves
 from cacheseek.stores.plan_tier.read import Reader
-from cacheseek.stores.plan_tier.stats import Counters
+from cacheseek.stores.plan_tier.segments import TransferLink, copy_now, direction, nbytes
+from cacheseek.stores.plan_tier.stats import Counters, fail_write, land_write, settle, store_errors
 from cacheseek.transfer.batch import CopyBatch, Direction
+from cacheseek.transfer.lazy import LazyModule
 from cacheseek.transfer.pending import PendingBatch
 
-__all__ = ["Writer"]
+__all__ = ["ALIGN", "PutPlans", "Writer", "group_by_size", "plan_waves", "split", "staging_layout"]
+
+np = LazyModule("numpy")
+
+ALIGN = 256  # bytes between snapshot entries in a staging slot
+
+
+def staging_layout(lengths: Any) -> tuple[Any, Any, int]:
+    """``(lengths, offsets, need)`` of values packed into one staging slot: each value at an
+    offset aligned to `ALIGN` bytes, in order; ``need`` is the bytes the slot must hold."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.zeros(len(lengths), dtype=np.int64)
+    offsets[1:] = np.cumsum(-(-lengths // ALIGN) * ALIGN)[:-1]
+    return lengths, offsets, int(offsets[-1] + lengths[-1])
+
+
+def split(batch: CopyBatch, piece_bytes: int) -> list[CopyBatch]:
+    """``batch`` cut into pieces of about ``piece_bytes`` (copies larger than that are cut into
+    sub-copies of contiguous bytes); one piece when ``piece_bytes`` is 0."""
+    if piece_bytes <= 0 or batch.nbytes <= piece_bytes:
+        return [batch]
+    sizes = batch.sizes
+    parts = -(-sizes // piece_bytes)
+    idx = np.repeat(np.arange(len(sizes)), parts)
+    starts = np.repeat(np.cumsum(parts) - parts, parts)
+    off = (np.arange(len(idx)) - starts) * piece_bytes
+    sub = np.minimum(piece_bytes, sizes[idx] - off)
+    dsts, srcs, codes = batch.dsts[idx] + off, batch.srcs[idx] + off, batch.codes[idx]
+    group = (np.cumsum(sub) - sub) // piece_bytes
+    cuts = np.flatnonzero(np.diff(group)) + 1
+    return [CopyBatch(d, s_, n, c) for d, s_, n, c in zip(
+        np.split(dsts, cuts), np.split(srcs, cuts), np.split(sub, cuts), np.split(codes, cuts))]
+
+
+def group_by_size(lengths: Sequence[int]) -> dict[int, list[int]]:
+    """Item indices by value size, in first-seen order (one Plan per size)."""
+    groups: dict[int, list[int]] = {}
+    for i, length in enumerate(lengths):
+        groups.setdefault(length, []).append(i)
+    return groups
+
+
+def plan_waves(sizes: Sequence[int], max_plan_values: Optional[Callable[[int], int]]) -> list[list[int]]:
+    """Item indices in waves of plans whose staging fits the client at once (its optional
+    ``max_plan_values(value_len)``); one wave when the client stages no bytes of its own or
+    everything fits. Each wave is started, copied and committed before the next starts."""
+    everything = [list(range(len(sizes)))]
+    if max_plan_values is None:
+        return everything
+    by_size = group_by_size(sizes)
+    fits = {n: int(max_plan_values(n)) for n in by_size}
+    for n, cap in fits.items():
+        if cap < 1:
+            raise PlanError(f"the Plan client cannot stage one value of {n} bytes (raise its staging)")
+    if sum(len(idxs) / fits[n] for n, idxs in by_size.items()) <= 1.0:
+        return everything
+    waves: list[list[int]] = [[]]
+    share = 0.0
+    for n, idxs in by_size.items():
+        for i in idxs:
+            if share + 1.0 / fits[n] > 1.0 + 1e-9:
+                waves.append([])
+                share = 0.0
+            waves[-1].append(i)
+            share += 1.0 / fits[n]
+    return waves
+
+
+class PutPlans:
+    """The plans of one write on ``client`` (see the module docstring for the lifecycle)."""
+
+    def __init__(self, client: PlanClient, counters: Counters, timeout_s: float) -> None:
+        self._client = client
+        self._counters = counters
+        self._timeout_s = timeout_s
+        self.started: list[PutPlan] = []
+        self.submitted: list[PutPlan] = []
+        self._futures: dict[PutPlan, Future] = {}
+
+    def start(
+        self, keys: Sequence[str], lengths: Sequence[int], arena: Optional[tuple[int, int]]
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Start one plan per size group (each in ``started`` once started); returns the value
+        pointers, the item indices and the sizes, all in group order."""
+        dsts: list[int] = []
+        order: list[int] = []
+        sizes: list[int] = []
+        for value_len, idxs in group_by_size(lengths).items():
+            plan, table = self._client.local_fast_put_start([keys[i] for i in idxs], value_len)
+            self.started.append(plan)
+            self._counters.count(plans_started=1)
+            dsts += decode_plan_table(table, len(idxs), arena=arena)
+            order += idxs
+            sizes += [value_len] * len(idxs)
+        return dsts, order, sizes
+
+    def commit(self) -> None:
+        """Commit every started plan and check every status and key code of these commits;
+        raises `PlanError` naming each failure."""
+        now: list[PutPlan] = []
+        while self.started:
+            plan = self.started.pop(0)
+            self.submitted.append(plan)
+            now.append(plan)
+            self._futures[plan] = self._client.local_fast_put_commit(plan)
+        failures = []
+        for plan in now:
+            result = self._result(plan, self._futures[plan])
+            if not result.ok:
+                bad = [f"{k}={c}" for k, c in zip(plan.keys, result.key_codes) if c]
+                failures.append(
+                    f"commit of {len(plan.keys)} values of {plan.value_len} B: status "
+                    f"{result.status}{', key codes ' + ', '.join(bad) if bad else ''}"
+                    f"{' (' + result.message + ')' if result.message else ''}"
+                )
+        if failures:
+            raise PlanError("; ".join(failures))
+        self._counters.count(plans_committed=len(now))
+
+    def _result(self, plan: PutPlan, future: Future) -> PutCommitResult:
+        try:
+            return future.result(timeout=self._timeout_s)
+        except FutureTimeout as exc:
+            raise StoreTimeoutError(
+                f"commit of {len(plan.keys)} values not done after {self._timeout_s} s"
+            ) from exc
+
+    def undo(self, exc: BaseException) -> None:
+        """Abort every uncommitted plan; remove every key of a submitted one (after its commit
+        settled), so that a failed write leaves nothing behind."""
+        for plan in self.started:
+            try:
+                self._client.put_abort(plan)
+                self._counters.count(plans_aborted=1)
+            except Exception as abort_error:
+                add_note(exc, f"put_abort failed too: {abort_error!r}")
+        for plan in self.submitted:
+            future = self._futures.get(plan)
+            if future is not None:
+                try:
+                    future.result(timeout=self._timeout_s)
+                except Exception:
+                    pass  # its keys are removed below whatever the commit's outcome
+            for key in plan.keys:
+                try:
+                    self._client.remove(key)
+                    self._counters.count(values_removed=1)
+                except Exception as remove_error:
+                    add_note(exc, f"remove({key!r}) after a failed commit failed too: {remove_error!r}")
 
 
 class Writer:
@@ -66,6 +231,7 @@ class Writer:
     ) -> None:
         self._link = link
         self._client = link.client
+        self._calls = link.calls
         self._slots = slots
         self._completion = completion
         self._counters = counters
@@ -99,45 +265,38 @@ class Writer:
             if not items:
                 raise PlanError(f"put of {locator}: empty payload")
             handle.nbytes = sum(nbytes(t) for _, t in items)
-            self._link.transfer_for(items[0][1])
-            if self._link.overlap and len(self._waves(items)) == 1:
-                self._put_overlapped(handle, items, on_ready, stream, t0)
+            attached = self._link.attached_for(items[0][1])
+            if attached.overlap and len(self._waves(items)) == 1:
+                self._put_overlapped(attached, handle, items, on_ready, stream, t0)
                 self._counters.count(put_submit_seconds=time.perf_counter() - t0)
                 return handle
-            self._put_values(items, stream=stream)
+            self._put_values(attached, items, stream=stream)
         except Exception as exc:
-            self._counters.count(put_failures=1)
-            handle.fail(as_store_error(exc, f"put of {locator}"))
-            if handle.error is exc:
+            error = fail_write(handle, exc, self._counters)
+            if error is exc:
                 raise
-            raise handle.error from exc
+            raise error from exc
         elapsed = time.perf_counter() - t0
-        self._counters.count(puts=1, put_bytes=handle.nbytes, put_seconds=elapsed, put_submit_seconds=elapsed)
-        handle.publish()
+        land_write(handle, self._counters, elapsed, put_submit_seconds=elapsed)
         if on_ready is not None:
             on_ready(handle)
         return handle
 
     def put_latent(self, locator: str, latent: Any, *, stream: Any) -> None:
         """One latent as the value ``locator``, synchronously. Raises a `StoreError`."""
-        try:
-            self._put_values([(locator, latent)], stream=stream)
-        except Exception as exc:
-            error = as_store_error(exc, f"put of latent {locator}")
-            if error is exc:
-                raise
-            raise error from exc
+        with store_errors(f"put of latent {locator}"):
+            self._put_values(self._link.attached_for(latent), [(locator, latent)], stream=stream)
         self._latent_sizes[locator] = nbytes(latent)
 
     def _waves(self, items: list[tuple[str, Any]]) -> list[list[int]]:
-        limit = self._link.calls.max_plan_values
+        limit = self._calls.max_plan_values
         if limit is None:
             return [list(range(len(items)))]
         return plan_waves([nbytes(t) for _, t in items], limit)
 
-    def _put_values(self, items: list[tuple[str, Any]], *, stream: Any) -> None:
+    def _put_values(self, attached: Any, items: list[tuple[str, Any]], *, stream: Any) -> None:
         """Synchronous write: D2H straight from the tensors, then commit, wave by wave."""
-        transfer = self._link.transfer_for(items[0][1])
+        transfer, values = attached.transfer, attached.values
         ranges = [transfer.device_range(t) for _, t in items]
         plans = self._plans()
         try:
@@ -145,10 +304,10 @@ class Writer:
                 sub = [items[i] for i in wave]
                 sub_ranges = [ranges[i] for i in wave]
                 dsts, order, sizes = plans.start([k for k, _ in sub], [r.length for r in sub_ranges],
-                                                 self._link.calls.arena())
-                batch = CopyBatch.of(dsts, [sub_ranges[i].ptr for i in order], sizes, self._link.to_values)
-                copy_now(transfer, batch, sub_ranges + self._link.value_ranges, producer=stream,
-                         on=self._link.write_stream)
+                                                 self._calls.arena())
+                batch = CopyBatch.of(dsts, [sub_ranges[i].ptr for i in order], sizes, values.to_values)
+                copy_now(transfer, batch, sub_ranges + values.device_ranges, producer=stream,
+                         on=attached.write_stream)
                 plans.commit()
         except BaseException as exc:
             plans.undo(exc)
@@ -156,6 +315,7 @@ class Writer:
 
     def _put_overlapped(
         self,
+        attached: Any,
         handle: BlobHandle,
         items: list[tuple[str, Any]],
         on_ready: Optional[Callable[[BlobHandle], None]],
@@ -164,18 +324,17 @@ class Writer:
     ) -> None:
         """Start the plans, snapshot the views into a staging slot on the producer stream, D2H
         from the slot on the write stream; the completion thread does the rest."""
-        transfer: Any = self._link.transfer
-        value_ranges = self._link.value_ranges
+        transfer, value_ranges = attached.transfer, attached.values.device_ranges
         ranges = [transfer.device_range(t) for _, t in items]
         lengths, offsets, need = staging_layout([r.length for r in ranges])
         plans = self._plans()
         batches: list[PendingBatch] = []
         slot: Optional[Slot] = None
         try:
-            dsts, order, sizes = plans.start([k for k, _ in items], [r.length for r in ranges], self._link.calls.arena())
+            dsts, order, sizes = plans.start([k for k, _ in items], [r.length for r in ranges], self._calls.arena())
             slot = self._slots.acquire(need, handle.nbytes, items[0][1])
             snap = CopyBatch.of(slot.ptr + offsets, [r.ptr for r in ranges], lengths, Direction.D2D)
-            d2h = CopyBatch.of(dsts, slot.ptr + offsets[order], sizes, self._link.to_values)
+            d2h = CopyBatch.of(dsts, slot.ptr + offsets[order], sizes, attached.values.to_values)
             transfer.validate(snap, device_ranges=ranges + [slot.range()])
             transfer.validate(d2h, device_ranges=[slot.range()] + value_ranges)
             snapshot = transfer.submit_batch(snap, stream=stream, device_ranges=ranges + [slot.range()])
@@ -184,13 +343,13 @@ class Writer:
             copy: Optional[PendingBatch] = None
             if len(pieces) == 1:
                 copy = transfer.submit_batch(
-                    d2h, stream=self._link.write_stream, device_ranges=[slot.range()] + value_ranges,
+                    d2h, stream=attached.write_stream, device_ranges=[slot.range()] + value_ranges,
                     after=[snapshot]
                 )
                 batches.append(copy)
                 pieces = []
             else:  # the write stream is ordered after the snapshot now; pieces follow later
-                transfer.stream_wait(self._link.write_stream, snapshot)
+                transfer.stream_wait(attached.write_stream, snapshot)
         except BaseException as exc:
             for pending in batches:
                 settle(pending, exc)
@@ -199,7 +358,8 @@ class Writer:
                 self._slots.release(slot, handle.nbytes)
             raise
         self._counters.count(snapshot_bytes=handle.nbytes)
-        self._completion.enqueue(PendingWrite(handle, plans, snapshot, copy, pieces, slot, on_ready, t0, handle.nbytes))
+        self._completion.enqueue(PendingWrite(handle, plans, snapshot, copy, pieces, slot, on_ready, t0, handle.nbytes,
+                                              attached))
 
     def copy_from(self, source: Reader, keys: Sequence[str], lengths: Optional[Sequence[int]]) -> Optional[int]:
         """Copy the published values ``keys`` that ``source`` reads into this store's values
@@ -207,35 +367,30 @@ class Writer:
         the reserved ones, one synchronize, then commit: publication last (how tiers promote and
         demote without a staging copy). All or nothing: None, with nothing written, when a key is
         missing; a `StoreError` (nothing written) on any failure. Returns the bytes copied."""
-        transfer: Any = self._link.transfer
-        if transfer is None:
+        attached = self._link.attached
+        if attached is None:
             raise PlanError("copy between Plan stores needs a transfer runtime: build the store with "
                             "transfer= or device=")
         keys = list(keys)
         plans = self._plans()
-        try:
+        with store_errors(f"copy of {len(keys)} values between Plan stores"):
             with source.reading(keys, [len(keys)]) as read:
                 table, n = read.transfer(lengths)
                 if n < len(keys):
                     return None
-                srcs = decode_plan_table(table, n, arena=source.link.calls.arena())
+                srcs = decode_plan_table(table, n, arena=source.calls.arena())
                 if lengths is None:
                     lengths = source.lengths(read)
-                dsts, order, sizes = plans.start(keys, list(lengths), self._link.calls.arena())
+                dsts, order, sizes = plans.start(keys, list(lengths), self._calls.arena())
                 batch = CopyBatch.of(dsts, [srcs[i] for i in order], sizes,
-                                     direction(source.link.values_on_device, self._link.values_on_device))
+                                     direction(source.values.on_device, attached.values.on_device))
                 try:
-                    copy_now(transfer, batch, self._link.value_ranges + source.link.value_ranges,
-                             producer=None, on=self._link.write_stream)
+                    copy_now(attached.transfer, batch, attached.values.device_ranges + source.values.device_ranges,
+                             producer=None, on=attached.write_stream)
                     plans.commit()
                 except BaseException as exc:
                     plans.undo(exc)
                     raise
-        except Exception as exc:
-            error = as_store_error(exc, f"copy of {len(keys)} values between Plan stores")
-            if error is exc:
-                raise
-            raise error from exc
         for key, length in zip(keys, lengths):
             if key.endswith(":lat"):
                 self._latent_sizes[key] = int(length)
