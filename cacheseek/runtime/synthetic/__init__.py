@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from cacheseek.errors import ConfigError
 from cacheseek.registry import RUNTIMES
 from cacheseek.runtime.geometry import Geometry, get_geometry, validate_window
 from cacheseek.runtime.snapshot import snapshot_diff
