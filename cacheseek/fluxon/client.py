@@ -162,6 +162,17 @@ class FluxonClient:
     def segment_dir(self) -> Path:
         return Path(self.share_mem_path) / self.cluster_name
 
+    @property
+    def native_store(self) -> Any:
+        """The fluxon-py store this client attached (None once closed): for writing a value as
+        another kind of writer would, bypassing CacheSeek's field and key index."""
+        return self._store
+
+    @property
+    def key_index(self) -> Optional[KeyIndex]:
+        """The etcd index of the keys written through this client (None without ``key_index``)."""
+        return self._index
+
     def _attach(self, settle_s: float, key_index: bool) -> None:
         fx = load_fluxon()  # first: without fluxon-py, starting a service would not help either
         shared = owner_info(self.segment_dir, self.cluster_name, self.share_mem_path)
