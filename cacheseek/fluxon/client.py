@@ -173,6 +173,12 @@ class FluxonClient:
         """The etcd index of the keys written through this client (None without ``key_index``)."""
         return self._index
 
+    @property
+    def open_view_keys(self) -> list[str]:
+        """The keys of the value views this client handed out and that are not released yet."""
+        with self._lock:
+            return [v.key for v in self._held.open_views()]
+
     def _attach(self, settle_s: float, key_index: bool) -> None:
         fx = load_fluxon()  # first: without fluxon-py, starting a service would not help either
         shared = owner_info(self.segment_dir, self.cluster_name, self.share_mem_path)
