@@ -173,6 +173,18 @@ class KeyValueTier:
         """Whether writes run on the write-back thread (``put_async`` returns before they land)."""
         return self._worker is not None
 
+    write_back_worker = property(lambda self: self._worker, doc="The `WriteBackWorker` (None without write_back).")
+
+    def counted_keys(self) -> set[str]:
+        """The keys whose bytes the tier counts (held or being written): what `usage` sums."""
+        with self._lock:
+            return set(self._ledger.sizes)
+
+    def wait_calls_quiet(self, timeout_s: float) -> int:
+        """Wait at most ``timeout_s`` until no backend call runs, stuck ones included (a late one's
+        clean-up done); how many still run (0 without ``op_timeout_s``)."""
+        return self._calls.wait_quiet(timeout_s) if self._calls is not None else 0
+
     @classmethod
     def size_fields(cls, config: dict[str, Any]) -> list[SizeField]:
         """`SizedStore`: ``capacity_bytes`` where the config has it, against the free memory."""
@@ -485,7 +497,7 @@ class KeyValueTier:
             self._closed = True
         if self._worker is not None and not self._worker.stop(wait_s=self.flush_timeout_s):
             raise StoreTimeoutError(f"{self.name}: the write-back thread did not stop; backend left open")
-        running = self._calls.wait_quiet(self.flush_timeout_s) if self._calls is not None else 0
+        running = self.wait_calls_quiet(self.flush_timeout_s)
         if running:
             raise StoreTimeoutError(f"{self.name}: {running} backend calls still running after "
                                     f"{self.flush_timeout_s} s (a stalled medium?); backend left open")

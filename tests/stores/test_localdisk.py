@@ -455,8 +455,8 @@ def test_flush_and_close_are_bounded_and_never_close_under_a_live_writer(tmp_pat
     s.flush_timeout_s = 0.1
     with pytest.raises(StoreTimeoutError):
         s.close()
-    assert closed == [] and s._worker.is_alive()  # the backend stays open under the writer
+    assert closed == [] and s.write_back_worker.is_alive()  # the backend stays open under the writer
     gated.gate.set()
-    s._worker.join(WAIT_S)
-    assert h.ready and not s._worker.is_alive()
+    s.write_back_worker.join(WAIT_S)
+    assert h.ready and not s.write_back_worker.is_alive()
     real_close()
