@@ -4,13 +4,13 @@ breaks tests. Reads go through public read-only properties or the public API, fa
 fakes (tests/fakes) or a public seam.
 
 The check parses every file under tests/ and reports each private name of the product that a test
-reaches: ``obj._name`` (not on ``self``/``cls``, whose private state is the test-local class's or
-the fake's own), ``from cacheseek... import _name`` and ``setattr(obj, "_name", ...)``-style calls
-(monkeypatch included). A private name is one the product defines under cacheseek/ (a ``_name``
-function, class, module-level or class-level name, or ``self._name`` attribute); private names of
-other packages (torch, TeleFuser and the test doubles of TeleFuser) are not the product's and are
-not counted. ``ALLOWED`` lists the few left, each with its reason; an entry no longer needed fails
-too, so the list only shrinks."""
+reaches: ``obj._name`` (not on ``self``, ``cls`` or ``super()``: that is the test-local class's or
+the fake's own state), ``from cacheseek... import _name`` and ``setattr(obj, "_name", ...)``-style
+calls (monkeypatch included). A private name is one the product defines under cacheseek/ or tools/
+(a ``_name`` function, class, module-level or class-level name, a ``self._name`` attribute, or a
+name it sets with ``setattr``); private names of other packages (torch, TeleFuser and the test
+doubles of TeleFuser) are not the product's and are not counted. ``ALLOWED`` lists the few left,
+each with its reason; an entry no longer needed fails too, so the list only shrinks."""
 
 from __future__ import annotations
 
@@ -20,14 +20,28 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = REPO / "tests"
-PRODUCT = REPO / "cacheseek"
+PRODUCT = [REPO / "cacheseek", REPO / "tools"]  # the package and the tools it ships
 HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_recursive_", "_convert_"}  # public config keys
 NAMED_BY_STRING = {"setattr", "getattr", "hasattr", "delattr"}  # also monkeypatch.setattr/delattr
 
-_REWRITTEN = "its subject's internals are being rewritten on another branch (issue 35, items 1-3), " \
-             "which moves this test to the new public surface"
+_PLAN = "a Plan tier internal (cacheseek/stores/plan_tier), rewritten on branch plan (issue 35, item 3), " \
+        "which moves this test to the new tier's public surface"
+_HOOK = "a transfer runtime's subclass hook (cacheseek/transfer/base.py lists them), wrapped or called to " \
+        "reach one runtime's own behaviour; CudaTransferRuntime is split on branch plan (issue 35, item 3)"
 # (test file, private name): why it is still reached
 ALLOWED: dict[tuple[str, str], str] = {
+    ("tests/layouts/test_telefuser_main_layout.py", "_get_streaming_runtime"):
+        "TeleFuser main's own method (how its service streams a live session; the double mirrors it), "
+        "not CacheSeek's: listed only because StreamingHooks keeps TeleFuser's original under that name",
+    ("tests/plan/test_plan_tier_overlap.py", "_split"): _PLAN,
+    ("tests/plan/test_plan_tier_overlap.py", "_worker"): _PLAN,
+    ("tests/plan/test_plan_tier_read.py", "_runs_as_arrays"): _PLAN,
+    ("tests/plan/test_warmup_yield.py", "_starts"): _PLAN,
+    ("tests/telefuser/test_binding_real_pipeline.py", "_starts"): _PLAN,
+    ("tests/test_binding_startup.py", "_starts"): _PLAN,
+    ("tests/tiers/conftest.py", "_owns_client"): _PLAN,
+    ("tests/plan/test_register_pieces.py", "_submit"): _HOOK,
+    ("tests/plan/test_transfer_conformance.py", "_register_one"): _HOOK,
 }
 
 
@@ -39,7 +53,7 @@ def _private(name: str) -> bool:
 def product_privates() -> frozenset[str]:
     """Every private name the product defines, anywhere under cacheseek/."""
     names: set[str] = set()
-    for path in PRODUCT.rglob("*.py"):
+    for path in (p for root in PRODUCT for p in root.rglob("*.py")):
         tree = ast.parse(path.read_text(), str(path))
         strings = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
                    and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str) for t in n.targets
@@ -63,14 +77,23 @@ def product_privates() -> frozenset[str]:
     return frozenset(n for n in names if _private(n))
 
 
+def product_modules() -> set[str]:
+    """The top-level names a test imports the product by: the package and each tool."""
+    return {"cacheseek", "tools"} | {p.stem for p in (REPO / "tools").glob("*.py")}
+
+
 def _callee(call: ast.Call) -> str | None:
     f = call.func
     return f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else None
 
 
 def _on_own_state(node: ast.Attribute) -> bool:
-    """``self._x`` / ``cls._x``; ``super()._x`` (a fake calling the product's private hook) counts."""
-    return isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+    """``self._x``, ``cls._x`` and ``super()._x``: the test-local class's or the fake's own state
+    (a fake that subclasses a product class overrides its documented subclass hooks)."""
+    v = node.value
+    if isinstance(v, ast.Name):
+        return v.id in ("self", "cls")
+    return isinstance(v, ast.Call) and isinstance(v.func, ast.Name) and v.func.id == "super"
 
 
 def reached(path: Path) -> list[tuple[int, str]]:
@@ -80,7 +103,7 @@ def reached(path: Path) -> list[tuple[int, str]]:
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Attribute) and node.attr in privates and not _on_own_state(node):
             hits.append((node.lineno, node.attr))
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("cacheseek"):
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in product_modules():
             hits += [(node.lineno, a.name) for a in node.names if _private(a.name)]
         elif isinstance(node, ast.Call) and len(node.args) >= 2:
             arg = node.args[1]
