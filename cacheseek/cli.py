@@ -146,10 +146,10 @@ class OutputDirCheck(Callback):
     made: Optional[Path] = None
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        OutputDirCheck.problem = _unwritable(config, "run")
+        OutputDirCheck.problem = unwritable_output_dir(config, "run")
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        OutputDirCheck.problem = _unwritable(config, "sweep")
+        OutputDirCheck.problem = unwritable_output_dir(config, "sweep")
 
 
 def _outermost_missing(folder: Path) -> Optional[Path]:
@@ -162,7 +162,10 @@ def _outermost_missing(folder: Path) -> Optional[Path]:
     return missing
 
 
-def _unwritable(config: DictConfig, which: str) -> Optional[ConfigError]:
+def unwritable_output_dir(config: DictConfig, which: str) -> Optional[ConfigError]:
+    """The `ConfigError` naming ``hydra.{which}.dir`` (``which``: run or sweep) when that folder
+    cannot be made or written, else None (it is made). For ``run`` it records the folder and the
+    outermost one it made in `OutputDirCheck`, so that `forget_run_folder` removes only those."""
     field = f"hydra.{which}.dir"
     try:
         folder = Path(str(OmegaConf.select(config, field)))

@@ -66,7 +66,7 @@ from cacheseek.transfer.protocol import TransferRuntime
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Stack", "build_stack", "instantiate"]
+__all__ = ["Stack", "build_layout", "build_stack", "instantiate"]
 
 
 @attrs.define
@@ -154,7 +154,7 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
     need = sizing.need_for(runtime_factory, workload)
     for line in getattr(runtime_factory, "start_notes", list)():  # what the user will see, and why
         tell(line)
-    layout = _build_layout(cfg.layout, runtime_factory)
+    layout = build_layout(cfg.layout, runtime_factory)
     _manager_config(cfg, runtime_factory)  # the manager section against the runtime, before any store
     _eviction_config(cfg)
     SharedIndexConfig.from_conf(cfg.manager.get("shared_index"))
@@ -310,7 +310,7 @@ def _class_of(target: str) -> Any:
         return None
 
 
-def _build_layout(node: Any, runtime_factory: Any) -> Any:
+def build_layout(node: Any, runtime_factory: Any) -> Any:
     """The configured layout adapter; ``auto`` follows the runtime. A runtime that names its layout
     (``layout_name``) refuses another one here, before any session."""
     layout = instantiate(node, runtime_factory=runtime_factory)

@@ -51,12 +51,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
-__all__ = ["checkpoint_fingerprint", "current", "from_files", "module_fingerprint", "of_model",
-           "tensor_fingerprint"]
+__all__ = ["LANE_BLOCK", "checkpoint_fingerprint", "current", "from_files", "lane_coefficients",
+           "module_fingerprint", "of_model", "tensor_fingerprint", "tensor_lanes"]
 
 log = logging.getLogger(__name__)
 
-_LANE_BLOCK = 1 << 20  # words per coefficient row
+LANE_BLOCK = 1 << 20  # B of the module docstring: words per coefficient row
 _PIECE_ROWS = 16  # rows per pass: 128 MiB of int64 scratch
 _FILE_READ = 64 << 20
 _HF_BLOB = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
@@ -111,7 +111,7 @@ def tensor_fingerprint(named: Any) -> bytes:
         n = flat.numel()
         h.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|{n}|".encode())
         words = n // 8
-        lanes.append(_lanes(flat[: words * 8], words))
+        lanes.append(tensor_lanes(flat[: words * 8], words))
         tails.append(bytes(flat[words * 8:].cpu().numpy().tobytes()) if n % 8 else b"")
     if lanes:
         by_device: dict[Any, list[int]] = {}
@@ -128,26 +128,28 @@ def tensor_fingerprint(named: Any) -> bytes:
     return h.digest()
 
 
-def _lanes(raw: Any, words: int) -> Any:
-    """``[lane1, lane2]`` int64 on ``raw``'s device for its ``words`` little-endian int64 words."""
+def tensor_lanes(raw: Any, words: int) -> Any:
+    """``[lane1, lane2]`` int64 on ``raw``'s device for its ``words`` little-endian int64 words:
+    the two lanes of the module docstring, which `tensor_fingerprint` hashes for each tensor
+    (public so that the formula can be checked against a plain numpy rendering)."""
     import torch
 
     if raw.numel() and raw.data_ptr() % 8:
         raw = raw.clone()  # an int64 view needs an aligned start
     x = raw.view(torch.int64) if words else raw.new_zeros(0, dtype=torch.int64)
-    a, b, v, u = _coefficients_on(x.device, -(-words // _LANE_BLOCK))
+    a, b, v, u = lane_coefficients(x.device, -(-words // LANE_BLOCK))
     out = torch.zeros(2, dtype=torch.int64, device=x.device)
-    step = _PIECE_ROWS * _LANE_BLOCK
+    step = _PIECE_ROWS * LANE_BLOCK
     for start in range(0, words, step):
         piece = x[start:start + step]
-        rows, rest = divmod(piece.numel(), _LANE_BLOCK)
-        row0 = start // _LANE_BLOCK
+        rows, rest = divmod(piece.numel(), LANE_BLOCK)
+        row0 = start // LANE_BLOCK
         parts = []
         if rows:
-            parts.append((piece[: rows * _LANE_BLOCK].view(rows, _LANE_BLOCK), a, b, v[row0:row0 + rows],
+            parts.append((piece[: rows * LANE_BLOCK].view(rows, LANE_BLOCK), a, b, v[row0:row0 + rows],
                           u[row0:row0 + rows]))
         if rest:
-            parts.append((piece[rows * _LANE_BLOCK:].view(1, rest), a[:rest], b[:rest],
+            parts.append((piece[rows * LANE_BLOCK:].view(1, rest), a[:rest], b[:rest],
                           v[row0 + rows:row0 + rows + 1], u[row0 + rows:row0 + rows + 1]))
         for block, ca, cb, cv, cu in parts:
             out[0] += ((block * ca).sum(1) * cv).sum()
@@ -157,7 +159,7 @@ def _lanes(raw: Any, words: int) -> Any:
     return out
 
 
-def _coefficients_on(device: Any, rows: int) -> tuple[Any, ...]:
+def lane_coefficients(device: Any, rows: int) -> tuple[Any, ...]:
     """The lanes' fixed odd coefficients on ``device``: ``a``, ``b`` per position in a row (from a
     fixed PCG64 seed), ``v``, ``u`` per row (splitmix64 of the row index: the same whatever the
     count), at least ``rows`` of them; kept per device."""
@@ -171,7 +173,7 @@ def _coefficients_on(device: Any, rows: int) -> tuple[Any, ...]:
         return have
     n_rows = max(rows, 1 << 12, 0 if have is None else 2 * have[2].numel())
     rng = np.random.Generator(np.random.PCG64(0x5EEDCAC4E))
-    a, b = ((rng.bit_generator.random_raw(_LANE_BLOCK) | 1).view(np.int64) for _ in range(2))
+    a, b = ((rng.bit_generator.random_raw(LANE_BLOCK) | 1).view(np.int64) for _ in range(2))
     index = np.arange(n_rows, dtype=np.uint64)
     v, u = ((_splitmix64(2 * index + k) | 1).view(np.int64) for k in (0, 1))
     made = tuple(torch.from_numpy(np.ascontiguousarray(c)).to(device) for c in (a, b, v, u))

@@ -417,9 +417,9 @@ def _refused_run_in(folder: Path) -> None:
     """What a refused run leaves before `forget_run_folder`: the check's record, Hydra's files."""
     from omegaconf import OmegaConf
 
-    from cacheseek.cli import _unwritable
+    from cacheseek.cli import unwritable_output_dir
 
-    assert _unwritable(OmegaConf.create({"hydra": {"run": {"dir": str(folder)}}}), "run") is None
+    assert unwritable_output_dir(OmegaConf.create({"hydra": {"run": {"dir": str(folder)}}}), "run") is None
     (folder / ".hydra").mkdir(exist_ok=True)
     for name in ("config.yaml", "hydra.yaml", "overrides.yaml"):
         (folder / ".hydra" / name).write_text("{}\n")

@@ -161,13 +161,13 @@ class _RuntimeNamingItsLayout:
 
 
 def test_auto_layout_follows_the_runtime_and_a_contrary_choice_is_refused(compose_cfg):
-    from cacheseek.orchestrator import _build_layout
+    from cacheseek.orchestrator import build_layout
 
     runtime = _RuntimeNamingItsLayout()
-    assert isinstance(_build_layout(compose_cfg().layout, runtime), LAYOUTS.get("telefuser_main"))
-    assert isinstance(_build_layout(compose_cfg().layout, object()), LAYOUTS.get("bshd"))
+    assert isinstance(build_layout(compose_cfg().layout, runtime), LAYOUTS.get("telefuser_main"))
+    assert isinstance(build_layout(compose_cfg().layout, object()), LAYOUTS.get("bshd"))
     with pytest.raises(ConfigError, match="layout=telefuser_main"):
-        _build_layout(compose_cfg("layout=bshd").layout, runtime)
+        build_layout(compose_cfg("layout=bshd").layout, runtime)
 
 
 @pytest.mark.parametrize("name", stems("runtime"))

@@ -49,7 +49,8 @@ def test_hosts_are_separate_machines_on_one_link_and_vanish_after(tmp_path):
         finally:
             server.kill()
             server.wait(10)
-        holders = [h.pid for h in hosts._hosts.values()] + [hosts._bridge.pid]
+        holders = [hosts.holder_pid(name) for name in hosts.names] + [hosts.holder_pid()]
+        assert None not in holders
         assert _links() == before  # nothing here changed
     assert not any(Path(f"/proc/{pid}").exists() for pid in holders)
     assert _links() == before
@@ -60,7 +61,7 @@ def test_a_failing_body_still_tears_everything_down():
 
     with pytest.raises(RuntimeError, match="body failed"):
         with EmulatedHosts(["hx"]) as hosts:
-            pid = hosts._hosts["hx"].pid
+            pid = hosts.holder_pid("hx")
             hosts.popen("hx", ["sleep", "600"])
             raise RuntimeError("body failed")
     assert not Path(f"/proc/{pid}").exists()

@@ -172,6 +172,12 @@ class EmulatedHosts:
     def address(self, name: str) -> str:
         return f"{SUBNET}.{self.names.index(name) + 1}"
 
+    def holder_pid(self, name: Optional[str] = None) -> Optional[int]:
+        """The pid of the process that holds host ``name``'s namespaces (None: the bridge's), or
+        None when it is not started: every namespace goes when `close` ends its holder."""
+        holder = self._bridge if name is None else self._hosts.get(name)
+        return holder.pid if holder is not None else None
+
     def start(self) -> "EmulatedHosts":
         for tool in ("unshare", "nsenter", "ip"):
             if shutil.which(tool) is None:

@@ -150,6 +150,16 @@ class FluxonClient:
     def segment_dir(self) -> Path:
         return self.endpoint.segment_dir
 
+    native_store = property(lambda self: self._store, doc="The fluxon-py store attached (None once closed): "
+                            "for writing a value as another kind of writer would.")
+    key_index = property(lambda self: self._index, doc="The etcd index of the keys written through this client.")
+
+    @property
+    def open_view_keys(self) -> list[str]:
+        """The keys of the value views this client handed out and that are not released yet."""
+        with self._lock:
+            return [v.key for v in self._held.open_views()]
+
     def _attach(self, key_index: bool) -> None:
         t0 = time.monotonic()
         try:

@@ -242,6 +242,12 @@ class FluxonService:
         return f"{self.listen_host or '127.0.0.1'}:{self.etcd_port}" if self.etcd_port else ""
 
     @property
+    def requested_ports(self) -> tuple[int, int, int]:
+        """The etcd, master and p2p ports asked for at construction (0: picked free at start;
+        etcd's is the default one when ``listen_host`` opens the cluster to other hosts)."""
+        return self._ports
+
+    @property
     def role(self) -> str:
         return "owner" if self.join else "control" if self.listen_host else "single"
 

@@ -33,12 +33,12 @@ import threading
 import time
 from typing import Optional
 
-__all__ = ["HostSegment", "BACKINGS", "PAGE", "auto_threads", "huge_page_bytes", "page_round"]
+__all__ = ["HostSegment", "BACKINGS", "PAGE", "PREFAULT_SLICE", "auto_threads", "huge_page_bytes", "page_round"]
 
 _MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23
 _HUGE_PAGE = 2 << 20
-_PREFAULT_SLICE = 256 << 20  # one thread per 256 MiB, up to prefault_threads
+PREFAULT_SLICE = 256 << 20  # one thread per 256 MiB, up to prefault_threads
 _POPULATE_STEP = 4 << 20  # bytes of one madvise(MADV_POPULATE_WRITE) call (a multiple of 2 MiB)
 _MAX_AUTO_THREADS = 16
 PAGE = mmap.PAGESIZE
@@ -165,7 +165,7 @@ class HostSegment:
 
     def _prefault(self, base: int, length: int) -> str:
         libc = self._libc
-        n = max(1, min(auto_threads(self._prefault_threads), math.ceil(length / _PREFAULT_SLICE)))
+        n = max(1, min(auto_threads(self._prefault_threads), math.ceil(length / PREFAULT_SLICE)))
         step = -(-length // n // PAGE) * PAGE
         if self.hugepages:
             step = -(-step // _HUGE_PAGE) * _HUGE_PAGE  # whole huge pages per thread

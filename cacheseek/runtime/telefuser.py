@@ -154,6 +154,11 @@ class TeleFuserRuntimeFactory:
     parts = property(lambda self: dict(self._parts))  # vae, text_encoder, text_layers
 
     @property
+    def built(self) -> bool:
+        """Whether `pipeline` was built yet (on its first use: geometry checks build nothing)."""
+        return self._pipeline is not None
+
+    @property
     def pipeline(self) -> Any:
         """The attached pipeline, built on first use."""
         if self._pipeline is None:
@@ -333,6 +338,7 @@ class TeleFuserSession:
         self.latents: list[Any] = []
         self.next_chunk = 0
         self._stream: Optional[_StreamedChunks] = None
+        self._controls: Optional[list] = None
         if factory.streaming:
             self._controls = factory.chunk_controls(self.session_config, actions, translation=streamed)
             if not streamed:
@@ -348,7 +354,7 @@ class TeleFuserSession:
         stop = self.total_chunks if stop_after is None else stop_after
         if not 0 <= stop <= self.total_chunks:
             raise ConfigError("stop_after", f"{stop} is outside 0..{self.total_chunks}")
-        self._start()
+        self.start()
         vae = self.pipeline.vae
         hooks = self.session_config.world_kv_binding
         while self.next_chunk < stop:
@@ -371,7 +377,16 @@ class TeleFuserSession:
             self._stream.close()  # releases the session's caches, as generate_video does
         return list(self.frame_hashes)
 
-    def _start(self) -> None:
+    @property
+    def controls(self) -> Optional[list]:
+        """On TeleFuser main, the control each chunk is submitted with (built from ``actions`` as
+        its service builds them); None on the release and the hooked commit, whose pipeline
+        builds each chunk's control itself."""
+        return self._controls
+
+    def start(self) -> None:
+        """Create the session's runtime (the binding restores here) without running a chunk;
+        `generate` starts it itself. Idempotent."""
         if self.runtime is not None:
             return
         if not self.factory.streaming:
@@ -383,7 +398,7 @@ class TeleFuserSession:
     def materialize_restored(self) -> int:
         """Restore what the session served from frames into its runtime now, as its divergence
         would (the ring check compares that state with a cold run's); chunks restored."""
-        self._start()
+        self.start()
         hooks = self.session_config.world_kv_binding
         if hooks is None or self._stream is not None:
             return 0

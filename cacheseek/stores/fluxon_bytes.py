@@ -46,6 +46,7 @@ __all__ = [
     "FluxonBytesStore",
     "FluxonTensorTier",
     "FluxonValueBackend",
+    "decode_value",
     "encode_header",
 ]
 
@@ -160,7 +161,7 @@ def encode_header(key: str, value: Any) -> tuple[bytes, Any]:
     return checksum.seal(key, head, body), body
 
 
-def _decode(key: str, meta: bytes, view: Any, expect: Optional[str] = None) -> Any:
+def decode_value(key: str, meta: bytes, view: Any, expect: Optional[str] = None) -> Any:
     """The value of a sealed header and its payload view, verified after the copy out of the
     segment; `CorruptValueError` on a missing or wrong checksum, an inconsistent header, or a
     checksum other than ``expect`` (the one the chunk's record names: another writer's bytes)."""
@@ -215,7 +216,7 @@ class FluxonValueBackend:
         with self.client.read(key) as view:
             if view is None:
                 return None
-            return _decode(key, view.meta, view, expect)
+            return decode_value(key, view.meta, view, expect)
 
     def delete(self, key: str) -> None:
         self.client.remove(key)

@@ -164,6 +164,11 @@ class KeyValueTier(TierStore):
         """Whether writes run on the write-back thread (``put_async`` returns before they land)."""
         return self.pending.worker is not None
 
+    def counted_keys(self) -> set[str]:
+        """The keys whose bytes the tier counts (held or being written): what `usage` sums."""
+        with self._lock:
+            return set(self._ledger.sizes)
+
     @classmethod
     def size_fields(cls, config: dict[str, Any]) -> list[SizeField]:
         """`SizedStore`: ``capacity_bytes`` where the config has it, against the free memory."""

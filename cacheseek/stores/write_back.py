@@ -70,6 +70,11 @@ class WriteBackWorker:
         self._thread.join(timeout=wait_s)
         return not self._thread.is_alive()
 
+    @property
+    def thread_name(self) -> str:
+        """The thread's name, ``{name}-write-back`` (how it shows in a stack dump)."""
+        return self._thread.name
+
     def is_alive(self) -> bool:
         return self._thread.is_alive()
 

@@ -23,7 +23,7 @@ integers (`quantized_values` against the old list).
 Then, in the same run, the paths added for issue 14 (ratios against the vectorized numpy path
 above, the one a CPU control takes):
 
-  device=cpu   torch on the CPU: `actions._quantize_on_device` on the CPU tensor, hashed (the path
+  device=cpu   torch on the CPU: `actions.quantize_on_device` on the CPU tensor, hashed (the path
                a CUDA tensor takes, run on the host: why a CPU control keeps the numpy path)
   device=cuda  the control on the GPU: `action_bytes(cuda tensor)` (quantized on the GPU, only the
                integers cross) and the path before it, `action_bytes(cuda_tensor.cpu())` (the
@@ -82,7 +82,7 @@ def previous_action_bytes(control: Any) -> bytes:
     from cacheseek.reuse.exact_prefix import actions
     from cacheseek.reuse.exact_prefix.keys import sha256_of_parts
 
-    q = actions._quantize_on_device(control) if actions._is_cuda_tensor(control) else actions._quantize(control)
+    q = actions.quantize_on_device(control) if actions.is_cuda_tensor(control) else actions.quantize(control)
     h = sha256_of_parts(b"action", b"q1e-6", q.dtype.str.encode(), memoryview(np.asarray(q.shape, dtype="<i8")))
     h.update((q.size * q.dtype.itemsize).to_bytes(8, "little"))
     for block in q.blocks():
@@ -211,7 +211,7 @@ def main(argv: list[str]) -> dict:
         paths = {}
         if device == "cpu":
             paths["torch on the CPU (device path)"] = _time_runs(
-                lambda: actions._digest(actions._quantize_on_device(control)), int(cfg.torch_cpu_runs), sync)
+                lambda: actions.digest(actions.quantize_on_device(control)), int(cfg.torch_cpu_runs), sync)
             paths["previous format: sha256 (before issue 24)"] = _time_runs(
                 lambda: previous_action_bytes(control), runs, sync)
         else:
@@ -221,7 +221,7 @@ def main(argv: list[str]) -> dict:
             paths["cuda tensor: previous format (GPU quantize, .cpu(), sha256)"] = _time_runs(
                 lambda: previous_action_bytes(on_gpu), runs, sync)
             paths["cuda tensor: GPU quantize + pinned landing alone"] = _time_runs(
-                lambda: actions._quantize_on_device(on_gpu, pinned=True).size, runs, sync)
+                lambda: actions.quantize_on_device(on_gpu, pinned=True).size, runs, sync)
             paths["cuda tensor: action_bytes(t.cpu())"] = _time_runs(lambda: action_bytes(on_gpu.cpu()), runs, sync)
         data = q.tobytes()
         paths["sha256 of the quantized bytes alone"] = _time_runs(lambda: hashlib.sha256(data).digest(), runs, sync)
@@ -247,7 +247,7 @@ def main(argv: list[str]) -> dict:
     actions.MAX_KEY_THREADS = int(cfg.list_threads)  # the pool measured at this size, whatever the default
     try:
         pooled = _time_runs(lambda: action_keys(chunks), int(cfg.list_runs), sync)
-        workers = min(len(chunks), actions.MAX_KEY_THREADS, actions._usable_cpus())
+        workers = min(len(chunks), actions.MAX_KEY_THREADS, actions.usable_cpus())
     finally:
         actions.MAX_KEY_THREADS = default_threads
     rows = {"serial: [action_bytes(c) for c in chunks]": serial, "pool: action_keys(chunks)": pooled}
@@ -259,7 +259,7 @@ def main(argv: list[str]) -> dict:
     results["list"] = {
         "case": f"{cfg.geometry} fp32 x {len(chunks)} chunks on {device}",
         "workers": workers, "default_max_key_threads": default_threads,
-        "usable_cpus": actions._usable_cpus(), "same_keys": same, "rows": [],
+        "usable_cpus": actions.usable_cpus(), "same_keys": same, "rows": [],
     }
     for label, r in rows.items():
         r.pop("_out")

@@ -31,7 +31,7 @@ Cases (``--cases``):
                   ``parallel``
 
 Per value the read worker records the tier's backend read (wall), fluxon-py's ``get_blocking``
-inside it, the copy out of the segment and the xxh3 check (`fluxon_bytes._decode`,
+inside it, the copy out of the segment and the xxh3 check (`fluxon_bytes.decode_value`,
 `checksum.Sealed.verify`, timed by wrapping them in the worker), and in serial cases the bytes
 its link received meanwhile (a value read from the other host's owner received about its size).
 Placement: the writer's link sent about a value's size while writing it when the master placed
@@ -134,7 +134,7 @@ class Worker:
 
         self._native = native
         self.client._store = TimedNative()
-        decode = fluxon_bytes._decode
+        decode = fluxon_bytes.decode_value
 
         def timed_decode(key: str, *args: Any, **kw: Any) -> Any:
             t = time.perf_counter()
@@ -143,7 +143,7 @@ class Worker:
             finally:
                 self._add(key, "decode_s", time.perf_counter() - t)
 
-        fluxon_bytes._decode = timed_decode
+        fluxon_bytes.decode_value = timed_decode
         verify = checksum.Sealed.verify
 
         def timed_verify(sealed: Any, *bodies: Any) -> None:

@@ -219,7 +219,7 @@ def test_non_numeric_controls_raise():
 
 
 # --- the device path: torch on the tensor's own device -------------------------------------------
-# `_quantize_on_device` is what a CUDA tensor takes; run on CPU tensors here, it must give the numpy
+# `quantize_on_device` is what a CUDA tensor takes; run on CPU tensors here, it must give the numpy
 # path's integers, width and digest bit for bit (both are IEEE float64 multiply and rint).
 
 
@@ -259,31 +259,31 @@ ADVERSARIAL = _adversarial()
 
 @pytest.mark.parametrize("name, x", ADVERSARIAL, ids=[n for n, _ in ADVERSARIAL])
 def test_device_path_is_bit_identical_to_numpy_path(name, x):
-    on_device = actions._quantize_on_device(x)
-    on_host = actions._quantize(x)  # a CPU tensor takes the numpy path
+    on_device = actions.quantize_on_device(x)
+    on_host = actions.quantize(x)  # a CPU tensor takes the numpy path
     assert on_device.shape == on_host.shape == tuple(x.shape)
     assert on_device.dtype == on_host.dtype and on_device.size == on_host.size == x.numel()
     a = np.concatenate([b.copy() for b in on_device.blocks()] or [np.empty(0, on_device.dtype)])
     b = np.concatenate([b.copy() for b in on_host.blocks()] or [np.empty(0, on_host.dtype)])
     assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
-    assert actions._digest(on_device) == actions._digest(on_host) == action_bytes(x)
+    assert actions.digest(on_device) == actions.digest(on_host) == action_bytes(x)
 
 
 def test_device_path_width_rule_and_halves():
     """Spot values, so a bug shared by both paths would still show: the i4/i8 edge and halves."""
-    q = actions._quantize_on_device(torch.tensor([2147.483647, -2147.483647], dtype=torch.float64))
+    q = actions.quantize_on_device(torch.tensor([2147.483647, -2147.483647], dtype=torch.float64))
     assert q.dtype == np.dtype("<i4") and next(q.blocks()).tolist() == [2147483647, -2147483647]
-    q = actions._quantize_on_device(torch.tensor([2147.483648], dtype=torch.float64))
+    q = actions.quantize_on_device(torch.tensor([2147.483648], dtype=torch.float64))
     assert q.dtype == np.dtype("<i8") and next(q.blocks()).tolist() == [2147483648]
     halves = torch.tensor([m / 128 for m in (1, 3, 5, -1, -3, 7)], dtype=torch.float32)
-    assert next(actions._quantize_on_device(halves).blocks()).tolist() == [7812, 23438, 39062, -7812, -23438, 54688]
+    assert next(actions.quantize_on_device(halves).blocks()).tolist() == [7812, 23438, 39062, -7812, -23438, 54688]
 
 
 def test_device_path_pinned_digests_and_leaves_the_input_alone():
     for values, digest in (PINNED_I4, PINNED_I8):
         x = torch.tensor(values, dtype=torch.float64)
         before = x.clone()
-        assert actions._digest(actions._quantize_on_device(x)).hex() == digest
+        assert actions.digest(actions.quantize_on_device(x)).hex() == digest
         assert torch.equal(x, before)  # a float64 control is not scaled in place
 
 
@@ -291,11 +291,11 @@ def test_device_path_pinned_digests_and_leaves_the_input_alone():
 def test_device_path_non_finite_and_too_large_raise(bad):
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
         with pytest.raises(ValueError, match="non-finite"):
-            actions._quantize_on_device(torch.tensor([0.5, bad, 1.0], dtype=dtype))
+            actions.quantize_on_device(torch.tensor([0.5, bad, 1.0], dtype=dtype))
     with pytest.raises(ValueError, match="too large"):
-        actions._quantize_on_device(torch.tensor([1e13]))
+        actions.quantize_on_device(torch.tensor([1e13]))
     with pytest.raises(ValueError, match="no action key"):
-        actions._quantize_on_device(torch.tensor([1 + 2j]))
+        actions.quantize_on_device(torch.tensor([1 + 2j]))
 
 
 # --- action_keys: many chunks on a small pool ----------------------------------------------------
@@ -310,9 +310,9 @@ def _controls() -> list:
 
 @pytest.mark.parametrize("cpus", [1, 2, 8], ids=["inline", "pool2", "pool4"])
 def test_action_keys_are_action_bytes_in_order(monkeypatch, cpus):
-    monkeypatch.setattr(actions, "_usable_cpus", lambda: cpus)
+    monkeypatch.setattr(actions, "usable_cpus", lambda: cpus)
     monkeypatch.setattr(actions, "MAX_KEY_THREADS", 4)
-    monkeypatch.setattr(actions, "_POOL_MIN_VALUES", 1)  # every control is worth a thread
+    monkeypatch.setattr(actions, "POOL_MIN_VALUES", 1)  # every control is worth a thread
     controls = _controls()
     assert action_keys(controls) == [action_bytes(c) for c in controls]
     assert action_keys(iter(controls[:2])) == [action_bytes(controls[0]), NO_CONTROL]
@@ -323,7 +323,7 @@ def test_action_keys_are_action_bytes_in_order(monkeypatch, cpus):
 def test_action_keys_hash_on_several_threads(monkeypatch):
     import threading
 
-    seen, digest = set(), actions._digest
+    seen, digest = set(), actions.digest
     barrier = threading.Barrier(3, timeout=30)
 
     def recording(q):
@@ -332,12 +332,12 @@ def test_action_keys_hash_on_several_threads(monkeypatch):
             barrier.wait()  # the three large chunks hash at once, or this times out
         return digest(q)
 
-    monkeypatch.setattr(actions, "_usable_cpus", lambda: 8)
+    monkeypatch.setattr(actions, "usable_cpus", lambda: 8)
 
     monkeypatch.setattr(actions, "MAX_KEY_THREADS", 4)
-    monkeypatch.setattr(actions, "_digest", recording)
+    monkeypatch.setattr(actions, "digest", recording)
     controls = [np.full(1 << 18, float(i)) for i in range(3)] + [[0.5]]  # three worth a thread, one small
-    assert action_keys(controls) == [digest(actions._quantize(c)) for c in controls]
+    assert action_keys(controls) == [digest(actions.quantize(c)) for c in controls]
     assert len(seen) == 3 and all(n.startswith("cacheseek-action-keys") for n in seen)
 
 
@@ -345,10 +345,10 @@ def test_action_keys_of_small_controls_run_inline(monkeypatch):
     """Starting a pool costs about a millisecond: controls below 2**18 values are keyed inline."""
     import threading
 
-    seen, digest = set(), actions._digest
-    monkeypatch.setattr(actions, "_usable_cpus", lambda: 8)
+    seen, digest = set(), actions.digest
+    monkeypatch.setattr(actions, "usable_cpus", lambda: 8)
     monkeypatch.setattr(actions, "MAX_KEY_THREADS", 4)
-    monkeypatch.setattr(actions, "_digest", lambda q: (seen.add(threading.current_thread().name), digest(q))[1])
+    monkeypatch.setattr(actions, "digest", lambda q: (seen.add(threading.current_thread().name), digest(q))[1])
     controls = [np.full((1 << 18) - 1, 1.0), torch.ones(1 << 18), [0.25] * 10]  # one large control only
     assert action_keys(controls) == [action_bytes(c) for c in controls]
     assert seen == {threading.current_thread().name}
@@ -356,9 +356,9 @@ def test_action_keys_of_small_controls_run_inline(monkeypatch):
 
 @pytest.mark.parametrize("cpus", [1, 4], ids=["inline", "pool"])
 def test_action_keys_name_the_chunk_that_has_no_key(monkeypatch, cpus):
-    monkeypatch.setattr(actions, "_usable_cpus", lambda: cpus)
+    monkeypatch.setattr(actions, "usable_cpus", lambda: cpus)
     monkeypatch.setattr(actions, "MAX_KEY_THREADS", 4)
-    monkeypatch.setattr(actions, "_POOL_MIN_VALUES", 1)
+    monkeypatch.setattr(actions, "POOL_MIN_VALUES", 1)
     good = np.zeros(10)
     with pytest.raises(ValueError, match=r"chunk 2's control: .*non-finite"):
         action_keys([good, None, np.array([0.0, float("nan")]), good])
@@ -377,17 +377,17 @@ def test_action_keys_stage_device_tensors_in_the_caller(monkeypatch, cpus):
     import threading
 
     staged_in = set()
-    quantize = actions._quantize_on_device
+    quantize = actions.quantize_on_device
 
     def recording(t, **kw):
         staged_in.add(threading.current_thread().name)
         return quantize(t, **kw)
 
-    monkeypatch.setattr(actions, "_is_cuda_tensor", lambda c: isinstance(c, torch.Tensor))
-    monkeypatch.setattr(actions, "_quantize_on_device", recording)
-    monkeypatch.setattr(actions, "_usable_cpus", lambda: cpus)
+    monkeypatch.setattr(actions, "is_cuda_tensor", lambda c: isinstance(c, torch.Tensor))
+    monkeypatch.setattr(actions, "quantize_on_device", recording)
+    monkeypatch.setattr(actions, "usable_cpus", lambda: cpus)
     monkeypatch.setattr(actions, "MAX_KEY_THREADS", 4)
-    monkeypatch.setattr(actions, "_POOL_MIN_VALUES", 1)
+    monkeypatch.setattr(actions, "POOL_MIN_VALUES", 1)
     controls = _controls()
     expect = [action_bytes(c) for c in controls]
     staged_in.clear()
@@ -408,8 +408,8 @@ def test_action_keys_stage_device_tensors_in_the_caller(monkeypatch, cpus):
 @pytest.mark.parametrize("name, x", ADVERSARIAL, ids=[n for n, _ in ADVERSARIAL])
 def test_cuda_tensor_keys_like_its_cpu_copy(name, x):
     on_gpu = x.to("cuda")
-    assert actions._is_cuda_tensor(on_gpu)
-    q = actions._quantize(on_gpu)
+    assert actions.is_cuda_tensor(on_gpu)
+    q = actions.quantize(on_gpu)
     assert q.shape == tuple(x.shape)
     assert np.concatenate([b.copy() for b in q.blocks()] or [np.empty(0, q.dtype)]).tobytes() == \
         quantized_values(x).tobytes()
@@ -427,7 +427,7 @@ def test_cuda_pinned_digests_and_action_keys(monkeypatch):
     big = [torch.randn(1, 384, 3, 60, 104, generator=g) * 2 for _ in range(3)]  # the 480p control's shape
     assert action_keys([c.cuda() for c in big] + [None]) == [action_bytes(c) for c in big] + [NO_CONTROL]
     monkeypatch.setattr(actions, "MAX_KEY_THREADS", 3)  # the pool: each chunk's integers in its own array
-    monkeypatch.setattr(actions, "_usable_cpus", lambda: 3)
+    monkeypatch.setattr(actions, "usable_cpus", lambda: 3)
     assert action_keys([c.cuda() for c in big]) == [action_bytes(c) for c in big]
     monkeypatch.undo()
     bad = big[1].cuda()

@@ -29,7 +29,7 @@ CONTROLS = [
 
 def _join(keys, timeout_s):
     """Wait for the background thread, if one is still running (it clears itself when done)."""
-    thread = keys._keys.thread
+    thread = keys.background_thread
     if thread is not None:
         thread.join(timeout_s)
 
@@ -97,7 +97,7 @@ def test_nothing_left_starts_no_thread_and_close_is_idempotent(calls):
     keys = LazyActionKeys([None, None])
     list(keys)
     keys.compute_rest_in_background()
-    assert keys._keys.thread is None and keys.close() and keys.close()
+    assert keys.background_thread is None and keys.close() and keys.close()
 
 
 def test_a_control_without_a_key_fails_its_own_index_only(calls):

@@ -18,8 +18,8 @@ from cacheseek import weights
 def _reference_lanes(raw: bytes) -> tuple[int, int]:
     """The module docstring's lanes written out with numpy (wrapping uint64/int64 arithmetic)."""
     x = np.frombuffer(raw[: len(raw) // 8 * 8], dtype="<i8")
-    a, b, v, u = (c.numpy() for c in weights._coefficients_on("cpu", 1))
-    block = weights._LANE_BLOCK
+    a, b, v, u = (c.numpy() for c in weights.lane_coefficients("cpu", 1))
+    block = weights.LANE_BLOCK
     i = np.arange(x.size)
     with np.errstate(over="ignore"):
         lane1 = int((x * a[i % block] * v[i // block]).sum())
@@ -29,11 +29,11 @@ def _reference_lanes(raw: bytes) -> tuple[int, int]:
     return lane1, lane2
 
 
-@pytest.mark.parametrize("words", [0, 5, weights._LANE_BLOCK + 3, 2 * weights._LANE_BLOCK])
+@pytest.mark.parametrize("words", [0, 5, weights.LANE_BLOCK + 3, 2 * weights.LANE_BLOCK])
 def test_lanes_are_the_documented_integer_sums(words):
     x = torch.from_numpy(np.random.default_rng(words).integers(-2**63, 2**63 - 1, words, dtype=np.int64))
     x = x if words else torch.empty(0, dtype=torch.int64)
-    got = weights._lanes(x.view(torch.uint8), words).tolist()
+    got = weights.tensor_lanes(x.view(torch.uint8), words).tolist()
     assert tuple(got) == _reference_lanes(x.numpy().tobytes())
 
 
@@ -135,6 +135,6 @@ def test_a_module_from_files_is_identified_by_them_and_its_dtype(tmp_path, cache
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_fingerprint_on_cuda_equals_the_cpu_one():
     g = torch.Generator().manual_seed(5)
-    named = [("big", torch.randn(3 * weights._LANE_BLOCK + 11, generator=g).to(torch.bfloat16)),
+    named = [("big", torch.randn(3 * weights.LANE_BLOCK + 11, generator=g).to(torch.bfloat16)),
              ("odd", torch.randn(7, generator=g).to(torch.bfloat16)), ("i", torch.arange(5))]
     assert weights.tensor_fingerprint([(n, t.cuda()) for n, t in named]) == weights.tensor_fingerprint(named)

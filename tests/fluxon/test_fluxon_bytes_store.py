@@ -33,7 +33,7 @@ from cacheseek.stores.fluxon_bytes import (
     FluxonBytesStore,
     FluxonTensorTier,
     FluxonValueBackend,
-    _decode,
+    decode_value,
     encode_header,
 )
 
@@ -76,7 +76,7 @@ class _FakeView:
 ])
 def test_value_codec_round_trips(value):
     header, body = encode_header("k", value)
-    out = _decode("k", header, _FakeView(bytes(body)))
+    out = decode_value("k", header, _FakeView(bytes(body)))
     if isinstance(value, torch.Tensor):
         assert out.dtype == value.dtype and out.shape == value.shape
         assert out.reshape(-1).view(torch.uint8).equal(value.reshape(-1).view(torch.uint8))
@@ -95,24 +95,24 @@ def test_value_codec_detects_corruption(where):
     elif where == "no-checksum":
         header = b'{"dtype":"bfloat16","kind":"tensor","shape":[16],"v":2}'
     with pytest.raises(CorruptValueError) as info:
-        _decode("k", header, _FakeView(bytes(body)))
+        decode_value("k", header, _FakeView(bytes(body)))
     assert info.value.key == "k"
 
 
 def test_value_checksum_is_returned_and_checked_against_the_record():
     header, body = encode_header("k", torch.arange(8, dtype=torch.int32))
     digest = claimed_digest(header)
-    assert _decode("k", header, _FakeView(bytes(body)), digest).tolist() == list(range(8))
+    assert decode_value("k", header, _FakeView(bytes(body)), digest).tolist() == list(range(8))
     other, _ = encode_header("k", torch.arange(8, dtype=torch.int32) + 1)  # another writer's bytes
     with pytest.raises(CorruptValueError, match="is not the .* its chunk's record names"):
-        _decode("k", other, _FakeView(bytes(body)), digest)
+        decode_value("k", other, _FakeView(bytes(body)), digest)
     assert FluxonValueBackend.checks_digests
 
 
 def test_value_codec_rejects_mismatched_header():
     header, _ = encode_header("k", torch.zeros(4))
     with pytest.raises(Exception, match="holds 3 bytes"):
-        _decode("k", header, _FakeView(b"abc"))
+        decode_value("k", header, _FakeView(b"abc"))
 
 
 # -- the client ---------------------------------------------------------------------------------
@@ -161,12 +161,12 @@ def test_list_keys_by_prefix_and_index_repair(fluxon_client, key_prefix, caplog)
     fluxon_client.remove(p + "a/1")
     assert fluxon_client.list_keys(p) == [p + "a/2", p + "b/1"]
     # a stale index entry (its value evicted, or a crash between the two writes) is dropped
-    index = fluxon_client._index
+    index = fluxon_client.key_index
     index.etcd.put(index.path(p + "ghost"), b"")
     assert fluxon_client.list_keys(p) == [p + "a/2", p + "b/1"]
     assert not any(k.endswith(b"ghost") for k, _ in index.etcd.get_prefix(index.path(p)))
     # a key another client wrote straight through fluxon-py is counted but cannot be listed
-    res = fluxon_client._store.put_blocking(p + "foreign", {"payload": b"x"})
+    res = fluxon_client.native_store.put_blocking(p + "foreign", {"payload": b"x"})
     res.unwrap()
     with caplog.at_level(logging.WARNING, logger="cacheseek.fluxon.client"):
         assert fluxon_client.list_keys(p) == [p + "a/2", p + "b/1"]

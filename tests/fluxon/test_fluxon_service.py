@@ -278,7 +278,7 @@ def test_owner_dram_rule_names_the_numbers():
 
 def test_multi_host_roles_are_checked_at_construction(tmp_path):
     svc = FluxonService(tmp_path, dram="16MiB", listen_host="10.0.0.1")
-    assert svc.role == "control" and svc._ports[0] == service_mod.DEFAULT_ETCD_PORT
+    assert svc.role == "control" and svc.requested_ports[0] == service_mod.DEFAULT_ETCD_PORT
     owner = FluxonService(tmp_path, dram="16MiB", join="10.0.0.1:2379")
     assert owner.role == "owner" and owner.etcd_endpoint == "10.0.0.1:2379"
     with pytest.raises(ConfigError, match="^join: 'nohost' is not host:port"):

@@ -42,7 +42,7 @@ def test_fluxon_choice_uses_the_native_api_when_the_installed_client_has_it(monk
         client = open_fluxon_plan_client(cluster_name="c1", share_mem_path="/dev/shm/nowhere", op_timeout_s=7.0,
                                          attach_timeout_s=9.0, value_bytes=MiB, chunk_bytes=80 * MiB)
     assert isinstance(client, FluxonNativePlanClient)  # connects on first use only
-    assert client._config["fluxonkv_spec"] == {"cluster_name": "c1", "share_mem_path": "/dev/shm/nowhere"}
+    assert client.config["fluxonkv_spec"] == {"cluster_name": "c1", "share_mem_path": "/dev/shm/nowhere"}
     assert (client.op_timeout_s, client.attach_timeout_s) == (7.0, 9.0)
     assert client.table_arena()[1] >= 32 * (2 + 32 * 80) * 8  # sized from the geometry
     assert "offers the Plan API: using it natively (fluxon_native)" in caplog.text
@@ -204,10 +204,10 @@ def test_a_value_that_is_not_a_zero_copy_view_is_refused(fluxon_client, key_pref
     key = f"{key_prefix}foreign"
     client = FluxonPublicPlanClient(client=fluxon_client, staging_bytes=MiB)
     try:
-        fluxon_client._store.put_blocking(key, {VALUE_FIELD: b"x" * 64}).unwrap()
+        fluxon_client.native_store.put_blocking(key, {VALUE_FIELD: b"x" * 64}).unwrap()
         with pytest.raises(PlanError, match="not a zero-copy view into the owner's segment"):
             client.get_start([key], [1])
-        fluxon_client._store.put_blocking(key + "2", {"payload": b"x" * 64}).unwrap()
+        fluxon_client.native_store.put_blocking(key + "2", {"payload": b"x" * 64}).unwrap()
         with pytest.raises(StoreError, match="has no payload field .* .not written by CacheSeek"):
             client.get_start([key + "2"], [1])
         assert client.live_handles() == (0, 0)

@@ -19,6 +19,7 @@ from cacheseek.integrations.telefuser import (
     attach,
     detach,
     detect_layout,
+    hooks_of,
     plan_controls,
 )
 from cacheseek.layout.bshd import BshdLayout
@@ -222,7 +223,7 @@ def cold_run_states(pipeline, actions):
         snaps.append(ring_snapshot(session, LAYOUT))
         noise.append(state.noise_generator.get_state().clone())
         pipeline.run_chunk(session, i, controls[i])
-    latents = [lat for lat, _ in pipeline.vae_decode_worker._inner.decoded[session.cache_handle]]
+    latents = [lat for lat, _ in pipeline.vae_decode_worker.decoded[session.cache_handle]]
     return snaps, noise, latents
 
 
@@ -271,8 +272,7 @@ def test_restored_latents_are_decoded_as_stored_not_as_telefuser_casts_them():
     frames_b, _ = run(pipeline, ACTIONS_X, bind(manager))
     assert same_frames(frames_b, frames_a)
 
-    hooks = pipeline._cacheseek_hooks
-    pipeline.vae_decode_worker = hooks._decode_worker  # without the seam: TeleFuser's own path
+    pipeline.vae_decode_worker = hooks_of(pipeline).own_decode_worker  # without the seam: TeleFuser's own path
     with pytest.raises(RuntimeError, match="scheduler failed") as exc:
         run(pipeline, ACTIONS_X, bind(manager))
     assert "Input type (torch.bfloat16)" in str(exc.value.__cause__)

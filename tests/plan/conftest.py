@@ -29,7 +29,7 @@ def make_store(event_log) -> Callable[..., tuple[PlanTierStore, dict]]:
     """make_store(kind="host"|"fake_cuda", segment_bytes=..., batch_api=..., overlap=False,
     **store options) -> (store, parts): parts holds the embedded client, its faults, the fake
     cudart (or None) and the recorders."""
-    made: list[PlanTierStore] = []
+    made: list[tuple[PlanTierStore, Any]] = []
 
     def _make(kind: str = "host", *, segment_bytes: int = 1 << 20, batch_api: str | None = "13", stream: int = STREAM,
               overlap: bool = False, **store_kw):
@@ -43,11 +43,11 @@ def make_store(event_log) -> Callable[..., tuple[PlanTierStore, dict]]:
         transfer = RecordingTransfer(runtime, event_log)
         recording = RecordingClient(client, event_log)
         store = PlanTierStore(plan_client=recording, transfer=transfer, overlap=overlap, **store_kw)
-        made.append(store)
+        made.append((store, client))
         parts = dict(client=client, faults=faults, fake=fake, transfer=transfer, runtime=runtime, log=event_log)
         return store, parts
 
     yield _make
-    for store in made:
+    for store, client in made:
         store.close()
-        store.plan_client._inner.close()
+        client.close()

@@ -65,7 +65,7 @@ def test_segment_ready_prefaulted_and_generation_one(backing, tmp_path):
 
 
 def test_prefault_uses_several_threads_for_large_segments(monkeypatch):
-    monkeypatch.setattr(segment_mod, "_PREFAULT_SLICE", MiB)
+    monkeypatch.setattr(segment_mod, "PREFAULT_SLICE", MiB)
     started = []
     real = threading.Thread.start
 

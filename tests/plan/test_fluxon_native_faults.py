@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from cacheseek.errors import ConfigError, CorruptValueError, PlanError, StoreError, StoreTimeoutError
+from cacheseek.plan import fluxon_native
 from cacheseek.plan.fluxon_native import FluxonNativePlanClient
 from cacheseek.plan.table import PLAN_MAGIC, decode_plan_table, plan_table_nbytes
 from cacheseek.reuse.exact_prefix.types import Tier
@@ -209,7 +210,7 @@ def test_a_get_ended_while_its_transfer_is_stuck_is_released_when_it_returns(fak
     client.close()
 
 
-def test_stuck_calls_are_capped_and_close_leaves_a_stuck_native_client_open(fake):
+def test_stuck_calls_are_capped_and_close_leaves_a_stuck_native_client_open(fake, monkeypatch):
     client = _client(fake)
     client.wait_local_segments_ready()
     fake.hang.add("get_start")
@@ -220,9 +221,11 @@ def test_stuck_calls_are_capped_and_close_leaves_a_stuck_native_client_open(fake
     with pytest.raises(StoreTimeoutError, match="not issued: 4 earlier calls are still stuck"):
         client.get_start(["a"], [1])
     assert time.monotonic() - t0 < 0.1
-    owned = FluxonNativePlanClient(op_timeout_s=BOUND)
-    owned._client, owned._owned = fake, True
-    owned._calls = client._calls  # shares the stuck calls
+    monkeypatch.setattr(fluxon_native, "build_native", lambda config: fake)
+    owned = FluxonNativePlanClient(config={"fluxonkv_spec": {}}, op_timeout_s=BOUND, attach_timeout_s=BOUND)
+    owned.wait_local_segments_ready()  # builds (and so owns) its native client
+    with pytest.raises(StoreTimeoutError):
+        owned.get_start(["a"], [1])  # stuck in the native client
     owned.close()
     assert not fake.closed  # a native client with a live call is not closed under it
     client.close()
@@ -260,7 +263,7 @@ def test_tables_are_copied_into_one_reused_arena(fake):
     assert n == 2 and base <= table < base + length
     assert [ctypes.string_at(p, 64) for p in decode_plan_table(table, 2, arena=(base, length))] == [b"y" * 64] * 2
     client.release_views(plan)
-    assert client._tables.used == 0
+    assert client.table_bytes_in_use == 0
     client.close()
     assert client.table_arena() is None
 

@@ -326,9 +326,15 @@ def test_pending_batch_wait_is_bounded_and_stays_pending():
     from cacheseek.transfer.host_transfer import HostTransferRuntime
     from cacheseek.transfer.pending import PendingBatch
 
-    runtime = HostTransferRuntime()
-    landed = [False]
-    runtime._event_query = lambda event: landed[0]  # a copy that does not land until told
+    class Unlanded(HostTransferRuntime):
+        """Its copies do not land until told (the event hook a runtime's backend supplies)."""
+
+        landed = False
+
+        def _event_query(self, event):
+            return self.landed
+
+    runtime = Unlanded()
     event = runtime.record_event(None)
     pending = PendingBatch(runtime, CopyBatch.of([], [], [], Direction.H2D), None, event, time.perf_counter())
     t0 = time.monotonic()
@@ -338,7 +344,7 @@ def test_pending_batch_wait_is_bounded_and_stays_pending():
     runtime.wait_timeout_s = 0.02
     with pytest.raises(TransferTimeoutError):
         pending.wait()  # the runtime's default bound
-    landed[0] = True
+    runtime.landed = True
     pending.wait()  # a later wait succeeds
     assert pending.done() and pending.seconds is not None
     runtime.close()

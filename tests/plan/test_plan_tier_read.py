@@ -282,8 +282,8 @@ def test_a_ring_is_declared_once_and_another_ring_is_checked_again(make_store, m
     store, parts = make_store("fake_cuda")
     nodes, states, _, kv_size = ingest(store, geom, n_chunks)
     checked = []
-    inner = type(parts["transfer"]._inner).device_range
-    monkeypatch.setattr(type(parts["transfer"]._inner), "device_range",
+    inner = type(parts["runtime"]).device_range
+    monkeypatch.setattr(type(parts["runtime"]), "device_range",
                         lambda self, t: checked.append(t.data_ptr()) or inner(self, t))
     target = target_for(geom, n_chunks, kv_size)
     ring_tensors = 2 * N_LAYERS

@@ -23,7 +23,7 @@ H2D, D2H, D2D = Direction.H2D, Direction.D2H, Direction.D2D
 
 
 def cuda(**kw):
-    fake = FakeCudart(unknown_is_device=True, **kw)
+    fake = FakeCudart(**{"unknown_is_device": True, **kw})
     return CudaTransferRuntime(cudart=fake, current_stream=lambda: 0, tensor_device_type="cpu"), fake
 
 
@@ -183,9 +183,17 @@ def test_copy_batch_arrays_match_descriptors():
 
 
 @pytest.mark.parametrize("case", ["outside", "overlap", "zero", "read_only_dst"])
-def test_vectorized_validation_refuses_before_submission(rt, case):
-    if isinstance(rt, CudaTransferRuntime):
-        rt._rt.unknown_is_device = False  # undeclared memory is not device memory here
+@pytest.mark.parametrize("kind", ["host", "fake_cuda"])
+def test_vectorized_validation_refuses_before_submission(kind, case):
+    # on the fake CUDA runtime, undeclared memory is not device memory here
+    rt = HostTransferRuntime() if kind == "host" else cuda(unknown_is_device=False)[0]
+    try:
+        _refuses_before_submission(rt, case)
+    finally:
+        rt.close()
+
+
+def _refuses_before_submission(rt, case):
     host = HostBuffer(4096)
     ro = HostBuffer(256)
     rt.register([host.mapping(), ro.mapping(generation=2, writable=False)])

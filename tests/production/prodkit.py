@@ -97,7 +97,7 @@ def chain(forest: NamespaceForest) -> dict[int, Any]:
 def store_keys(store: Any) -> list[str]:
     if isinstance(store, PlanTierStore):
         inner = store.plan_client
-        return list(getattr(inner, "_inner", inner).keys())
+        return list((inner.inner if isinstance(inner, PlanProxy) else inner).keys())
     return list(store.keys())
 
 
@@ -157,21 +157,21 @@ class FaultyBackend:
     exception to raise (or, for reads, the string ``"missing"`` to answer None) on the n-th call."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
+        self._inner = inner
         self.writes = 0
         self.reads = 0
         self.write_fault: Optional[Callable[[int, str], Any]] = None
         self.read_fault: Optional[Callable[[int, str], Any]] = None
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
+        return getattr(self._inner, name)
 
     def write(self, key: str, value: Any) -> None:
         self.writes += 1
         fault = self.write_fault(self.writes, key) if self.write_fault else None
         if fault is not None:
             raise fault
-        self.inner.write(key, value)
+        self._inner.write(key, value)
 
     def read(self, key: str) -> Any:
         self.reads += 1
@@ -180,7 +180,7 @@ class FaultyBackend:
             return None
         if fault is not None:
             raise fault
-        return self.inner.read(key)
+        return self._inner.read(key)
 
 
 def fake_cuda(**kw: Any) -> tuple[Any, Any]:
@@ -199,18 +199,18 @@ class PlanProxy:
     for exactly that plan)."""
 
     def __init__(self, inner: Any) -> None:
-        self._inner = inner
+        self.inner = inner
         self.log: list[tuple] = []
         self.before_commit: Optional[Callable[[tuple], None]] = None
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
+        return getattr(self.inner, name)
 
     def local_fast_put_commit(self, plan: Any) -> Any:
         if self.before_commit is not None:
             self.before_commit(tuple(plan.keys))
         try:
-            future = self._inner.local_fast_put_commit(plan)
+            future = self.inner.local_fast_put_commit(plan)
         except Exception:
             self.log.append(("commit", tuple(plan.keys), "raised"))
             raise
@@ -221,7 +221,7 @@ class PlanProxy:
 
     def remove(self, key: str) -> None:
         self.log.append(("remove", key))
-        self._inner.remove(key)
+        self.inner.remove(key)
 
 
 class OffByOneStore(InMemoryTierStore):

@@ -36,18 +36,21 @@ from prodkit import (
 )
 
 
+PLAN_CLIENTS: dict = {}  # id(store) -> the embedded client of a plan tier made here (its caller closes both)
+
+
 def make_tier(kind, tmp_path):
     if kind == "memory":
         return InMemoryTierStore()
     if kind == "localdisk":
         return LocalDiskTierStore(str(tmp_path / "kv"))
     store, client = plan_store()
-    store._test_client = client
+    PLAN_CLIENTS[id(store)] = client
     return store
 
 
 def close_tier(store):
-    client = getattr(store, "_test_client", None)
+    client = PLAN_CLIENTS.pop(id(store), None)
     if client is not None:
         close_plan(store, client)
     else:
@@ -62,7 +65,7 @@ def tier(request, tmp_path):
 
 
 def remove(store, key):
-    client = getattr(store, "_test_client", None)
+    client = PLAN_CLIENTS.get(id(store))
     if client is not None:
         client.remove(key)
     else:

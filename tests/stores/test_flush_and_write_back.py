@@ -107,7 +107,7 @@ def test_a_stuck_worker_does_not_stop_within_the_bound_and_stops_later():
 def test_the_worker_thread_is_named_for_its_store_and_refuses_a_bad_depth():
     worker = WriteBackWorker(lambda job: None, depth=1, name="localdisk")
     try:
-        assert worker._thread.name == "localdisk-write-back"
+        assert worker.thread_name == "localdisk-write-back"
         with pytest.raises(ValueError, match="None"):
             worker.submit(None)
     finally:

@@ -114,7 +114,7 @@ def test_attach_is_idempotent_and_detach_restores_the_pipeline(factory):
     assert attach(pipeline) is TeleFuserLayout.RELEASED and pipeline.dit is dit
     detach(pipeline)
     assert type(pipeline.dit).__name__ == "LingBotWorldFastDiT" and "create_runtime" not in vars(pipeline)
-    assert pipeline.denoise_stage is stage._inner
+    assert pipeline.denoise_stage is stage.wrapped
     assert attach(pipeline) is TeleFuserLayout.RELEASED
     assert type(pipeline.denoise_stage).__name__ == "_DenoiseStage" and "create_runtime" in vars(pipeline)
 

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.telefuser
 
 telefuser = pytest.importorskip("telefuser.pipelines.lingbot_world_fast", reason="needs the telefuser extra (see README)")
 
+from cacheseek.integrations.telefuser import hooks_of  # noqa: E402
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager  # noqa: E402
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config  # noqa: E402
 from cacheseek.runtime.telefuser import TeleFuserRuntimeFactory  # noqa: E402
@@ -26,7 +27,7 @@ def factory():
 
 
 def test_the_second_session_skips_both_encodes_and_matches_bit_for_bit(factory):
-    hooks = factory.pipeline._cacheseek_hooks
+    hooks = hooks_of(factory.pipeline)
     kept = hooks.encodes
     cold = factory.make(ACTIONS, hooks=None)
     cold.generate(stop_after=0)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from cacheseek.errors import ControlMismatchError
+from cacheseek.integrations.telefuser import hooks_of
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
 from cacheseek.reuse.exact_prefix.actions import action_keys
 from cacheseek.reuse.exact_prefix.keys import build_action_chain
@@ -59,7 +60,7 @@ def _streamed(factory, manager, actions):
 def _streamed_controls(factory, session):
     """The controls the streamed chunks ran with, rebuilt the way the service built them."""
     if factory.streaming:
-        return session._controls
+        return session.controls
     return [factory.chunk_override(session.runtime, session.actions, k) for k in range(session.total_chunks)]
 
 
@@ -100,15 +101,15 @@ def test_a_chunk_whose_control_never_reached_the_binding_is_not_cached(factory, 
     (counted and logged), never a placeholder key."""
     if factory.streaming:
         pytest.skip("TeleFuser main reports every submitted control; its seam cannot be bypassed this way")
-    hooks = factory.pipeline._cacheseek_hooks
+    hooks = hooks_of(factory.pipeline)
     plain = factory.make(X, streamed=True)  # overrides built for a session without a binding
-    plain._start()
+    plain.start()
     overrides = [factory.chunk_override(plain.runtime, X, k) for k in range(len(X))]
     binding = _binding(manager, factory)
     session = factory.make(X, hooks=binding, streamed=True)
-    session._start()
+    session.start()
     for override in overrides:
-        hooks._generate_next_chunk(session.runtime, control_override=override)
+        hooks.own_generate_next_chunk(session.runtime, control_override=override)
     manager.store.flush()
     assert manager.metrics.chunks_unkeyed == len(X) and manager.metrics.writes == 0
     ns = manager.forest.resolve(binding.root)
@@ -124,7 +125,7 @@ def test_a_planned_session_run_with_another_control_over_a_restored_chunk_stops(
     manager.store.flush()
     binding = _binding(manager, factory)
     session = factory.make(X, hooks=binding)
-    session._start()
+    session.start()
     assert binding.last_fast_forward == len(X)
     other = factory.chunk_override(session.runtime, Y, 0)
     with pytest.raises(ControlMismatchError, match="chunk 0 was restored"):
@@ -148,7 +149,7 @@ def test_streamed_overrides_are_float32_controls_of_the_chunk(factory):
     if factory.streaming:
         pytest.skip("main builds controls with its control builder (covered by the gate)")
     session = factory.make(X, streamed=True)
-    session._start()
+    session.start()
     override = factory.chunk_override(session.runtime, X, 1)
     assert session.runtime.control_chunks is None
     assert override.dtype == torch.float32 and override.shape[2] == 3

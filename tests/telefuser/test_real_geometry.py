@@ -52,14 +52,14 @@ def test_lingbot_world_geometry_is_accepted_without_building_anything():
     f = TeleFuserRuntimeFactory(n_layers=40, n_heads=40, head_dim=128, ffn_dim=13824, text_dim=4096,
                                 height=480, width=832)
     g = f.geometry
-    assert (g.n_layers, g.hidden, g.chunk_tokens) == (40, 5120, 3 * 30 * 52) and f._pipeline is None
+    assert (g.n_layers, g.hidden, g.chunk_tokens) == (40, 5120, 3 * 30 * 52) and not f.built
 
 
 def test_the_runtime_reserves_its_ring_and_activations_after_building_its_weights():
     f = TeleFuserRuntimeFactory(head_dim=14, n_layers=2, n_heads=1, height=32, width=48)
     (ring_name, ring), (act_name, activations) = f.device_reserve(3)
     g = f.geometry
-    assert f._pipeline is not None and (ring_name, act_name) == ("ring", "activations")
+    assert f.built and (ring_name, act_name) == ("ring", "activations")
     assert ring == 2 * 2 * 9 * g.frame_tokens * 14 * 2  # K and V of 3 chunks of 3 frames, every layer, bf16
     assert activations > f.ACTIVATION_HEADROOM
     rolling = TeleFuserRuntimeFactory(head_dim=14, n_layers=2, n_heads=1, height=32, width=48, local_attn_size=6,

@@ -50,7 +50,7 @@ from cacheseek.integrations.telefuser.streaming import StreamingHooks
 from cacheseek.layout.telefuser_main import forget_controls, plan_controls
 
 __all__ = ["TeleFuserLayout", "UnsupportedTeleFuserError", "attach", "detach", "detect_layout",
-           "forget_controls", "plan_controls", "unattached_release"]
+           "forget_controls", "hooks_of", "plan_controls", "unattached_release"]
 
 _ATTR = "_cacheseek_hooks"
 _RELEASE_SESSION = "telefuser.pipelines.lingbot_world_fast.session"
@@ -100,6 +100,12 @@ def unattached_release() -> bool:
     if _attached or state is None or not dataclasses.is_dataclass(state):
         return False
     return "world_kv_binding" not in {f.name for f in dataclasses.fields(state)}
+
+
+def hooks_of(pipeline: Any) -> Any:
+    """The hooks `attach` installed on ``pipeline`` (`ReleasedHooks`, `StreamingHooks` or
+    `HookedHooks`, by layout), None when it is not attached: they hold what the seams replaced."""
+    return getattr(pipeline, _ATTR, None)
 
 
 def detach(pipeline: Any) -> None:

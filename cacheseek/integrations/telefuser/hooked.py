@@ -30,6 +30,11 @@ class HookedHooks:
         self.encodes = KeptEncodes(pipeline)
         self.installed = False
 
+    @property
+    def own_generate_next_chunk(self) -> Any:
+        """The pipeline's own ``generate_next_chunk``, without the per-chunk seam (`remove` puts it back)."""
+        return self._generate_next_chunk
+
     def install(self) -> None:
         self.pipeline.create_runtime = self.create_runtime
         self.pipeline.generate_next_chunk = NextChunkSeam(self._generate_next_chunk, self.pipeline)

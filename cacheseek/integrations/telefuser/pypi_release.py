@@ -60,6 +60,11 @@ class ReleasedHooks:
         self.encodes = KeptEncodes(pipeline)
         self.installed = False
 
+    @property
+    def own_generate_next_chunk(self) -> Any:
+        """The pipeline's own ``generate_next_chunk``, without the per-chunk seam (`remove` puts it back)."""
+        return self._generate_next_chunk
+
     def install(self) -> None:
         p = self.pipeline
         p.create_runtime = self.create_runtime
@@ -154,6 +159,11 @@ class _Proxy:
     def __init__(self, hooks: ReleasedHooks, inner: Any) -> None:
         object.__setattr__(self, "_hooks", hooks)
         object.__setattr__(self, "_inner", inner)
+
+    @property
+    def wrapped(self) -> Any:
+        """The object this proxy stands in for (what `detach` puts back)."""
+        return self._inner
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

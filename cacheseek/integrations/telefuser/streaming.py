@@ -84,6 +84,11 @@ class StreamingHooks:
         self._warned = False
         self.installed = False
 
+    @property
+    def own_decode_worker(self) -> Any:
+        """The pipeline's own VAE decode worker, without the exact-decode seam (`remove` puts it back)."""
+        return self._decode_worker
+
     def install(self) -> None:
         p = self.pipeline
         p._create_initialized_session = self.create_session

@@ -42,8 +42,9 @@ import xxhash
 
 from cacheseek.reuse.exact_prefix.keys import sha256_of_parts
 
-__all__ = ["NO_CONTROL", "QUANTUM", "MAX_KEY_THREADS", "action_bytes", "action_keys", "chunk_action_key",
-           "quantized_values"]
+__all__ = ["NO_CONTROL", "QUANTUM", "MAX_KEY_THREADS", "POOL_MIN_VALUES", "Quantized", "action_bytes",
+           "action_keys", "chunk_action_key", "digest", "is_cuda_tensor", "quantize", "quantize_on_device",
+           "quantized_values", "usable_cpus"]
 
 NO_CONTROL = b"noctrl"
 QUANTUM = 1e-6
@@ -54,13 +55,13 @@ _SCALE = 1e6
 _I4_RANGE = (2**31 - 1) / _SCALE  # |x| at or below this quantizes into int32
 _MAX_VALUE = 2**62 / _SCALE  # |x| above this has no int64 quantum with margin
 _BLOCK = 1 << 18  # values per pass: the float64 scratch stays in cache
-_POOL_MIN_VALUES = 1 << 18  # a control worth a thread (~1.5 ms to key); starting the pool costs ~1 ms
+POOL_MIN_VALUES = 1 << 18  # a control worth a thread (~1.5 ms to key); starting the pool costs ~1 ms
 _FORMAT = b"q1e-6/xxh3-128"
 _pinned = threading.local()  # each thread's pinned landing buffer for a CUDA control's integers
 _LANDING_PIECES = 4  # a CUDA control's integers cross in this many pieces, hashed as they land
 
 
-class _Quantized(NamedTuple):
+class Quantized(NamedTuple):
     """A control ready to hash: its shape, the integer width and its values in that width."""
 
     shape: tuple[int, ...]
@@ -75,7 +76,7 @@ def action_bytes(control: Any) -> bytes:
     ValueError on a non-finite value, which has no canonical quantum."""
     if control is None:
         return NO_CONTROL
-    return _digest(_quantize(control))
+    return digest(quantize(control))
 
 
 def action_keys(controls: Iterable[Any]) -> list[bytes]:
@@ -86,8 +87,8 @@ def action_keys(controls: Iterable[Any]) -> list[bytes]:
     pool. A control that has no key raises ValueError naming its chunk index (the first such
     chunk in order)."""
     controls = list(controls)
-    large = sum(_n_values(c) >= _POOL_MIN_VALUES for c in controls)
-    workers = min(large, MAX_KEY_THREADS, _usable_cpus())
+    large = sum(_n_values(c) >= POOL_MIN_VALUES for c in controls)
+    workers = min(large, MAX_KEY_THREADS, usable_cpus())
     if workers <= 1:
         return [_chunk_key(i, _staged(i, c, pinned=True)) for i, c in enumerate(controls)]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="cacheseek-action-keys") as pool:
@@ -112,11 +113,14 @@ def chunk_action_key(index: int, control: Any) -> bytes:
 
 def quantized_values(control: Any) -> np.ndarray:
     """The control's values in units of `QUANTUM` (flat, C order), as the key hashes them."""
-    q = _quantize(control)
+    q = quantize(control)
     return np.concatenate([b.copy() for b in q.blocks()] or [np.empty(0, q.dtype)])
 
 
-def _digest(q: _Quantized) -> bytes:
+def digest(q: Quantized) -> bytes:
+    """The 32-byte key of a quantized control (the formula in the module docstring); the step
+    `action_bytes` runs after `quantize`, named so both quantization paths can be checked to key
+    alike and the hashing thread can be observed."""
     shape = np.asarray(q.shape, dtype="<i8")
     values = xxhash.xxh3_128()
     for block in q.blocks():
@@ -126,16 +130,19 @@ def _digest(q: _Quantized) -> bytes:
     return h.digest()
 
 
-def _quantize(control: Any) -> _Quantized:
-    if _is_cuda_tensor(control):
-        return _quantize_on_device(control, pinned=True)
+def quantize(control: Any) -> Quantized:
+    """The control as integers in units of `QUANTUM`, ready for `digest`: a CUDA tensor takes
+    `quantize_on_device` (into this thread's pinned buffer), anything else the numpy path in
+    cache-sized blocks. Raises ValueError on a value without a canonical quantum."""
+    if is_cuda_tensor(control):
+        return quantize_on_device(control, pinned=True)
     values = _flat_values(control)
     dtype = _int_dtype(*_bounds(values), values.size)
     shape = tuple(control.shape) if hasattr(control, "shape") else np.shape(control)
-    return _Quantized(tuple(int(d) for d in shape), dtype, values.size, lambda: _quantized_blocks(values, dtype))
+    return Quantized(tuple(int(d) for d in shape), dtype, values.size, lambda: _quantized_blocks(values, dtype))
 
 
-def _quantize_on_device(t: Any, pinned: bool = False) -> _Quantized:
+def quantize_on_device(t: Any, pinned: bool = False) -> Quantized:
     """Quantize a torch tensor with torch on the tensor's device (float64 multiply, round half to
     even, cast) and bring only the integers to the host. Bit-identical to the numpy path; on a
     CPU tensor it is slower (it widens the whole tensor at once), so only CUDA tensors take it.
@@ -150,15 +157,15 @@ def _quantize_on_device(t: Any, pinned: bool = False) -> _Quantized:
         flat = flat.to(torch.float64)  # integers and bools, as the numpy path widens them
     if flat.numel() == 0:
         dtype = np.dtype("<i4")
-        return _Quantized(shape, dtype, 0, lambda: iter(()))
+        return Quantized(shape, dtype, 0, lambda: iter(()))
     lo, hi = torch.stack(torch.aminmax(flat)).to(torch.float64).tolist()  # NaN propagates
     dtype = _int_dtype(lo, hi, flat.numel())
     q = flat.to(torch.float64, copy=True).mul_(_SCALE).round_()  # a copy: the caller's tensor is untouched
     q = q.to(torch.int32 if dtype.itemsize == 4 else torch.int64)
     if pinned and q.is_cuda:
-        return _Quantized(shape, dtype, q.numel(), _landing(q, dtype))
+        return Quantized(shape, dtype, q.numel(), _landing(q, dtype))
     host = q.cpu().numpy().astype(dtype, copy=False)  # little-endian on every host
-    return _Quantized(shape, dtype, host.size, lambda: iter((host,)))
+    return Quantized(shape, dtype, host.size, lambda: iter((host,)))
 
 
 def _landing(q: Any, dtype: np.dtype) -> Callable[[], Iterator[np.ndarray]]:
@@ -241,7 +248,9 @@ def _flat_values(control: Any) -> np.ndarray:
     return np.ascontiguousarray(arr).reshape(-1)
 
 
-def _is_cuda_tensor(control: Any) -> bool:
+def is_cuda_tensor(control: Any) -> bool:
+    """Whether the control is a torch tensor on a CUDA device (the one kind that is quantized on
+    its own device)."""
     device = getattr(control, "device", None)
     return hasattr(control, "detach") and getattr(device, "type", None) == "cuda"
 
@@ -249,10 +258,10 @@ def _is_cuda_tensor(control: Any) -> bool:
 def _staged(index: int, control: Any, pinned: bool = False) -> Any:
     """A CUDA tensor quantized now (this thread, the caller's stream; ``pinned``: into this
     thread's pinned buffer, to be hashed before the next); anything else as is."""
-    if control is None or not _is_cuda_tensor(control):
+    if control is None or not is_cuda_tensor(control):
         return control
     try:
-        return _quantize_on_device(control, pinned=pinned)
+        return quantize_on_device(control, pinned=pinned)
     except ValueError as e:
         raise _chunk_error(index, e) from e
 
@@ -267,7 +276,7 @@ def _chunk_key(index: int, staged: Any) -> bytes:
     try:
         if staged is None:
             return NO_CONTROL
-        return _digest(staged if isinstance(staged, _Quantized) else _quantize(staged))
+        return digest(staged if isinstance(staged, Quantized) else quantize(staged))
     except ValueError as e:
         raise _chunk_error(index, e) from e
 
@@ -276,7 +285,8 @@ def _chunk_error(index: int, cause: ValueError) -> ValueError:
     return ValueError(f"chunk {index}'s control: {cause}")
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
+    """The cores this process may run on: `action_keys`' pool never has more threads."""
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return os.cpu_count() or 1

@@ -213,6 +213,13 @@ class LazyActionKeys(Sequence):
             return sum(1 for i, key in enumerate(k.keys)
                        if key is None and i not in k.errors and k.controls[i] is not UNKNOWN)
 
+    @property
+    def background_thread(self) -> Optional[threading.Thread]:
+        """The thread `compute_rest_in_background` started while it runs (None before, after it
+        ends by itself, and when nothing was left to key): for a caller that waits for it."""
+        with self._keys.cond:
+            return self._keys.thread
+
     def known_prefix(self) -> int:
         """The number of leading chunks (of this view) whose control is known."""
         k = self._keys
