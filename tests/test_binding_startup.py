@@ -88,11 +88,11 @@ def test_a_warming_store_is_bypassed_then_used_once_warm(warming, calls, caplog)
     store, client = warming
     forest = NamespaceForest()
     b = binding_for(store, forest)
-    assert store._starts.starting == 2  # the warm-up yields while this session (the first) starts
+    assert store.starts.starting == 2  # the warm-up yields while this session (the first) starts
     rt = FACTORY.make(ACTS, hooks=b)
     with caplog.at_level(logging.INFO, logger="cacheseek.reuse.exact_prefix.telefuser_lingbot"):
         hashes = rt.generate()
-    assert store._starts.starting == 0
+    assert store.starts.starting == 0
     assert b.bypassed_warming and b.last_fast_forward == 0 and b.root is None
     assert hashes == FACTORY.make(ACTS).generate()  # the session ran as with no cache
     assert len(forest) == 0 and calls == [] and no_key_thread_alive()  # no namespace, no keys

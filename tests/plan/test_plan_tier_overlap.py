@@ -252,16 +252,16 @@ def test_hugepages_on_a_private_segment():
 def test_split_cuts_copies_into_pieces_that_cover_every_byte():
     import numpy as np
 
-    from cacheseek.stores.plan_tier import _split
+    from cacheseek.stores.plan_tier.write import split
     from cacheseek.transfer.batch import CopyBatch
 
     batch = CopyBatch.of([1000, 5000, 9000], [100000, 200000, 300000], [300, 50, 700], Direction.D2H)
-    pieces = _split(batch, 256)
+    pieces = split(batch, 256)
     covered = [(int(d), int(s), int(n)) for p in pieces for d, s, n in zip(p.dsts, p.srcs, p.sizes)]
     assert sum(n for _, _, n in covered) == batch.nbytes and all(p.nbytes <= 2 * 256 for p in pieces)
     assert covered[0] == (1000, 100000, 256) and covered[1] == (1256, 100256, 44)
     assert sorted(covered) == covered and len(pieces) > 3
-    assert _split(batch, 0) == [batch] and _split(batch, 1 << 20) == [batch]
+    assert split(batch, 0) == [batch] and split(batch, 1 << 20) == [batch]
     assert all(np.all(p.codes == Direction.D2H.code) for p in pieces)
 
 
@@ -316,8 +316,8 @@ def test_flush_is_bounded_and_close_leaves_a_live_worker_its_resources(make_stor
         store.close()  # the write is stuck: the completion thread cannot stop
     assert parts["fake"].live_streams() == streams and parts["transfer"].registered() == registered
     gate.open()  # the copy lands: the worker ends on its own, on resources still in place
-    store._worker.join(10)
-    assert not store._worker.is_alive()
+    store.completion_thread.join(10)
+    assert not store.completion_thread.is_alive()
 
 
 def test_pending_batch_wait_is_bounded_and_stays_pending():

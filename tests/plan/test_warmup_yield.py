@@ -98,7 +98,7 @@ def test_the_warm_up_registers_no_piece_while_a_session_is_starting_then_resumes
     yields = store.stats.warmup_yields
     token = store.session_starting()  # a session starts while piece 0 is being faulted
     go.set()
-    assert eventually(lambda: store._starts.waiting == 1)  # the warm-up waits before piece 1
+    assert eventually(lambda: store.starts.waiting == 1)  # the warm-up waits before piece 1
     assert len(fake.calls_named("cudaHostRegister")) == 1 and not store.ready
     token.release()
     assert store.wait_ready(30)
@@ -133,7 +133,7 @@ def test_a_background_warm_up_begins_after_the_first_session_start_up(make_store
     store, parts = make_store("fake_cuda", segment_bytes=4 * MiB, register_piece_bytes="2MiB",
                               warmup="background", warmup_yield_s=30)
     assert started.wait(10)  # the thread runs, and waits at the first step
-    assert eventually(lambda: store._starts.waiting == 1)
+    assert eventually(lambda: store.starts.waiting == 1)
     token = store.session_starting()  # the first session: its start-up ends the first wait too
     time.sleep(0.05)
     assert parts["fake"].calls_named("cudaHostRegister") == [] and not store.ready
@@ -164,10 +164,10 @@ def test_a_tiered_store_is_ready_while_any_level_is_and_its_token_holds_every_wa
         alone = TieredStore(stores=[("fluxon_plan", plan)])
         both = TieredStore(stores=[("memory", memory), ("fluxon_plan", plan)])
         assert not plan.ready and not alone.ready and both.ready  # memory has no warm-up: it serves
-        assert plan._starts.starting == 1  # the wait for a first session
+        assert plan.starts.starting == 1  # the wait for a first session
         with both.session_starting():
-            assert plan._starts.starting == 2
-        assert plan._starts.starting == 0
+            assert plan.starts.starting == 2
+        assert plan.starts.starting == 0
         client.gate.set()
         assert plan.wait_ready(10) and alone.ready and alone.session_starting() is NO_TOKEN
     finally:
@@ -213,7 +213,7 @@ def test_a_tiered_store_waits_for_every_level_and_releases_taken_tokens_on_failu
         tiered = TieredStore(stores=[("fluxon_plan", plan), ("memory", failing)])
         with pytest.raises(RuntimeError, match="no token"):
             tiered.session_starting()
-        assert plan._starts.starting == 0  # the plan level's token (and the first-start one) released
+        assert plan.starts.starting == 0  # the plan level's token (and the first-start one) released
         assert not tiered.wait_ready(0.05)
         client.gate.set()
         assert tiered.wait_ready(10) and plan.ready

@@ -168,7 +168,7 @@ def test_a_warming_store_is_bypassed_then_keys_are_lazy_on_the_real_pipeline(fac
     run.generate()
     assert warming.bypassed_warming and warming.root is None and list(warming.actions) == []
     assert run.frame_hashes == baseline.frame_hashes and len(manager.forest) == 0
-    assert store._starts.starting == 0  # the session's start-up released the warm-up
+    assert store.starts.starting == 0  # the session's start-up released the warm-up
     client.gate.set()
     assert store.wait_ready(30)
     writer = _binding(manager, factory)

@@ -63,5 +63,5 @@ def levels():
     for store in reversed(made):
         store.close()
         client = getattr(store, "plan_client", None)
-        if client is not None and not getattr(store, "_owns_client", True):
+        if client is not None and not getattr(store, "owns_client", True):
             client.close()

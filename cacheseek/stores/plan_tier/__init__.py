@@ -20,10 +20,8 @@ One module per idea; each states the lifecycle of what it hands out:
 ``hbm`` (`cacheseek.stores.hbm`) is this store over a device-memory pool.
 """
 
-from cacheseek.stores.plan_tier import write
 from cacheseek.stores.plan_tier.stats import PlanTierStats
 from cacheseek.stores.plan_tier.store import PlanTierStore
 
 __all__ = ["PlanTierStats", "PlanTierStore"]
 
-_split = write.split  # the name it had when the Plan tier was one module

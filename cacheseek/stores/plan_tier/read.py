@@ -172,7 +172,9 @@ def check_path(
 
 
 @functools.lru_cache(maxsize=64)
-def _runs_as_arrays(runs: tuple, window_depths: tuple, token_bytes: int) -> tuple:
+def runs_as_arrays(runs: tuple, window_depths: tuple, token_bytes: int) -> tuple:
+    """A restore's runs as four read-only int64 arrays of length n_runs (window slot, source and
+    destination byte offsets, bytes), cached per window shape: every restore of that shape shares them."""
     slot = {depth: j for j, depth in enumerate(window_depths)}
     tokens = np.array([(r.src_token, r.dst_token, r.n_tokens) for r in runs], dtype=np.int64).reshape(-1, 3)
     arrays = [np.array([slot[r.chunk_depth] for r in runs], dtype=np.int64)]
@@ -185,7 +187,7 @@ def _runs_as_arrays(runs: tuple, window_depths: tuple, token_bytes: int) -> tupl
 def _run_arrays(target: RestoreTarget) -> tuple:
     """``(window slot, source offset, ring offset, bytes)`` of each copy run of ``target``, int64
     ``[n_runs]`` each (cached: a runtime restores the same few shapes of window)."""
-    return _runs_as_arrays(tuple(target.runs), tuple(target.window_depths), int(target.token_bytes))
+    return runs_as_arrays(tuple(target.runs), tuple(target.window_depths), int(target.token_bytes))
 
 
 class HeldReads:

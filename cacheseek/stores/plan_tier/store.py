@@ -229,9 +229,19 @@ class PlanTierStore(PathReadStore):
                        staging_bytes=staging, transfer=transfer.stats.as_dict() if transfer is not None else {})
 
     @property
-    def _worker(self) -> Optional[threading.Thread]:
-        """The completion thread, once started."""
+    def completion_thread(self) -> Optional[threading.Thread]:
+        """The thread that finishes overlapped writes, once started (None before)."""
         return self._completion.thread
+
+    @property
+    def starts(self) -> Any:
+        """The sessions starting now, which the warm-up yields to (`SessionStarts`)."""
+        return self._starts
+
+    @property
+    def owns_client(self) -> bool:
+        """Whether the store built its Plan client (and closes it) or was handed one."""
+        return self._owns_client
 
     def _check_open(self) -> None:
         if self._closed:
