@@ -106,8 +106,8 @@ def test_without_the_decoder_rebuild_the_computed_frames_differ(store, monkeypat
     session(store, forest, FULL, X)
     real = LingBotWorldKVBinding.next_chunk
 
-    def no_replay(self, runtime, idx, spec):
-        plan = real(self, runtime, idx, spec)
+    def no_replay(self, runtime, idx, spec, **kw):
+        plan = real(self, runtime, idx, spec, **kw)
         return NextChunk(frames=plan.frames, recompute=plan.recompute)
 
     monkeypatch.setattr(LingBotWorldKVBinding, "next_chunk", no_replay)
