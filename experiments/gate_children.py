@@ -7,7 +7,10 @@
   results written after each child (a run that runs out of time leaves the others);
 - `child_stack`: a child's stack: the ``lingbot_world_14b`` experiment on ``cfg.device`` with the
   store's overrides, the runtime's and ``extra``, no ring check; the CPU's threads set;
-- `device_sync`: the device's synchronize (nothing on a CPU).
+- `device_sync`: the device's synchronize (nothing on a CPU);
+- `nocache_run`: a session without a cache, timed as the gate times a request (its generate,
+  after its runtime is made, synchronized);
+- `plain` (a config as plain data) and `entry` (``--one NAME ...``: the child, else the parent).
 
 Not part of the package: the scripts put ``experiments/`` on sys.path.
 """
@@ -15,6 +18,7 @@ Not part of the package: the scripts put ``experiments/`` on sys.path.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -24,7 +28,7 @@ from typing import Any
 
 from benchlib import REPO, write_json
 
-__all__ = ["run_children", "child_stack", "device_sync"]
+__all__ = ["run_children", "child_stack", "device_sync", "nocache_run", "plain", "entry"]
 
 
 def run_children(script: Path, names: Sequence[str], argv: Sequence[str], cfg: Any, out_dir: Path,
@@ -78,3 +82,30 @@ def device_sync(device: str) -> Callable[[], None]:
     import torch
 
     return torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+
+
+def nocache_run(factory: Any, actions: list, label: str, sync: Callable[[], None]) -> tuple[float, Any]:
+    """The wall of a session of ``actions`` without a cache (printed with ``label``) and its runtime."""
+    runtime = factory.make(actions, hooks=None)
+    sync()
+    start = time.perf_counter()
+    runtime.generate()
+    sync()
+    wall = time.perf_counter() - start
+    print(f"  {label}: {wall:.3f} s", flush=True)
+    return wall, runtime
+
+
+def plain(cfg: Any) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def entry(main: Callable[[list[str]], Any], run_one: Callable[[str, list[str]], Any]) -> None:
+    """A script's ``__main__``: ``--one NAME ARGV...`` runs one child, anything else the parent."""
+    if sys.argv[1:2] == ["--one"]:
+        os.environ.setdefault("PYTHONUNBUFFERED", "1")
+        run_one(sys.argv[2], sys.argv[3:])
+    else:
+        main(sys.argv[1:])

@@ -160,7 +160,15 @@ def test_a_state_counts_in_capacity_and_leaves_with_its_chunk():
     store.close()
 
 
-def test_the_value_checks_its_key_table_and_body():
+@pytest.mark.parametrize("check", ["xxh3", "sums"])
+def test_the_value_checks_its_key_table_and_body(check, monkeypatch):
+    """On a CPU the body's check is its xxh3; a value packed on a GPU carries two position-weighted
+    sums computed there (forced here on the CPU, in blocks of 16 words so that several blocks and
+    their weights take part)."""
+    if check == "sums":
+        monkeypatch.setattr(state_value, "_XXH3", state_value._SUMS)
+        monkeypatch.setattr(state_value, "_BLOCK", 16)
+        monkeypatch.setattr(state_value, "_WEIGHTS", {})
     key, other = bytes(range(32)), bytes(32)
     entries = [None, "Rep", torch.randn(1, 4, 2, 3, 5).to(torch.bfloat16), torch.randn(3, 7)]
     spec = state_value.spec_of(entries)
@@ -168,12 +176,18 @@ def test_the_value_checks_its_key_table_and_body():
     assert value.numel() == state_value.packed_nbytes(spec)
     back = state_value.unpack(key, bytes(value.numpy()), spec, "v", "cpu")
     assert back[:2] == [None, "Rep"] and torch.equal(back[2], entries[2]) and torch.equal(back[3], entries[3])
+    assert value[60].item() == (1 if check == "sums" else 2)
     bad = [(other, value, spec), (key, value[:-64], spec),
            (key, value, state_value.spec_of([None, "Rep", entries[2], torch.randn(3, 8)]))]
     for pos in range(0, value.numel(), 37):
         flipped = value.clone()
         flipped[pos] ^= 0x10
         bad.append((key, flipped, spec))
+    head = value.numel() - spec.body_nbytes
+    swapped = value.clone()  # two body words swapped: each word still there, in the wrong place
+    swapped[head:head + 8], swapped[head + 136:head + 144] = value[head + 136:head + 144].clone(), value[head:head + 8].clone()
+    assert not torch.equal(swapped, value)
+    bad.append((key, swapped, spec))
     for k, v, s in bad:
         with pytest.raises(CorruptValueError):
             state_value.unpack(k, v, s, "v", "cpu")

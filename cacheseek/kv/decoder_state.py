@@ -8,19 +8,22 @@ flat uint8 tensor, on the runtime's device where the store keeps device tensors:
 
     magic    8 B   b"CSDECV01"
     key     32 B   the chunk's node key
-    digest  16 B   xxh3-128 over key, the entry table and the body's two 64-bit sums
+    digest  16 B   xxh3-128 over key, the body check's kind, the entry table and the body's check
     count    4 B   entries
-    pad      4 B
+    check    1 B   the body's check: 1 two 64-bit sums (a value packed on a GPU), 2 xxh3-128 (on a CPU)
+    pad      3 B
     table   32 B x count: kind (0 none, 1 marker, 2 tensor), dtype code, ndim, pad, then six u32
                    of shape (a marker: its UTF-8 text, at most 24 bytes), pad
     pad            to a multiple of `ALIGN`
     body           each tensor's bytes, C order, each padded with zeros to a multiple of `ALIGN`
 
-The body's sums are computed where the body is (1.76 GiB at 480p: a few milliseconds on the GPU,
+A state packed on a GPU is checked where it is (1.76 GiB at 480p: a few milliseconds on the GPU,
 no host round trip): the body read as int64 words ``x_i``, ``sum_i x_i * c_i mod 2^64`` for two
-position-dependent odd multipliers ``c_i``. A changed word changes each sum (``c_i`` is odd, so
-no nonzero change of one word vanishes), a moved word changes them (``c_i`` differs per position);
-two or more changed words cancel in both with a chance near 2^-128 for damage not aimed at it.
+position-dependent odd multipliers ``c_i`` (`body_sums`). A changed word changes each sum (``c_i``
+is odd, so no nonzero change of one word vanishes), a moved word changes them (``c_i`` differs per
+position); two or more changed words cancel in both with a chance near 2^-128 for damage not aimed
+at it. On a CPU, where torch's int64 products are ten times slower than xxh3, the body's check
+is its xxh3-128. The reader computes the check the header names, over what it read.
 `unpack` checks the magic, the key, the entry table against the spec the runtime expects, the
 length and the digest: any mismatch is a `CorruptValueError`, a miss (the decoder is rebuilt
 by replaying latents), never a wrong state loaded.
@@ -43,7 +46,8 @@ __all__ = ["MAGIC", "ALIGN", "DecoderStateSpec", "spec_of", "pack", "unpack", "p
 
 MAGIC = b"CSDECV01"
 ALIGN = 64
-_HEAD = struct.Struct("<8s32s16sI4x")
+_HEAD = struct.Struct("<8s32s16sIB3x")
+_SUMS, _XXH3 = 1, 2
 _ENTRY = struct.Struct("<BBBx6I4x")
 _MAX_NDIM = 6
 _DTYPES: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.float32, 3: torch.float16, 4: torch.bfloat16,
@@ -147,16 +151,43 @@ def _parse_table(raw: bytes, n: int) -> DecoderStateSpec:
 
 def body_sums(body: torch.Tensor) -> tuple[int, int]:
     """The two 64-bit position-weighted sums of ``body`` (a 1-D uint8 tensor, its length a
-    multiple of 8, on any device), computed where it is."""
+    multiple of 8, on any device), computed where it is: word ``i = b * B + l`` (block ``b`` of
+    `_BLOCK` words, offset ``l``) weighs ``m(l) * o(b)``, both odd (``m`` a tensor made once per
+    device and lane, ``o`` a Python int), so each block costs one multiply and one sum per lane."""
     words = body.view(torch.int64)
-    s1 = torch.zeros((), dtype=torch.int64, device=body.device)
-    s2 = torch.zeros((), dtype=torch.int64, device=body.device)
-    for start in range(0, words.numel(), _BLOCK):
-        x = words[start:start + _BLOCK]
-        i = torch.arange(start, start + x.numel(), dtype=torch.int64, device=body.device)
-        s1 += (x * _mix(i, _K[0], _K[1])).sum()
-        s2 += (x * _mix(i, _K[2], _K[3])).sum()
-    return int(s1.item()), int(s2.item())
+    sums = []
+    for lane in (0, 1):
+        weights = _weights(body.device, lane, min(_BLOCK, words.numel()))
+        acc = torch.zeros((), dtype=torch.int64, device=body.device)
+        for b, start in enumerate(range(0, words.numel(), _BLOCK)):
+            x = words[start:start + _BLOCK]
+            acc += (x * weights[:x.numel()]).sum() * _odd(b, lane)
+        sums.append(int(acc.item()))
+    return sums[0], sums[1]
+
+
+_WEIGHTS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _weights(device: torch.device, lane: int, n: int) -> torch.Tensor:
+    """``m(l)`` for ``l < n`` of ``lane`` on ``device`` (kept, grown to `_BLOCK` words at most)."""
+    key = (str(device), lane)
+    w = _WEIGHTS.get(key)
+    if w is None or w.numel() < n:
+        i = torch.arange(n, dtype=torch.int64, device=device)
+        w = _WEIGHTS[key] = _mix(i, _K[2 * lane], _K[2 * lane + 1])
+    return w
+
+
+def _odd(b: int, lane: int) -> int:
+    """``o(b)`` of ``lane``: an odd 64-bit weight of block ``b`` (signed, as torch multiplies)."""
+    h = ((b + 1) * (_K[2 * lane] & _MASK)) & _MASK
+    h ^= h >> 31
+    h = (h * (_K[2 * lane + 1] & _MASK)) & _MASK | 1
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
+_MASK = (1 << 64) - 1
 
 
 def _mix(i: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -167,11 +198,18 @@ def _mix(i: torch.Tensor, a: int, b: int) -> torch.Tensor:
     return h | 1
 
 
-def _digest(key: bytes, table: bytes, sums: tuple[int, int]) -> bytes:
+def _body_check(body: torch.Tensor, check: int) -> bytes:
+    if check == _SUMS:
+        return struct.pack("<qq", *body_sums(body))
+    return xxhash.xxh3_128(body.cpu().numpy()).digest()
+
+
+def _digest(key: bytes, check: int, table: bytes, body_check: bytes) -> bytes:
     h = xxhash.xxh3_128()
     h.update(key)
+    h.update(bytes([check]))
     h.update(table)
-    h.update(struct.pack("<qq", *sums))
+    h.update(body_check)
     return h.digest()
 
 
@@ -193,7 +231,9 @@ def pack(key: bytes, entries: Sequence[Any], device: Any = None) -> torch.Tensor
             out[off + n:off + _padded(n)].zero_()
         off += _padded(n)
     table = _table(spec)
-    header = _HEAD.pack(MAGIC, key, _digest(key, table, body_sums(out[head:])), len(spec.entries)) + table
+    check = _XXH3 if out.device.type == "cpu" else _SUMS
+    digest = _digest(key, check, table, _body_check(out[head:], check))
+    header = _HEAD.pack(MAGIC, key, digest, len(spec.entries), check) + table
     header = header.ljust(head, b"\0")
     out[:head].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
     return out
@@ -212,11 +252,13 @@ def unpack(key: bytes, value: Any, spec: DecoderStateSpec, locator: str, device:
     value = value.detach().reshape(-1).view(torch.uint8)
     if value.numel() < _HEAD.size:
         raise CorruptValueError(locator, f"{value.numel()} bytes, shorter than a decoder state header")
-    magic, stored_key, digest, n = _HEAD.unpack(value[:_HEAD.size].cpu().numpy().tobytes())
+    magic, stored_key, digest, n, check = _HEAD.unpack(value[:_HEAD.size].cpu().numpy().tobytes())
     if magic != MAGIC:
         raise CorruptValueError(locator, "not a decoder state value (bad magic)")
     if stored_key != key:
         raise CorruptValueError(locator, "the decoder state of another chunk (key mismatch)")
+    if check not in (_SUMS, _XXH3):
+        raise CorruptValueError(locator, f"unknown body check {check}")
     if n != len(spec.entries):
         raise CorruptValueError(locator, f"{n} entries, the decoder holds {len(spec.entries)}")
     head = _head_nbytes(n)
@@ -235,7 +277,7 @@ def unpack(key: bytes, value: Any, spec: DecoderStateSpec, locator: str, device:
     elif not owned:
         value = value.clone()
     body = value[head:]
-    if _digest(key, table, body_sums(body)) != digest:
+    if _digest(key, check, table, _body_check(body, check)) != digest:
         raise CorruptValueError(locator, "checksum mismatch")
     out: list = []
     off = 0

@@ -35,7 +35,6 @@ every figure), ``results.md`` (the tables) and ``session_reuse.png``.
 
 from __future__ import annotations
 
-import os
 import statistics
 import sys
 import time
@@ -47,7 +46,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from benchlib import REPO, compose, env_info, git_state, write_json  # noqa: E402
-from gate_children import child_stack, device_sync, run_children  # noqa: E402
+from gate_children import child_stack, device_sync, entry, nocache_run, plain, run_children  # noqa: E402
 
 REQUESTS = ("A", "B", "C", "D")
 TARGETS = {"B_ratio": 0.03, "C_ratio": 0.40, "live_restored_ms": 15.0, "ttff_ms": 60.0, "first_computed_ratio": 1.3,
@@ -68,7 +67,7 @@ def main(argv: list[str]) -> dict:
         "what": "whole-session reuse (issue 32) on TeleFuser's real pipeline at lingbot_world_14b, one process per "
                 "store and decoder_state_every, no-cache P+X bracketing the requests in the same process",
         "command": " ".join(["python", "experiments/session_reuse/bench_session_reuse.py", *argv]),
-        "config": _plain(cfg), "env": {**env_info(), **git_state()}, "targets": TARGETS, "stores": {},
+        "config": plain(cfg), "env": {**env_info(), **git_state()}, "targets": TARGETS, "stores": {},
     }
     t_all = time.perf_counter()
     run_children(Path(__file__), run_names(cfg), argv, cfg, out_dir, results)
@@ -114,14 +113,7 @@ def run_one(name: str, argv: list[str]) -> None:
         px = gate.P + gate.X
 
         def nocache(actions: list, label: str) -> float:
-            runtime = factory.make(actions, hooks=None)
-            sync()
-            start = time.perf_counter()
-            runtime.generate()
-            sync()
-            wall = time.perf_counter() - start
-            print(f"  {label}: {wall:.3f} s", flush=True)
-            return wall
+            return nocache_run(factory, actions, label, sync)[0]
 
         nocache(px[:1], "warm-up (1 chunk, no cache)")
         row["nocache_before_s"] = nocache(px, "no cache P+X (before)")
@@ -473,15 +465,5 @@ def _plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def _plain(cfg: Any) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--one"]:
-        os.environ.setdefault("PYTHONUNBUFFERED", "1")
-        run_one(sys.argv[2], sys.argv[3:])
-    else:
-        main(sys.argv[1:])
+    entry(main, run_one)
