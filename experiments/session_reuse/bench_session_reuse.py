@@ -128,6 +128,11 @@ def run_one(name: str, argv: list[str]) -> None:
         print(f"  gate {'PASS' if res['passed'] else 'FAIL'} {res['verdicts']}", flush=True)
         row["gate_metrics"] = {k: v for k, v in stack.metrics.as_dict().items()
                                if k.startswith(("decoder_", "frames_")) or k in ("write_bytes", "materializations")}
+        g = row["gate_metrics"]
+        print(f"  decoder states: {g['decoder_states_written']} stored ({g['decoder_state_write_bytes'] / 2**30:.2f} GiB), "
+              f"{g['decoder_states_dropped']} dropped, {g['decoder_states_restored']} loaded, "
+              f"{g['decoder_states_missing']} missing, {g['decoder_states_corrupt']} corrupt; "
+              f"{g['decoder_replays']} chunks replayed", flush=True)
 
         if full:
             with stage_timers(sync) as stages:  # B again, each stage synchronized

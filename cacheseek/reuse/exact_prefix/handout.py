@@ -200,7 +200,11 @@ class HandOut:
         idx - 1`` of the served path; ``(0, None)`` when none is stored (or readable)."""
         path, decoder = self._served_path, self._decoder
         for j in resume_points(self.decoder_state_every, min(idx, len(path))):
-            spec = decoder.spec(j)
+            try:
+                spec = decoder.spec(j)
+            except Exception:  # noqa: BLE001 - no layout to check a state against: replay them all
+                log.exception("chunk %d: the decoder's state layout after chunk %d is unknown", idx, j)
+                break
             if spec is None:
                 break
             state = self.decoder_states.read(path[j].node_key, spec, decoder.device)
