@@ -32,7 +32,7 @@ import torch
 
 from cacheseek.kv.decoder_state import DecoderStateSpec, spec_of
 from cacheseek.kv.frames import FramesSpec
-from cacheseek.reuse.exact_prefix.decoder_states import RuntimeDecoder
+from cacheseek.kv.runtime_decoder import RuntimeDecoder
 
 __all__ = ["frames_spec", "hand_out", "pil_images", "prepare", "frames_of", "WanDecoder"]
 

@@ -15,9 +15,7 @@ are, counted in its capacity, never evicting KV to make room (a full store drops
 state is ``decoder_states_missing``, a damaged one ``decoder_states_corrupt`` (removed): both fall
 back to the next lower resume point, then to the replay; a wrong state is never loaded.
 
-`RuntimeDecoder` is the runtime's side of the seam: what its decoder's state is after a chunk
-(``spec``), a copy of it now (``capture``), and setting it (``load``). The base class is a
-decoder without state (nothing stored); the TeleFuser and synthetic runtimes subclass it.
+`cacheseek.kv.runtime_decoder.RuntimeDecoder` is the runtime's side of the seam.
 """
 
 from __future__ import annotations
@@ -31,31 +29,12 @@ from cacheseek.errors import CorruptValueError, StoreError
 from cacheseek.kv import decoder_state as state_value
 from cacheseek.kv.decoder_state import DecoderStateSpec
 from cacheseek.kv.locators import decoder_state_locator
+from cacheseek.kv.runtime_decoder import RuntimeDecoder
 from cacheseek.reuse.exact_prefix.context import ManagerContext
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ChunkDecoderStates", "RuntimeDecoder", "DecoderStateSpec", "resume_points"]
-
-
-class RuntimeDecoder:
-    """A runtime's causal decoder as the binding sees it. The base: a decoder without state
-    (``spec`` None: nothing is stored, nothing loaded; a divergence replays as before)."""
-
-    device: Any = "cpu"
-
-    def spec(self, after_chunk: int) -> Optional[DecoderStateSpec]:
-        """What the state holds after chunk ``after_chunk`` (its entries' shapes and dtypes), or
-        None when it keeps none worth storing."""
-        return None
-
-    def capture(self) -> Optional[list]:
-        """The state now (after the chunk just decoded): tensors, None, marker strings; None when
-        there is none."""
-        return None
-
-    def load(self, entries: list) -> None:
-        """Set the state to ``entries`` (as `capture` returned it, on ``device``)."""
 
 
 def resume_points(every: int, below: int) -> list[int]:

@@ -42,7 +42,8 @@ import attrs
 import torch
 
 from cacheseek.kv.frames import FramesSpec
-from cacheseek.reuse.exact_prefix.decoder_states import ChunkDecoderStates, RuntimeDecoder, resume_points
+from cacheseek.kv.runtime_decoder import RuntimeDecoder
+from cacheseek.reuse.exact_prefix.decoder_states import ChunkDecoderStates, resume_points
 from cacheseek.reuse.exact_prefix.prefix_window import PrefixWindow
 
 log = logging.getLogger("cacheseek.reuse.exact_prefix.telefuser_lingbot")

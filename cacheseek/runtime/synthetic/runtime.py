@@ -38,7 +38,7 @@ import torch
 from cacheseek.errors import ConfigError, LayoutMismatchError
 from cacheseek.kv.decoder_state import DecoderStateSpec
 from cacheseek.kv.frames import FramesSpec
-from cacheseek.reuse.exact_prefix.decoder_states import RuntimeDecoder
+from cacheseek.kv.runtime_decoder import RuntimeDecoder
 from cacheseek.runtime.geometry import Geometry, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.synthetic.checks import (
