@@ -454,7 +454,7 @@ def _plot(results: dict, path: Path) -> None:
     axes[1].set_ylabel("first computed chunk / cold chunk")
     axes[1].legend(fontsize=7)
     axes[1].set_title("first computed chunk after k served")
-    table = (results.get("decoder_state_table") or {}).get("rows") or []
+    table = sorted((results.get("decoder_state_table") or {}).get("rows") or [], key=lambda x: x["bytes_beyond_kv"])
     if table:
         xs = [100 * x["bytes_beyond_kv"] for x in table]
         axes[2].plot(xs, [x["worst_added_s"] for x in table], "o-", label="worst (k <= 8)")
