@@ -106,3 +106,21 @@ def test_a_damaged_stored_cache_is_a_miss_and_the_decoder_is_rebuilt(factory, co
     assert s.frame_hashes == cold[2]
     assert m["decoder_states_corrupt"] == 1 and store.backend.read(loc) is None
     assert m["decoder_states_restored"] == 1 and m["decoder_replays"] == 1  # the one after chunk 0, then chunk 1
+
+
+def test_a_live_session_loads_the_stored_cache_at_its_divergence(factory):
+    """Live sessions streamed one action per chunk (each control built as TeleFuser's service
+    builds it): one computes X, one follows it for 2 chunks and diverges; the follower's computed
+    chunks equal a cold live run's, with the cache after chunk 1 loaded and nothing replayed."""
+    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config())
+    b = LingBotWorldKVBinding(manager, manager.forest, model_fingerprint=factory.weights_fingerprint,
+                              decoder_state_every=2)
+    factory.make(X, hooks=b, streamed=True).generate()
+    cold = factory.make(FORKS[2], hooks=None, streamed=True).generate()
+    c = LingBotWorldKVBinding(manager, manager.forest, model_fingerprint=factory.weights_fingerprint,
+                              decoder_state_every=2)
+    s = factory.make(FORKS[2], hooks=c, streamed=True)
+    s.generate()
+    m = manager.metrics.as_dict()
+    assert s.frame_hashes == cold and (c.frames_served, c.chunks_materialized) == (2, 2)
+    assert (m["decoder_states_written"], m["decoder_states_restored"], m["decoder_replays"]) == (1, 1, 0)
