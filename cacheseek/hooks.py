@@ -40,10 +40,10 @@ class RuntimeHooks:
     def restore_chunk(self, runtime: Any, idx: int) -> Any:
         return None
 
-    def next_chunk(self, runtime: Any, idx: int, spec: Any) -> Any:
+    def next_chunk(self, runtime: Any, idx: int, spec: Any, decoder: Any = None) -> Any:
         return None
 
-    def on_chunk_frames(self, runtime: Any, idx: int, frames: Any) -> None:
+    def on_chunk_frames(self, runtime: Any, idx: int, frames: Any, decoder: Any = None) -> None:
         return None
 
     def materialize(self, runtime: Any) -> int:

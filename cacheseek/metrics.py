@@ -18,7 +18,10 @@ adding a counter is one line here). Who records what:
   frames (``frames_handed_out``, ``frames_read_bytes``; ``frames_missing``, ``frames_corrupt``:
   not handed out), frames stored with computed chunks (``frames_written``, ``frames_write_bytes``,
   ``frames_dropped``), and what a served prefix cost at divergence (``materializations``,
-  ``chunks_materialized``, ``decoder_replays``, ``recomputed_chunks``);
+  ``chunks_materialized``, ``decoder_replays``, ``recomputed_chunks``), decoder states stored at
+  resume points (``decoder_states_written``, ``decoder_state_write_bytes``, ``decoder_states_dropped``)
+  and loaded at divergence (``decoder_states_restored``, ``decoder_state_read_bytes``;
+  ``decoder_states_missing``, ``decoder_states_corrupt``: rebuilt instead);
 - the bindings: their hooks' failures (by hook and exception type), the sessions run uncached
   because the store was still warming up (``sessions_bypassed_warming``), the chunks whose
   control had no key (``action_key_errors``) and the chunks not cached because no control was
@@ -135,6 +138,20 @@ class CacheMetrics:
                                        "served session's divergence (a full hit restores none).")
     decoder_replays: int = counter("cacheseek_decoder_replays_total", "Latents decoded again at divergence to "
                                    "rebuild the decoder's state.")
+    decoder_states_written: int = counter("cacheseek_decoder_states_written_total", "Decoder states stored "
+                                          "after a computed chunk at a resume point (decoder_state_every).")
+    decoder_state_write_bytes: int = counter("cacheseek_decoder_state_write_bytes_total", "Bytes of decoder "
+                                             "states stored.")
+    decoder_states_dropped: int = counter("cacheseek_decoder_states_dropped_total", "Decoder states not stored "
+                                          "(store full, a write error).")
+    decoder_states_restored: int = counter("cacheseek_decoder_states_restored_total", "Decoder states loaded at "
+                                           "divergence (the chunks before them not decoded again).")
+    decoder_state_read_bytes: int = counter("cacheseek_decoder_state_read_bytes_total", "Bytes of decoder states "
+                                            "loaded.")
+    decoder_states_missing: int = counter("cacheseek_decoder_states_missing_total", "Decoder states looked for "
+                                          "at divergence and not found (the decoder rebuilt instead).")
+    decoder_states_corrupt: int = counter("cacheseek_decoder_states_corrupt_total", "Stored decoder states that "
+                                          "failed their checks (removed, never loaded).")
     recomputed_chunks: int = counter("cacheseek_recomputed_chunks_total", "Served chunks computed again: their "
                                      "KV was gone at divergence.")
     hook_failures_by_error: dict = labelled("cacheseek_hook_failures_total", "Runtime hooks of a binding that "

@@ -108,6 +108,7 @@ class Stack:
             manager, manager.forest,
             model_fingerprint=model + b":" + weights.hex().encode() if weights else model,
             ingest_enabled=ingest_enabled, layout=self.layout, fingerprint_fields=self.fields,
+            decoder_state_every=int(self.cfg.manager.get("decoder_state_every", 0)),
         )
 
     def run_session(self, actions: Any, *, manager: Any = None, ingest: bool = True,
@@ -228,6 +229,10 @@ def _manager_config(cfg: Any, runtime_factory: Any) -> Any:
     if be < 1:
         raise ConfigError("manager.break_even_k", f"must be >= 1, got {be}",
                           "manager.break_even_k=1 (restore any cached prefix of 1 chunk or more)")
+    every = cfg.manager.get("decoder_state_every", 0)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ConfigError("manager.decoder_state_every", f"must be an integer >= 0, got {every!r}",
+                          "manager.decoder_state_every=0 (rebuild the decoder's state by replay at divergence)")
     if rt.local_attn_size == -1:
         return make_full_kv_config(break_even_k=be)
     return make_rolling_config(local_attn_size=rt.local_attn_size, sink_size=rt.sink_size,

@@ -41,6 +41,8 @@ class SharedIndexConf:
 @dataclasses.dataclass
 class ManagerConf:
     break_even_k: int = 1
+    # store the decoder's state after chunks N-1, 2N-1, ... (0: rebuild it at divergence by replay)
+    decoder_state_every: int = 2
     eviction: EvictionConf = dataclasses.field(default_factory=EvictionConf)
     shared_index: SharedIndexConf = dataclasses.field(default_factory=SharedIndexConf)
 

@@ -31,7 +31,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pc
 grep -E "MemTotal|MemAvailable" /proc/meminfo; nproc
 python3 -c "import torch, cuda.bindings, sys; print(sys.version.split()[0], torch.__version__, cuda.bindings.__version__)"
 
-declare -A DEFAULT_T=([tests]=200 [transfer]=150 [e2e]=230 [registration]=140 [copy_kernel]=120 [action_keys]=120 [warmup]=200 [hbm_tier]=420 [live_restore]=240 [interactive]=240 [interactive_14b]=150 [metrics]=240 [telefuser_480p]=330 [telefuser_480p_rolling]=170 [shared_index]=300 [codecs]=470 [root_open]=580 [session_reuse]=480)
+declare -A DEFAULT_T=([tests]=200 [transfer]=150 [e2e]=230 [registration]=140 [copy_kernel]=120 [action_keys]=120 [warmup]=200 [hbm_tier]=420 [live_restore]=240 [interactive]=240 [interactive_14b]=150 [metrics]=240 [telefuser_480p]=330 [telefuser_480p_rolling]=170 [shared_index]=300 [codecs]=470 [root_open]=580 [session_reuse]=560)
 declare -A FIXED_ARGS=([action_keys]="device=cuda old_runs=1"
     [metrics]="geometry=lingbot_480p device=cuda store=fluxon_plan store_overrides=['store.backing=private'] runtime_overrides=['runtime.compute_gemm_dim=8192','runtime.compute_gemms=8'] sessions=8 depth=3 branching=2"
     [telefuser_480p_rolling]="stores=[fluxon_plan,nocache] frames_cache=false profile_b=false runtime_overrides=['runtime.local_attn_size=6','runtime.sink_size=3']")

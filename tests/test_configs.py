@@ -273,6 +273,7 @@ def test_typos_and_wrong_types_rejected_at_compose(compose_cfg, overrides, field
         (["+manager.foo=1"], "manager.foo"),
         (["+store.capacity_bytes=1GiB"], "store"),  # no store chosen
         (["manager.break_even_k=-1"], "manager.break_even_k"),
+        (["manager.decoder_state_every=-2"], "manager.decoder_state_every"),
         (["manager.eviction.high_watermark=1.5"], "manager.eviction.high_watermark"),
         (["+store=memory", "store.capacity_bytes=1.5GB"], "store.capacity_bytes"),
         (["+store=fluxon_plan", "store.client_options.staging_bytes=1GiB"], "store.client_options.staging_bytes"),

@@ -140,7 +140,10 @@ def test_session_reuse_benchmark_smoke(tmp_path):
         "store_timeout_s=600", "budget_s=700",
         "store_overrides.fluxon_plan=['+store=fluxon_plan','store.backing=private','store.segment_bytes=4MiB']",
         "runtime_overrides=[" + ",".join(f"'{o}'" for o in tiny) + "]"])
-    plan = res["stores"]["fluxon_plan"]
+    assert set(res["stores"]) == {"fluxon_plan.dec2", "fluxon_plan.dec0"}  # decoder state stored, rebuilt
+    off = res["stores"]["fluxon_plan.dec0"]
+    assert off["returncode"] == 0 and off["passed"] and "live" not in off and off["sweep"]["rows"]
+    plan = res["stores"]["fluxon_plan.dec2"]
     assert plan["returncode"] == 0 and plan["passed"]
     b, c = plan["requests"]["B"], plan["requests"]["C"]
     assert (b["frames_served"], b["chunks_materialized"], c["frames_served"], c["chunks_materialized"]) == (3, 0, 2, 2)

@@ -106,8 +106,8 @@ def test_without_the_decoder_rebuild_the_computed_frames_differ(store, monkeypat
     session(store, forest, FULL, X)
     real = LingBotWorldKVBinding.next_chunk
 
-    def no_replay(self, runtime, idx, spec):
-        plan = real(self, runtime, idx, spec)
+    def no_replay(self, runtime, idx, spec, **kw):
+        plan = real(self, runtime, idx, spec, **kw)
         return NextChunk(frames=plan.frames, recompute=plan.recompute)
 
     monkeypatch.setattr(LingBotWorldKVBinding, "next_chunk", no_replay)
@@ -193,3 +193,20 @@ def test_frames_count_in_capacity_and_leave_with_their_chunk():
     assert b.manager.evict_blob(leaf)
     assert not store.contains([locs[leaf.depth]])[0]
     store.close()
+
+
+def test_served_images_equal_what_tensor2video_hands_out():
+    """TeleFuser hands out ``Image.fromarray`` of each uint8 frame; a served chunk's images
+    (`pil_images`: ``frombuffer`` on threads) equal them in type, mode, size and pixels."""
+    np = pytest.importorskip("numpy")
+    Image = pytest.importorskip("PIL.Image")
+    from cacheseek.integrations.telefuser.handout import pil_images
+
+    frames = np.random.default_rng(0).integers(0, 256, (5, 48, 80, 3), dtype=np.uint8)
+    cold, served = [Image.fromarray(f) for f in frames], pil_images(frames)
+    assert len(served) == len(cold)
+    for a, b in zip(cold, served):
+        assert (type(a), a.mode, a.size, a.info, a.readonly) == (type(b), b.mode, b.size, b.info, b.readonly)
+        assert a.tobytes() == b.tobytes()
+    frames[0, 0, 0, 0] ^= 1  # the images own their pixels: the frames' buffer may be reused
+    assert served[0].tobytes() == cold[0].tobytes()

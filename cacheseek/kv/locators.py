@@ -5,6 +5,7 @@
     object value    {hex}:kv:L{i}       a layer that is not a (k, v) pair (generic tiers only)
     latent          {hex}:lat           the chunk's skeleton
     frames          {hex}:frm           what the runtime handed out for the chunk (`kv.frames`)
+    decoder state   {hex}:dec           the decoder's causal state after the chunk (`kv.decoder_state`)
 
 Both the trie (which names values) and every store (which writes and frees them) use these, so
 they live below both.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["kv_locator", "latent_locator", "frames_locator", "layer_keys", "object_key", "blob_keys", "node_key_of"]
+__all__ = ["kv_locator", "latent_locator", "frames_locator", "decoder_state_locator", "layer_keys", "object_key", "blob_keys", "node_key_of"]
 
 
 def kv_locator(key: bytes) -> str:
@@ -27,6 +28,10 @@ def latent_locator(key: bytes) -> str:
 
 def frames_locator(key: bytes) -> str:
     return f"{key.hex()}:frm"
+
+
+def decoder_state_locator(key: bytes) -> str:
+    return f"{key.hex()}:dec"
 
 
 def node_key_of(locator: str) -> bytes:

@@ -35,10 +35,7 @@ every figure), ``results.md`` (the tables) and ``session_reuse.png``.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,10 +46,17 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from benchlib import REPO, compose, env_info, git_state, write_json  # noqa: E402
+from gate_children import child_stack, device_sync, entry, nocache_run, plain, run_children  # noqa: E402
 
 REQUESTS = ("A", "B", "C", "D")
 TARGETS = {"B_ratio": 0.03, "C_ratio": 0.40, "live_restored_ms": 15.0, "ttff_ms": 60.0, "first_computed_ratio": 1.3,
            "A_over": 0.02, "bytes_beyond_kv": 0.15}
+TABLE_EVERY = (1, 2, 4, 8)  # resume points priced in the decoder-state table
+
+
+def run_names(cfg: Any) -> list[str]:
+    """``STORE.decN`` for each value of ``decoder_state_every`` (the first value first, every store)."""
+    return [f"{store}.dec{int(n)}" for n in cfg.decoder_state_every for store in cfg.stores]
 
 
 def main(argv: list[str]) -> dict:
@@ -61,30 +65,14 @@ def main(argv: list[str]) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {
         "what": "whole-session reuse (issue 32) on TeleFuser's real pipeline at lingbot_world_14b, one process per "
-                "store, no-cache P+X bracketing the requests in the same process",
+                "store and decoder_state_every, no-cache P+X bracketing the requests in the same process",
         "command": " ".join(["python", "experiments/session_reuse/bench_session_reuse.py", *argv]),
-        "config": _plain(cfg), "env": {**env_info(), **git_state()}, "targets": TARGETS, "stores": {},
+        "config": plain(cfg), "env": {**env_info(), **git_state()}, "targets": TARGETS, "stores": {},
     }
     t_all = time.perf_counter()
-    for i, store in enumerate(cfg.stores, 1):
-        left = float(cfg.budget_s) - (time.perf_counter() - t_all)
-        if left < float(cfg.min_store_s):
-            results["stores"][store] = {"skipped": f"{left:.0f} s of budget_s {cfg.budget_s} left"}
-            continue
-        print(f"[{i}/{len(cfg.stores)}] {store} ({time.perf_counter() - t_all:.0f} s in)", flush=True)
-        one = out_dir / f"store_{store}.json"
-        one.unlink(missing_ok=True)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--one", store, *argv]
-        t0 = time.perf_counter()
-        try:
-            rc = subprocess.run(cmd, timeout=min(float(cfg.store_timeout_s), left), cwd=REPO).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        row = json.loads(one.read_text()) if one.exists() else {}
-        row.update(returncode=rc, process_wall_s=time.perf_counter() - t0)
-        results["stores"][store] = row
-        write_json(out_dir / "results.json", results)
+    run_children(Path(__file__), run_names(cfg), argv, cfg, out_dir, results)
     results["summary"] = {s: _summary(r) for s, r in results["stores"].items() if "requests" in r}
+    results["decoder_state_table"] = _decoder_state_table(results)
     write_json(out_dir / "results.json", results)
     text = _markdown(results)
     (out_dir / "results.md").write_text(text)
@@ -99,30 +87,20 @@ def main(argv: list[str]) -> dict:
 
 # -- one store's process ---------------------------------------------------------------------------
 
-def run_one(store: str, argv: list[str]) -> None:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from cacheseek.cli import CONF_DIR
-    from cacheseek.orchestrator import build_stack
+def run_one(name: str, argv: list[str]) -> None:
+    """One run ``STORE.decN``: with the first value of ``decoder_state_every`` everything (module
+    docstring, steps 1-7); with another the gate and the sweep (what the decoder's state changes)."""
     from stages import stage_timers
 
     cfg = compose(HERE / "conf", "session_reuse", argv)
     out_dir = Path(cfg.out_dir) if cfg.out_dir else REPO / "outputs" / "experiments" / "session_reuse"
-    overrides = ["+experiment=lingbot_world_14b", f"runtime.device={cfg.device}", "workload.ring_check=false",
-                 *cfg.store_overrides[store], *cfg.runtime_overrides]
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        hcfg = hydra_compose(config_name="config", overrides=overrides)
-    row: dict[str, Any] = {"store": store, "overrides": overrides}
-    sync = _sync(cfg.device)
-    if str(cfg.device) == "cpu" and cfg.cpu_threads:
-        import torch
-
-        torch.set_num_threads(int(cfg.cpu_threads))
+    store, _, dec = name.rpartition(".dec")
+    every = int(dec)
+    full = every == int(cfg.decoder_state_every[0])
+    sync = device_sync(cfg.device)
     t0 = time.perf_counter()
-    stack = build_stack(hcfg, run_dir=out_dir / f"run_{store}", note=lambda line: print(f"  {line}", flush=True))
+    stack, overrides = child_stack(cfg, store, out_dir, name, [f"manager.decoder_state_every={every}"])
+    row: dict[str, Any] = {"store": store, "decoder_state_every": every, "overrides": overrides}
     try:
         factory, gate = stack.runtime_factory, stack.workload
         factory.pipeline
@@ -131,18 +109,11 @@ def run_one(store: str, argv: list[str]) -> None:
             wait_ready(None)
         row["build_s"] = time.perf_counter() - t0
         row["runtime"] = factory.describe()
-        print(f"  built in {row['build_s']:.1f} s: {row['runtime']['model']}", flush=True)
+        print(f"  built in {row['build_s']:.1f} s: {row['runtime']['model']}, decoder_state_every={every}", flush=True)
         px = gate.P + gate.X
 
         def nocache(actions: list, label: str) -> float:
-            runtime = factory.make(actions, hooks=None)
-            sync()
-            start = time.perf_counter()
-            runtime.generate()
-            sync()
-            wall = time.perf_counter() - start
-            print(f"  {label}: {wall:.3f} s", flush=True)
-            return wall
+            return nocache_run(factory, actions, label, sync)[0]
 
         nocache(px[:1], "warm-up (1 chunk, no cache)")
         row["nocache_before_s"] = nocache(px, "no cache P+X (before)")
@@ -151,46 +122,64 @@ def run_one(store: str, argv: list[str]) -> None:
         row["requests"] = {r["name"]: {k: r[k] for k in ("wall_s", "hit_depth", "bytes_restored", "bytes_written",
                                                          "frames_served", "chunks_materialized", "verdict")}
                            for r in res["requests"]}
-        for name, r in row["requests"].items():
-            print(f"  {name}: {r['wall_s']:.3f} s, K={r['hit_depth']}, frames served {r['frames_served']}, "
+        for req, r in row["requests"].items():
+            print(f"  {req}: {r['wall_s']:.3f} s, K={r['hit_depth']}, frames served {r['frames_served']}, "
                   f"materialized {r['chunks_materialized']}, {r['verdict']}", flush=True)
         print(f"  gate {'PASS' if res['passed'] else 'FAIL'} {res['verdicts']}", flush=True)
+        row["gate_metrics"] = {k: v for k, v in stack.metrics.as_dict().items()
+                               if k.startswith(("decoder_", "frames_")) or k in ("write_bytes", "materializations")}
+        g = row["gate_metrics"]
+        print(f"  decoder states: {g['decoder_states_written']} stored ({g['decoder_state_write_bytes'] / 2**30:.2f} GiB), "
+              f"{g['decoder_states_dropped']} dropped, {g['decoder_states_restored']} loaded, "
+              f"{g['decoder_states_missing']} missing, {g['decoder_states_corrupt']} corrupt; "
+              f"{g['decoder_replays']} chunks replayed", flush=True)
 
-        with stage_timers(sync) as stages:  # B again, each stage synchronized
-            again = gate._request(stack, "B2", px, "P+X")
-        row["b_stages"] = {"wall_s": again.wall_s, "hit_depth": again.hit_depth, **stages}
-        print("  B stages (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in stages.items()), flush=True)
+        if full:
+            with stage_timers(sync) as stages:  # B again, each stage synchronized
+                again = gate._request(stack, "B2", px, "P+X")
+            row["b_stages"] = {"wall_s": again.wall_s, "hit_depth": again.hit_depth, **stages}
+            print("  B stages (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in stages.items()), flush=True)
 
-        binding = stack.new_binding()
-        session = factory.make(px, hooks=binding)
-        sync()
-        start = time.perf_counter()
-        session.generate(stop_after=1)
-        sync()
-        row["ttff_planned_s"] = time.perf_counter() - start
-        row["ttff_planned_served"] = binding.frames_served
-        session.generate()
-        print(f"  time to first frame, planned session on a cached path: {row['ttff_planned_s'] * 1e3:.1f} ms", flush=True)
+            binding = stack.new_binding()
+            session = factory.make(px, hooks=binding)
+            sync()
+            start = time.perf_counter()
+            session.generate(stop_after=1)
+            sync()
+            row["ttff_planned_s"] = time.perf_counter() - start
+            row["ttff_planned_served"] = binding.frames_served
+            session.generate()
+            print(f"  time to first frame, planned session on a cached path: {row['ttff_planned_s'] * 1e3:.1f} ms",
+                  flush=True)
 
-        row["live"] = _live(stack, factory, px, int(cfg.live_sessions), sync)
-        lv = row["live"]
-        print(f"  live: restored chunk median {lv['restored_median_s'] * 1e3:.1f} ms, computed {lv['computed_median_s'] * 1e3:.1f}"
-              f" ms, time to first frame median {lv['ttff_median_s'] * 1e3:.1f} ms, frames equal {lv['frames_equal']}", flush=True)
+            row["live"] = _live(stack, factory, px, int(cfg.live_sessions), sync)
+            lv = row["live"]
+            print(f"  live: restored chunk median {_ms(lv['restored_median_s'])} (generate_next_chunk "
+                  f"{_ms(lv['restored_seam_median_s'])}, with the control's build {_ms(lv['restored_service_median_s'])}),"
+                  f" computed {_ms(lv['computed_median_s'])}, time to first frame median {_ms(lv['ttff_median_s'])},"
+                  f" frames equal {lv['frames_equal']}", flush=True)
         if store in cfg.sweep_stores:
             row["sweep"] = _sweep(stack, factory, list(cfg.sweep_k), bool(cfg.sweep_nocache_ref), sync)
         row["nocache_after_s"] = nocache(px, "no cache P+X (after)")
         m = stack.metrics.as_dict()
         row["metrics"] = m
-        row["bytes_beyond_kv"] = m["frames_write_bytes"] / m["write_bytes"] if m["write_bytes"] else None
+        kv = m["write_bytes"]
+        row["bytes_beyond_kv"] = (m["frames_write_bytes"] + m["decoder_state_write_bytes"]) / kv if kv else None
+        row["frames_beyond_kv"] = m["frames_write_bytes"] / kv if kv else None
+        row["decoder_state_beyond_kv"] = m["decoder_state_write_bytes"] / kv if kv else None
     finally:
         stack.close()
-    write_json(out_dir / f"store_{store}.json", row)
+    write_json(out_dir / f"store_{name}.json", row)
 
 
-def _chunks(session: Any, n: int, sync: Any) -> list[float]:
-    """Each chunk's seconds (chunk 0's with the session's creation)."""
+def _ms(seconds: Any) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.1f} ms"
+
+
+def _chunks(session: Any, n: int, sync: Any, start: int = 0) -> list[float]:
+    """The seconds of each of chunks ``start..start+n-1`` (chunk 0's with the session's creation)."""
     times = []
-    for i in range(n):
+    for i in range(start, start + n):
         sync()
         start = time.perf_counter()
         session.generate(stop_after=i + 1)
@@ -200,30 +189,45 @@ def _chunks(session: Any, n: int, sync: Any) -> list[float]:
 
 
 def _live(stack: Any, factory: Any, actions: list, sessions: int, sync: Any) -> dict:
+    """One live session computes the path, ``sessions`` follow it. Each following chunk's seconds
+    three ways: the session's chunk (with this bench's frame hash), ``generate_next_chunk`` as
+    attached (what the service's call costs: the key of the control, the lookup, the frames read
+    and checked, the images), and that with TeleFuser's build of the control before it."""
+    from stages import stage_timers
+
     manager = stack.new_manager()
     first = stack.new_binding(manager)
     s = factory.make(actions, hooks=first, streamed=True)
     computed = _chunks(s, len(actions), sync)
     reference = list(s.frame_hashes)
     first.close()
-    restored, ttff, equal, served = [], [], True, []
+    restored, seam, service, ttff, equal, served = [], [], [], [], True, []
     for _ in range(sessions):
         b = stack.new_binding(manager)
         s = factory.make(actions, hooks=b, streamed=True)
-        times = _chunks(s, len(actions), sync)
+        with stage_timers(sync, only=("chunk_seam", "control_build")) as st:
+            times = []
+            for i in range(len(actions)):
+                before = dict(st)
+                times += _chunks(s, 1, sync, start=i)
+                if i:
+                    seam.append(st["chunk_seam"] - before["chunk_seam"])
+                    service.append(seam[-1] + st.get("control_build", 0.0) - before.get("control_build", 0.0))
         ttff.append(times[0])
         restored += times[1:]
         equal = equal and s.frame_hashes == reference
         served.append(b.frames_served)
         b.close()
-    return {"computed_s": computed, "restored_s": restored, "ttff_s": ttff, "frames_equal": equal, "served": served,
-            "computed_median_s": statistics.median(computed[1:] or computed),
-            "restored_median_s": statistics.median(restored) if restored else None,
-            "ttff_median_s": statistics.median(ttff) if ttff else None}
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return {"computed_s": computed, "restored_s": restored, "restored_seam_s": seam, "restored_service_s": service,
+            "ttff_s": ttff, "frames_equal": equal, "served": served,
+            "computed_median_s": statistics.median(computed[1:] or computed), "restored_median_s": med(restored),
+            "restored_seam_median_s": med(seam), "restored_service_median_s": med(service), "ttff_median_s": med(ttff)}
 
 
 def _sweep(stack: Any, factory: Any, ks: list[int], nocache_ref: bool, sync: Any) -> dict:
-    """The first computed chunk after k served chunks, against the same chunk of a cold run."""
+    """The first computed chunk after k served chunks, against the same chunk of a cold run; the
+    decoder's state rebuilt by replay, or loaded where it was stored (``decoder_state_every``)."""
     import random
 
     import torch
@@ -241,26 +245,33 @@ def _sweep(stack: Any, factory: Any, ks: list[int], nocache_ref: bool, sync: Any
     print(f"  sweep: {n} chunks cold {sum(cold):.2f} s (written {sum(cold_written):.2f} s)", flush=True)
     rows = []
     vae = factory.pipeline.vae
+    metrics = stack.metrics
     for k in ks:
         actions = z[:k] + [[rng.uniform(-1, 1) for _ in range(3)] for _ in range(n - k)]
         b = stack.new_binding(manager, ingest_enabled=False)
         s = factory.make(actions, hooks=b)
         served = _chunks(s, k, sync)
+        before = metrics.as_dict()
         with stage_timers(sync) as st:
             sync()
             start = time.perf_counter()
             s.generate(stop_after=k + 1)
             sync()
             first = time.perf_counter() - start
+        after = metrics.as_dict()
         cache = [t for t in getattr(vae, "_feat_cache", None) or [] if isinstance(t, torch.Tensor)]
         stored = _decoder_state_copies(cache, sync)
         rows.append({"k": k, "served_s": served, "first_computed_s": first, "cold_chunk_s": cold[k],
                      "ratio": first / cold[k], "frames_served": b.frames_served,
                      "chunks_materialized": b.chunks_materialized, "replay_s": st.get("decoder_replay", 0.0),
-                     "materialize_s": st.get("materialize", 0.0), **stored})
-        print(f"  k={k}: first computed chunk {first:.3f} s vs cold {cold[k]:.3f} s ({first / cold[k]:.3f}x); decoder "
-              f"rebuilt in {rows[-1]['replay_s']:.3f} s, stored would be {stored['decoder_state_bytes'] / 2**30:.2f} GiB "
-              f"({stored['decoder_state_from_host_s'] * 1e3:.1f} ms from host)", flush=True)
+                     "materialize_s": st.get("materialize", 0.0), "state_read_s": st.get("decoder_state_read", 0.0),
+                     "replayed": after["decoder_replays"] - before["decoder_replays"],
+                     "state_loaded": after["decoder_states_restored"] - before["decoder_states_restored"], **stored})
+        x = rows[-1]
+        print(f"  k={k}: first computed chunk {first:.3f} s vs cold {cold[k]:.3f} s ({x['ratio']:.3f}x); "
+              f"decoder state loaded {x['state_loaded']} ({x['state_read_s'] * 1e3:.1f} ms), {x['replayed']} chunks "
+              f"replayed ({x['replay_s']:.3f} s); a state is {stored['decoder_state_bytes'] / 2**30:.2f} GiB "
+              f"({stored['decoder_state_from_host_s'] * 1e3:.1f} ms from pinned host)", flush=True)
         b.close()
     return {"chunks": n, "cold_s": cold, "cold_written_s": cold_written, "rows": rows}
 
@@ -296,50 +307,105 @@ def _decoder_state_copies(tensors: list, sync: Any) -> dict:
 
 def _summary(r: dict) -> dict:
     base = (r["nocache_before_s"] + r["nocache_after_s"]) / 2 if r.get("nocache_after_s") else r.get("nocache_before_s")
-    out: dict[str, Any] = {"nocache_mean_s": base, "passed": r.get("passed")}
+    out: dict[str, Any] = {"nocache_mean_s": base, "passed": r.get("passed"), "every": r.get("decoder_state_every")}
     for name in REQUESTS:
         req = (r.get("requests") or {}).get(name)
         out[f"{name}_s"] = req["wall_s"] if req else None
         out[f"{name}_ratio"] = req["wall_s"] / base if req and base else None
     lv = r.get("live") or {}
-    out["live_restored_ms"] = 1e3 * lv["restored_median_s"] if lv.get("restored_median_s") is not None else None
-    out["live_ttff_ms"] = 1e3 * lv["ttff_median_s"] if lv.get("ttff_median_s") is not None else None
+    for key in ("restored", "restored_seam", "restored_service", "ttff"):
+        v = lv.get(f"{key}_median_s")
+        out[f"live_{key}_ms"] = None if v is None else 1e3 * v
     out["ttff_planned_ms"] = 1e3 * r["ttff_planned_s"] if r.get("ttff_planned_s") is not None else None
     sw = (r.get("sweep") or {}).get("rows") or []
     out["first_computed_ratio_max"] = max((x["ratio"] for x in sw if x["k"] <= 8), default=None)
-    out["bytes_beyond_kv"] = r.get("bytes_beyond_kv")
+    out["first_computed_ratios"] = {x["k"]: x["ratio"] for x in sw}
+    for key in ("bytes_beyond_kv", "frames_beyond_kv", "decoder_state_beyond_kv"):
+        out[key] = r.get(key)
     return out
+
+
+def _decoder_state_table(results: dict) -> dict:
+    """Bytes stored against seconds added at divergence for a resume point every N chunks, from
+    the sweeps: the replay's seconds per chunk (runs with N = 0), a stored state's load (runs that
+    loaded one), its bytes, a chunk's KV bytes (the gate's A: 3 chunks written)."""
+    replay, load, state_bytes, kv_chunk = [], [], [], []
+    for r in results["stores"].values():
+        for x in (r.get("sweep") or {}).get("rows") or []:
+            if x.get("replayed"):
+                replay.append(x["replay_s"] / x["replayed"])
+            if x.get("state_loaded"):
+                load.append(x["state_read_s"])
+            if x.get("decoder_state_bytes"):
+                state_bytes.append(x["decoder_state_bytes"])
+        a = (r.get("requests") or {}).get("A")
+        if a and a.get("bytes_written"):
+            kv_chunk.append(a["bytes_written"] / 3)
+    if not (replay and state_bytes and kv_chunk):
+        return {}
+    per_replay = statistics.median(replay)
+    per_load = statistics.median(load) if load else None
+    size, kv = statistics.median(state_bytes), statistics.median(kv_chunk)
+    rows = [{"every": 0, "bytes_beyond_kv": 0.0, "worst_added_s": 8 * per_replay, "mean_added_s": 4.5 * per_replay}]
+    for n in TABLE_EVERY:
+        lo = per_load or 0.0
+        added = [(k % n) * per_replay + lo if k >= n else k * per_replay
+                 for k in range(1, 9)]  # k served: the state after chunk n*floor(k/n)-1 loaded, the rest replayed
+        rows.append({"every": n, "bytes_beyond_kv": size / (n * kv), "worst_added_s": max(added),
+                     "mean_added_s": sum(added) / len(added)})
+    return {"replay_s_per_chunk": per_replay, "state_load_s": per_load, "state_bytes": size, "kv_bytes_per_chunk": kv,
+            "rows": rows}
 
 
 def _markdown(results: dict) -> str:
     e = results["env"]
     lines = [f"# session_reuse: {e.get('gpu', 'no GPU')}, torch {e.get('torch')}, git {e.get('git_commit')}"
              f"{' (dirty)' if e.get('git_dirty') else ''}, {e.get('time')}", "",
-             "| store | no cache P+X | A cold + write | B full hit | C 2/3 hit | D cold fork | live restored chunk "
-             "(median) | time to first frame: planned / live | first computed after k<=8 (worst) | bytes beyond KV | gate |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for store, s in results.get("summary", {}).items():
+             "| store | decoder state every | no cache P+X | A cold + write | B full hit | C 2/3 hit | D cold fork | live "
+             "restored chunk: generate_next_chunk / with the control's build / session (median) | time to first frame: "
+             "planned / live | first computed after k = 1, 2, 4, 8 | bytes beyond KV: frames + decoder state | gate |",
+             "| --- | ---: | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for run, s in results.get("summary", {}).items():
         def cell(name: str) -> str:
             v, q = s[f"{name}_s"], s[f"{name}_ratio"]
             return "-" if v is None else f"{v:.3f} s ({q:.3f}x)"
 
         def ms(v: Any) -> str:
-            return "-" if v is None else f"{v:.1f} ms"
+            return "-" if v is None else f"{v:.1f}"
 
-        fc = "-" if s["first_computed_ratio_max"] is None else f"{s['first_computed_ratio_max']:.3f}x"
-        bb = "-" if s["bytes_beyond_kv"] is None else f"{s['bytes_beyond_kv']:.2%}"
-        lines.append(f"| {store} | {s['nocache_mean_s']:.3f} s | {cell('A')} | {cell('B')} | {cell('C')} | {cell('D')} | "
-                     f"{ms(s['live_restored_ms'])} | {ms(s['ttff_planned_ms'])} / {ms(s['live_ttff_ms'])} | {fc} | {bb} | "
+        fc = ", ".join(f"{q:.2f}x" for q in s["first_computed_ratios"].values()) or "-"
+        bb = "-" if s["bytes_beyond_kv"] is None else (f"{s['bytes_beyond_kv']:.1%} ({s['frames_beyond_kv']:.2%} + "
+                                                       f"{s['decoder_state_beyond_kv']:.1%})")
+        live = (f"{ms(s['live_restored_seam_ms'])} / {ms(s['live_restored_service_ms'])} / {ms(s['live_restored_ms'])} ms"
+                if s["live_restored_ms"] is not None else "-")
+        ttff = (f"{ms(s['ttff_planned_ms'])} / {ms(s['live_ttff_ms'])} ms" if s["ttff_planned_ms"] is not None else "-")
+        lines.append(f"| {run.rpartition('.dec')[0]} | {s['every'] or 'off (replay)'} | {s['nocache_mean_s']:.3f} s | "
+                     f"{cell('A')} | {cell('B')} | {cell('C')} | {cell('D')} | {live} | {ttff} | {fc} | {bb} | "
                      f"{'PASS' if s['passed'] else 'FAIL'} |")
     t = results["targets"]
     lines += ["", f"Targets: B <= {t['B_ratio']}x, C <= {t['C_ratio']}x, a restored live chunk <= {t['live_restored_ms']} ms, "
                   f"time to first frame <= {t['ttff_ms']} ms, first computed chunk after k <= 8 restored <= "
                   f"{t['first_computed_ratio']}x a cold chunk, A within {t['A_over']:.0%} of no cache, bytes beyond the "
-                  f"KV <= {t['bytes_beyond_kv']:.0%}. Ratios: wall over the mean of the two no-cache P+X runs of the same process."]
-    for store, r in results["stores"].items():
+                  f"KV <= {t['bytes_beyond_kv']:.0%}. Ratios: wall over the mean of the two no-cache P+X runs of the same "
+                  "process. A live restored chunk: `generate_next_chunk` as attached (the control's key, the lookup, "
+                  "the frames read and checked, the images), then with TeleFuser's build of the control before it "
+                  "(as its service calls both), then the session's whole chunk (with this bench's frame hash)."]
+    table = results.get("decoder_state_table") or {}
+    if table:
+        lines += ["", "## The decoder's state: stored every N chunks against rebuilt (replayed) at divergence", "",
+                  f"Measured: the replay {table['replay_s_per_chunk']:.3f} s per served chunk; a stored state "
+                  f"{table['state_bytes'] / 2**30:.2f} GiB ({table['state_bytes'] / table['kv_bytes_per_chunk']:.1%} of a "
+                  f"chunk's KV), loaded in " + ("-" if table["state_load_s"] is None else f"{table['state_load_s'] * 1e3:.1f} ms")
+                  + ". Seconds added to the first computed chunk after k = 1..8 served chunks:", "",
+                  "| decoder state every | bytes beyond the KV | worst added s (k <= 8) | mean added s (k = 1..8) |",
+                  "| ---: | ---: | ---: | ---: |"]
+        for x in table["rows"]:
+            lines.append(f"| {x['every'] or 'off (replay)'} | {x['bytes_beyond_kv']:.1%} | {x['worst_added_s']:.3f} | "
+                         f"{x['mean_added_s']:.3f} |")
+    for run, r in results["stores"].items():
         st = r.get("b_stages")
         if st:
-            lines += ["", f"## B, stage by stage ({store}, B again with each stage synchronized: {st['wall_s']:.3f} s)", "",
+            lines += ["", f"## B, stage by stage ({run}, B again with each stage synchronized: {st['wall_s']:.3f} s)", "",
                       "| stage | ms |", "| --- | ---: |"]
             named = {k: v for k, v in st.items() if k not in ("wall_s", "hit_depth")}
             for k, v in named.items():
@@ -348,14 +414,14 @@ def _markdown(results: dict) -> str:
             lines.append(f"| rest (the session object, the flush, Python) | {(st['wall_s'] - inside) * 1e3:.1f} |")
         sw = r.get("sweep")
         if sw:
-            lines += ["", f"## Divergence after k served chunks ({store}; a session of {sw['chunks']} chunks) and the "
-                          "decoder's state: rebuilt (default) or stored", "",
-                      "| k | first computed chunk s | cold chunk k s | ratio | materialize s | decoder rebuilt s "
-                      "| stored: GiB per resume point | stored: from host ms | stored: HBM copy ms |",
-                      "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            lines += ["", f"## Divergence after k served chunks ({run}; a session of {sw['chunks']} chunks)", "",
+                      "| k | first computed chunk s | cold chunk k s | ratio | materialize s | decoder state loaded "
+                      "| load ms | chunks replayed | replay s | a state: GiB | from pinned host ms | HBM copy ms |",
+                      "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for x in sw["rows"]:
                 lines.append(f"| {x['k']} | {x['first_computed_s']:.3f} | {x['cold_chunk_s']:.3f} | {x['ratio']:.3f} | "
-                             f"{x['materialize_s']:.3f} | {x['replay_s']:.3f} | {x['decoder_state_bytes'] / 2**30:.2f} | "
+                             f"{x['materialize_s']:.3f} | {x['state_loaded']} | {x['state_read_s'] * 1e3:.1f} | "
+                             f"{x['replayed']} | {x['replay_s']:.3f} | {x['decoder_state_bytes'] / 2**30:.3f} | "
                              f"{x['decoder_state_from_host_s'] * 1e3:.1f} | {x['decoder_state_d2d_s'] * 1e3:.1f} |")
     return "\n".join(lines) + "\n"
 
@@ -369,43 +435,40 @@ def _plot(results: dict, path: Path) -> None:
     summary = results.get("summary") or {}
     if not summary:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
     names = list(summary)
     for i, req in enumerate(REQUESTS):
         axes[0].bar([j + 0.2 * i for j in range(len(names))], [summary[n][f"{req}_ratio"] or 0 for n in names],
                     width=0.2, label=req)
-    axes[0].set_xticks([j + 0.3 for j in range(len(names))], names)
+    axes[0].set_xticks([j + 0.3 for j in range(len(names))], names, fontsize=7)
     axes[0].set_ylabel("wall / no cache")
-    axes[0].axhline(1.0, color="grey", lw=0.5)
-    axes[0].legend()
+    axes[0].axhline(TARGETS["C_ratio"], color="red", lw=0.5, ls="--", label="C target")
+    axes[0].legend(fontsize=7)
     axes[0].set_title("A/B/C/D against no cache")
-    for store, r in results["stores"].items():
+    for run, r in results["stores"].items():
         sw = (r.get("sweep") or {}).get("rows")
         if sw:
-            axes[1].plot([x["k"] for x in sw], [x["ratio"] for x in sw], "o-", label=f"{store}: first computed / cold")
+            axes[1].plot([x["k"] for x in sw], [x["ratio"] for x in sw], "o-", label=run)
     axes[1].axhline(TARGETS["first_computed_ratio"], color="red", lw=0.5, ls="--", label="target")
     axes[1].set_xlabel("chunks served before the divergence (k)")
-    axes[1].legend()
+    axes[1].set_ylabel("first computed chunk / cold chunk")
+    axes[1].legend(fontsize=7)
     axes[1].set_title("first computed chunk after k served")
+    table = sorted((results.get("decoder_state_table") or {}).get("rows") or [], key=lambda x: x["bytes_beyond_kv"])
+    if table:
+        xs = [100 * x["bytes_beyond_kv"] for x in table]
+        axes[2].plot(xs, [x["worst_added_s"] for x in table], "o-", label="worst (k <= 8)")
+        axes[2].plot(xs, [x["mean_added_s"] for x in table], "s--", label="mean (k = 1..8)")
+        for x, row in zip(xs, table):
+            axes[2].annotate(f"N={row['every'] or 'off'}", (x, row["worst_added_s"]), fontsize=7)
+        axes[2].axvline(100 * TARGETS["bytes_beyond_kv"], color="red", lw=0.5, ls="--", label="bytes target")
+        axes[2].set_xlabel("decoder state bytes beyond the KV (%)")
+        axes[2].set_ylabel("seconds added at divergence")
+        axes[2].legend(fontsize=7)
+        axes[2].set_title("decoder state: stored every N vs replayed")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
-def _sync(device: str) -> Any:
-    import torch
-
-    return torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
-
-
-def _plain(cfg: Any) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--one"]:
-        os.environ.setdefault("PYTHONUNBUFFERED", "1")
-        run_one(sys.argv[2], sys.argv[3:])
-    else:
-        main(sys.argv[1:])
+    entry(main, run_one)

@@ -10,8 +10,12 @@ wall time, synchronized before and after (``sync``: the device's, so a stage own
 - ``chunk_seam``: each ``generate_next_chunk`` as attached; inside it ``next_chunk`` (CacheSeek's
   choice: the frames read, or the materialization), ``frames_read`` (the store read and the
   checks), ``hand_out`` (``PIL.Image.fromarray`` per frame), ``materialize`` (the served path
-  restored at divergence), ``decoder_replay`` (the served latents decoded again), ``decode`` and
-  ``tensor2video`` (a computed chunk's).
+  restored at divergence), ``decoder_replay`` (the decoder's state set: a stored one loaded, the
+  served latents after it decoded again), ``decoder_state_read`` (a stored state read and
+  checked), ``decoder_state_write`` (one stored at a resume point), ``decode`` and
+  ``tensor2video`` (a computed chunk's);
+- ``control_build``: a live chunk's control built by TeleFuser (``build_control_override``, as
+  its service builds one before each chunk), outside ``chunk_seam``.
 
 Stages nest (a stage inside another is counted in both); the rest of a request's wall is outside
 every stage.
@@ -38,18 +42,24 @@ STAGES = {
     "hand_out": "cacheseek.integrations.telefuser.handout:hand_out",
     "materialize": "cacheseek.reuse.exact_prefix.telefuser_lingbot:LingBotWorldKVBinding.materialize",
     "decoder_replay": "cacheseek.integrations.telefuser.handout:prepare",
+    "decoder_state_read": "cacheseek.reuse.exact_prefix.decoder_states:ChunkDecoderStates.read",
+    "decoder_state_write": "cacheseek.reuse.exact_prefix.decoder_states:ChunkDecoderStates.write",
+    "control_build": "cacheseek.runtime.telefuser:TeleFuserRuntimeFactory.chunk_override",
     "decode": "telefuser.pipelines.lingbot_world_fast.pipeline:LingBotWorldFastPipeline.decode_video_cached",
     "tensor2video": "telefuser.core.base_pipeline:BasePipeline.tensor2video",
 }
 
 
 @contextlib.contextmanager
-def stage_timers(sync: Callable[[], None]) -> Iterator[dict[str, float]]:
-    """Yields ``{stage: seconds}``, filled while the block runs; every wrapped attribute is put
-    back after. A stage whose owner cannot be imported (another TeleFuser layout) is left out."""
+def stage_timers(sync: Callable[[], None], only: Any = None) -> Iterator[dict[str, float]]:
+    """Yields ``{stage: seconds}``, filled while the block runs (``only``: these stages); every
+    wrapped attribute is put back after. A stage whose owner cannot be imported (another TeleFuser
+    layout) is left out."""
     totals: dict[str, float] = {}
     saved = []
     for name, where in STAGES.items():
+        if only is not None and name not in only:
+            continue
         module, _, path = where.partition(":")
         try:
             owner: Any = importlib.import_module(module)

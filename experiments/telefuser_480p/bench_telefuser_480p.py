@@ -28,9 +28,6 @@ the PNG from a results.json.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -41,6 +38,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from benchlib import REPO, compose, env_info, git_state, write_json  # noqa: E402
+from gate_children import child_stack, device_sync, entry, nocache_run, plain, run_children  # noqa: E402
 
 REQUESTS = ("A", "B", "C", "D")
 
@@ -53,33 +51,14 @@ def main(argv: list[str]) -> dict:
         "what": "A/B/C/D gate on TeleFuser's real-width DiT (lingbot_world_14b), one process per store, "
                 "no-cache P+X bracketing the gate in the same process",
         "command": " ".join(["python", "experiments/telefuser_480p/bench_telefuser_480p.py", *argv]),
-        "config": _plain(cfg), "env": {**env_info(), **git_state()},
+        "config": plain(cfg), "env": {**env_info(), **git_state()},
         "stores": {},
     }
     for store in cfg.stores:
         if store not in cfg.store_overrides:
             raise SystemExit(f"stores: {store!r} has no entry in store_overrides (known: {list(cfg.store_overrides)})")
     t_all = time.perf_counter()
-    for i, store in enumerate(cfg.stores, 1):
-        left = float(cfg.budget_s) - (time.perf_counter() - t_all)
-        if left < float(cfg.min_store_s):
-            print(f"[{i}/{len(cfg.stores)}] {store}: skipped, {left:.0f} s of budget_s left", flush=True)
-            results["stores"][store] = {"skipped": f"{left:.0f} s of budget_s {cfg.budget_s} left"}
-            continue
-        print(f"[{i}/{len(cfg.stores)}] {store} ({time.perf_counter() - t_all:.0f} s in)", flush=True)
-        one = out_dir / f"store_{store}.json"
-        one.unlink(missing_ok=True)
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--one", store, *argv]
-        t0 = time.perf_counter()
-        try:
-            done = subprocess.run(cmd, timeout=min(float(cfg.store_timeout_s), left), cwd=REPO)
-            rc = done.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        row = json.loads(one.read_text()) if one.exists() else {}
-        row.update(returncode=rc, process_wall_s=time.perf_counter() - t0)
-        results["stores"][store] = row
-        write_json(out_dir / "results.json", results)
+    run_children(Path(__file__), list(cfg.stores), argv, cfg, out_dir, results)
     results["table"] = _table(results)
     write_json(out_dir / "results.json", results)
     (out_dir / "results.md").write_text(_markdown(results))
@@ -101,29 +80,12 @@ def run_one(store: str, argv: list[str]) -> None:
     import io
     import pstats
 
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-
-    from cacheseek.cli import CONF_DIR
-    from cacheseek.orchestrator import build_stack
-
     cfg = compose(HERE / "conf", "telefuser_480p", argv)
     out_dir = Path(cfg.out_dir) if cfg.out_dir else REPO / "outputs" / "experiments" / "telefuser_480p"
-    overrides = ["+experiment=lingbot_world_14b", f"runtime.device={cfg.device}", "workload.ring_check=false",
-                 *cfg.store_overrides[store], *cfg.runtime_overrides]
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        hcfg = hydra_compose(config_name="config", overrides=overrides)
-    row: dict[str, Any] = {"store": store, "overrides": overrides}
-    sync = _sync(cfg.device)
-    if str(cfg.device) == "cpu" and cfg.cpu_threads:
-        import torch
-
-        torch.set_num_threads(int(cfg.cpu_threads))
-
+    sync = device_sync(cfg.device)
     t0 = time.perf_counter()
-    stack = build_stack(hcfg, run_dir=out_dir / f"run_{store}", note=lambda line: print(f"  {line}", flush=True))
+    stack, overrides = child_stack(cfg, store, out_dir, store)
+    row: dict[str, Any] = {"store": store, "overrides": overrides}
     try:
         factory, gate = stack.runtime_factory, stack.workload
         t1 = time.perf_counter()
@@ -143,15 +105,8 @@ def run_one(store: str, argv: list[str]) -> None:
         last: list = []
 
         def nocache(actions: list, label: str) -> float:
-            """Timed as the gate times a request (`PrefixGate._request`): the session's generate,
-            after its runtime is made."""
-            runtime = factory.make(actions, hooks=None)
-            sync()
-            start = time.perf_counter()
-            runtime.generate()
-            sync()
-            wall = time.perf_counter() - start
-            print(f"  {label}: {wall:.3f} s", flush=True)
+            """Timed as the gate times a request (`PrefixGate._request`)."""
+            wall, runtime = nocache_run(factory, actions, label, sync)
             last[:] = [runtime]
             return wall
 
@@ -314,21 +269,5 @@ def _frames_cache_lines(results: dict) -> list[str]:
     return lines
 
 
-def _sync(device: str) -> Any:
-    import torch
-
-    return torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
-
-
-def _plain(cfg: Any) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True)
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--one"]:
-        os.environ.setdefault("PYTHONUNBUFFERED", "1")
-        run_one(sys.argv[2], sys.argv[3:])
-    else:
-        main(sys.argv[1:])
+    entry(main, run_one)

@@ -41,7 +41,8 @@ KEYS = {
     "histograms", "store",
     "frames_handed_out", "frames_read_bytes", "frames_missing", "frames_corrupt", "frames_written",
     "frames_write_bytes", "frames_dropped", "materializations", "chunks_materialized", "decoder_replays",
-    "recomputed_chunks",
+    "recomputed_chunks", "decoder_states_written", "decoder_state_write_bytes", "decoder_states_dropped",
+    "decoder_states_restored", "decoder_state_read_bytes", "decoder_states_missing", "decoder_states_corrupt",
 }  # and "records" where the store's chunk records are shared (the memory and LocalDisk tiers)
 
 

@@ -63,7 +63,7 @@ def test_without_the_decoder_rebuild_the_computed_chunk_is_wrong(factory, cold, 
     _session(factory, manager, X)
     real = LingBotWorldKVBinding.next_chunk
     monkeypatch.setattr(LingBotWorldKVBinding, "next_chunk",
-                        lambda self, rt, idx, spec: NextChunk(frames=real(self, rt, idx, spec).frames))
+                        lambda self, rt, idx, spec, *a: NextChunk(frames=real(self, rt, idx, spec, *a).frames))
     b = LingBotWorldKVBinding(manager, manager.forest, model_fingerprint=factory.weights_fingerprint)
     s = factory.make(Y, hooks=b)
     s.generate(stop_after=2)

@@ -61,6 +61,7 @@ class NextChunkSeam:
     def __init__(self, generate_next_chunk: Any, pipeline: Optional[Any] = None) -> None:
         self.inner = generate_next_chunk
         self.pipeline = pipeline
+        self._decoder_specs: dict = {}  # `handout.WanDecoder`'s state layouts, per chunk size and frame
 
     def __call__(self, runtime: Any, *args: Any, **kwargs: Any) -> Any:
         binding = as_hooks(getattr(runtime, "world_kv_binding", None))
@@ -70,19 +71,20 @@ class NextChunkSeam:
         t0 = time.perf_counter()
         override = kwargs.get("control_override", args[0] if args else None)
         control = released_chunk_control(runtime, override)
-        plan = None
+        plan = decoder = None
         with torch.inference_mode():  # the ring is an inference tensor: a restore writes it here
             report(binding, runtime, idx, control, may_restore=True)
             if self.pipeline is not None:
-                plan = binding.next_chunk(runtime, idx, handout.frames_spec(runtime, idx))
+                decoder = handout.WanDecoder(self.pipeline, runtime, self._decoder_specs)
+                plan = binding.next_chunk(runtime, idx, handout.frames_spec(runtime, idx), decoder)
         if plan is not None and plan.handed_out:
             images = handout.hand_out(runtime, plan.frames)
         else:
             if plan is not None:
-                handout.prepare(self.pipeline, runtime, plan, self.inner)
+                handout.prepare(self.pipeline, runtime, plan, self.inner, decoder)
             images = self.inner(runtime, *args, **kwargs)
             if plan is not None:
-                binding.on_chunk_frames(runtime, idx, handout.frames_of(images))
+                binding.on_chunk_frames(runtime, idx, handout.frames_of(images), decoder)
         binding.chunk_finished(idx, time.perf_counter() - t0, since_session_start=True)
         return images
 

@@ -29,6 +29,7 @@ from cacheseek.errors import CorruptValueError, StoreError
 from cacheseek.kv import frames as frames_value
 from cacheseek.kv.frames import FramesSpec
 from cacheseek.kv.locators import frames_locator
+from cacheseek.reuse.exact_prefix.decoder_states import free_decoder_state
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ class ChunkFrames:
         with ctx.forest.lock:
             gone = node.blob is None or node.blob.error is not None
         if gone:  # the chunk's KV left meanwhile: its frames go too
-            self.free(node.node_key)
+            free_frames(ctx, node.node_key)
             return False
         ctx.metrics.add(frames_written=1, frames_write_bytes=int(value.numel()))
         return True
@@ -117,11 +118,13 @@ class ChunkFrames:
 
 
 def free_frames(ctx: "WorldKVManager", node_key: bytes) -> None:
-    """Remove the frames of chunk ``node_key`` (idempotent; a failure is logged: a value no node
-    names is removed by the next reconcile). Eviction and invalidation call it with the KV's free."""
+    """Remove the frames of chunk ``node_key`` and its decoder state (`decoder_states`), if any
+    (idempotent; a failure is logged: a value no node names is removed by the next reconcile).
+    Eviction and invalidation call it with the KV's free."""
     if not ctx.store.frees_latents:
         return
     try:
         ctx.store.free_skeleton(frames_locator(node_key))
     except Exception as exc:  # noqa: BLE001
         log.warning("freeing the frames of chunk %s failed: %s", node_key.hex()[:12], exc)
+    free_decoder_state(ctx, node_key)

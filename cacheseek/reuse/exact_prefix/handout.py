@@ -12,9 +12,13 @@ and asks, before each chunk ``idx``, ``next_chunk(runtime, idx, spec) -> NextChu
   0..idx-1 from frames: the served path was just *materialized* (its window's KV, the cursors,
   the RNG draws and the latents restored into the runtime, as a creation-time restore does, by
   `PrefixWindow`), and the runtime decodes these latents of chunks 0..idx-1 first, in order and
-  discarding the frames, so that its decoder's causal state is a cold run's (the decoder state is
-  rebuilt, not stored: `experiments/session_reuse` has the table). Latents of served chunks
-  beyond ``idx`` stay the runtime's cached latents (decoded, as today's restore does);
+  discarding the frames, so that its decoder's causal state is a cold run's. With
+  ``decoder_state_every=N`` (`decoder_states`) the decoder's state stored after the nearest
+  resume point ``s <= idx - 1`` comes with them (``decoder_state``, loaded first) and only the
+  latents of chunks ``s+1..idx-1`` are decoded (``replay_from = s + 1``); a state missing or
+  damaged falls back to the next lower one, then to all of them (`experiments/session_reuse` has
+  the table: bytes stored against seconds replayed). Latents of served chunks beyond ``idx`` stay
+  the runtime's cached latents (decoded, as today's restore does);
 - ``recompute``: the served path could not be materialized (its KV was evicted or lost since the
   lookup): the runtime computes chunks 0..idx-1 again, discarding their frames (already handed
   out), with these controls (None: the planned one), then chunk ``idx``. Correct, slow, counted;
@@ -38,20 +42,28 @@ import attrs
 import torch
 
 from cacheseek.kv.frames import FramesSpec
+from cacheseek.kv.runtime_decoder import RuntimeDecoder
+from cacheseek.reuse.exact_prefix.decoder_states import ChunkDecoderStates, resume_points
 from cacheseek.reuse.exact_prefix.prefix_window import PrefixWindow
 
 log = logging.getLogger("cacheseek.reuse.exact_prefix.telefuser_lingbot")
 
-__all__ = ["HandOut", "NextChunk", "FramesSpec"]
+__all__ = ["HandOut", "NextChunk", "FramesSpec", "RuntimeDecoder"]
+
+NO_DECODER = RuntimeDecoder()
 
 
 @attrs.frozen
 class NextChunk:
-    """What the runtime does with its next chunk (see the module docstring)."""
+    """What the runtime does with its next chunk (see the module docstring): ``replay`` holds
+    the latents of chunks ``replay_from..idx-1``, decoded after ``decoder_state`` (when not None)
+    is loaded into the decoder."""
 
     frames: Any = None
     replay: tuple = ()
     recompute: tuple = ()
+    replay_from: int = 0
+    decoder_state: Any = None
 
     @property
     def handed_out(self) -> bool:
@@ -68,6 +80,10 @@ class HandOut:
 
     _handout = False  # the runtime of the coming session hands out frames
     handout_enabled = True
+    decoder_state_every = 0  # store the decoder's state after chunks N-1, 2N-1, ... (0: rebuild it by replay)
+    _decoder: RuntimeDecoder = NO_DECODER
+    _served_path: list
+    _decoder_states: Any = None
     _lazy: list
     _lazy_controls: dict
     _computed = False  # the ring holds what the session computed or materialized
@@ -83,6 +99,7 @@ class HandOut:
 
     def _reset_handout(self) -> None:
         self._lazy, self._lazy_controls, self._computed, self._replay_pending = [], {}, False, False
+        self._served_path, self._decoder = [], NO_DECODER
         self.frames_served = self.chunks_materialized = self.chunks_computed = 0
 
     @property
@@ -96,9 +113,17 @@ class HandOut:
         self._lazy.append(node)
         self._lazy_controls[node.depth] = control
 
-    def next_chunk(self, runtime: Any, idx: int, spec: FramesSpec) -> NextChunk:
-        """What to do with chunk ``idx`` (see the module docstring). Never raises: a failure
-        computes the chunk as a cold session would."""
+    @property
+    def decoder_states(self) -> ChunkDecoderStates:
+        if self._decoder_states is None:
+            self._decoder_states = ChunkDecoderStates(self.manager)
+        return self._decoder_states
+
+    def next_chunk(self, runtime: Any, idx: int, spec: FramesSpec, decoder: RuntimeDecoder = NO_DECODER) -> NextChunk:
+        """What to do with chunk ``idx`` (see the module docstring); ``decoder``: the runtime's
+        decoder, whose state stored at a resume point may replace the replay. Never raises: a
+        failure computes the chunk as a cold session would."""
+        self._decoder = decoder
         try:
             return self._next_chunk(runtime, idx, spec)
         except Exception as exc:  # noqa: BLE001 - a cache must never take a session down
@@ -143,6 +168,7 @@ class HandOut:
             ok = False
         if not ok:
             return 0
+        self._served_path = list(lazy)
         self._lazy, self._computed, self._replay_pending = [], True, True
         self.bytes_restored += window.bytes_restored
         self.chunks_materialized += len(lazy)
@@ -158,14 +184,34 @@ class HandOut:
 
     def _replay(self, runtime: Any, idx: int) -> NextChunk:
         """After a materialization: the served chunks' latents (0..idx-1, leaving the cached
-        latents), decoded again before chunk ``idx``; later ones stay decode-only."""
+        latents), decoded again before chunk ``idx`` after the nearest stored decoder state, if
+        any; later ones stay decode-only."""
         self._replay_pending = False
         cached = self.layout.cached_latents(runtime)
-        replay = tuple(cached.pop(j) for j in range(idx))
+        latents = [cached.pop(j) for j in range(idx)]
+        start, state = self._stored_decoder_state(idx)
+        replay = tuple(latents[start:])
         self.manager.metrics.add(decoder_replays=len(replay))
         if idx not in cached and idx not in self._restored:
             self.chunks_computed += 1
-        return NextChunk(replay=replay)
+        return NextChunk(replay=replay, replay_from=start, decoder_state=state)
+
+    def _stored_decoder_state(self, idx: int) -> tuple[int, Any]:
+        """``(j + 1, state)``: the decoder's state stored after the nearest resume point ``j <=
+        idx - 1`` of the served path; ``(0, None)`` when none is stored (or readable)."""
+        path, decoder = self._served_path, self._decoder
+        for j in resume_points(self.decoder_state_every, min(idx, len(path))):
+            try:
+                spec = decoder.spec(j)
+            except Exception:  # noqa: BLE001 - no layout to check a state against: replay them all
+                log.exception("chunk %d: the decoder's state layout after chunk %d is unknown", idx, j)
+                break
+            if spec is None:
+                break
+            state = self.decoder_states.read(path[j].node_key, spec, decoder.device)
+            if state is not None:
+                return j + 1, state
+        return 0, None
 
     def _recompute(self, idx: int) -> NextChunk:
         """The served chunks 0..idx-1 are computed again (their frames are out already)."""
@@ -178,12 +224,22 @@ class HandOut:
         self.manager.metrics.add(recomputed_chunks=idx)
         return NextChunk(recompute=controls)
 
-    def on_chunk_frames(self, runtime: Any, idx: int, frames: Any) -> None:
+    def on_chunk_frames(self, runtime: Any, idx: int, frames: Any, decoder: RuntimeDecoder = NO_DECODER) -> None:
         """Chunk ``idx`` was computed here and its frames handed out: they are stored beside its
-        KV (``frames``: an array or tensor, or a callable returning one). Only a chunk this
-        session wrote gets its frames written. Never raises."""
+        KV (``frames``: an array or tensor, or a callable returning one), and at a resume point
+        (``decoder_state_every``) the state of ``decoder`` after it. Only a chunk this session
+        wrote gets its frames written. Never raises."""
         node = self._written.pop(idx, None)
         if node is None or self._ns is None:
             return
         device = self.layout.latent_spec(runtime).device
         self.manager.frames.write(node, frames, device)
+        every = self.decoder_state_every
+        if every > 0 and (idx + 1) % every == 0:
+            try:
+                state = decoder.capture()
+            except Exception:  # noqa: BLE001 - nothing stored: a divergence here replays
+                log.exception("chunk %d: reading the decoder's state failed", idx)
+                state = None
+            if state:
+                self.decoder_states.write(node, state, decoder.device)

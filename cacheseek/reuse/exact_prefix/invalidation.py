@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Optional
 
 from cacheseek.errors import StoreError
 from cacheseek.reuse.exact_prefix.frames import free_frames
+from cacheseek.kv.locators import decoder_state_locator
 from cacheseek.reuse.exact_prefix.keys import blob_keys, frames_locator, layer_keys
 from cacheseek.reuse.exact_prefix.types import BlobHandle, NodeState, TrieNode
 
@@ -156,6 +157,7 @@ class Invalidator:
                         if n.blob is not None:
                             named.update(blob_keys(n.blob.locator, n.blob.n_layers, pairs=n.blob.pairs))
                             named.add(frames_locator(n.node_key))
+                            named.add(decoder_state_locator(n.node_key))
             orphans = [k for k in ctx.store.keys() if k not in named]
             if orphans:
                 ctx.store.delete_values(orphans)

@@ -147,6 +147,7 @@ class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
         fingerprint_fields: Optional[Sequence[Any]] = None,
         require_weights_fingerprint: Optional[bool] = None,
         handout: bool = True,
+        decoder_state_every: int = 0,
     ) -> None:
         if unattached_release() and not _warned_unattached:
             _warned_unattached.append(True)
@@ -168,6 +169,10 @@ class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
         self.fields = list(fingerprint_fields) if fingerprint_fields is not None else namespace.resolve_fields(None)
         self.last_fast_forward = 0
         self.handout_enabled = handout  # False: the eager restore even where the runtime serves frames
+        if isinstance(decoder_state_every, bool) or not isinstance(decoder_state_every, int) or decoder_state_every < 0:
+            raise ConfigError("manager.decoder_state_every", f"must be an integer >= 0, got {decoder_state_every!r}",
+                              "0 rebuilds the decoder's state by replay; N stores it after chunks N-1, 2N-1, ...")
+        self.decoder_state_every = decoder_state_every
         self._written: dict[int, TrieNode] = {}  # chunks this session wrote, until their frames are stored
         self._reset_live()
         self._reset_handout()

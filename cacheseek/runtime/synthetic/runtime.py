@@ -23,7 +23,8 @@ frames depend on every chunk before it. With ``handout`` the runtime asks the
 binding before each chunk (`HandOut.next_chunk`): a chunk on the cached path hands out its
 stored frames (no denoise, no decode, the decoder's state untouched); at divergence the
 binding restores the served path and the runtime decodes its latents again, in order, to rebuild
-the decoder's state before the chunk it computes.
+the decoder's state before the chunk it computes (after loading the decoder's state the binding
+stored at a resume point, if it has one: `SyntheticDecoder`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ import torch
 
 from cacheseek.hooks import as_hooks
 from cacheseek.errors import ConfigError, LayoutMismatchError
+from cacheseek.kv.decoder_state import DecoderStateSpec
 from cacheseek.kv.frames import FramesSpec
+from cacheseek.kv.runtime_decoder import RuntimeDecoder
 from cacheseek.runtime.geometry import Geometry, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.synthetic.checks import (
@@ -60,7 +63,27 @@ from cacheseek.runtime.synthetic.session import (
     default_image,
 )
 
-__all__ = ["SyntheticWorldRuntime", "sigma_schedule"]
+__all__ = ["SyntheticWorldRuntime", "SyntheticDecoder", "sigma_schedule"]
+
+
+class SyntheticDecoder(RuntimeDecoder):
+    """The causal decoder's state of a `SyntheticWorldRuntime`: the previous chunk's last frame
+    ``[3, latent_h, latent_w]`` float32."""
+
+    def __init__(self, runtime: "SyntheticWorldRuntime") -> None:
+        self.runtime = runtime
+        self.device = runtime.device
+
+    def spec(self, after_chunk: int) -> DecoderStateSpec:
+        g = self.runtime.geometry
+        return DecoderStateSpec([((3, g.latent_h, g.latent_w), torch.float32)])
+
+    def capture(self) -> Any:
+        state = self.runtime._decoder_state
+        return None if state is None else [state]
+
+    def load(self, entries: list) -> None:
+        self.runtime._decoder_state = entries[0]
 
 
 def sigma_schedule(num_steps: int) -> list[float]:
@@ -211,6 +234,7 @@ class SyntheticWorldRuntime:
         self._started = False
         self.handout = bool(handout)
         self._decoder_state: torch.Tensor | None = None  # the previous chunk's last frame
+        self.decoder = SyntheticDecoder(self)
 
         self._model = SyntheticModel(
             g, actions=self.actions, prompt=prompt, image=self.image, kv_size=self.kv_size,
@@ -284,7 +308,7 @@ class SyntheticWorldRuntime:
         if self.streamed and self.hooks is not None:
             # a live session: chunk i's control arrives now; the binding may restore the chunk
             self.hooks.on_chunk_control(self, i, self._controls[i], may_restore=True)
-        plan = self.hooks.next_chunk(self, i, self.frames_spec) if self.handout and self.hooks is not None else None
+        plan = self.hooks.next_chunk(self, i, self.frames_spec, self.decoder) if self.handout and self.hooks is not None else None
         if plan is not None:
             if plan.handed_out:
                 frames = torch.from_numpy(plan.frames.copy())
@@ -296,8 +320,10 @@ class SyntheticWorldRuntime:
                     self.frames.append(frames.float())
                 self.next_chunk = i + 1
                 return
+            if plan.decoder_state is not None:  # stored at a resume point: only the chunks after it replay
+                self.decoder.load(plan.decoder_state)
             for j, latent in enumerate(plan.replay):  # the decoder's state, as a cold run leaves it
-                self.decode_chunk(latent, first=j == 0)
+                self.decode_chunk(latent, first=plan.replay_from + j == 0)
             if plan.recompute:
                 self._recompute(len(plan.recompute))
         cached = self.world_kv_cached_latents.pop(i, None)
@@ -315,7 +341,7 @@ class SyntheticWorldRuntime:
         if self.keep_frames:
             self.frames.append(frames.detach().float().cpu())
         if self.handout and i not in self.restored_chunks and self.hooks is not None:
-            self.hooks.on_chunk_frames(self, i, frames)
+            self.hooks.on_chunk_frames(self, i, frames, self.decoder)
         self.next_chunk = i + 1
 
     def _recompute(self, n: int) -> None:

@@ -1,0 +1,119 @@
+"""`ChunkDecoderStates`: the decoder's causal state stored at chosen chunks (``decoder_state_every``).
+
+At a served session's divergence (`handout.HandOut`) the decoder must hold what a cold run's
+decoder held before the chunk it computes. Rebuilt, that costs one decode per served chunk (the
+default at ``decoder_state_every=0``); stored, it costs the state's bytes per resume point (the Wan
+VAE's feature cache: 1.76 GiB at 480p) and one copy back. With ``decoder_state_every=N`` the state
+after chunk ``j`` is stored for ``(j + 1) % N == 0`` (chunks N-1, 2N-1, ...); at divergence before
+chunk ``idx`` the nearest stored state at or below ``idx - 1`` is loaded and only the chunks after
+it are decoded again. `experiments/session_reuse` has the table (bytes against seconds).
+
+The state is one value per chunk, ``{hex}:dec`` (`cacheseek.kv.decoder_state`: bound to the node
+key, digest-checked on every read), written through the store's small-value path as the frames
+are, counted in its capacity, never evicting KV to make room (a full store drops it:
+``decoder_states_dropped``), freed with the chunk (`frames.free_frames` frees both). A missing
+state is ``decoder_states_missing``, a damaged one ``decoder_states_corrupt`` (removed): both fall
+back to the next lower resume point, then to the replay; a wrong state is never loaded.
+
+`cacheseek.kv.runtime_decoder.RuntimeDecoder` is the runtime's side of the seam.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from cacheseek.errors import CorruptValueError, StoreError
+from cacheseek.kv import decoder_state as state_value
+from cacheseek.kv.decoder_state import DecoderStateSpec
+from cacheseek.kv.locators import decoder_state_locator
+from cacheseek.kv.runtime_decoder import RuntimeDecoder
+
+if TYPE_CHECKING:
+    from cacheseek.reuse.exact_prefix.manager import WorldKVManager
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ChunkDecoderStates", "RuntimeDecoder", "DecoderStateSpec", "resume_points"]
+
+
+def resume_points(every: int, below: int) -> list[int]:
+    """The chunks ``j < below`` whose state is stored at ``every``, nearest first."""
+    if every <= 0:
+        return []
+    return [j for j in range(below - 1, -1, -1) if (j + 1) % every == 0]
+
+
+class ChunkDecoderStates:
+    """The decoder states of chunks in the manager's store (see the module docstring)."""
+
+    def __init__(self, ctx: "WorldKVManager") -> None:
+        self.ctx = ctx
+
+    def write(self, node: Any, entries: list, device: Any) -> bool:
+        """Store ``entries`` (the decoder's state after chunk ``node``, computed here) on
+        ``device``. False when not stored (counted as ``decoder_states_dropped``). Never raises."""
+        ctx = self.ctx
+        try:
+            value = state_value.pack(node.node_key, entries, device)
+            if not ctx.store.accepts_device_views and value.device.type != "cpu":
+                value = value.cpu()
+            loc = decoder_state_locator(node.node_key)
+            try:
+                ctx.store.put_skeleton(loc, value)  # never evicts KV to make room: a full store drops it
+            except StoreError as exc:
+                log.info("the decoder state after %r was not stored (a divergence there replays): %s", node, exc)
+                ctx.metrics.add(decoder_states_dropped=1)
+                return False
+            with ctx.forest.lock:
+                gone = node.blob is None or node.blob.error is not None
+            if gone:  # the chunk's KV left meanwhile: its state goes too
+                free_decoder_state(ctx, node.node_key)
+                return False
+            ctx.metrics.add(decoder_states_written=1, decoder_state_write_bytes=int(value.numel()))
+            return True
+        except Exception:  # noqa: BLE001 - not stored: a divergence there replays instead
+            log.exception("writing the decoder state after %r failed", node)
+            ctx.metrics.add(decoder_states_dropped=1)
+            return False
+
+    def read(self, node_key: bytes, spec: DecoderStateSpec, device: Any) -> Optional[list]:
+        """The decoder state stored after chunk ``node_key`` on ``device``, or None (missing,
+        unreadable, or failing a check: then removed). Never raises."""
+        ctx = self.ctx
+        loc = decoder_state_locator(node_key)
+        owned = False
+        try:
+            if ctx.store.reads_paths:  # a Plan-style store: read by length into a fresh device tensor
+                value = ctx.store.get_skeleton(loc, like=state_value.empty_like_spec(spec, device))
+                owned = True
+            else:
+                value = ctx.store.get_skeleton(loc)
+            if value is None:
+                ctx.metrics.add(decoder_states_missing=1)
+                return None
+            out = state_value.unpack(node_key, value, spec, loc, device, owned=owned)
+        except CorruptValueError as exc:
+            log.warning("decoder state after chunk %s: %s; removed, the decoder is rebuilt instead",
+                        node_key.hex()[:12], exc.problem)
+            ctx.metrics.add(decoder_states_corrupt=1)
+            free_decoder_state(ctx, node_key)
+            return None
+        except Exception as exc:  # noqa: BLE001 - a read that fails is a miss
+            log.warning("reading the decoder state after chunk %s failed: %s", node_key.hex()[:12], exc)
+            ctx.metrics.add(decoder_states_missing=1)
+            return None
+        ctx.metrics.add(decoder_states_restored=1,
+                        decoder_state_read_bytes=sum(t.numel() * t.element_size() for t in out
+                                                     if isinstance(t, torch.Tensor)))
+        return out
+
+
+def free_decoder_state(ctx: "WorldKVManager", node_key: bytes) -> None:
+    """Remove the decoder state stored after chunk ``node_key`` (idempotent; a failure is logged)."""
+    try:
+        ctx.store.free_skeleton(decoder_state_locator(node_key))
+    except Exception as exc:  # noqa: BLE001
+        log.warning("freeing the decoder state of chunk %s failed: %s", node_key.hex()[:12], exc)
