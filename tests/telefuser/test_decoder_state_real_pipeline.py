@@ -66,7 +66,7 @@ def test_the_stored_cache_replaces_the_replay_bit_exactly(factory, cold):
 def test_the_dry_decode_predicts_the_cache_after_every_chunk(factory):
     s = factory.make(X, hooks=None)
     decoder = WanDecoder(factory.pipeline, None, {})
-    s._start()
+    s.start()
     decoder.runtime = s.runtime
     for j in range(3):
         s.generate(stop_after=j + 1)

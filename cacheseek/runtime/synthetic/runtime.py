@@ -308,7 +308,7 @@ class SyntheticWorldRuntime:
         if self.streamed and self.hooks is not None:
             # a live session: chunk i's control arrives now; the binding may restore the chunk
             self.hooks.on_chunk_control(self, i, self._controls[i], may_restore=True)
-        plan = self.hooks.next_chunk(self, i, self.frames_spec, self.decoder) if self.handout and self.hooks is not None else None
+        plan = self.hooks.next_chunk(self, i, self.frames_spec, decoder=self.decoder) if self.handout and self.hooks is not None else None
         if plan is not None:
             if plan.handed_out:
                 frames = torch.from_numpy(plan.frames.copy())
@@ -341,7 +341,7 @@ class SyntheticWorldRuntime:
         if self.keep_frames:
             self.frames.append(frames.detach().float().cpu())
         if self.handout and i not in self.restored_chunks and self.hooks is not None:
-            self.hooks.on_chunk_frames(self, i, frames, self.decoder)
+            self.hooks.on_chunk_frames(self, i, frames, decoder=self.decoder)
         self.next_chunk = i + 1
 
     def _recompute(self, n: int) -> None:
