@@ -97,7 +97,7 @@ def test_without_loading_the_stored_cache_the_computed_chunk_is_wrong(factory, c
 
 def test_a_damaged_stored_cache_is_a_miss_and_the_decoder_is_rebuilt(factory, cold):
     manager = _written(factory)
-    store = manager.ctx.store
+    store = manager.store
     node = next(n for ns in manager.forest.namespaces() for n in ns.iter_nodes() if n.depth == 1)
     loc = decoder_state_locator(node.node_key)
     store.backend.read(loc)[-100] ^= 0x01  # a byte of the cache's last tensor
