@@ -166,13 +166,11 @@ def test_the_value_checks_its_key_table_and_body(check, monkeypatch):
     sums computed there (forced here on the CPU, in blocks of 16 words so that several blocks and
     their weights take part)."""
     if check == "sums":
-        monkeypatch.setattr(state_value, "_XXH3", state_value._SUMS)
-        monkeypatch.setattr(state_value, "_BLOCK", 16)
-        monkeypatch.setattr(state_value, "_WEIGHTS", {})
+        monkeypatch.setattr(state_value, "BLOCK_WORDS", 16)
     key, other = bytes(range(32)), bytes(32)
     entries = [None, "Rep", torch.randn(1, 4, 2, 3, 5).to(torch.bfloat16), torch.randn(3, 7)]
     spec = state_value.spec_of(entries)
-    value = state_value.pack(key, entries)
+    value = state_value.pack(key, entries, check=check)
     assert value.numel() == state_value.packed_nbytes(spec)
     back = state_value.unpack(key, bytes(value.numpy()), spec, "v", "cpu")
     assert back[:2] == [None, "Rep"] and torch.equal(back[2], entries[2]) and torch.equal(back[3], entries[3])
@@ -188,6 +186,10 @@ def test_the_value_checks_its_key_table_and_body(check, monkeypatch):
     swapped[head:head + 8], swapped[head + 136:head + 144] = value[head + 136:head + 144].clone(), value[head:head + 8].clone()
     assert not torch.equal(swapped, value)
     bad.append((key, swapped, spec))
+    signs = value.clone()  # the sign bit of two body words flipped: 2**63 twice, 0 to a plain sum
+    signs[head + 7] ^= 0x80
+    signs[head + 15] ^= 0x80
+    bad.append((key, signs, spec))
     for k, v, s in bad:
         with pytest.raises(CorruptValueError):
             state_value.unpack(k, v, s, "v", "cpu")

@@ -42,19 +42,20 @@ import xxhash
 
 from cacheseek.errors import CorruptValueError
 
-__all__ = ["MAGIC", "ALIGN", "DecoderStateSpec", "spec_of", "pack", "unpack", "packed_nbytes", "body_sums", "empty_like_spec"]
+__all__ = ["MAGIC", "ALIGN", "DecoderStateSpec", "spec_of", "pack", "unpack", "packed_nbytes", "body_sums", "empty_like_spec", "BLOCK_WORDS", "CHECKS"]
 
 MAGIC = b"CSDECV01"
 ALIGN = 64
 _HEAD = struct.Struct("<8s32s16sIB3x")
 _SUMS, _XXH3 = 1, 2
+CHECKS = {"sums": _SUMS, "xxh3": _XXH3}  # the body's check: on a GPU the sums, on a CPU xxh3
 _ENTRY = struct.Struct("<BBBx6I4x")
 _MAX_NDIM = 6
 _DTYPES: dict[int, torch.dtype] = {1: torch.uint8, 2: torch.float32, 3: torch.float16, 4: torch.bfloat16,
                                    5: torch.int64, 6: torch.int32}
 _CODES = {v: k for k, v in _DTYPES.items()}
 _NONE, _MARKER, _TENSOR = 0, 1, 2
-_BLOCK = 1 << 23  # int64 words summed per step (64 MiB of body)
+BLOCK_WORDS = 1 << 23  # int64 words summed per step (64 MiB of body)
 _K = (-7046029254386353131, -4658895280553007687, -7723592293110705685, 5573985287187734571)
 
 Entry = Union[None, str, tuple]  # a spec entry: nothing, a marker, or ``(shape, dtype)``
@@ -152,16 +153,19 @@ def _parse_table(raw: bytes, n: int) -> DecoderStateSpec:
 def body_sums(body: torch.Tensor) -> tuple[int, int]:
     """The two 64-bit position-weighted sums of ``body`` (a 1-D uint8 tensor, its length a
     multiple of 8, on any device), computed where it is: word ``i = b * B + l`` (block ``b`` of
-    `_BLOCK` words, offset ``l``) weighs ``m(l) * o(b)``, both odd (``m`` a tensor made once per
+    `BLOCK_WORDS` words, offset ``l``) weighs ``m(l) * o(b)``, both odd (``m`` a tensor made once per
     device and lane, ``o`` a Python int), so each block costs one multiply and one sum per lane."""
     words = body.view(torch.int64)
     sums = []
     for lane in (0, 1):
-        weights = _weights(body.device, lane, min(_BLOCK, words.numel()))
+        weights = _weights(body.device, lane, min(BLOCK_WORDS, words.numel()))
         acc = torch.zeros((), dtype=torch.int64, device=body.device)
-        for b, start in enumerate(range(0, words.numel(), _BLOCK)):
-            x = words[start:start + _BLOCK]
-            acc += (x * weights[:x.numel()]).sum() * _odd(b, lane)
+        for b, start in enumerate(range(0, words.numel(), BLOCK_WORDS)):
+            y = words[start:start + BLOCK_WORDS] * weights[:min(BLOCK_WORDS, words.numel() - start)]
+            # a plain weighted sum misses high-bit errors (two sign flips add 2**63 twice = 0):
+            # fold each product's high half into its low half, then spread it up again
+            y = (y ^ (y >> 31)) * _K[2 * lane + 1]
+            acc += y.sum() * _odd(b, lane)
         sums.append(int(acc.item()))
     return sums[0], sums[1]
 
@@ -170,7 +174,7 @@ _WEIGHTS: dict[tuple[str, int], torch.Tensor] = {}
 
 
 def _weights(device: torch.device, lane: int, n: int) -> torch.Tensor:
-    """``m(l)`` for ``l < n`` of ``lane`` on ``device`` (kept, grown to `_BLOCK` words at most)."""
+    """``m(l)`` for ``l < n`` of ``lane`` on ``device`` (kept, grown to `BLOCK_WORDS` words at most)."""
     key = (str(device), lane)
     w = _WEIGHTS.get(key)
     if w is None or w.numel() < n:
@@ -213,10 +217,12 @@ def _digest(key: bytes, check: int, table: bytes, body_check: bytes) -> bytes:
     return h.digest()
 
 
-def pack(key: bytes, entries: Sequence[Any], device: Any = None) -> torch.Tensor:
+def pack(key: bytes, entries: Sequence[Any], device: Any = None, *, check: Optional[str] = None) -> torch.Tensor:
     """The stored value of a decoder state (``entries``: tensors, None, marker strings) for the
     chunk ``key``: a 1-D uint8 tensor on ``device`` (default: the first tensor's). Copies the
-    tensors once (the state is the decoder's own, replaced as it decodes on)."""
+    tensors once (the state is the decoder's own, replaced as it decodes on). ``check``: a
+    `CHECKS` name; default ``sums`` where the value is on a GPU (never copied to the host to be
+    checked), else ``xxh3``."""
     spec = spec_of(entries)
     tensors = [e for e in entries if isinstance(e, torch.Tensor)]
     if device is None:
@@ -231,7 +237,7 @@ def pack(key: bytes, entries: Sequence[Any], device: Any = None) -> torch.Tensor
             out[off + n:off + _padded(n)].zero_()
         off += _padded(n)
     table = _table(spec)
-    check = _XXH3 if out.device.type == "cpu" else _SUMS
+    check = CHECKS[check] if check is not None else (_XXH3 if out.device.type == "cpu" else _SUMS)
     digest = _digest(key, check, table, _body_check(out[head:], check))
     header = _HEAD.pack(MAGIC, key, digest, len(spec.entries), check) + table
     header = header.ljust(head, b"\0")
