@@ -1,6 +1,7 @@
-"""The lazy registry: a name resolves to its class on first use, duplicates are refused, and a
-miss lists the known names."""
+"""The registries: a backend named once at its class is found on first use, duplicates are
+refused, a miss lists the known names, and a config is the constructor's signature."""
 
+import collections
 import dataclasses
 import inspect
 import subprocess
@@ -15,28 +16,48 @@ from cacheseek.errors import ConfigError
 from cacheseek.registry import REGISTRIES, STORES, Registry, import_backends, schema_of
 
 
-def test_a_name_is_imported_on_first_use_only():
+def test_a_backend_is_found_in_its_package_on_first_use():
+    """Naming a backend once, at its class, is enough: the first name asked for imports the
+    registry's package, and its module registers it."""
     code = ("import sys\nfrom cacheseek.registry import STORES\n"
-            "assert 'localdisk' in STORES and 'cacheseek.stores.localdisk' not in sys.modules\n"
+            "assert 'cacheseek.stores.localdisk' not in sys.modules\n"
+            "assert 'localdisk' in STORES and 'cacheseek.stores.localdisk' in sys.modules\n"
             "cls = STORES.get('localdisk')\n"
-            "assert cls.__name__ == 'LocalDiskTierStore' and 'cacheseek.stores.localdisk' in sys.modules\n"
+            "assert cls.__name__ == 'LocalDiskTierStore' and cls.__module__ == 'cacheseek.stores.localdisk'\n"
             "assert STORES.schema('localdisk').__name__ == 'LocalDiskTierStoreConfig'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_duplicates_are_refused_and_a_miss_names_the_known():
-    reg = Registry("thing", {"a": "collections:OrderedDict"})
+    reg = Registry("thing")
+    reg.register("a")(collections.OrderedDict)
     with pytest.raises(ValueError, match="duplicate name 'a'"):
         reg.register("a")(dict)
     reg.register("b")(dict)
     reg.register("b")(dict)  # the same object again is no duplicate
     with pytest.raises(ValueError, match="duplicate name 'b'"):
         reg.register("b")(list)
-    import collections
-
-    assert reg.get("a") is collections.OrderedDict and reg.names() == ["a", "b"]
+    assert reg.get("a") is collections.OrderedDict and reg.names() == ["a", "b"] and reg.name_of(dict) == "b"
     with pytest.raises(ConfigError, match="use one of: a, b"):
         reg.get("c")
+
+
+def test_a_backend_registered_late_is_in_the_schemas_that_list_every_backend():
+    """A configured registry stores each schema once its backends are found; one registered after
+    that (a module imported later) gets its schema at once, and a schema built from the list of
+    backends (the tiered store's one node per store) is built again with it."""
+    reg = Registry("late_thing", configured=True)
+
+    class Listing:
+        def __init__(self, **nodes: Any) -> None: ...
+
+    class Late:
+        def __init__(self, size: int = 1) -> None: ...
+
+    reg.register("listing", keywords=lambda: [(n, Any, None) for n in reg.names() if n != "listing"])(Listing)
+    reg.register("late")(Late)
+    assert [f.name for f in dataclasses.fields(reg.schema("listing"))] == ["_target_", "late"]
+    assert OmegaConf.structured(reg.schema("late")).size == 1
 
 
 def test_every_entry_resolves_to_the_class_that_registered_it():
