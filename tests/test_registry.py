@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from cacheseek.errors import ConfigError
-from cacheseek.registry import REGISTRIES, STORES, Registry, import_backends, schema_of
+from cacheseek.registry import LAYOUTS, REGISTRIES, STORES, Registry, import_backends, schema_of
 
 
 def test_a_backend_is_found_in_its_package_on_first_use():
@@ -123,3 +123,18 @@ def test_every_store_class_declares_the_tier_it_is():
     tiers = {name: STORES.get(name).tier for name in STORES.names() if name != "tiered"}
     assert all(isinstance(t, Tier) for t in tiers.values()), tiers
     assert (tiers["hbm"], tiers["localdisk"], tiers["memory"]) == (Tier.HBM_STAGING, Tier.DISK, Tier.CPU)
+
+
+def test_layouts_declare_the_runtimes_and_releases_they_match():
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.telefuser.layouts import TeleFuserLayout
+    from cacheseek.layout.auto import layout_name_of_runtime
+
+    assert layout_name_of_runtime(SimpleNamespace(self_kv_cache=[])) == "bshd"
+    assert layout_name_of_runtime(SimpleNamespace(cache_handle=object())) == "telefuser_main"
+    assert layout_name_of_runtime(SimpleNamespace()) == "bshd"  # the default
+    assert {r.value: r.layout_name for r in TeleFuserLayout} == {
+        "hooked": "bshd", "released": "bshd", "main": "telefuser_main"}
+    claimed = [r for name in LAYOUTS.names() if name != "auto" for r in LAYOUTS.get(name).telefuser_releases]
+    assert sorted(claimed) == sorted(r.value for r in TeleFuserLayout), "each release laid out by one layout"
