@@ -1,1 +1,2 @@
-"""Store backends, each named in `cacheseek.registry.STORES` and imported on first use."""
+"""Store backends, each registered in `cacheseek.registry.STORES` at its class; the registry
+imports this package on first use."""
