@@ -25,11 +25,13 @@ from __future__ import annotations
 import copy as copy_module
 import dataclasses
 import enum
+import functools
 import importlib
 import importlib.metadata
 import inspect
 import pathlib
 import pkgutil
+import threading
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, List, Optional, TypeVar, Union
@@ -43,7 +45,7 @@ from cacheseek.errors import CacheSeekError, ConfigError
 T = TypeVar("T")
 
 ENTRY_POINTS = "cacheseek.backends"  # entry point group: modules of backends outside CacheSeek
-_plugins_loaded: list[bool] = []
+_finding = threading.local()  # .registries: those whose modules this thread is importing now
 
 
 def _import_package(package: str) -> None:
@@ -53,12 +55,9 @@ def _import_package(package: str) -> None:
         importlib.import_module(info.name)
 
 
-def _load_plugins() -> None:
-    """Import the module of every ``cacheseek.backends`` entry point, once per process."""
-    if not _plugins_loaded:
-        _plugins_loaded.append(True)
-        for entry in importlib.metadata.entry_points(group=ENTRY_POINTS):
-            entry.load()
+@functools.cache
+def _plugins() -> tuple[importlib.metadata.EntryPoint, ...]:
+    return tuple(importlib.metadata.entry_points(group=ENTRY_POINTS))
 
 
 class Registry(Generic[T]):
@@ -71,7 +70,7 @@ class Registry(Generic[T]):
         self.default = default
         self.configured = configured
         self._packages = tuple(packages)
-        self._state = "found" if not packages else "new"  # new -> finding -> found
+        self._found = not packages
         self._entries: dict[str, T] = {}
         self._options: dict[str, tuple[Sequence[str], Optional[Callable[[], Iterable[tuple[str, Any, Any]]]]]] = {}
         self._schemas: dict[str, type] = {}
@@ -87,7 +86,7 @@ class Registry(Generic[T]):
                 raise ValueError(f"{self.group} registry: duplicate name {name!r} "
                                  f"(taken by {taken.__module__}:{taken.__qualname__})")
             self._options[name] = (objects, keywords)
-            if self._state == "found" and self.configured:  # registered late: schemas that list the others change
+            if self._found and self.configured:  # registered late: schemas that list the others change
                 for other, (_, listed) in self._options.items():
                     if listed is not None:
                         self._schemas.pop(other, None)
@@ -97,17 +96,23 @@ class Registry(Generic[T]):
         return decorator
 
     def _find(self) -> None:
-        if self._state != "new":
+        """Import the packages and the entry points' modules. A module that asks this registry
+        while this thread imports them gets what is registered so far; another thread imports
+        them too (Python's import locks make that wait for the modules, not repeat them)."""
+        if self._found:
             return
-        self._state = "finding"
+        finding = vars(_finding).setdefault("registries", set())
+        if self in finding:
+            return
+        finding.add(self)
         try:
             for package in self._packages:
                 _import_package(package)
-            _load_plugins()
-        except BaseException:
-            self._state = "new"
-            raise
-        self._state = "found"
+            for entry in _plugins():
+                entry.load()
+        finally:
+            finding.discard(self)
+        self._found = True
         self._publish()
 
     def _publish(self) -> None:

@@ -28,6 +28,19 @@ def test_a_backend_is_found_in_its_package_on_first_use():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_threads_asking_at_once_all_see_every_backend():
+    """A module being imported asks its registry for what is registered so far; another thread
+    asking at the same time waits for the whole package, never sees a part of it."""
+    code = ("import threading\nfrom cacheseek.registry import PLAN_CLIENTS, STORES\n"
+            "seen = []\nstart = threading.Barrier(4)\n"
+            "def ask():\n    start.wait()\n    seen.append((STORES.names(), PLAN_CLIENTS.names()))\n"
+            "threads = [threading.Thread(target=ask) for _ in range(4)]\n"
+            "[t.start() for t in threads]\n[t.join() for t in threads]\n"
+            "assert len(seen) == 4 and all(s == seen[0] for s in seen), seen\n"
+            "assert {'memory', 'localdisk', 'tiered', 'fluxon_plan'} <= set(seen[0][0]) and 'embedded' in seen[0][1]\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_duplicates_are_refused_and_a_miss_names_the_known():
     reg = Registry("thing")
     reg.register("a")(collections.OrderedDict)
