@@ -319,6 +319,7 @@ def test_a_store_field_without_a_store_names_a_store_that_has_it():
     assert "+store=localdisk store.root=/tmp/kv" in choose_a_store("store", {"root": "/tmp/kv"}).fix
     assert "+store=localdisk store.root=x (rooot: no store has it)" in choose_a_store("store", {"rooot": "x"}).fix
     assert "+store=NAME" in choose_a_store("store", {"nothing_like_it": 1}).fix
+    assert "defaults" not in choose_a_store("store", {"default": 1}).fix  # the tiered store's Hydra list is no field
 
 
 def test_disk_root_under_a_regular_file_names_store_root(compose_cfg, tmp_path):
