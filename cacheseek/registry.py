@@ -5,10 +5,11 @@ A backend is named once, where it is defined::
     @STORES.register("localdisk")
     class LocalDiskTierStore: ...
 
-A registry finds its backends by importing every module of its package (``cacheseek.stores``
-for `STORES`, ...) and every module a ``cacheseek.backends`` entry point names (a package
-outside CacheSeek: docs/extending.md) the first time a name is asked for; a second class under
-one name is refused. In a registry of configured backends the constructor's signature is the
+A registry reads the names off the source of its package (``cacheseek.stores`` for `STORES`,
+...), so naming a backend imports nothing, and imports the module that registers a name when
+the name is first used; the modules ``cacheseek.backends`` entry points name (a package outside
+CacheSeek: docs/extending.md) are imported when the names are first listed. A second class
+under one name is refused. In a registry of configured backends the constructor's signature is the
 config: `schema_of` makes the schema dataclass from its named parameters (their defaults, and
 their annotations where OmegaConf can check them: int, float, str, bool, Path, an Enum, Optional
 or a list of those; anything else is ``Any``), less ``objects``, the parameters the caller hands
@@ -28,10 +29,10 @@ import enum
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import pathlib
-import pkgutil
-import threading
+import re
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, List, Optional, TypeVar, Union
@@ -45,14 +46,23 @@ from cacheseek.errors import CacheSeekError, ConfigError
 T = TypeVar("T")
 
 ENTRY_POINTS = "cacheseek.backends"  # entry point group: modules of backends outside CacheSeek
-_finding = threading.local()  # .registries: those whose modules this thread is importing now
+_REGISTER = re.compile(r"""\b([A-Z][A-Z_]*)\.register\(\s*["']([\w.-]+)["']""")  # ``STORES.register("name"``
 
 
-def _import_package(package: str) -> None:
-    """Import ``package`` and every module below it (its backends register as they load)."""
-    module = importlib.import_module(package)
-    for info in pkgutil.walk_packages(getattr(module, "__path__", []), f"{package}."):
-        importlib.import_module(info.name)
+def _modules_of(package: str) -> Iterable[tuple[str, pathlib.Path]]:
+    """``(module name, source file)`` of ``package`` and every module below it, found on disk
+    without importing them (importing a subpackage would run its imports: torch, ...)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ImportError(f"no package {package!r}")
+    yield package, pathlib.Path(spec.origin)
+    for root in map(pathlib.Path, spec.submodule_search_locations or []):
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if all((root.joinpath(*parts[:i]) / "__init__.py").exists() for i in range(1, len(parts))):
+                name = ".".join((package,) + (parts[:-1] if parts[-1] == "__init__" else parts))
+                if name != package:
+                    yield name, path
 
 
 @functools.cache
@@ -61,8 +71,11 @@ def _plugins() -> tuple[importlib.metadata.EntryPoint, ...]:
 
 
 class Registry(Generic[T]):
-    """Name -> class (or factory) for one component kind, found in ``packages`` on first use;
-    rejects duplicates and lists the known names on a miss."""
+    """Name -> class (or factory) for one component kind. The names come from the source of its
+    ``packages`` (each ``SYMBOL.register("name"`` where ``SYMBOL`` is this registry in this
+    module), so naming a backend imports nothing; `get` imports the module that registers it.
+    The ``cacheseek.backends`` entry points' modules are imported when the names are first
+    listed. Rejects duplicates and lists the known names on a miss."""
 
     def __init__(self, group: str, packages: Sequence[str] = (), *, default: str | None = None,
                  configured: bool = False) -> None:
@@ -70,7 +83,7 @@ class Registry(Generic[T]):
         self.default = default
         self.configured = configured
         self._packages = tuple(packages)
-        self._found = not packages
+        self._index: Optional[dict[str, str]] = None if packages else {}  # name -> module, from the source
         self._entries: dict[str, T] = {}
         self._options: dict[str, tuple[Sequence[str], Optional[Callable[[], Iterable[tuple[str, Any, Any]]]]]] = {}
         self._schemas: dict[str, type] = {}
@@ -78,7 +91,7 @@ class Registry(Generic[T]):
     def register(self, name: str, *, objects: Sequence[str] = (),
                  keywords: Callable[[], Iterable[tuple[str, Any, Any]]] | None = None) -> Callable[[T], T]:
         """Register ``obj`` under ``name``; in a configured registry its schema is `schema_of` it
-        (``objects``, ``keywords`` as there; ``keywords`` is called once every backend is found)."""
+        (``objects``, ``keywords`` as there), stored at once."""
 
         def decorator(obj: T) -> T:
             taken = self._entries.setdefault(name, obj)
@@ -86,51 +99,46 @@ class Registry(Generic[T]):
                 raise ValueError(f"{self.group} registry: duplicate name {name!r} "
                                  f"(taken by {taken.__module__}:{taken.__qualname__})")
             self._options[name] = (objects, keywords)
-            if self._found and self.configured:  # registered late: schemas that list the others change
-                for other, (_, listed) in self._options.items():
-                    if listed is not None:
-                        self._schemas.pop(other, None)
-                self._publish()
+            if self.configured:
+                if name not in self._scanned():  # a backend from outside the packages: lists of them change
+                    for other, (_, listed) in self._options.items():
+                        if listed is not None and other != name:
+                            self._schemas.pop(other, None)
+                            self.schema(other)
+                self.schema(name)
             return obj
 
         return decorator
 
-    def _find(self) -> None:
-        """Import the packages and the entry points' modules. A module that asks this registry
-        while this thread imports them gets what is registered so far; another thread imports
-        them too (Python's import locks make that wait for the modules, not repeat them)."""
-        if self._found:
-            return
-        finding = vars(_finding).setdefault("registries", set())
-        if self in finding:
-            return
-        finding.add(self)
-        try:
+    def _scanned(self) -> dict[str, str]:
+        if self._index is None:
+            symbols = {symbol for symbol, value in globals().items() if value is self}
+            index: dict[str, str] = {}
             for package in self._packages:
-                _import_package(package)
-            for entry in _plugins():
-                entry.load()
-        finally:
-            finding.discard(self)
-        self._found = True
-        self._publish()
-
-    def _publish(self) -> None:
-        """Every schema into Hydra's ConfigStore."""
-        if self.configured:
-            for name in list(self._entries):
-                self.schema(name)
+                for module, path in _modules_of(package):
+                    for symbol, name in _REGISTER.findall(path.read_text()):
+                        if symbol in symbols and index.setdefault(name, module) != module:
+                            raise ValueError(f"{self.group} registry: duplicate name {name!r} "
+                                             f"(in {index[name]} and {module})")
+            self._index = index
+        return self._index
 
     def get(self, name: str) -> T:
-        self._find()
         if name not in self._entries:
-            known = ", ".join(self.names()) or "none registered"
-            raise ConfigError(f"{self.group}", f"unknown {self.group} {name!r}", f"use one of: {known}")
+            module = self._scanned().get(name)
+            if module is None:
+                self.names()  # the entry points' modules register as they load
+            else:
+                importlib.import_module(module)
+            if name not in self._entries:
+                known = ", ".join(self.names()) or "none registered"
+                raise ConfigError(f"{self.group}", f"unknown {self.group} {name!r}", f"use one of: {known}")
         return self._entries[name]
 
     def names(self) -> list[str]:
-        self._find()
-        return sorted(self._entries)
+        for entry in _plugins():
+            entry.load()
+        return sorted(set(self._scanned()) | set(self._entries))
 
     def name_of(self, obj: Any) -> str | None:
         """The name ``obj`` (a class or function) is registered under; None when it is not."""
@@ -148,8 +156,7 @@ class Registry(Generic[T]):
         return self._schemas[name]
 
     def __contains__(self, name: str) -> bool:
-        self._find()
-        return name in self._entries
+        return name in self._entries or name in self._scanned() or name in self.names()
 
 
 _PLAIN = (int, float, str, bool, pathlib.Path)
@@ -216,7 +223,8 @@ def import_backends() -> None:
     """Find every backend, so that every schema is in Hydra's ConfigStore before a config is
     composed."""
     for registry in REGISTRIES + (CODECS,):
-        registry.names()
+        for name in registry.names():
+            registry.get(name)
 
 
 def instantiate(node: Any, **call_site: Any) -> Any:
