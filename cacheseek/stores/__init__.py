@@ -1,2 +1,2 @@
 """Store backends, each registered in `cacheseek.registry.STORES` at its class; the registry
-imports this package on first use."""
+reads the names off this package's source and imports a store's module on its name's first use."""
