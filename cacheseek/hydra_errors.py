@@ -207,7 +207,8 @@ def _schema_fields(registry: Any, name: str) -> set[str]:
         schema = registry.schema(name)
     except KeyError:
         return set()
-    return {f.name for f in dataclasses.fields(schema) if not f.name.startswith("_")}
+    # ``defaults``: the tiered store's Hydra defaults list (`level_keywords`), not a field to set
+    return {f.name for f in dataclasses.fields(schema) if not f.name.startswith("_") and f.name != "defaults"}
 
 
 def _override_value(value: Any) -> str:

@@ -15,9 +15,11 @@ import attrs
 import torch
 
 from cacheseek.errors import ConfigError
-from cacheseek.registry import FINGERPRINT_FIELDS
+from cacheseek.registry import Registry
 
-__all__ = ["FingerprintContext", "default_fields", "resolve_fields", "config_blob"]
+__all__ = ["FINGERPRINT_FIELDS", "FingerprintContext", "default_fields", "resolve_fields", "config_blob"]
+
+FINGERPRINT_FIELDS: Registry[type] = Registry("fingerprint")  # the fields below
 
 
 @attrs.frozen

@@ -1,22 +1,23 @@
 """Registries: the extension points of CacheSeek, one per component kind.
 
-Each registry maps a name to ``"module:attr"`` and imports the module when the name is first
-used, so a backend module imports what it needs (torch included) at its top and naming a backend
-costs nothing. The module registers its class::
+A backend is named once, where it is defined::
 
     @STORES.register("localdisk")
     class LocalDiskTierStore: ...
 
-Registration checks the class against the table (a second class under one name is refused). In a
-registry of configured backends the constructor's signature is the config: `schema_of` makes the
-schema dataclass from its named parameters (their defaults, and their annotations where OmegaConf
-can check them: int, float, str, bool, Path, an Enum, Optional or a list of those; anything else
-is ``Any``), less ``objects``, the parameters the caller hands over built (a transfer runtime, a
-client; test seams). So a default cannot differ between a config and a constructor. The schema
-(with ``_target_`` pointing at the class) goes into Hydra's ConfigStore as
-``schema/<group>/<name>``. The YAML ``conf/<group>/<name>.yaml`` pulls that schema in
-(``- /schema/<group>/<name>@_here_``), so a typo or a wrong type in the YAML or on the command
-line is rejected when Hydra composes the config; `import_backends()` resolves every name first.
+A registry reads the names off the source of its package (``cacheseek.stores`` for `STORES`,
+...), so naming a backend imports nothing, and imports the module that registers a name when
+the name is first used; the modules ``cacheseek.backends`` entry points name (a package outside
+CacheSeek: docs/extending.md) are imported when the names are first listed. A second class
+under one name is refused. In a registry of configured backends the constructor's signature is the
+config: `schema_of` makes the schema dataclass from its named parameters (their defaults, and
+their annotations where OmegaConf can check them: int, float, str, bool, Path, an Enum, Optional
+or a list of those; anything else is ``Any``), less ``objects``, the parameters the caller hands
+over built (a transfer runtime, a client; test seams). So a default cannot differ between a
+config and a constructor. The schema (with ``_target_`` pointing at the class) goes into Hydra's
+ConfigStore as ``schema/<group>/<name>``. The YAML ``conf/<group>/<name>.yaml`` pulls that schema
+in (``- /schema/<group>/<name>@_here_``), so a typo or a wrong type in the YAML or on the command
+line is rejected when Hydra composes the config; `import_backends()` finds every backend first.
 `instantiate()` builds a backend from its config node (the one call of Hydra's instantiate).
 """
 
@@ -25,9 +26,13 @@ from __future__ import annotations
 import copy as copy_module
 import dataclasses
 import enum
+import functools
 import importlib
+import importlib.metadata
+import importlib.util
 import inspect
 import pathlib
+import re
 import typing
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Generic, List, Optional, TypeVar, Union
@@ -40,66 +45,118 @@ from cacheseek.errors import CacheSeekError, ConfigError
 
 T = TypeVar("T")
 
+ENTRY_POINTS = "cacheseek.backends"  # entry point group: modules of backends outside CacheSeek
+_REGISTER = re.compile(r"""\b([A-Z][A-Z_]*)\.register\(\s*["']([\w.-]+)["']""")  # ``STORES.register("name"``
+
+
+def _modules_of(package: str) -> Iterable[tuple[str, pathlib.Path]]:
+    """``(module name, source file)`` of ``package`` and every module below it, found on disk
+    without importing them (importing a subpackage would run its imports: torch, ...)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        raise ImportError(f"no package {package!r}")
+    yield package, pathlib.Path(spec.origin)
+    for root in map(pathlib.Path, spec.submodule_search_locations or []):
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            if all((root.joinpath(*parts[:i]) / "__init__.py").exists() for i in range(1, len(parts))):
+                name = ".".join((package,) + (parts[:-1] if parts[-1] == "__init__" else parts))
+                if name != package:
+                    yield name, path
+
+
+@functools.cache
+def _plugins() -> tuple[importlib.metadata.EntryPoint, ...]:
+    return tuple(importlib.metadata.entry_points(group=ENTRY_POINTS))
+
 
 class Registry(Generic[T]):
-    """Name -> ``"module:attr"`` for one component kind, imported on first `get`; rejects
-    duplicates and lists the known names on a miss."""
+    """Name -> class (or factory) for one component kind. The names come from the source of its
+    ``packages`` (each ``SYMBOL.register("name"`` where ``SYMBOL`` is this registry in this
+    module), so naming a backend imports nothing; `get` imports the module that registers it.
+    The ``cacheseek.backends`` entry points' modules are imported when the names are first
+    listed. Rejects duplicates and lists the known names on a miss."""
 
-    def __init__(self, group: str, targets: Mapping[str, str] = (), *, default: str | None = None,
+    def __init__(self, group: str, packages: Sequence[str] = (), *, default: str | None = None,
                  configured: bool = False) -> None:
         self.group = group
         self.default = default
         self.configured = configured
-        self._targets: dict[str, str] = dict(targets)
+        self._packages = tuple(packages)
+        self._index: Optional[dict[str, str]] = None if packages else {}  # name -> module, from the source
         self._entries: dict[str, T] = {}
+        self._options: dict[str, tuple[Sequence[str], Optional[Callable[[], Iterable[tuple[str, Any, Any]]]]]] = {}
         self._schemas: dict[str, type] = {}
 
     def register(self, name: str, *, objects: Sequence[str] = (),
                  keywords: Callable[[], Iterable[tuple[str, Any, Any]]] | None = None) -> Callable[[T], T]:
         """Register ``obj`` under ``name``; in a configured registry its schema is `schema_of` it
-        (``objects``, ``keywords`` as there)."""
+        (``objects``, ``keywords`` as there), stored at once."""
 
         def decorator(obj: T) -> T:
-            target = self._targets.setdefault(name, f"{obj.__module__}:{obj.__qualname__}")
-            if target != f"{obj.__module__}:{obj.__qualname__}" or self._entries.get(name, obj) is not obj:
-                raise ValueError(f"{self.group} registry: duplicate name {name!r} (taken by {target})")
-            self._entries[name] = obj
+            taken = self._entries.setdefault(name, obj)
+            if taken is not obj:
+                raise ValueError(f"{self.group} registry: duplicate name {name!r} "
+                                 f"(taken by {taken.__module__}:{taken.__qualname__})")
+            self._options[name] = (objects, keywords)
             if self.configured:
-                self._store_schema(name, schema_of(obj, objects=objects, keywords=keywords() if keywords else ()), obj)
+                if name not in self._scanned():  # a backend from outside the packages: lists of them change
+                    for other, (_, listed) in self._options.items():
+                        if listed is not None and other != name:
+                            self._schemas.pop(other, None)
+                            self.schema(other)
+                self.schema(name)
             return obj
 
         return decorator
 
-    def _store_schema(self, name: str, schema: type, obj: Any) -> None:
-        target = f"{obj.__module__}.{obj.__qualname__}"
-        node = schema(_target_=target)  # type: ignore[call-arg]
-        ConfigStore.instance().store(group=f"schema/{self.group}", name=name, node=node)
-        self._schemas[name] = schema
+    def _scanned(self) -> dict[str, str]:
+        if self._index is None:
+            symbols = {symbol for symbol, value in globals().items() if value is self}
+            index: dict[str, str] = {}
+            for package in self._packages:
+                for module, path in _modules_of(package):
+                    for symbol, name in _REGISTER.findall(path.read_text()):
+                        if symbol in symbols and index.setdefault(name, module) != module:
+                            raise ValueError(f"{self.group} registry: duplicate name {name!r} "
+                                             f"(in {index[name]} and {module})")
+            self._index = index
+        return self._index
 
     def get(self, name: str) -> T:
         if name not in self._entries:
-            if name not in self._targets:
+            module = self._scanned().get(name)
+            if module is None:
+                self.names()  # the entry points' modules register as they load
+            else:
+                importlib.import_module(module)
+            if name not in self._entries:
                 known = ", ".join(self.names()) or "none registered"
                 raise ConfigError(f"{self.group}", f"unknown {self.group} {name!r}", f"use one of: {known}")
-            module, _, attr = self._targets[name].partition(":")
-            self._entries.setdefault(name, getattr(importlib.import_module(module), attr))
         return self._entries[name]
 
     def names(self) -> list[str]:
-        return sorted(self._targets)
+        for entry in _plugins():
+            entry.load()
+        return sorted(set(self._scanned()) | set(self._entries))
 
     def name_of(self, obj: Any) -> str | None:
-        """The name ``obj`` (a class or function) is registered under, without importing anything;
-        None when it is not registered."""
-        target = f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', '')}"
-        return next((name for name, t in self._targets.items() if t == target), None)
+        """The name ``obj`` (a class or function) is registered under; None when it is not."""
+        return next((name for name, entry in self._entries.items() if entry is obj), None)
 
     def schema(self, name: str) -> type:
-        self.get(name)
+        """The config dataclass of ``name``, stored in Hydra's ConfigStore as ``schema/<group>/<name>``."""
+        obj = self.get(name)
+        if name not in self._schemas:
+            objects, keywords = self._options[name]
+            schema = schema_of(obj, objects=objects, keywords=keywords() if keywords else ())
+            node = schema(_target_=f"{obj.__module__}.{obj.__qualname__}")  # type: ignore[call-arg]
+            ConfigStore.instance().store(group=f"schema/{self.group}", name=name, node=node)
+            self._schemas[name] = schema
         return self._schemas[name]
 
     def __contains__(self, name: str) -> bool:
-        return name in self._targets
+        return name in self._entries or name in self._scanned() or name in self.names()
 
 
 _PLAIN = (int, float, str, bool, pathlib.Path)
@@ -151,58 +208,21 @@ def schema_of(obj: Callable[..., Any], *, objects: Sequence[str] = (),
     return schema
 
 
-STORES: Registry[type] = Registry("store", {
-    "memory": "cacheseek.stores.memory:InMemoryTierStore",
-    "localdisk": "cacheseek.stores.localdisk:LocalDiskTierStore",
-    "fluxon_plan": "cacheseek.stores.plan_tier:PlanTierStore",
-    "hbm": "cacheseek.stores.hbm:HbmTierStore",
-    "fluxon": "cacheseek.stores.fluxon_bytes:FluxonTensorTier",
-    "per_tensor": "cacheseek.stores.per_tensor:PerTensorTierStore",
-    "tiered": "cacheseek.stores.tiered:TieredStore",
-}, default="memory", configured=True)
-TRANSFERS: Registry[type] = Registry("transfer", {
-    "auto": "cacheseek.transfer:auto_transfer_runtime",
-    "host": "cacheseek.transfer.host_transfer:HostTransferRuntime",
-    "cuda": "cacheseek.transfer.cuda_transfer:CudaTransferRuntime",
-}, default="auto", configured=True)
-LAYOUTS: Registry[type] = Registry("layout", {
-    "auto": "cacheseek.layout.auto:auto_layout",
-    "bshd": "cacheseek.layout.bshd:BshdLayout",
-    "telefuser_main": "cacheseek.layout.telefuser_main:TeleFuserMainLayout",
-}, default="bshd", configured=True)
-FINGERPRINT_FIELDS: Registry[type] = Registry("fingerprint")  # filled by cacheseek.namespace
-RUNTIMES: Registry[type] = Registry("runtime", {
-    "synthetic": "cacheseek.runtime.synthetic:SyntheticRuntimeFactory",
-    "telefuser": "cacheseek.runtime.telefuser:TeleFuserRuntimeFactory",
-}, default="synthetic", configured=True)
-WORKLOADS: Registry[type] = Registry("workload", {
-    "abcd": "cacheseek.workloads.prefix_gate:PrefixGate",
-    "stress": "cacheseek.workloads.stress:StressWorkload",
-    "interactive": "cacheseek.workloads.interactive:InteractiveWorkload",
-}, default="abcd", configured=True)
-PLAN_CLIENTS: Registry[type] = Registry("plan_client", {
-    "embedded": "cacheseek.plan.embedded:EmbeddedPlanClient",
-    "device": "cacheseek.plan.device:DevicePlanClient",
-    "fluxon_native": "cacheseek.plan.fluxon_native:FluxonNativePlanClient",
-    "fluxon_public": "cacheseek.plan.fluxon_public:FluxonPublicPlanClient",
-    "fluxon": "cacheseek.plan.fluxon_select:open_fluxon_plan_client",
-}, default="embedded", configured=True)
-EVICTION_POLICIES: Registry[type] = Registry("eviction", {"lru": "cacheseek.eviction.lru:LruPolicy"}, default="lru",
-                                              configured=True)
-CODECS: Registry[type] = Registry("codec", {
-    "none": "cacheseek.codecs.base:NoneCodec",
-    "lossless": "cacheseek.codecs.lossless:ExponentSplitCodec",
-    "int8": "cacheseek.codecs.kivi:Int8Codec",
-    "int4": "cacheseek.codecs.kivi:Int4Codec",
-}, default="none")  # store.codec: how a generic tier encodes K and V (cacheseek.codecs)
+STORES: Registry[type] = Registry("store", ["cacheseek.stores"], default="memory", configured=True)
+TRANSFERS: Registry[type] = Registry("transfer", ["cacheseek.transfer"], default="auto", configured=True)
+LAYOUTS: Registry[type] = Registry("layout", ["cacheseek.layout"], default="bshd", configured=True)
+RUNTIMES: Registry[type] = Registry("runtime", ["cacheseek.runtime"], default="synthetic", configured=True)
+WORKLOADS: Registry[type] = Registry("workload", ["cacheseek.workloads"], default="abcd", configured=True)
+PLAN_CLIENTS: Registry[type] = Registry("plan_client", ["cacheseek.plan"], default="embedded", configured=True)
+EVICTION_POLICIES: Registry[type] = Registry("eviction", ["cacheseek.eviction"], default="lru", configured=True)
+CODECS: Registry[type] = Registry("codec", ["cacheseek.codecs"], default="none")  # store.codec (cacheseek.codecs)
 REGISTRIES = (STORES, TRANSFERS, LAYOUTS, RUNTIMES, WORKLOADS, PLAN_CLIENTS, EVICTION_POLICIES)
 
 
 def import_backends() -> None:
-    """Resolve every registered name (and the fingerprint fields), so that every schema is in
-    Hydra's ConfigStore before a config is composed."""
-    importlib.import_module("cacheseek.namespace")
-    for registry in REGISTRIES:
+    """Find every backend, so that every schema is in Hydra's ConfigStore before a config is
+    composed."""
+    for registry in REGISTRIES + (CODECS,):
         for name in registry.names():
             registry.get(name)
 

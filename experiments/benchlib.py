@@ -33,6 +33,13 @@ def compose(config_dir: Path, name: str, overrides: Sequence[str]) -> Any:
     return cfg
 
 
+def plain(cfg: Any) -> Any:
+    """A composed config as plain dicts and lists (resolved), for the results files."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
 def _read(path: str) -> str:
     try:
         return Path(path).read_text().strip()
@@ -68,6 +75,17 @@ def git_state() -> dict[str, Any]:
 
     return {"git_commit": git("rev-parse", "--short", "HEAD") or "unknown",
             "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), for the results files."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
 
 
 def env_info() -> dict[str, Any]:
@@ -116,6 +134,36 @@ class Progress:
 
     def note(self, message: str) -> None:
         print(f"[{self.name}]          {message}", flush=True)
+
+
+class TimedHooks:
+    """A binding with timers around its two hooks (``sync`` first waits for the producer
+    stream's work, so a hook's time is the cache's, not the chunk's compute): ``restore_s``,
+    ``write_s_per_chunk`` and their sum ``write_s``; anything else is the binding's."""
+
+    def __init__(self, binding: Any, sync: Callable[[], None]) -> None:
+        self.binding, self.sync = binding, sync
+        self.restore_s = 0.0
+        self.write_s_per_chunk: list[float] = []
+
+    @property
+    def write_s(self) -> float:
+        return sum(self.write_s_per_chunk)
+
+    def on_runtime_created(self, runtime: Any, session_config: Any) -> None:
+        t0 = time.perf_counter()
+        self.binding.on_runtime_created(runtime, session_config)
+        self.sync()
+        self.restore_s = time.perf_counter() - t0
+
+    def on_chunk_finalized(self, runtime: Any, idx: int, denoised: Any) -> None:
+        self.sync()
+        t0 = time.perf_counter()
+        self.binding.on_chunk_finalized(runtime, idx, denoised)
+        self.write_s_per_chunk.append(time.perf_counter() - t0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.binding, name)
 
 
 def median(xs: Sequence[float]) -> float:

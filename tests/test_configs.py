@@ -3,6 +3,7 @@ wrong types are rejected at compose time; bad values name the field; ``store: nu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -75,6 +76,23 @@ def test_yaml_pulls_in_the_registered_schema(group):
     for name in stems(group):
         text = (CONF / group / f"{name}.yaml").read_text()
         assert f"/schema/{group}/{name}@_here_" in text, f"conf/{group}/{name}.yaml"
+
+
+@pytest.mark.parametrize("group", sorted(REGISTRIES))
+def test_every_yaml_key_is_a_constructor_parameter(group):
+    """A key a backend YAML sets is a field of the schema made from the constructor's signature."""
+    for name in stems(group):
+        keys = set(OmegaConf.load(CONF / group / f"{name}.yaml")) - {"defaults"}
+        fields = {f.name for f in dataclasses.fields(REGISTRIES[group].schema(name))}
+        assert keys <= fields, f"conf/{group}/{name}.yaml: {sorted(keys - fields)} are not parameters"
+
+
+def test_the_tiered_store_has_a_node_per_registered_store_from_its_yaml(compose_cfg):
+    """No list of stores in tiered.yaml: every registered store is a tier, configured by its own YAML."""
+    cfg = compose_cfg("+store=tiered")
+    for name in set(STORES.names()) - {"tiered"}:
+        own = compose_cfg(f"+store={name}").store
+        assert cfg.store[name] == own, name
 
 
 def test_registry_defaults_have_yaml():
@@ -302,6 +320,7 @@ def test_a_store_field_without_a_store_names_a_store_that_has_it():
     assert "+store=localdisk store.root=/tmp/kv" in choose_a_store("store", {"root": "/tmp/kv"}).fix
     assert "+store=localdisk store.root=x (rooot: no store has it)" in choose_a_store("store", {"rooot": "x"}).fix
     assert "+store=NAME" in choose_a_store("store", {"nothing_like_it": 1}).fix
+    assert "defaults" not in choose_a_store("store", {"default": 1}).fix  # the tiered store's Hydra list is no field
 
 
 def test_disk_root_under_a_regular_file_names_store_root(compose_cfg, tmp_path):

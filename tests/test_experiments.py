@@ -3,23 +3,19 @@ configs compose, their progress, JSON results and plots are produced. Figures ne
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
+from repo_scripts import load_script
+
 REPO = Path(__file__).resolve().parent.parent
 
 
 def load(name: str):
-    path = REPO / "experiments" / name / f"bench_{name}.py"
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(REPO / "experiments"))
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"experiments/{name}/bench_{name}.py", f"bench_{name}")
 
 
 def test_transfer_benchmark_smoke(tmp_path):
@@ -97,9 +93,7 @@ def test_warmup_benchmark_and_timeline_smoke(tmp_path, capsys):
     assert set(runs) == {"nocache", "foreground", "background", "background_onecall"}
     assert runs["background"]["third_hit_depth"] == 2 and runs["background"]["register_pieces"] == 4
     assert (tmp_path / "warmup.png").stat().st_size > 0
-    spec = importlib.util.spec_from_file_location("warmup_timeline", REPO / "experiments" / "warmup" / "timeline.py")
-    timeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(timeline)
+    timeline = load_script("experiments/warmup/timeline.py", "warmup_timeline")
     timeline.main(["background", *args])
     out = capsys.readouterr().out
     # the warm-up waits for the first session from its first step: nothing registers before the
@@ -154,10 +148,7 @@ def test_session_reuse_benchmark_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_shared_index_workers_benchmark_smoke(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_workers", REPO / "experiments" / "shared_index" / "bench_workers.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(REPO / "experiments"))
-    spec.loader.exec_module(module)
+    module = load_script("experiments/shared_index/bench_workers.py", "bench_workers")
     res = module.main(['interactive=["workload.sessions=4"]', "stress=null", "workers=[1]", "restart_after=2",
                        "restart_workers=[1]", "cost_reps=1", "ops_reps=3", f"out_dir={tmp_path}", f"runs_dir={tmp_path / 'runs'}"])
     assert [r["label"] for r in res["runs"]] == [

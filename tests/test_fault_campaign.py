@@ -8,23 +8,15 @@ run by tests/fluxon/test_fault_campaign_fluxon.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from repo_scripts import load_script
 
 
 def load():
-    path = REPO / "experiments" / "fault_campaign" / "campaign.py"
-    spec = importlib.util.spec_from_file_location("fault_campaign", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(REPO / "experiments"))
-    spec.loader.exec_module(module)
-    return module
+    return load_script("experiments/fault_campaign/campaign.py", "fault_campaign")
 
 
 @pytest.mark.slow

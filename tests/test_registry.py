@@ -1,6 +1,8 @@
-"""The lazy registry: a name resolves to its class on first use, duplicates are refused, and a
-miss lists the known names."""
+"""The registries: a backend named once at its class is read off the source and imported on
+first use, duplicates are refused, a miss lists the known names, and a config is the
+constructor's signature."""
 
+import collections
 import dataclasses
 import inspect
 import subprocess
@@ -12,31 +14,51 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ValidationError
 
 from cacheseek.errors import ConfigError
-from cacheseek.registry import REGISTRIES, STORES, Registry, import_backends, schema_of
+from cacheseek.registry import LAYOUTS, REGISTRIES, STORES, Registry, import_backends, schema_of
 
 
-def test_a_name_is_imported_on_first_use_only():
+def test_a_name_is_read_off_the_source_and_imported_on_first_use_only():
+    """Naming a backend once, at its class, is enough: the registry reads the name off its
+    package's source (no import) and imports the module when the name is first used."""
     code = ("import sys\nfrom cacheseek.registry import STORES\n"
             "assert 'localdisk' in STORES and 'cacheseek.stores.localdisk' not in sys.modules\n"
+            "assert 'fluxon_plan' in STORES.names() and 'torch' not in sys.modules\n"
             "cls = STORES.get('localdisk')\n"
             "assert cls.__name__ == 'LocalDiskTierStore' and 'cacheseek.stores.localdisk' in sys.modules\n"
             "assert STORES.schema('localdisk').__name__ == 'LocalDiskTierStoreConfig'\n")
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_duplicates_are_refused_and_a_miss_names_the_known():
-    reg = Registry("thing", {"a": "collections:OrderedDict"})
+    reg = Registry("thing")
+    reg.register("a")(collections.OrderedDict)
     with pytest.raises(ValueError, match="duplicate name 'a'"):
         reg.register("a")(dict)
     reg.register("b")(dict)
     reg.register("b")(dict)  # the same object again is no duplicate
     with pytest.raises(ValueError, match="duplicate name 'b'"):
         reg.register("b")(list)
-    import collections
-
-    assert reg.get("a") is collections.OrderedDict and reg.names() == ["a", "b"]
+    assert reg.get("a") is collections.OrderedDict and reg.names() == ["a", "b"] and reg.name_of(dict) == "b"
     with pytest.raises(ConfigError, match="use one of: a, b"):
         reg.get("c")
+
+
+def test_a_backend_registered_late_is_in_the_schemas_that_list_every_backend():
+    """A configured registry stores each schema once its backends are found; one registered after
+    that (a module imported later) gets its schema at once, and a schema built from the list of
+    backends (the tiered store's one node per store) is built again with it."""
+    reg = Registry("late_thing", configured=True)
+
+    class Listing:
+        def __init__(self, **nodes: Any) -> None: ...
+
+    class Late:
+        def __init__(self, size: int = 1) -> None: ...
+
+    reg.register("listing", keywords=lambda: [(n, Any, None) for n in reg.names() if n != "listing"])(Listing)
+    reg.register("late")(Late)
+    assert [f.name for f in dataclasses.fields(reg.schema("listing"))] == ["_target_", "late"]
+    assert OmegaConf.structured(reg.schema("late")).size == 1
 
 
 def test_every_entry_resolves_to_the_class_that_registered_it():
@@ -102,3 +124,18 @@ def test_every_store_class_declares_the_tier_it_is():
     tiers = {name: STORES.get(name).tier for name in STORES.names() if name != "tiered"}
     assert all(isinstance(t, Tier) for t in tiers.values()), tiers
     assert (tiers["hbm"], tiers["localdisk"], tiers["memory"]) == (Tier.HBM_STAGING, Tier.DISK, Tier.CPU)
+
+
+def test_layouts_declare_the_runtimes_and_releases_they_match():
+    from types import SimpleNamespace
+
+    from cacheseek.integrations.telefuser.layouts import TeleFuserLayout
+    from cacheseek.layout.auto import layout_name_of_runtime
+
+    assert layout_name_of_runtime(SimpleNamespace(self_kv_cache=[])) == "bshd"
+    assert layout_name_of_runtime(SimpleNamespace(cache_handle=object())) == "telefuser_main"
+    assert layout_name_of_runtime(SimpleNamespace()) == "bshd"  # the default
+    assert {r.value: r.layout_name for r in TeleFuserLayout} == {
+        "hooked": "bshd", "released": "bshd", "main": "telefuser_main"}
+    claimed = [r for name in LAYOUTS.names() if name != "auto" for r in LAYOUTS.get(name).telefuser_releases]
+    assert sorted(claimed) == sorted(r.value for r in TeleFuserLayout), "each release laid out by one layout"

@@ -30,6 +30,12 @@ __all__ = ["BshdLayout", "LatentSpec"]
 
 @LAYOUTS.register("bshd")
 class BshdLayout(RingLayout):
+    telefuser_releases = ("hooked", "released")
+
+    @classmethod
+    def matches(cls, runtime: Any) -> bool:
+        return hasattr(runtime, "self_kv_cache")  # a runtime that holds its ring
+
     def ring_layers(self, runtime: Any) -> Any:
         return runtime.self_kv_cache
 

@@ -51,6 +51,13 @@ class RingLayout(abc.ABC):
     methods) and may override the defaulted ones."""
 
     storage_format = "cacheseek.kv.bshd.v1"
+    telefuser_releases: tuple[str, ...] = ()  # the TeleFuser releases (`TeleFuserLayout` values) laid out so
+
+    @classmethod
+    def matches(cls, runtime: Any) -> bool:
+        """Whether ``runtime`` (a runtime or session a binding is handed) is laid out so (``layout:
+        auto`` picks the first registered layout that matches, else ``bshd``)."""
+        return False
 
     # -- where things live (each layout) ------------------------------------------------------
 

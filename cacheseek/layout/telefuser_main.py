@@ -120,6 +120,12 @@ def planned_controls(session_config: Any) -> list[Any] | None:
 @LAYOUTS.register("telefuser_main")
 class TeleFuserMainLayout(RingLayout):
     runtime_layout = "telefuser_main"
+    telefuser_releases = ("main",)
+
+    @classmethod
+    def matches(cls, runtime: Any) -> bool:
+        """A session whose ring sits behind a cache handle, with no ring of its own."""
+        return hasattr(runtime, "cache_handle") and not hasattr(runtime, "self_kv_cache")
 
     # -- the session's pipeline and cache state ---------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""World-model runtimes, each named in `cacheseek.registry.RUNTIMES` (``synthetic``, ``telefuser``)
-and imported on first use; `geometry` (the sizes of a model) needs no torch."""
+"""World-model runtimes, each registered in `cacheseek.registry.RUNTIMES` at its class
+(``synthetic``, ``telefuser``); `geometry` (the sizes of a model) needs no torch."""
 
 from cacheseek.runtime.geometry import GEOMETRIES, Geometry, get_geometry, validate_window
 

@@ -1,1 +1,2 @@
-"""Store backends, each named in `cacheseek.registry.STORES` and imported on first use."""
+"""Store backends, each registered in `cacheseek.registry.STORES` at its class; the registry
+reads the names off this package's source and imports a store's module on its name's first use."""

@@ -61,7 +61,7 @@ from typing import Any, Callable  # noqa: E402
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchlib import Progress, compose, env_info, git_state, median, write_json  # noqa: E402
+from benchlib import Progress, compose, env_info, git_state, median, plain, write_json  # noqa: E402
 
 
 def old_action_bytes(control: Any) -> tuple[bytes, list[int]]:
@@ -159,7 +159,7 @@ def main(argv: list[str]) -> dict:
                 "the device path, sha256 alone and a chunk list serial vs action_keys' thread pool",
         "device": device,
         "command": " ".join(["python", "experiments/action_keys/bench_action_keys.py", *argv]),
-        "config": _plain(cfg),
+        "config": plain(cfg),
         "env": {**env_info(), **_machine(cfg, np, torch)},
         "control": "cacheseek.runtime.synthetic.control_tensor(get_geometry(g), action): the synthetic "
                    "runtime's camera control, real shape and dtype, smooth values",
@@ -442,11 +442,6 @@ def _plot(results: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
-
-def _plain(cfg: Any) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True)
 
 
 if __name__ == "__main__":

@@ -28,33 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchlib import GiB, Progress, compose, env_info, gib_s, median, write_json  # noqa: E402
-
-
-class TimedHooks:
-    """The binding with timers around its two hooks (``sync`` first waits for the producer
-    stream's work, so a hook's time is the cache's, not the chunk's compute)."""
-
-    def __init__(self, binding, sync) -> None:
-        self.binding = binding
-        self.sync = sync
-        self.restore_s = 0.0
-        self.write_s: list[float] = []
-
-    def on_runtime_created(self, runtime, session_config) -> None:
-        t0 = time.perf_counter()
-        self.binding.on_runtime_created(runtime, session_config)
-        self.sync()
-        self.restore_s = time.perf_counter() - t0
-
-    def on_chunk_finalized(self, runtime, idx, denoised) -> None:
-        self.sync()
-        t0 = time.perf_counter()
-        self.binding.on_chunk_finalized(runtime, idx, denoised)
-        self.write_s.append(time.perf_counter() - t0)
-
-    def __getattr__(self, name):
-        return getattr(self.binding, name)
+from benchlib import GiB, Progress, TimedHooks, compose, env_info, gib_s, median, plain, write_json  # noqa: E402
 
 
 def make_gate(cfg_main, sync, timings: dict):
@@ -71,7 +45,7 @@ def make_gate(cfg_main, sync, timings: dict):
             t1 = time.perf_counter()
             stack.store.flush()
             t2 = time.perf_counter()
-            timings[name] = dict(restore_s=hooks.restore_s, write_s=sum(hooks.write_s), write_s_per_chunk=hooks.write_s,
+            timings[name] = dict(restore_s=hooks.restore_s, write_s=hooks.write_s, write_s_per_chunk=hooks.write_s_per_chunk,
                                  flush_s=t2 - t1, generate_s=t1 - t0)
             k = hooks.last_fast_forward
             return RequestResult(name=name, actions=label, hit_depth=k, chunks_computed=self.n - k,
@@ -153,7 +127,7 @@ def main(argv: list[str]) -> dict:
         if cuda:
             torch.cuda.current_stream().synchronize()  # the producer stream only: side streams keep going
 
-    results: dict = {"config": _plain(cfg), "overrides": {m: common + stores[m] for m in modes},
+    results: dict = {"config": plain(cfg), "overrides": {m: common + stores[m] for m in modes},
                      "env": env_info(), "modes": {}}
     prog = Progress(len(modes) + 2, "e2e")
     results["peak"] = same_run_peak(int(cfg.peak_bytes), cuda)
@@ -311,11 +285,6 @@ def _plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
-
-def _plain(cfg):
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True)
 
 
 if __name__ == "__main__":

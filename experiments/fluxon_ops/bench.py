@@ -37,20 +37,13 @@ from pathlib import Path
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20]
 RUN_SIZES = [int(x) for x in os.environ.get("BENCH_SIZES", "").split(",") if x] or SIZES
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+
+import benchlib  # noqa: E402
 
 
 def _label(n: int) -> str:
     return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
-
-
-def _cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def main() -> int:
@@ -204,7 +197,7 @@ def main() -> int:
         client.close()
     meta = {
         "command": "PYTHONPATH=. tools/netns-run.sh python experiments/fluxon_ops/bench.py",
-        "machine": {"cpus": os.cpu_count(), "cpu_model": _cpu_model(),
+        "machine": {"cpus": os.cpu_count(), "cpu_model": benchlib.cpu_model(),
                     "mem_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
                     "kernel": platform.release()},
         "versions": {"python": sys.version.split()[0], "fluxon_py": info["fluxon_py_version"],

@@ -28,12 +28,11 @@ import gc
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchlib import GiB, Progress, compose, env_info, gib_s, median, write_json  # noqa: E402
+from benchlib import GiB, Progress, TimedHooks, compose, env_info, gib_s, median, plain, timed, write_json  # noqa: E402
 
 ALIGN = 256  # the Plan clients' value blocks
 
@@ -109,13 +108,7 @@ def section_peak(cfg, dev, transfer, sync) -> dict:
                 rt = CudaTransferRuntime(**kw)
                 runtimes.append((name, rt, rt.new_stream()))
         for name, rt, st in runtimes:
-            secs = []
-            for _ in range(int(cfg.reps) + 1):
-                sync()
-                t0 = time.perf_counter()
-                rt.copy_batch(shaped, stream=st, device_ranges=ranges)
-                sync()
-                secs.append(time.perf_counter() - t0)
+            secs = timed(lambda: rt.copy_batch(shaped, stream=st, device_ranges=ranges), int(cfg.reps) + 1, sync=sync)
             out[f"chunk_{name}_gib_s"] = gib_s(copies * size, median(secs[1:] or secs))
             if rt is not transfer:
                 rt.destroy_stream(st)
@@ -233,13 +226,8 @@ def section_full_hit(cfg, dev, transfer, sync, prog) -> dict:
         bare = bare_ring_batch(src, dst, target)
         bare_ranges = [transfer.device_range(t) for pair in src + dst for t in pair]
         bare_stream = transfer.new_stream() if hasattr(transfer, "new_stream") else None
-        bare_secs = []
-        for _ in range(int(cfg.reps) + 1):
-            sync()
-            t1 = time.perf_counter()
-            transfer.copy_batch(bare, stream=bare_stream, device_ranges=bare_ranges)
-            sync()
-            bare_secs.append(time.perf_counter() - t1)
+        bare_secs = timed(lambda: transfer.copy_batch(bare, stream=bare_stream, device_ranges=bare_ranges),
+                          int(cfg.reps) + 1, sync=sync)
         if bare_stream is not None:
             transfer.destroy_stream(bare_stream)
         out["bare_batch_s"] = median(bare_secs[1:] or bare_secs)
@@ -279,30 +267,6 @@ def section_full_hit(cfg, dev, transfer, sync, prog) -> dict:
 
 
 # -- cold A and the gate --------------------------------------------------------------------------
-class TimedHooks:
-    """The binding with its restore and write hooks timed (after the producer stream's work)."""
-
-    def __init__(self, binding, sync) -> None:
-        self.binding, self.sync = binding, sync
-        self.restore_s = 0.0
-        self.write_s = 0.0
-
-    def on_runtime_created(self, runtime, session_config) -> None:
-        t0 = time.perf_counter()
-        self.binding.on_runtime_created(runtime, session_config)
-        self.sync()
-        self.restore_s = time.perf_counter() - t0
-
-    def on_chunk_finalized(self, runtime, idx, denoised) -> None:
-        self.sync()
-        t0 = time.perf_counter()
-        self.binding.on_chunk_finalized(runtime, idx, denoised)
-        self.write_s += time.perf_counter() - t0
-
-    def __getattr__(self, name):
-        return getattr(self.binding, name)
-
-
 def request(stack, actions, sync, *, manager=None, ingest=True, hooks=True) -> dict:
     """One session: wall (generate + flush), hook times, hit depth, frame hashes."""
     h = TimedHooks(stack.new_binding(manager, ingest_enabled=ingest), sync) if hooks else None
@@ -513,7 +477,7 @@ def main(argv: list[str]) -> dict:
             torch.cuda.synchronize()
 
     sections = list(cfg.sections)
-    results: dict = {"config": _plain(cfg), "env": env_info(), "command": " ".join(["python", *sys.argv[:1], *argv])}
+    results: dict = {"config": plain(cfg), "env": env_info(), "command": " ".join(["python", *sys.argv[:1], *argv])}
     prog = Progress(len(sections) + 1, "hbm_tier")
     transfer = auto_transfer_runtime(str(dev), use_batch_api=cfg.get("use_batch_api"), copy_kernel=cfg.get("copy_kernel"))
     results["transfer"] = repr(transfer)
@@ -692,11 +656,6 @@ def _plot(r: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
-
-def _plain(cfg) -> Any:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True)
 
 
 if __name__ == "__main__":

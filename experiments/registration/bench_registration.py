@@ -22,7 +22,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchlib import GiB, Progress, compose, env_info, meminfo, write_json  # noqa: E402
+from benchlib import GiB, Progress, compose, env_info, meminfo, plain, write_json  # noqa: E402
 
 MODES = {
     "cold": dict(backing="shared", hugepages=False, prefault=False),
@@ -82,7 +82,7 @@ def main(argv: list[str]) -> dict:
             if m != "cold" or float(g) in [float(x) for x in cfg.cold_sizes_gib]]
     if cfg.repeat_first and plan:
         plan.append(plan[0])
-    results: dict = {"config": _plain(cfg), "env": env_info(), "rows": []}
+    results: dict = {"config": plain(cfg), "env": env_info(), "rows": []}
     prog = Progress(len(plan), "registration")
     for size_gib, mode in plan:
         gc.collect()
@@ -127,11 +127,6 @@ def _plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
-
-def _plain(cfg):
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True)
 
 
 if __name__ == "__main__":

@@ -104,16 +104,6 @@ def versions(etcd_bin: str) -> dict[str, str]:
     return out
 
 
-def cpu_model() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=1000, help="timed calls per records case")
@@ -210,7 +200,7 @@ def main() -> int:
         "command": "tools/netns-run.sh env PYTHONPATH=. python experiments/shared_index/probe_fluxon.py "
                    + " ".join(sys.argv[1:]),
         "rows": rows, "target": verdict, "record_stats": stats,
-        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "loadavg_before": [round(x, 2) for x in load_before],
+        "machine": {"cpu": benchlib.cpu_model(), "cores": os.cpu_count(), "loadavg_before": [round(x, 2) for x in load_before],
                     "loadavg_after": [round(x, 2) for x in load_after], "platform": platform.platform(),
                     "python": platform.python_version()},
         "versions": etcd_version, **benchlib.git_state(), "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

@@ -23,7 +23,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from benchlib import GiB, Progress, compose, env_info, gib_s, median, timed, write_json  # noqa: E402
+from benchlib import GiB, Progress, compose, env_info, gib_s, median, plain, timed, write_json  # noqa: E402
 
 
 def main(argv: list[str]) -> dict:
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> dict:
     cuda = cfg.device == "cuda"
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     reps = int(cfg.reps)
-    results: dict = {"config": dict(_plain(cfg)), "env": env_info(), "rows": []}
+    results: dict = {"config": dict(plain(cfg)), "env": env_info(), "rows": []}
     prog = Progress(8, "transfer")
 
     def sync() -> None:
@@ -383,11 +383,6 @@ def _plot(results: dict, path: Path) -> None:
     fig.subplots_adjust(left=0.5, right=0.97, top=0.95, bottom=0.08)
     fig.savefig(path, dpi=120)
 
-
-def _plain(cfg):
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True)
 
 
 if __name__ == "__main__":

@@ -10,24 +10,17 @@ again and what they wrote restores, and nothing ready lacks its values. About 3 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from repo_scripts import load_script
+
 FLUXON_ROWS = ("fluxon_kill9", "fluxon_plan_kill9")
 
 
 def load():
-    path = REPO / "experiments" / "fault_campaign" / "campaign.py"
-    spec = importlib.util.spec_from_file_location("fault_campaign", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.path.insert(0, str(REPO / "experiments"))
-    spec.loader.exec_module(module)
-    return module
+    return load_script("experiments/fault_campaign/campaign.py", "fault_campaign")
 
 
 @pytest.mark.fluxon

@@ -13,7 +13,7 @@ from cacheseek.errors import ConfigError
 from cacheseek.kv.handles import Tier
 from cacheseek.kv.locators import layer_keys
 from cacheseek.namespace import FingerprintContext
-from cacheseek.registry import FINGERPRINT_FIELDS
+from cacheseek.namespace import FINGERPRINT_FIELDS
 from cacheseek.stores.localdisk import LocalDiskTierStore
 from cacheseek.stores.memory import InMemoryTierStore
 

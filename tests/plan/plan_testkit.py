@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 from typing import Any
 
+import pytest
 import torch
 
 from cacheseek.plan.base import REQUIRED_PLAN_CALLS
@@ -18,6 +20,12 @@ from cacheseek.transfer.memory import HostMapping
 from fakes.cudart import FakeCudart
 
 STREAM = 7  # a non-legacy stream handle for the fake
+
+NEEDS_CUDA = [  # ``pytestmark`` of a module whose tests run on a real GPU
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None,
+                       reason="needs CUDA and cuda-bindings"),
+]
 
 
 class HostBuffer:

@@ -1,4 +1,6 @@
-"""The embedded Plan client: segments, allocator, key index, views, capacity, handle states."""
+"""The embedded Plan client: segments, allocator, key index, views, capacity. What every Plan client
+does (handle states, transferable prefixes, another client's handles) is tests/fluxon/test_plan_conformance.py,
+which runs on this client in the normal suite."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import threading
 
 import pytest
 
-from cacheseek.errors import ConfigError, HandleStateError, PlanError, PlanTableError, StoreClosedError, StoreFullError
+from cacheseek.errors import ConfigError, PlanError, PlanTableError, StoreClosedError, StoreFullError
 from cacheseek.plan import segment as segment_mod
 from cacheseek.plan.base import GetPlanState, PlanClient, PlanClientInfo, PutPlanState
 from cacheseek.plan.embedded import EmbeddedPlanClient
@@ -140,68 +142,6 @@ def test_overwrite_during_a_read_defers_the_free(client):
     client.release_views(plan)
     client.release_views(plan2)
     assert client.usage().used_bytes == 512 and client.usage().n_values == 1
-
-
-def test_transferable_prefix_is_whole_groups(client):
-    put(client, ["a", "b", "d"], b"v" * 64)
-    plan = client.get_start(["a", "b", "c", "d"], [2, 2])
-    assert client.get_transfer(plan)[1] == 2
-    client.release_views(plan)
-    plan = client.get_start(["c", "a"], [1, 1])
-    assert client.get_transfer(plan)[1] == 0
-    client.release_views(plan)
-    with pytest.raises(ValueError, match="sum to the 2 keys"):
-        client.get_start(["a", "b"], [1])
-
-
-def test_put_handle_states(client):
-    plan, _ = client.local_fast_put_start(["a"], 8)
-    client.put_abort(plan)
-    assert plan.state is PutPlanState.ABORTED
-    with pytest.raises(HandleStateError, match="local_fast_put_commit on a PutPlan in state aborted"):
-        client.local_fast_put_commit(plan)
-    with pytest.raises(HandleStateError):
-        client.put_abort(plan)
-    plan, _ = client.local_fast_put_start(["a"], 8)
-    client.local_fast_put_commit(plan).result()
-    assert plan.state is PutPlanState.COMMIT_SUBMITTED
-    with pytest.raises(HandleStateError, match="put_abort on a PutPlan in state commit_submitted"):
-        client.put_abort(plan)
-    with pytest.raises(HandleStateError):
-        client.local_fast_put_commit(plan)
-
-
-def test_get_handle_states(client):
-    put(client, ["a"], b"1" * 8)
-    plan = client.get_start(["a"], [1])
-    with pytest.raises(HandleStateError, match="release_views on a GetPlan in state started"):
-        client.release_views(plan)
-    client.get_transfer(plan)
-    with pytest.raises(HandleStateError):
-        client.cancel_get_transfer(plan)
-    with pytest.raises(HandleStateError):
-        client.get_transfer(plan)
-    client.release_views(plan)
-    assert plan.state is GetPlanState.RELEASED
-    with pytest.raises(HandleStateError, match="release_views on a GetPlan in state released"):
-        client.release_views(plan)
-    plan = client.get_start(["a"], [1])
-    client.cancel_get_transfer(plan)
-    assert plan.state is GetPlanState.CANCELLED
-    with pytest.raises(HandleStateError):
-        client.get_transfer(plan)
-    with pytest.raises(HandleStateError):
-        client.cancel_get_transfer(plan)
-    assert client.live_handles() == (0, 0)
-
-
-def test_handle_of_another_client_is_refused(client):
-    other = EmbeddedPlanClient(segment_bytes=MiB)
-    plan, _ = other.local_fast_put_start(["a"], 8)
-    with pytest.raises(HandleStateError, match="another Plan client"):
-        client.put_abort(plan)
-    other.put_abort(plan)
-    other.close()
 
 
 def test_failed_get_transfer_leaves_plan_started(client):

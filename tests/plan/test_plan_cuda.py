@@ -4,7 +4,6 @@ mapping), and KV plus latent round trips through the Plan tier with the real CUD
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import mmap
 import os
 import tempfile
@@ -19,15 +18,9 @@ from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.transfer.batch import CopyDescriptor, Direction
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
 from cacheseek.transfer.memory import HostMapping
-from plan_testkit import assert_restores_match, ingest, restore_target
+from plan_testkit import NEEDS_CUDA, assert_restores_match, ingest, restore_target
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None,
-        reason="needs CUDA and cuda-bindings",
-    ),
-]
+pytestmark = NEEDS_CUDA
 
 MiB = 1 << 20
 

@@ -57,7 +57,10 @@ def test_submit_returns_before_the_copies_land_then_wait_lands_them():
     assert fake.live_streams() == []
 
 
-def test_a_stream_waits_for_an_event_of_another():
+def _snapshot_then_read_on_a_side_stream(wait: bool):
+    """A D2D snapshot of ``src`` on one stream, then a D2H of the snapshot on another, after an
+    event of the first (``wait``) or not. Returns (runtime, fake, host, src, snapshot batch, the
+    snapshot's tensor: the caller keeps it alive until the batch is waited for)."""
     runtime, fake = cuda()
     host = HostBuffer(64)
     runtime.register([host.mapping()])
@@ -68,26 +71,20 @@ def test_a_stream_waits_for_an_event_of_another():
     snap = runtime.submit_batch(CopyBatch.of([mid.data_ptr()], [src.data_ptr()], [64], D2D), stream=producer,
                                 device_ranges=ranges)
     out = runtime.submit_batch(CopyBatch.of([host.ptr], [mid.data_ptr()], [64], D2H), stream=side,
-                               device_ranges=ranges, after=[snap])
+                               device_ranges=ranges, after=[snap] if wait else ())
     out.wait()
+    return runtime, fake, host, src, snap, mid
+
+
+def test_a_stream_waits_for_an_event_of_another():
+    runtime, fake, host, src, snap, mid = _snapshot_then_read_on_a_side_stream(wait=True)
     assert host.read() == bytes(src.tolist())  # the D2H saw the snapshot, not zeros
     snap.wait()
     assert fake.live_events() == runtime.idle_events
 
 
 def test_without_the_wait_the_side_stream_would_read_stale_bytes():
-    runtime, fake = cuda()
-    host = HostBuffer(64)
-    runtime.register([host.mapping()])
-    src = torch.arange(64, dtype=torch.uint8)
-    mid = torch.zeros(64, dtype=torch.uint8)
-    ranges = [runtime.device_range(src), runtime.device_range(mid)]
-    producer, side = runtime.new_stream(), runtime.new_stream()
-    snap = runtime.submit_batch(CopyBatch.of([mid.data_ptr()], [src.data_ptr()], [64], D2D), stream=producer,
-                                device_ranges=ranges)
-    out = runtime.submit_batch(CopyBatch.of([host.ptr], [mid.data_ptr()], [64], D2H), stream=side,
-                               device_ranges=ranges)
-    out.wait()
+    runtime, fake, host, src, snap, mid = _snapshot_then_read_on_a_side_stream(wait=False)
     assert host.read() == bytes(64)  # the fake models the race a missing event would be
     snap.wait()
 

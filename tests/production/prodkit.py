@@ -12,8 +12,10 @@ Invariants (`check_invariants`):
 
 from __future__ import annotations
 
+import errno
 from typing import Any, Callable, Optional
 
+from cacheseek.errors import StoreFullError
 from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
 from cacheseek.reuse.exact_prefix.keys import layer_keys
@@ -236,3 +238,26 @@ class OffByOneStore(InMemoryTierStore):
         k = k.clone()
         k.view(-1)[0] += 1
         return k, v
+
+
+class BudgetDisk:
+    """A LocalDisk backend (`DiskBackend`) whose disk holds ``budget`` bytes: a write that would
+    take the files above it fails as the disk does (the real backend's ENOSPC path:
+    `StoreFullError`), and ``free_bytes`` says what the budget leaves (the real backend asks
+    ``statvfs``)."""
+
+    def __init__(self, inner, budget: int) -> None:
+        self.inner, self.budget = inner, budget
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def free_bytes(self):
+        return max(0, self.budget - self.inner.disk_usage_bytes())
+
+    def write(self, key, value):
+        size = self.inner.stored_nbytes(key, value)
+        old = self.inner.path_of(key).stat().st_size if self.inner.exists(key) else 0
+        if self.inner.disk_usage_bytes() - old + size > self.budget:
+            raise StoreFullError(f"localdisk: disk full writing {key}: [Errno {errno.ENOSPC}] (simulated)")
+        return self.inner.write(key, value)

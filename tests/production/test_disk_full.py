@@ -23,29 +23,7 @@ from cacheseek.reuse.exact_prefix import NamespaceForest, load_forest_snapshot, 
 from cacheseek.reuse.exact_prefix.types import Tier
 from cacheseek.stores.localdisk import LocalDiskTierStore, encode_key
 
-from prodkit import FULL, ROLLING, acts, check_invariants, cold_hashes, new_manager, run_session
-
-
-class BudgetDisk:
-    """Delegates to a `DiskBackend`; a write that would take the files above ``budget`` bytes
-    fails as the disk does (the real backend's ENOSPC path: `StoreFullError`), and the free
-    bytes are what the budget leaves."""
-
-    def __init__(self, inner, budget: int) -> None:
-        self.inner, self.budget = inner, budget
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def free_bytes(self):
-        return max(0, self.budget - self.inner.disk_usage_bytes())
-
-    def write(self, key, value):
-        size = self.inner.stored_nbytes(key, value)
-        old = self.inner.path_of(key).stat().st_size if self.inner.exists(key) else 0
-        if self.inner.disk_usage_bytes() - old + size > self.budget:
-            raise StoreFullError(f"localdisk: disk full writing {key}: [Errno {errno.ENOSPC}] (simulated)")
-        self.inner.write(key, value)
+from prodkit import FULL, ROLLING, BudgetDisk, acts, check_invariants, cold_hashes, new_manager, run_session
 
 
 def test_enospc_is_store_full_from_the_real_write_path(tmp_path, monkeypatch):

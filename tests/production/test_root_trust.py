@@ -25,7 +25,7 @@ from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding
 from cacheseek.stores.disk_names import place
 from cacheseek.stores.localdisk import LocalDiskTierStore
 
-from prodkit import FULL, acts, cold_hashes, factory, new_manager, nodes, run_session
+from prodkit import FULL, BudgetDisk, acts, cold_hashes, factory, new_manager, nodes, run_session
 
 N = 4
 
@@ -357,27 +357,6 @@ def test_a_fifo_lock_is_one_config_error(tmp_path):
     assert "FIFO" in str(err) and "Invalid argument" not in str(err) and "rm " in err.fix
 
 
-class _Budget:
-    """A LocalDisk backend whose disk holds ``budget`` bytes: writes above it are ENOSPC, and
-    ``free_bytes`` says what is left (the real backend asks ``statvfs``)."""
-
-    def __init__(self, inner, budget: int) -> None:
-        self.inner, self.budget = inner, budget
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def free_bytes(self):
-        return max(0, self.budget - self.inner.disk_usage_bytes())
-
-    def write(self, key, value):
-        from cacheseek.errors import StoreFullError
-
-        if self.inner.disk_usage_bytes() + self.inner.stored_nbytes(key, value) > self.budget:
-            raise StoreFullError(f"localdisk: disk full writing {key}: [Errno {errno.ENOSPC}] (simulated)")
-        return self.inner.write(key, value)
-
-
 def test_the_capacity_rises_again_after_a_transient_full_disk(tmp_path, monkeypatch):
     """With eviction on (the manager keeps its writes under the lowered cap, so no write asks):
     once the disk has room again, the capacity rises back and sessions store every chunk."""
@@ -389,7 +368,7 @@ def test_the_capacity_rises_again_after_a_transient_full_disk(tmp_path, monkeypa
     per_session = LocalDiskTierStore(str(probe_root)).usage().used_bytes
     store = LocalDiskTierStore(str(tmp_path / "kv"), fsync=False)
     try:
-        budget = _Budget(store.backend, int(1.5 * per_session))
+        budget = BudgetDisk(store.backend, int(1.5 * per_session))
         store.backend = budget
         mgr = new_manager(store)
         for i in range(3):

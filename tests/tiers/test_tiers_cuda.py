@@ -5,7 +5,6 @@ gate passes through ``+store=tiered`` on ``runtime.device=cuda``."""
 
 from __future__ import annotations
 
-import importlib.util
 
 import pytest
 import torch
@@ -18,15 +17,9 @@ from cacheseek.stores.plan_tier import PlanTierStore
 from cacheseek.stores.tiered import TieredStore
 from cacheseek.transfer.batch import Direction
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
-from plan_testkit import RecordingTransfer, ingest, restore_target
+from plan_testkit import NEEDS_CUDA, RecordingTransfer, ingest, restore_target
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or importlib.util.find_spec("cuda.bindings") is None,
-        reason="needs CUDA and cuda-bindings",
-    ),
-]
+pytestmark = NEEDS_CUDA
 
 MiB = 1 << 20
 ROLLING = RingGeometry(chunk_size=3, frame_tokens=2, local_attn_size=7, sink_size=3)

@@ -30,6 +30,7 @@ import sys
 from typing import Any
 
 from cacheseek.errors import CacheSeekError
+from cacheseek.layout.auto import layout_name_of_release
 from cacheseek.registry import LAYOUTS
 
 __all__ = ["TeleFuserLayout", "UnsupportedTeleFuserError", "detect_layout", "RING_FIELDS", "HOOK_FIELDS",
@@ -57,8 +58,9 @@ class TeleFuserLayout(str, enum.Enum):
 
     @property
     def layout_name(self) -> str:
-        """The layout adapter (``cacheseek.registry.LAYOUTS``) for sessions of this TeleFuser."""
-        return "telefuser_main" if self is TeleFuserLayout.MAIN else "bshd"
+        """The layout adapter (``cacheseek.registry.LAYOUTS``) for sessions of this TeleFuser: the
+        one whose ``telefuser_releases`` lists it."""
+        return layout_name_of_release(self.value)
 
     def adapter(self) -> Any:
         """A new layout adapter for this TeleFuser's sessions (``layout=`` of the binding)."""

@@ -54,6 +54,7 @@ from cacheseek.stores.tiered.levels import (
     build_stores,
     close_levels,
     codec_id,
+    level_keywords,
     make_levels,
     shared_transfer,
     storage_format,
@@ -67,8 +68,7 @@ __all__ = ["TieredStore", "TieredHandle", "TierUsage", "TieredStats"]
 log = logging.getLogger(__name__)
 
 
-@STORES.register("tiered", objects=("transfer", "stores"),
-                 keywords=lambda: [(name, Any, None) for name in STORES.names() if name != "tiered"])
+@STORES.register("tiered", objects=("transfer", "stores"), keywords=level_keywords)
 class TieredStore(PathReadStore):
     """Levels fastest first (see the package docstring). ``tiers``: registry names, each with its
     config node passed by that name (``hbm={...}``); or ``stores``: built levels (the caller

@@ -23,7 +23,8 @@ from cacheseek.kv.handles import Tier
 from cacheseek.registry import STORES, instantiate
 from cacheseek.stores.base import TierStore, as_store
 
-__all__ = ["Level", "build_stores", "make_levels", "storage_format", "codec_id", "shared_transfer", "close_levels"]
+__all__ = ["Level", "build_stores", "make_levels", "storage_format", "codec_id", "shared_transfer", "close_levels",
+           "level_keywords"]
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def build_stores(names: list[str], nodes: dict[str, Any], transfer: Any) -> list
                 node = OmegaConf.to_container(node, resolve=True)
             if node is None:
                 raise ConfigError(f"store.{name}", f"tier {name!r} has no config node",
-                                  "use conf/store/tiered.yaml, which has one per backend")
+                                  "use conf/store/tiered.yaml, which has one per registered store")
             built.append((name, as_store(instantiate(node, transfer=transfer))))
     except BaseException:
         for _, store in reversed(built):
@@ -120,3 +121,13 @@ def close_levels(levels: Sequence[Level]) -> None:
             lv.store.close()
         except Exception as exc:  # noqa: BLE001 - close the others
             log.warning("tiered store: closing %s failed: %s", lv.name, exc)
+
+
+def level_keywords() -> list[tuple[str, Any, Any]]:
+    """The tiered store's config beyond its parameters (`Registry.register`'s ``keywords``): a node
+    per registered store under its name (``store.hbm``), and the Hydra defaults that fill each
+    from that store's ``conf/store/<name>.yaml`` (``optional``: a store without one on the search
+    path keeps None), so a new store is a tier without a line in tiered.yaml."""
+    names = [name for name in STORES.names() if name != "tiered"]
+    defaults = ["_self_"] + [{f"optional /store@{name}": name} for name in names]
+    return [(name, Any, None) for name in names] + [("defaults", list, defaults)]
