@@ -201,3 +201,24 @@ def test_decoder_state_every_is_checked():
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(ConfigError, match="manager.decoder_state_every"):
             LingBotWorldKVBinding(manager, forest, decoder_state_every=bad)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_state_packed_on_the_gpu_checks_there_and_on_the_host_alike():
+    """A value packed on a GPU carries the sums, computed there; the same sums computed on the host
+    agree (the value may be read where it was not written), its body restores bit-exactly on
+    either device, and a byte flipped on the device is caught."""
+    key = bytes(range(32))
+    entries = [None, "Rep", torch.randn(2, 96, 2, 60, 104, device="cuda"), torch.randn(5, 7, device="cuda").bfloat16()]
+    spec = state_value.spec_of(entries)
+    value = state_value.pack(key, entries)
+    head = value.numel() - spec.body_nbytes
+    assert state_value.body_sums(value[head:]) == state_value.body_sums(value[head:].cpu())
+    for device in ("cuda", "cpu"):
+        back = state_value.unpack(key, value, spec, "v", device)
+        assert all(torch.equal(b.cpu(), e.cpu()) for b, e in zip(back[2:], entries[2:]))
+    flipped = value.clone()
+    flipped[head + 12345] ^= 0x01
+    with pytest.raises(CorruptValueError):
+        state_value.unpack(key, flipped, spec, "v", "cuda")
