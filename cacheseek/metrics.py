@@ -140,14 +140,12 @@ class CacheMetrics:
                                    "rebuild the decoder's state.")
     decoder_states_written: int = counter("cacheseek_decoder_states_written_total", "Decoder states stored "
                                           "after a computed chunk at a resume point (decoder_state_every).")
-    decoder_state_write_bytes: int = counter("cacheseek_decoder_state_write_bytes_total", "Bytes of decoder "
-                                             "states stored.")
+    decoder_state_write_bytes: int = counter("cacheseek_decoder_state_write_bytes_total", "Bytes of decoder states stored.")
     decoder_states_dropped: int = counter("cacheseek_decoder_states_dropped_total", "Decoder states not stored "
                                           "(store full, a write error).")
     decoder_states_restored: int = counter("cacheseek_decoder_states_restored_total", "Decoder states loaded at "
                                            "divergence (the chunks before them not decoded again).")
-    decoder_state_read_bytes: int = counter("cacheseek_decoder_state_read_bytes_total", "Bytes of decoder states "
-                                            "loaded.")
+    decoder_state_read_bytes: int = counter("cacheseek_decoder_state_read_bytes_total", "Bytes of decoder states loaded.")
     decoder_states_missing: int = counter("cacheseek_decoder_states_missing_total", "Decoder states looked for "
                                           "at divergence and not found (the decoder rebuilt instead).")
     decoder_states_corrupt: int = counter("cacheseek_decoder_states_corrupt_total", "Stored decoder states that "

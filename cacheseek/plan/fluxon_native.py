@@ -194,15 +194,10 @@ class FluxonNativePlanClient:
         """`PlanClientInfo.table_arena`: every table this client hands out lies in it."""
         return self._tables.bounds
 
-    @property
-    def table_bytes_in_use(self) -> int:
-        """Bytes of the arena held by plan tables not released yet (0 once every plan ended)."""
-        return self._tables.used
-
-    @property
-    def config(self) -> dict[str, Any]:
-        """A copy of the ``FluxonKvClientConfig`` dict an owned native client is built from."""
-        return dict(self._config)
+    table_bytes_in_use = property(lambda self: self._tables.used,
+                                  doc="Bytes of the arena held by plan tables not released yet (0 once every plan ended).")
+    config = property(lambda self: dict(self._config),
+                      doc="A copy of the ``FluxonKvClientConfig`` dict an owned native client is built from.")
 
     def _copy_table(self, op: str, native: Any, ptr: Any, keys: Sequence[str], *, nbytes: Optional[Sequence[int]],
                     writable: bool) -> tuple[int, int]:

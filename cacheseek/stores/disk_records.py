@@ -36,7 +36,7 @@ class DiskRecords(ChunkRecords):
         stored = self._tier.calls.run("write", lambda: disk.write_raw_new(name, data, durable=durable), name)
         if stored:
             with self._tier._lock:
-                self._tier._ledger.seed({name: len(data)})
+                self._tier.ledger.seed({name: len(data)})
         return stored
 
     def _get_many(self, names: Sequence[str]) -> list[Optional[bytes]]:
@@ -57,7 +57,7 @@ class DiskRecords(ChunkRecords):
     def _delete(self, name: str) -> None:
         self._tier.calls.delete(name)
         with self._tier._lock:
-            self._tier._ledger.forget(name)
+            self._tier.ledger.forget(name)
 
     def _names(self) -> list[str]:
         return [k for k in self._tier.keys() if k.endswith(RECORD_SUFFIX)]

@@ -133,7 +133,7 @@ class KeyValueTier(TierStore):
                                   on_corrupt=self._corrupt)
         # bytes of every value this tier holds or is writing; a backend that knows its medium's free
         # bytes lets a full medium's cap rise again
-        self._ledger = ValueLedger(self.stats, free_bytes=self.calls.free_bytes if self.calls.knows_free_bytes else None)
+        self.ledger = ValueLedger(self.stats, free_bytes=self.calls.free_bytes if self.calls.knows_free_bytes else None)
         self._lock = threading.Lock()  # guards stats and the ledger
         self._closed = False  # to callers
         self._backend_closed = False  # once nothing runs in it any more (`close`)
@@ -150,24 +150,19 @@ class KeyValueTier(TierStore):
 
     def _reserved(self, key: str) -> bool:
         with self._lock:
-            return key in self._ledger.sizes
+            return key in self.ledger.sizes
 
     def _corrupt(self, key: str, exc: CorruptValueError, *, removed: bool) -> None:
         with self._lock:
             self.stats.corrupt_values += 1
             self.stats.last_error = f"{type(exc).__name__}: {exc}"
             if removed:
-                self._ledger.forget(key)
+                self.ledger.forget(key)
 
     @property
     def write_back(self) -> bool:
         """Whether writes run on the write-back thread (``put_async`` returns before they land)."""
         return self.pending.worker is not None
-
-    def counted_keys(self) -> set[str]:
-        """The keys whose bytes the tier counts (held or being written): what `usage` sums."""
-        with self._lock:
-            return set(self._ledger.sizes)
 
     @classmethod
     def size_fields(cls, config: dict[str, Any]) -> list[SizeField]:
@@ -223,7 +218,7 @@ class KeyValueTier(TierStore):
             removed = self.calls.remove_partial(touched)
             handle.fail(exc)
             with self._lock:
-                self._ledger.refund(old, removed, exc, caps=self.calls.caps_on_full(exc), name=self.name)
+                self.ledger.refund(old, removed, exc, caps=self.calls.caps_on_full(exc), name=self.name)
                 self.stats.failed_writes += 1
                 self.stats.last_error = f"{type(exc).__name__}: {exc}"
                 self.pending.done()
@@ -267,7 +262,7 @@ class KeyValueTier(TierStore):
             self.calls.write(locator, latent)
         except BaseException as exc:
             with self._lock:
-                self._ledger.refund(old, [], exc, caps=self.calls.caps_on_full(exc), name=self.name)
+                self.ledger.refund(old, [], exc, caps=self.calls.caps_on_full(exc), name=self.name)
             if isinstance(exc, StoreError) or not isinstance(exc, Exception):
                 raise
             raise StoreError(f"{self.name}: write of {locator} failed: {type(exc).__name__}: {exc}") from exc
@@ -279,7 +274,7 @@ class KeyValueTier(TierStore):
 
     def _reserve(self, sizes: list[tuple[str, int]]) -> dict[str, Optional[int]]:
         """Under ``_lock``: `ValueLedger.reserve`, the refusal naming this tier and its fix."""
-        return self._ledger.reserve(sizes, name=self.name, fix=self.capacity_fix)
+        return self.ledger.reserve(sizes, name=self.name, fix=self.capacity_fix)
 
 
     @property
@@ -295,7 +290,7 @@ class KeyValueTier(TierStore):
 
     def usage(self) -> StoreUsage:
         with self._lock:
-            return self._ledger.usage(self.name, time.monotonic())
+            return self.ledger.usage(self.name, time.monotonic())
 
     # -- reads --------------------------------------------------------------------------------
 
@@ -349,7 +344,7 @@ class KeyValueTier(TierStore):
         for key in blob_keys(handle.locator, handle.n_layers, pairs=handle.pairs):
             self.calls.delete(key)
             with self._lock:
-                self._ledger.forget(key)
+                self.ledger.forget(key)
         with self._lock:
             self.stats.frees += 1
 
@@ -358,7 +353,7 @@ class KeyValueTier(TierStore):
         self._check_open()
         self.calls.delete(locator)
         with self._lock:
-            self._ledger.forget(locator)
+            self.ledger.forget(locator)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Which of ``keys`` hold a value, in order (the backend's ``exists`` when it has one,

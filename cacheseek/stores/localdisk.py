@@ -382,7 +382,7 @@ class LocalDiskTierStore(KeyValueTier):
             t0 = time.monotonic()
             for files in self._per_shard(lambda s: disk.shard_files(s, sweep=True)):  # no list of the root
                 with self._lock:
-                    self._ledger.seed({key: size for key, size, _ in files})
+                    self.ledger.seed({key: size for key, size, _ in files})
             self._scan_total = self._scan_mine = self.stats.used_bytes
             self._scanned_at = time.monotonic()
             self._scan_cost_s = self._scanned_at - t0
@@ -460,9 +460,9 @@ class LocalDiskTierStore(KeyValueTier):
                 if total is not None:
                     self._scan_total, self._scan_mine, self._scanned_at = total, mine, now
         with self._lock:
-            self._ledger.refresh(self.name, now)  # a full disk's cap rises again once it has room
+            self.ledger.refresh(self.name, now)  # a full disk's cap rises again once it has room
             used = max(0, self._scan_total + self.stats.used_bytes - self._scan_mine)
-            return StoreUsage(used, self.stats.capacity_bytes, max(self.stats.peak_bytes, used), len(self._ledger))
+            return StoreUsage(used, self.stats.capacity_bytes, max(self.stats.peak_bytes, used), len(self.ledger))
 
     def disk_usage_bytes(self) -> int:
         self._check_open()
@@ -475,7 +475,7 @@ class LocalDiskTierStore(KeyValueTier):
         for key in keys:
             self.calls.delete(key)
             with self._lock:
-                self._ledger.forget(key)
+                self.ledger.forget(key)
 
     def describe(self) -> dict[str, Any]:
         out = super().describe()

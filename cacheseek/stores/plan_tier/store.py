@@ -147,8 +147,8 @@ class PlanTierStore(PathReadStore):
         self._closed = False
         self._counters = Counters()
         self._warmup = Warmup(options, self._counters)
-        self._starts = self._warmup.starts
-        self._owns_client = plan_client is None
+        self.starts = self._warmup.starts  # the sessions starting now, which the warm-up yields to
+        self.owns_client = plan_client is None  # whether it built its Plan client (and closes it)
         if plan_client is None:
             plan_client = build_client(client, dict(segment_bytes=segment_bytes, prefault_threads=options.prefault_threads,
                                                     backing=backing, hugepages=hugepages, shm_dir=shm_dir),
@@ -173,7 +173,7 @@ class PlanTierStore(PathReadStore):
             self._warmup.start(lambda: self._link.warm_up(device))
         except BaseException:
             self._teardown()
-            if self._owns_client:
+            if self.owns_client:
                 self._client.close()
             raise
 
@@ -228,20 +228,8 @@ class PlanTierStore(PathReadStore):
                        pending_writes=self._completion.pending, inflight_bytes=inflight, peak_inflight_bytes=peak,
                        staging_bytes=staging, transfer=transfer.stats.as_dict() if transfer is not None else {})
 
-    @property
-    def completion_thread(self) -> Optional[threading.Thread]:
-        """The thread that finishes overlapped writes, once started (None before)."""
-        return self._completion.thread
-
-    @property
-    def starts(self) -> Any:
-        """The sessions starting now, which the warm-up yields to (`SessionStarts`)."""
-        return self._starts
-
-    @property
-    def owns_client(self) -> bool:
-        """Whether the store built its Plan client (and closes it) or was handed one."""
-        return self._owns_client
+    completion_thread = property(lambda self: self._completion.thread,
+                                 doc="The thread that finishes overlapped writes, once started (None before).")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -385,7 +373,7 @@ class PlanTierStore(PathReadStore):
             try:
                 self._teardown()
             finally:
-                if self._owns_client:
+                if self.owns_client:
                     self._client.close()
 
     def _teardown(self) -> None:
