@@ -99,7 +99,7 @@ class HandOut:
 
     def _reset_handout(self) -> None:
         self._lazy, self._lazy_controls, self._computed, self._replay_pending = [], {}, False, False
-        self._served_path, self._decoder = [], NO_DECODER
+        self._served_path = []
         self.frames_served = self.chunks_materialized = self.chunks_computed = 0
 
     @property
@@ -123,17 +123,16 @@ class HandOut:
         """What to do with chunk ``idx`` (see the module docstring); ``decoder``: the runtime's
         decoder, whose state stored at a resume point may replace the replay. Never raises: a
         failure computes the chunk as a cold session would."""
-        self._decoder = decoder
-        try:
-            return self._next_chunk(runtime, idx, spec)
+        try:  # the decoder is not kept: it holds the runtime, which holds this binding
+            return self._next_chunk(runtime, idx, spec, decoder)
         except Exception as exc:  # noqa: BLE001 - a cache must never take a session down
             log.exception("chunk %d: choosing between frames and compute failed", idx)
             self.manager.metrics.record_hook_failure("next_chunk", type(exc).__name__)
             return self._recompute(idx) if self._lazy and not self._computed else COMPUTE
 
-    def _next_chunk(self, runtime: Any, idx: int, spec: FramesSpec) -> NextChunk:
+    def _next_chunk(self, runtime: Any, idx: int, spec: FramesSpec, decoder: RuntimeDecoder) -> NextChunk:
         if self._replay_pending:  # materialized before this chunk: the decoder catches up first
-            return self._replay(runtime, idx)
+            return self._replay(runtime, idx, decoder)
         if not self.lazy or not self._lazy:
             if self._handout and idx not in self._restored and idx >= self.last_fast_forward:
                 self.chunks_computed += 1
@@ -147,7 +146,7 @@ class HandOut:
                     node.last_access = self.manager.clock()
                 self.frames_served += 1
                 return NextChunk(frames=frames)
-        return self._materialize(runtime, idx)
+        return self._materialize(runtime, idx, decoder)
 
     def materialize(self, runtime: Any) -> int:
         """Restore the served path into ``runtime`` now, as the session's divergence does (its
@@ -175,31 +174,31 @@ class HandOut:
         self.manager.metrics.add(materializations=1, chunks_materialized=len(lazy))
         return len(lazy)
 
-    def _materialize(self, runtime: Any, idx: int) -> NextChunk:
+    def _materialize(self, runtime: Any, idx: int, decoder: RuntimeDecoder) -> NextChunk:
         """Restore the served path into the runtime (chunk ``idx`` computes or decodes next)."""
         served = self.materialize(runtime)
         if not served:
             return self._recompute(idx)
-        return self._replay(runtime, idx)
+        return self._replay(runtime, idx, decoder)
 
-    def _replay(self, runtime: Any, idx: int) -> NextChunk:
+    def _replay(self, runtime: Any, idx: int, decoder: RuntimeDecoder) -> NextChunk:
         """After a materialization: the served chunks' latents (0..idx-1, leaving the cached
         latents), decoded again before chunk ``idx`` after the nearest stored decoder state, if
         any; later ones stay decode-only."""
         self._replay_pending = False
         cached = self.layout.cached_latents(runtime)
         latents = [cached.pop(j) for j in range(idx)]
-        start, state = self._stored_decoder_state(idx)
+        start, state = self._stored_decoder_state(idx, decoder)
         replay = tuple(latents[start:])
         self.manager.metrics.add(decoder_replays=len(replay))
         if idx not in cached and idx not in self._restored:
             self.chunks_computed += 1
         return NextChunk(replay=replay, replay_from=start, decoder_state=state)
 
-    def _stored_decoder_state(self, idx: int) -> tuple[int, Any]:
+    def _stored_decoder_state(self, idx: int, decoder: RuntimeDecoder) -> tuple[int, Any]:
         """``(j + 1, state)``: the decoder's state stored after the nearest resume point ``j <=
         idx - 1`` of the served path; ``(0, None)`` when none is stored (or readable)."""
-        path, decoder = self._served_path, self._decoder
+        path = self._served_path
         for j in resume_points(self.decoder_state_every, min(idx, len(path))):
             try:
                 spec = decoder.spec(j)

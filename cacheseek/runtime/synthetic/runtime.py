@@ -30,6 +30,7 @@ stored at a resume point, if it has one: `SyntheticDecoder`).
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,7 +72,7 @@ class SyntheticDecoder(RuntimeDecoder):
     ``[3, latent_h, latent_w]`` float32."""
 
     def __init__(self, runtime: "SyntheticWorldRuntime") -> None:
-        self.runtime = runtime
+        self.runtime = weakref.proxy(runtime)  # the runtime holds its decoder: no cycle keeps its ring
         self.device = runtime.device
 
     def spec(self, after_chunk: int) -> DecoderStateSpec:
