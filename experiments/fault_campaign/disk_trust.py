@@ -428,7 +428,7 @@ def stalled_scenario(c: Any, cfg: dict, work: Path, rng: Any) -> dict[str, Any]:
             out["blocked_calls"] += stall.blocked
             t_back = time.perf_counter()
             store.calls.bounded.wait_quiet(HANG_S)  # the stuck calls finish (late writes removed again)
-            out["orphan_files"] += len(set(store.keys()) - set(store._ledger.sizes))
+            out["orphan_files"] += len(set(store.keys()) - set(store.ledger.sizes))
             sub = c.row("")
             replay(c, sub, mgr, store, batch, ingest=op == "write", t_fault=t_back,
                    reference=reference_of(c, store) if op == "read" else None)
