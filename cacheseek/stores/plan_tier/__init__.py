@@ -12,7 +12,8 @@ One module per idea; each states the lifecycle of what it hands out:
     write.py       the write path: put plans per size, D2H batches, overlapped snapshots
                    (`Writer`, `PutPlans`)
     completion.py  the completion thread of overlapped writes: pieces, commit, ready (`Completion`)
-    read.py        the read path: path checks, H2D batches, get plans released (`Reader`)
+    read.py        the read path: H2D batches, get plans released (`Reader`)
+    path_target.py what a path read copies: the path checked against the target, its copy runs
     capacity.py    staging slots and in-flight bytes; segment usage and removals
     stats.py       `Counters`, the `PlanTierStats` snapshot, failures as `StoreError`s and the one
                    place a write's end is set on its blob

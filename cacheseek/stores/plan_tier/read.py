@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import logging
 import threading
 import time
@@ -56,6 +55,7 @@ from cacheseek.kv.locators import blob_keys, layer_keys
 from cacheseek.kv.payload import LayerPayload, RestoreTarget
 from cacheseek.plan.base import GetPlan, PlanClient
 from cacheseek.plan.table import decode_plan_table
+from cacheseek.stores.plan_tier.path_target import check_path, run_arrays
 from cacheseek.stores.plan_tier.segments import Attached, TransferLink, ValueMemory, copy_now, nbytes
 from cacheseek.stores.plan_tier.stats import Counters, settle
 from cacheseek.transfer.batch import CopyBatch
@@ -63,7 +63,7 @@ from cacheseek.transfer.lazy import LazyModule
 from cacheseek.transfer.memory import DeviceRanges, MemoryRange
 from cacheseek.transfer.pending import PendingBatch
 
-__all__ = ["GetRead", "HeldReads", "Reader", "check_path"]
+__all__ = ["GetRead", "HeldReads", "Reader"]
 
 np = LazyModule("numpy")
 log = logging.getLogger(__name__)
@@ -135,59 +135,6 @@ class GetRead:
         else:
             self._client.cancel_get_transfer(self.plan)
             self._counters.count(gets_cancelled=1)
-
-
-def check_path(
-    path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget
-) -> Optional[tuple[list[str], list[BlobHandle]]]:
-    """The path's latent keys and the window's blob handles; None on a miss (a node without
-    latent or ready blob). Raises `LayoutMismatchError` when sizes, depths or runs disagree
-    with the target."""
-    n_layers, value_nbytes = target.n_layers, target.chunk_value_nbytes
-    if n_layers == 0 or len(target.latents) != len(path):
-        raise LayoutMismatchError(
-            f"{len(target.latents)} latent targets and {n_layers} layers for a path of {len(path)}"
-        )
-    depths = [n.depth for n in window]
-    if depths != list(target.window_depths):
-        raise LayoutMismatchError(
-            f"window depths {depths} differ from the target's {list(target.window_depths)}"
-        )
-    latent_keys = [n.skeleton.latent_locator for n in path if n.skeleton is not None]
-    blobs = [n.blob for n in window if n.blob is not None and n.blob.ready]
-    if len(latent_keys) != len(path) or len(blobs) != len(window):
-        return None
-    for blob in blobs:
-        if blob.n_layers != n_layers or blob.nbytes != 2 * n_layers * value_nbytes:
-            raise LayoutMismatchError(
-                f"blob {blob.locator} holds {blob.n_layers} layers in {blob.nbytes} B; the "
-                f"runtime expects {n_layers} layers of K and V of {value_nbytes} B each"
-            )
-    for run in target.runs:
-        if run.chunk_depth not in depths or run.src_token + run.n_tokens > target.chunk_tokens:
-            raise LayoutMismatchError(
-                f"copy run {run} is outside the window or a {target.chunk_tokens}-token chunk"
-            )
-    return latent_keys, blobs
-
-
-@functools.lru_cache(maxsize=64)
-def runs_as_arrays(runs: tuple, window_depths: tuple, token_bytes: int) -> tuple:
-    """A restore's runs as four read-only int64 arrays of length n_runs (window slot, source and
-    destination byte offsets, bytes), cached per window shape: every restore of that shape shares them."""
-    slot = {depth: j for j, depth in enumerate(window_depths)}
-    tokens = np.array([(r.src_token, r.dst_token, r.n_tokens) for r in runs], dtype=np.int64).reshape(-1, 3)
-    arrays = [np.array([slot[r.chunk_depth] for r in runs], dtype=np.int64)]
-    arrays += [np.ascontiguousarray(tokens[:, i]) * token_bytes for i in range(3)]
-    for a in arrays:
-        a.flags.writeable = False  # shared by every restore of this shape
-    return tuple(arrays)
-
-
-def _run_arrays(target: RestoreTarget) -> tuple:
-    """``(window slot, source offset, ring offset, bytes)`` of each copy run of ``target``, int64
-    ``[n_runs]`` each (cached: a runtime restores the same few shapes of window)."""
-    return runs_as_arrays(tuple(target.runs), tuple(target.window_depths), int(target.token_bytes))
 
 
 class HeldReads:
@@ -377,7 +324,7 @@ class Reader:
         engine starts on it. Only the sources change between restores into the same ring and
         latent targets: the destinations, sizes and directions are kept (`_destinations`)."""
         kv = values[n_latents:].reshape(n_chunks, 2 * target.n_layers)
-        run_slot, src_off, _, _ = _run_arrays(target)
+        run_slot, src_off, _, _ = run_arrays(target)
         dsts, sizes, codes = self._destinations(target, declared)
         srcs = np.concatenate([(kv[run_slot] + src_off[:, None]).ravel(), values[:n_latents]])
         return CopyBatch(dsts, srcs, sizes, codes)
@@ -390,7 +337,7 @@ class Reader:
         kept = self._dests
         if kept is not None and kept[0] is declared and kept[1] == key:
             return kept[2]
-        _, _, dst_off, run_bytes = _run_arrays(target)
+        _, _, dst_off, run_bytes = run_arrays(target)
         width = 2 * target.n_layers
         dsts = np.concatenate([(declared.ring_ptrs[None, :] + dst_off[:, None]).ravel(),
                                np.array([p for p, _ in declared.lat_spans], dtype=np.int64)])

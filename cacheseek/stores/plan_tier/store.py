@@ -35,7 +35,6 @@ files, the generic Fluxon tier) carry checksums (`cacheseek.stores.checksum`).
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
