@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from cacheseek.errors import CorruptValueError, StoreError
+from cacheseek.errors import CorruptValueError
 from cacheseek.kv import decoder_state as state_value
 from cacheseek.kv.decoder_state import DecoderStateSpec
 from cacheseek.kv.locators import decoder_state_locator
 from cacheseek.kv.runtime_decoder import RuntimeDecoder
+from cacheseek.reuse.exact_prefix.beside_chunk import put_beside_chunk
 
 if TYPE_CHECKING:
     from cacheseek.reuse.exact_prefix.manager import WorldKVManager
@@ -60,17 +61,9 @@ class ChunkDecoderStates:
             value = state_value.pack(node.node_key, entries, device)
             if not ctx.store.accepts_device_views and value.device.type != "cpu":
                 value = value.cpu()
-            loc = decoder_state_locator(node.node_key)
-            try:
-                ctx.store.put_skeleton(loc, value)  # never evicts KV to make room: a full store drops it
-            except StoreError as exc:
-                log.info("the decoder state after %r was not stored (a divergence there replays): %s", node, exc)
-                ctx.metrics.add(decoder_states_dropped=1)
-                return False
-            with ctx.forest.lock:
-                gone = node.blob is None or node.blob.error is not None
-            if gone:  # the chunk's KV left meanwhile: its state goes too
-                free_decoder_state(ctx, node.node_key)
+            if not put_beside_chunk(ctx, node, decoder_state_locator(node.node_key), value,
+                                    what="decoder state (a divergence there replays)", dropped="decoder_states_dropped",
+                                    free=lambda: free_decoder_state(ctx, node.node_key)):
                 return False
             ctx.metrics.add(decoder_states_written=1, decoder_state_write_bytes=int(value.numel()))
             return True

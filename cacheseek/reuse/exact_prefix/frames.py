@@ -25,10 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cacheseek.errors import CorruptValueError, StoreError
+from cacheseek.errors import CorruptValueError
 from cacheseek.kv import frames as frames_value
 from cacheseek.kv.frames import FramesSpec
 from cacheseek.kv.locators import frames_locator
+from cacheseek.reuse.exact_prefix.beside_chunk import put_beside_chunk
 from cacheseek.reuse.exact_prefix.decoder_states import free_decoder_state
 
 log = logging.getLogger(__name__)
@@ -67,17 +68,8 @@ class ChunkFrames:
         if ctx.store.accepts_device_views and str(device) != "cpu":
             value = value.to(device)
             torch.cuda.current_stream(value.device).synchronize()
-        loc = frames_locator(node.node_key)
-        try:
-            ctx.store.put_skeleton(loc, value)  # never evicts KV to make room: a full store drops them
-        except StoreError as exc:
-            log.info("the frames of %r were not stored (its restore decodes instead): %s", node, exc)
-            ctx.metrics.add(frames_dropped=1)
-            return False
-        with ctx.forest.lock:
-            gone = node.blob is None or node.blob.error is not None
-        if gone:  # the chunk's KV left meanwhile: its frames go too
-            free_frames(ctx, node.node_key)
+        if not put_beside_chunk(ctx, node, frames_locator(node.node_key), value, what="frames (its restore decodes)",
+                                dropped="frames_dropped", free=lambda: free_frames(ctx, node.node_key)):
             return False
         ctx.metrics.add(frames_written=1, frames_write_bytes=int(value.numel()))
         return True
