@@ -10,25 +10,31 @@
 - `device_sync`: the device's synchronize (nothing on a CPU);
 - `nocache_run`: a session without a cache, timed as the gate times a request (its generate,
   after its runtime is made, synchronized);
-- `plain` (a config as plain data) and `entry` (``--one NAME ...``: the child, else the parent).
+- `plain` (a config as plain data) and `entry` (``--one NAME ...``: the child, else the parent);
+- `profiled`: with ``BENCH_PROFILE=1`` in the environment, a block run under cProfile, its top
+  functions (cumulative and own time) written beside the results (``profile_<what>.txt``).
 
 Not part of the package: the scripts put ``experiments/`` on sys.path.
 """
 
 from __future__ import annotations
 
+import contextlib
+import cProfile
+import io
 import json
 import os
+import pstats
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from benchlib import REPO, write_json
 
-__all__ = ["run_children", "child_stack", "device_sync", "nocache_run", "plain", "entry"]
+__all__ = ["run_children", "child_stack", "device_sync", "nocache_run", "plain", "entry", "profiled"]
 
 
 def run_children(script: Path, names: Sequence[str], argv: Sequence[str], cfg: Any, out_dir: Path,
@@ -109,3 +115,23 @@ def entry(main: Callable[[list[str]], Any], run_one: Callable[[str, list[str]], 
         run_one(sys.argv[2], sys.argv[3:])
     else:
         main(sys.argv[1:])
+
+
+@contextlib.contextmanager
+def profiled(out_dir: Path, what: str, top: int = 45) -> Iterator[None]:
+    """The block under cProfile when ``BENCH_PROFILE=1`` (else nothing): its top ``top`` functions
+    by cumulative and by own time in ``out_dir/profile_<what>.txt``."""
+    if os.environ.get("BENCH_PROFILE") != "1":
+        yield
+        return
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        yield
+    finally:
+        prof.disable()
+        text = io.StringIO()
+        for order in ("cumulative", "tottime"):
+            pstats.Stats(prof, stream=text).sort_stats(order).print_stats(top)
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        (Path(out_dir) / f"profile_{what}.txt").write_text(text.getvalue())

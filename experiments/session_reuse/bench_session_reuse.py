@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from benchlib import REPO, compose, env_info, git_state, write_json  # noqa: E402
-from gate_children import child_stack, device_sync, entry, nocache_run, plain, run_children  # noqa: E402
+from gate_children import child_stack, device_sync, entry, nocache_run, plain, profiled, run_children  # noqa: E402
 
 REQUESTS = ("A", "B", "C", "D")
 TARGETS = {"B_ratio": 0.03, "C_ratio": 0.40, "live_restored_ms": 15.0, "ttff_ms": 60.0, "first_computed_ratio": 1.3,
@@ -135,7 +135,7 @@ def run_one(name: str, argv: list[str]) -> None:
               f"{g['decoder_replays']} chunks replayed", flush=True)
 
         if full:
-            with stage_timers(sync) as stages:  # B again, each stage synchronized
+            with stage_timers(sync) as stages, profiled(out_dir, f"{name}.B2"):  # B again, each stage synchronized
                 again = gate._request(stack, "B2", px, "P+X")
             row["b_stages"] = {"wall_s": again.wall_s, "hit_depth": again.hit_depth, **stages}
             print("  B stages (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in stages.items()), flush=True)
@@ -152,7 +152,12 @@ def run_one(name: str, argv: list[str]) -> None:
             print(f"  time to first frame, planned session on a cached path: {row['ttff_planned_s'] * 1e3:.1f} ms",
                   flush=True)
 
-            row["live"] = _live(stack, factory, px, int(cfg.live_sessions), sync)
+            with profiled(out_dir, f"{name}.C2"):
+                c2 = gate._request(stack, "C2", gate.P + gate.Z[len(gate.P):], "P+Z")  # a suffix not cached yet
+            row["c_again"] = {"wall_s": c2.wall_s, "hit_depth": c2.hit_depth, "frames_served": c2.frames_served}
+            print(f"  C again (P+Z): {c2.wall_s:.3f} s, K={c2.hit_depth}", flush=True)
+            with profiled(out_dir, f"{name}.live"):
+                row["live"] = _live(stack, factory, px, int(cfg.live_sessions), sync)
             lv = row["live"]
             print(f"  live: restored chunk median {_ms(lv['restored_median_s'])} (generate_next_chunk "
                   f"{_ms(lv['restored_seam_median_s'])}, with the control's build {_ms(lv['restored_service_median_s'])}),"
