@@ -14,7 +14,8 @@ One module per idea; each states the lifecycle of what it hands out:
                    pieces, commit, ready (`Completion`)
     read.py        the read path: the path checked against the target and its copy runs, H2D
                    batches, get plans released (`Reader`)
-    capacity.py    staging slots and in-flight bytes; segment usage and removals
+    capacity.py    staging slots (their layout, the pieces out of them) and in-flight bytes;
+                   segment usage and removals
     stats.py       `Counters`, the `PlanTierStats` snapshot, failures as `StoreError`s and the one
                    place a write's end is set on its blob
 

@@ -1,5 +1,5 @@
-"""`PlanTierStore` (store ``fluxon_plan``): the facade that implements the store interfaces over
-the Plan tier's roles; every method checks the store is open and hands the call to one role.
+"""`PlanTierStore` (store ``fluxon_plan``): the store interfaces over the Plan tier's roles;
+every method checks the store is open and hands the call to one role. Its warm-up: `Warmup`.
 
 It is a `TierStore` and a `PathReadStore` (``accepts_device_views``): the manager hands it
 detached views of the ring tail on write and a `RestoreTarget` on read (docs/design.md section 2).
@@ -8,17 +8,11 @@ Lifecycle::
 
     PlanTierStore(...)   the client built (or given), then warmed up (`Warmup`): its segments
                          ready and registered, streams made, staging allocated (`TransferLink`)
-    put_async / put_skeleton / copy_values_from          -> `Writer` (overlapped writes end on
-                                                            the `Completion` thread)
-    read_path / get_skeleton / get_layer / contains      -> `Reader`
-    usage / free / free_skeleton                         -> `SegmentCapacity` (free retracts
-                                                            the chunk's record first)
-    records                                              the client's chunk records
-                                                            (`client_records`: a Fluxon
-                                                            cluster's; none for the embedded one)
-    ready / wait_ready / session_starting                -> `Warmup` (and its `SessionStarts`)
-    stats                                                -> `PlanTierStats` (`Counters`)
-    flush()   every pending write ended (bounded)
+    put_async / put_skeleton / copy_values_from   -> `Writer` (overlapped: `Completion`)
+    read_path / get_skeleton / get_layer / contains -> `Reader`
+    usage / free / free_skeleton                  -> `SegmentCapacity`
+    ready / wait_ready / session_starting         -> `Warmup` (and its `SessionStarts`)
+    records   the client's chunk records (a Fluxon cluster's; none for the embedded one)
     close()   flush; the completion thread stopped; staging dropped; streams destroyed;
               segments unregistered; what the store built closed. Idempotent; any other call
               after it raises `StoreClosedError`.
@@ -32,32 +26,19 @@ of its own (no disk, no socket). Values that vanish (evicted, a restarted owner)
 misses (``contains``) and invalidated by the manager; the tiers whose media can corrupt (LocalDisk
 files, the generic Fluxon tier) carry checksums (`cacheseek.stores.checksum`).
 
-`Warmup`: the Plan tier's warm-up on the constructor's path, or on a thread of its own, with
-its options (`WarmupOptions`) and the session starts it yields to.
-
-Warming a segment maps it, pre-faults it (2 MiB pages, several threads) and registers it with the
-transfer runtime piece by piece (`TransferLink`: fault a piece, register it, the next), makes the
-streams and the staging slots: about 0.2 s/GiB on an H200 host, so
-5 s for a 24 GiB segment and 13 s for 64 GiB before the first request. ``foreground`` (the default)
-runs it in the constructor: a store that returns is ready, and a failure raises there.
-``background`` returns at once; until the warm-up ends the store serves every read as a miss and
-refuses every write with `StoreWarmingError`; the binding, seeing ``ready`` False, runs such a
-session as with no cache (no keys, no lookup, no writes), so the first request is served as soon
-as with no cache at all. A background warm-up also yields to session start-up: between pieces it
-waits while a session holds a `SessionStarts` token (`PlanTierStore.session_starting`, taken by
-the binding from its creation until its ``on_runtime_created`` returns), at most
-``warmup_yield_s`` per session start, so the runtime's allocations never queue behind a
-registration.
-
-Lifecycle::
-
-    Warmup(options)                 nothing run yet; a background one holds a first start token
-    start(run), foreground          run() now; its exception propagates
-    start(run), background          run() on thread "cacheseek-plan-warmup"; its exception is kept
-    ready                           True once run() returned (never after a failure)
-    wait(timeout_s) -> bool         block until it ended (ready or failed), at most timeout_s
-    join(timeout_s)                 close(): bounded; `StoreTimeoutError` while it still runs, so
-                                    that nothing is torn down under it
+The warm-up (`Warmup`, `WarmupOptions`) maps the segment, pre-faults it (2 MiB pages, several
+threads) and registers it with the transfer runtime piece by piece (`TransferLink`), makes the
+streams and the staging slots: about 0.2 s/GiB on an H200 host (5 s for 24 GiB, 13 s for 64 GiB)
+before the first request. ``foreground`` (the default) runs it in the constructor: a store that
+returns is ready, and a failure raises there. ``background`` returns at once, runs it on thread
+"cacheseek-plan-warmup" and keeps its exception; until it ends the store serves every read as a
+miss and refuses every write with `StoreWarmingError`; the binding, seeing ``ready`` False, runs
+such a session as with no cache (no keys, no lookup, no writes), so the first request is served
+as soon as with no cache at all. Between pieces a background warm-up waits while a session holds
+a `SessionStarts` token (`PlanTierStore.session_starting`, taken by the binding from its creation
+until its ``on_runtime_created`` returns), at most ``warmup_yield_s`` per session start, so the
+runtime's allocations never queue behind a registration. ``close`` waits for it (bounded:
+`StoreTimeoutError` while it still runs, so that nothing is torn down under it).
 """
 
 from __future__ import annotations
@@ -116,14 +97,11 @@ _BACKGROUND_PIECE_BYTES = 16 << 20
 
 @attrs.frozen(slots=True)
 class WarmupOptions:
-    """The store's warm-up options, checked: ``mode`` (``warmup``: ``foreground`` or
-    ``background``), ``piece_bytes`` (``register_piece_bytes``: each host mapping is faulted and
-    registered in pieces of this size, rounded up to 2 MiB; 0 or None: one registration call;
-    ``"auto"``, the default: 16 MiB pieces in a background warm-up, one call in the foreground),
-    so no single driver call holds the driver's and the mmap locks for long; a background warm-up
-    pauses 1 ms between pieces (`TransferLink`), and longer while a session is starting, at most
-    ``yield_s`` (``warmup_yield_s``) per session start; ``prefault_threads`` (a background
-    warm-up pre-faults with 2 threads unless it says otherwise)."""
+    """The store's warm-up options, checked: ``mode`` (``warmup``), ``piece_bytes``
+    (``register_piece_bytes``: each host mapping is faulted and registered in pieces of this size,
+    rounded up to 2 MiB, so no single driver call holds the driver's and the mmap locks for long;
+    0 or None: one call; ``"auto"``: 16 MiB pieces in a background warm-up, one call in the
+    foreground), ``prefault_threads``, ``yield_s`` (``warmup_yield_s``)."""
 
     mode: str
     piece_bytes: int
@@ -156,8 +134,7 @@ class WarmupOptions:
 
 
 class Warmup:
-    """One run of the warm-up (see the module docstring), and the session starts it yields to
-    (``starts``): a background store is built for sessions about to start, so the warm-up waits
+    """One run of the warm-up, and the session starts it yields to (``starts``): a background store is built for sessions about to start, so the warm-up waits
     for the first one's start-up too (released by it, by `wait`, by `close`, or after
     ``yield_s``), and its own setup does not run under the first request's allocations."""
 
@@ -216,7 +193,6 @@ class Warmup:
             "so far); this write is dropped")
 
     def note_state(self) -> None:
-        """Its state into the counters (``warmup``, ``ready``, ``warmup_error``)."""
         self._counters.note(warmup=self.mode, ready=self.ready,
                             warmup_error=None if self.error is None else repr(self.error))
 
@@ -229,17 +205,15 @@ class Warmup:
         return True
 
     def session_starting(self) -> StartToken:
-        """A session is starting (`SessionStarts`): while the token is held, and at most
-        ``yield_s``, a background warm-up does no further step. The first session's token also
-        ends the wait the warm-up begins with; once the warm-up ended: `NO_TOKEN`."""
+        """`PlanTierStore.session_starting`; the first session's token also ends the wait the
+        warm-up begins with."""
         if self.ended:
             return NO_TOKEN
         first, self._first_start = self._first_start, NO_TOKEN
         return combine([self.starts.begin(), first])
 
     def wait(self, timeout_s: Optional[float] = None) -> bool:
-        """Block until the warm-up ended, at most ``timeout_s`` seconds; whether it is ready. The
-        caller wants it now: it stops waiting for a first session."""
+        """`PlanTierStore.wait_ready`."""
         first, self._first_start = self._first_start, NO_TOKEN
         first.release()
         self._done.wait(timeout_s)
@@ -275,7 +249,7 @@ class _WriteOptions:
 
 @STORES.register("fluxon_plan", objects=("transfer", "plan_client", "geometry_bytes"))
 class PlanTierStore(PathReadStore):
-    """KV tier over a Plan client and a transfer runtime (see the module docstring).
+    """KV tier over a Plan client and a transfer runtime.
 
     ``client``: a `PLAN_CLIENTS` name, built with ``segment_bytes`` (``"auto"``: fitted to the
     workload by the orchestrator, 1 GiB when built directly), ``prefault_threads``, ``backing``,
@@ -393,18 +367,16 @@ class PlanTierStore(PathReadStore):
 
     @property
     def ready(self) -> bool:
-        """Warmed up: reads and writes reach the segment (always, after a foreground warm-up)."""
         return self._warmup.ready
 
     def wait_ready(self, timeout_s: Optional[float] = None) -> bool:
-        """Block until a background warm-up ended, at most ``timeout_s``; whether it is ready. The
-        caller wants the store warm now: the warm-up stops waiting for a first session."""
+        """Block until a background warm-up ended, at most ``timeout_s``; whether it is ready.
+        The warm-up stops waiting for a first session."""
         return self._warmup.wait(timeout_s)
 
     def session_starting(self) -> StartToken:
-        """A session is starting: while the token is held, and at most ``warmup_yield_s``, a
-        background warm-up does no further step (its setup, a segment piece); `NO_TOKEN` once
-        the warm-up ended (`Warmup.session_starting`)."""
+        """While the token is held, and at most ``warmup_yield_s``, a background warm-up does no
+        further step (its setup, a segment piece); `NO_TOKEN` once the warm-up ended."""
         return self._warmup.session_starting()
 
     @property
@@ -440,10 +412,9 @@ class PlanTierStore(PathReadStore):
     ) -> BlobHandle:
         """Write one chunk's KV (per layer ``(k, v)`` views ``[1, chunk_tokens, H, D]``,
         contiguous, on the runtime device) under ``{locator}:L{i}:k/v``; ``stream``: where the
-        views were produced (None: the current stream). Without overlap the handle comes back
-        ready (on_ready already called); with overlap it comes back PENDING and turns ready (or
-        gets ``error``) on the completion thread. Raises a `StoreError` (handle.error set) for a
-        failure found before it returns."""
+        views were produced (None: the current stream). The handle comes back ready, or PENDING
+        with overlap. Raises a `StoreError` (handle.error set) for a failure found before it
+        returns."""
         self._check_writable()
         return self._writer.put_async(locator, payload, tier=tier, on_ready=on_ready, stream=stream)
 
@@ -458,9 +429,8 @@ class PlanTierStore(PathReadStore):
     ) -> Optional[int]:
         """Copy the published values ``keys`` of another Plan-style store into this one under the
         same keys: one get plan on ``source``, one batch straight from its values into this
-        store's reserved values (H2D from a host store into device values, D2H the other way, D2D
-        or H2H between two of a kind), one synchronize, then commit: publication last. How tiers
-        promote and demote without a staging copy. ``lengths``: each value's byte length (default:
+        store's reserved values (H2D, D2H, D2D or H2H), one synchronize, then commit: publication
+        last. How tiers promote and demote without a staging copy. ``lengths``: each value's byte length (default:
         what ``source`` knows of them). All or nothing: None, with nothing written, when a key is
         missing from ``source``; a `StoreError` (nothing written) on any failure. Both stores'
         memory must be known to this store's transfer runtime (the tiered store shares one).
@@ -476,9 +446,8 @@ class PlanTierStore(PathReadStore):
     def read_path(
         self, path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget
     ) -> bool:
-        """See `PathReadStore.read_path`. Raises `LayoutMismatchError` when the blob handles or
-        the runs disagree with ``target``; `TransferError`, `PlanTableError`, `PlanError` on
-        failures. Fills ``target.latents`` and ``target.kv``; publishes nothing."""
+        """`PathReadStore.read_path`; `LayoutMismatchError` when the blob handles or the runs
+        disagree with ``target``."""
         self._check_open()
         if self._warmup.warming(reads=1):
             return False
@@ -507,7 +476,6 @@ class PlanTierStore(PathReadStore):
         return self._reader.get_layer(handle, layer, like)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
-        """Which of ``keys`` are published, in order, copying no value (see `Reader.contains`)."""
         self._check_open()
         if not self._warmup.ready:
             return [False] * len(keys)
@@ -520,16 +488,12 @@ class PlanTierStore(PathReadStore):
         return None if self._closed or not self._warmup.ready else self._capacity.usage()
 
     def free(self, handle: BlobHandle) -> None:
-        """Remove every K/V value of the blob (idempotent); the latent stays. The chunk's
-        record goes first (`records`: no other process finds it from then on), then its values.
-        Refuses a blob whose write is still in flight (`WriteNotCompleteError`). Raises
-        `PlanError` if any removal fails (the caller keeps the blob)."""
+        """`SegmentCapacity.free`; the latent stays."""
         self._check_open()
         if self._warmup.ready:  # nothing was written before (and a miss while warming is no loss)
             self._capacity.free(handle)
 
     def free_skeleton(self, locator: str) -> None:
-        """Remove a latent (idempotent); raises a `StoreError` if the removal fails."""
         self._check_open()
         if self._warmup.ready:
             self._capacity.free_latent(locator)
@@ -543,8 +507,6 @@ class PlanTierStore(PathReadStore):
         self._completion.flush(timeout_s)
 
     def close(self) -> None:
-        """Flush, stop the completion thread, destroy the streams, drop the staging slots,
-        unregister the segments, close what this store built. Idempotent."""
         if self._closed:
             return
         self._warmup.join(max(60.0, self.commit_timeout_s))  # never tear down under the warm-up
