@@ -9,15 +9,16 @@ store interface and hands each call to its role:
 
 - `levels`: what a level is, building the levels from their Hydra nodes, the storage format
   (the levels' own when they all share one, else one naming every level), closing them;
-- `residency`: the record of what each level holds, the handle lifecycle per level;
+- `residency`: the record of what each level holds, the handle lifecycle per level; ``free`` and
+  ``free_skeleton`` across every level;
 - `write`: write-through of a chunk (first level with room, then every level below) and of a
   latent (every level with room);
 - `read`: a restore from the nearest level holding the whole window, single values, ``contains``;
-- `promotion`: a hit from a lower level copied into level 0 (from the ring or the level below);
+- `moves`: a blob or a latent copied between two levels; promotion, a hit from a lower level
+  copied into level 0 (from the ring or the level below);
 - `demotion`: an upper level's copy dropped once a level below holds one (written first when
   none does: nothing is lost; a full level below is first made room in by the manager, then the
-  write is retried once); `moves` copies a blob or a latent between two levels for both;
-- `removal`: ``free`` and ``free_skeleton`` across every level;
+  write is retried once);
 - `generic_level`: values in and out of a generic level (owned CPU snapshots, byte-wise reads);
 - `stats`: `TierUsage` per level and `TieredStats` for the report.
 
@@ -49,7 +50,7 @@ from cacheseek.kv.handles import BlobHandle, ChunkNode, Tier
 from cacheseek.registry import STORES
 from cacheseek.stores.base import PathReadStore, RestoreTarget
 from cacheseek.stores.startup import StartToken, combine
-from cacheseek.stores.tiered import demotion, read, removal, write
+from cacheseek.stores.tiered import demotion, read, write
 from cacheseek.stores.tiered.levels import (
     build_stores,
     close_levels,
@@ -60,7 +61,7 @@ from cacheseek.stores.tiered.levels import (
     storage_format,
 )
 from cacheseek.stores.tiered.records import TieredRecords
-from cacheseek.stores.tiered.residency import Residency, TieredHandle
+from cacheseek.stores.tiered.residency import Residency, TieredHandle, free_blob, free_latent
 from cacheseek.stores.tiered.stats import TieredStats, TierUsage, tier_usages, tiered_stats
 
 __all__ = ["TieredStore", "TieredHandle", "TierUsage", "TieredStats"]
@@ -274,12 +275,12 @@ class TieredStore(PathReadStore):
         is raised after every level was tried."""
         self._check_open()
         self._book.reap()
-        removal.free_blob(self._book, handle)
+        free_blob(self._book, handle)
 
     def free_skeleton(self, locator: str) -> None:
         """Remove a latent from every level (idempotent); the first failure is raised after all."""
         self._check_open()
-        removal.free_latent(self._book, locator)
+        free_latent(self._book, locator)
 
     def flush(self) -> None:
         """Wait for every level's pending writes, then settle them."""
