@@ -142,8 +142,7 @@ class GetRead:
 
 
 class HeldReads:
-    """Restores whose copies did not land within their wait, with their get plans (module
-    docstring, ``held``): ended once their batches are known to have ended, leaked at close."""
+    """Restores whose copies did not land within their wait (``held``, module docstring)."""
 
     def __init__(self, counters: Counters) -> None:
         self._counters = counters
@@ -239,7 +238,6 @@ class Reader:
 
     # -- a whole window path --------------------------------------------------------------------
     def read_path(self, path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget) -> bool:
-        """See `PathReadStore.read_path`; counts reads, hits, misses, bytes and seconds."""
         path, window = list(path), list(window)
         t0 = time.perf_counter()
         self._counters.count(reads=1)
@@ -375,7 +373,7 @@ class Reader:
 
     # -- one latent, one layer, a probe ---------------------------------------------------------
     def get_latent(self, locator: str, like: Any, size: Optional[int]) -> Any:
-        """The latent ``locator`` (see ``PlanTierStore.get_skeleton``), or None when absent."""
+        """``PlanTierStore.get_skeleton``."""
         size = nbytes(like) if like is not None else size
         size = self._latent_sizes.get(locator) if size is None else size
         if size is None:
@@ -388,16 +386,11 @@ class Reader:
             if like is None:
                 return self._raw(src, size)
             out = like.new_empty(like.shape)
-            attached = self._link.attached_for(out)
-            transfer = attached.transfer
-            batch = CopyBatch.of([out.data_ptr()], [src], [size], attached.values.from_values)
-            copy_now(transfer, batch, [transfer.device_range(out)] + attached.values.device_ranges,
-                     producer=None, on=attached.read_stream)
+            self._copy_into([out], [src])
             return out
 
     def get_layer(self, handle: BlobHandle, layer: int, like: Optional[LayerPayload]) -> Optional[LayerPayload]:
-        """One layer's ``(k, v)`` (see ``PlanTierStore.get_layer``), or None when either is
-        missing."""
+        """``PlanTierStore.get_layer``."""
         size = handle.nbytes // (2 * handle.n_layers)
         sizes = [size, size] if like is None else [nbytes(t) for t in like]
         with self.reading(list(layer_keys(handle.locator, layer)), [2]) as read:
@@ -408,12 +401,16 @@ class Reader:
             if like is None:
                 return self._raw(srcs[0], size), self._raw(srcs[1], size)
             k, v = (t.new_empty(t.shape) for t in like)
-            attached = self._link.attached_for(k)
-            transfer, values = attached.transfer, attached.values
-            batch = CopyBatch.of([k.data_ptr(), v.data_ptr()], srcs, [nbytes(k), nbytes(v)], values.from_values)
-            copy_now(transfer, batch, [transfer.device_range(k), transfer.device_range(v)] + values.device_ranges,
-                     producer=None, on=attached.read_stream)
+            self._copy_into([k, v], srcs)
             return k, v
+
+    def _copy_into(self, outs: list, srcs: list[int]) -> None:
+        """The values at ``srcs`` into the new tensors ``outs``: one batch, synchronized."""
+        attached = self._link.attached_for(outs[0])
+        transfer, values = attached.transfer, attached.values
+        batch = CopyBatch.of([t.data_ptr() for t in outs], srcs, [nbytes(t) for t in outs], values.from_values)
+        copy_now(transfer, batch, [transfer.device_range(t) for t in outs] + values.device_ranges,
+                 producer=None, on=attached.read_stream)
 
     def _value_pointers(self, read: GetRead, table: int, sizes: Sequence[int], *, raw: bool) -> list[int]:
         """The value pointers of a transferred read of ``len(sizes)`` values, checked before any
@@ -459,8 +456,6 @@ class Reader:
             out[i : i + n] = [True] * n
             i += n + 1
         return out
-
-
 
 
 def check_path(
