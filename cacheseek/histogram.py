@@ -52,7 +52,7 @@ class Histogram:
         out, running = [], 0
         for bound, c in zip((*self.bounds, float("inf")), self.counts):
             running += c
-            out.append(("+Inf" if bound == float("inf") else _le(bound), running))
+            out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
         return out
 
     def copy(self) -> "Histogram":
@@ -63,7 +63,3 @@ class Histogram:
     def as_dict(self) -> dict[str, Any]:
         """``count``, ``sum`` and the cumulative ``buckets`` (``{le: n}``), for results.json."""
         return {"count": self.count, "sum": self.sum, "buckets": dict(self.cumulative())}
-
-
-def _le(bound: float) -> str:
-    return repr(float(bound))

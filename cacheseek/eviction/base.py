@@ -60,11 +60,6 @@ class StoreUsage:
     def bounded(self) -> bool:
         return self.capacity_bytes is not None
 
-    def fraction(self) -> Optional[float]:
-        if not self.capacity_bytes:
-            return None
-        return self.used_bytes / self.capacity_bytes
-
 
 def store_usage(store: Any) -> Optional[StoreUsage]:
     """The store's ``usage()`` as a `StoreUsage`, or None when it cannot say (None, a failure, a

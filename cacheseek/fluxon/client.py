@@ -358,10 +358,6 @@ class FluxonClient:
     def closed(self) -> bool:
         return self._calls.closed
 
-    @property
-    def stuck_calls(self) -> int:
-        return self._calls.stuck
-
     def close(self) -> None:
         """Release open views, wait for calls in flight, close the native client. Idempotent."""
         with self._lock:

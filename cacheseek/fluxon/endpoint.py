@@ -85,7 +85,3 @@ class FluxonEndpoint:
     def segment_dir(self) -> Path:
         """Where the owner's segment (``mmap.file``) and its ``shared.json`` live."""
         return Path(self.share_mem_path) / self.cluster_name
-
-    @property
-    def segment_file(self) -> Path:
-        return self.segment_dir / "mmap.file"

@@ -73,8 +73,7 @@ def _non_negative(_inst: Any, attr: Any, value: Any) -> None:
 
 def _digests(value: Any) -> tuple[tuple[str, str], ...]:
     items = value.items() if isinstance(value, Mapping) else value
-    out = tuple(sorted((str(k), str(d)) for k, d in items))
-    return out
+    return tuple(sorted((str(k), str(d)) for k, d in items))
 
 
 @attrs.frozen(slots=True)
@@ -111,10 +110,6 @@ def _seal(name: str, body: bytes) -> bytes:
     return h.hexdigest().encode("ascii")
 
 
-def _blob_order(record: ChunkRecord) -> list[str]:
-    return blob_keys(kv_locator(record.node_key), record.n_layers, pairs=record.pairs)
-
-
 def encode_record(record: ChunkRecord) -> bytes:
     """``MAGIC``, the 16-hex-digit seal, a newline, then the record as canonical JSON. Checksums
     of exactly the blob's values (the usual case) are written as one string in the blob's key
@@ -127,7 +122,7 @@ def encode_record(record: ChunkRecord) -> bytes:
         "storage_format": record.storage_format,
     }
     by_key = dict(record.digests)
-    order = _blob_order(record) if record.digests else []
+    order = blob_keys(kv_locator(record.node_key), record.n_layers, pairs=record.pairs) if record.digests else []
     if order and set(by_key) == set(order) and all(len(by_key[k]) == 16 for k in order):
         fields["digest_list"] = "".join(by_key[k] for k in order)
     else:

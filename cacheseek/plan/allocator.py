@@ -52,7 +52,3 @@ class FirstFitAllocator:
             self._free[i - 1][1] += size
         else:
             self._free.insert(i, [offset, size])
-
-    @property
-    def largest_free(self) -> int:
-        return max((s for _, s in self._free), default=0)

@@ -207,15 +207,7 @@ class RootFolder:
 
     def files(self, shard_fd: int) -> list[tuple[str, int]]:
         """``(name, size)`` of every regular file in a shard (links, FIFOs, folders excluded)."""
-        out = []
-        with os.scandir(shard_fd) as it:
-            for e in it:
-                try:
-                    if e.is_file(follow_symlinks=False):
-                        out.append((e.name, e.stat(follow_symlinks=False).st_size))
-                except FileNotFoundError:  # removed meanwhile
-                    pass
-        return out
+        return [(name, size) for name, size, _ in self.files_aged(shard_fd)]
 
     # -- files ----------------------------------------------------------------------------------
 
@@ -262,7 +254,7 @@ class RootFolder:
         return True
 
     def files_aged(self, shard_fd: int) -> list[tuple[str, int, float]]:
-        """``(name, size, mtime)`` of every regular file in a shard (as `files`)."""
+        """``(name, size, mtime)`` of every regular file in a shard."""
         out = []
         with os.scandir(shard_fd) as it:
             for e in it:

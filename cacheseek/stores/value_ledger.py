@@ -117,11 +117,6 @@ class ValueLedger:
                         "held now); the manager evicts from here on", name, exc,
                         "unbounded" if cap is None else cap, used)
 
-    @property
-    def lowered(self) -> bool:
-        """The capacity is a full medium's cap (`cap_at_used`), not the configured one."""
-        return self._lowered
-
     def refresh(self, name: str, now: float) -> None:
         """While the capacity is a full medium's cap: `reprobe`, at most once every `REPROBE_S`
         (``now``: `time.monotonic`)."""

@@ -142,10 +142,6 @@ class TransferRuntimeBase(abc.ABC):
     def unregister(self, mappings: Sequence[HostMapping]) -> None:
         self._registrations.unregister(mappings, self._unregister_one)
 
-    def register_timings(self) -> list[tuple[HostMapping, float]]:
-        """``(mapping, seconds)`` of every registration this runtime made, in order."""
-        return self._registrations.timings()
-
     def users(self, mapping: HostMapping) -> int:
         """How many `register` calls of ``mapping`` are not yet matched by `unregister` (0: none)."""
         return self._registrations.users(mapping)

@@ -63,14 +63,6 @@ class CopyDescriptor:
     nbytes: int = attrs.field(validator=positive_int)
     direction: Direction = attrs.field(converter=Direction)
 
-    @property
-    def dst_end(self) -> int:
-        return self.dst + self.nbytes
-
-    @property
-    def src_end(self) -> int:
-        return self.src + self.nbytes
-
 
 def _int64(values: Any, n: Optional[int] = None) -> np.ndarray:
     arr = np.asarray(values, dtype=np.int64)

@@ -27,10 +27,6 @@ class DirectionStats:
     seconds: float = 0.0
     copies: int = 0
 
-    @property
-    def gib_per_s(self) -> float:
-        return self.bytes / self.seconds / 2**30 if self.seconds > 0 else 0.0
-
 
 @attrs.frozen(slots=True)
 class TransferStats:

@@ -148,7 +148,7 @@ class PrefixGate:
             for name, actions, label, extra in plan:
                 progress.set_postfix_str(f"{name} ({label})")
                 if extra is None:  # D (and R): a fresh trie, no ingest: a cold reference
-                    extra = {"manager": stack.new_manager(forest=_fresh_forest(), shared_index=False), "ingest": False}
+                    extra = {"manager": stack.new_manager(forest=NamespaceForest(), shared_index=False), "ingest": False}
                 if lossy and name in frames:
                     extra = {**extra, "frames": frames[name]}
                 reqs.append(self._request(stack, name, actions, label, **extra))
@@ -247,10 +247,6 @@ def _kv_psnr(got: dict, ref: dict) -> Any:
     a = [la[key].reshape(-1).float() for la in got["layers"] for key in ("k", "v")]
     b = [lb[key].reshape(-1).float() for lb in ref["layers"] for key in ("k", "v")]
     return psnr_db(torch.cat(a), torch.cat(b))
-
-
-def _fresh_forest():
-    return NamespaceForest()
 
 
 def _holds_kv(stack: Any) -> bool:

@@ -252,7 +252,7 @@ def test_hugepages_on_a_private_segment():
 def test_split_cuts_copies_into_pieces_that_cover_every_byte():
     import numpy as np
 
-    from cacheseek.stores.plan_tier.write import split
+    from cacheseek.stores.plan_tier.capacity import split
     from cacheseek.transfer.batch import CopyBatch
 
     batch = CopyBatch.of([1000, 5000, 9000], [100000, 200000, 300000], [300, 50, 700], Direction.D2H)

@@ -15,8 +15,7 @@ from cacheseek.kv.payload import RestoreTarget
 from cacheseek.kv.ring import CopyRun
 from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.stores.plan_tier.segments import ClientCalls
-from cacheseek.stores.plan_tier.path_target import check_path
-from cacheseek.stores.plan_tier.read import GetRead
+from cacheseek.stores.plan_tier.read import GetRead, check_path
 from cacheseek.stores.plan_tier.stats import Counters
 
 N_LAYERS, CHUNK_TOKENS, TOKEN_BYTES = 2, 4, 8

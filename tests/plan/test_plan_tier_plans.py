@@ -8,7 +8,8 @@ import pytest
 
 from cacheseek.errors import PlanError
 from cacheseek.stores.plan_tier.segments import ClientCalls, direction
-from cacheseek.stores.plan_tier.write import ALIGN, PutPlans, group_by_size, plan_waves, staging_layout
+from cacheseek.stores.plan_tier.capacity import ALIGN, staging_layout
+from cacheseek.stores.plan_tier.write import PutPlans, group_by_size, plan_waves
 from cacheseek.stores.plan_tier.stats import Counters
 from cacheseek.transfer.batch import Direction
 

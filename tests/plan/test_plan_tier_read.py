@@ -309,7 +309,7 @@ def test_a_ring_is_declared_once_and_another_ring_is_checked_again(make_store, m
 
 
 def test_run_arrays_of_a_window_without_runs_are_empty():
-    from cacheseek.stores.plan_tier.path_target import runs_as_arrays
+    from cacheseek.stores.plan_tier.read import runs_as_arrays
 
     slot, src, dst, size = runs_as_arrays((), (0,), 128)
     assert [a.shape for a in (slot, src, dst, size)] == [(0,)] * 4

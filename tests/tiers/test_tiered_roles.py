@@ -14,7 +14,7 @@ from cacheseek.kv.handles import BlobHandle, Tier
 from cacheseek.kv.locators import blob_keys
 from cacheseek.kv.ring import RingGeometry
 from cacheseek.stores.memory import InMemoryTierStore
-from cacheseek.stores.tiered import demotion, levels as levels_mod, removal, write
+from cacheseek.stores.tiered import demotion, levels as levels_mod, residency, write
 from cacheseek.stores.tiered.generic_level import as_tensors, cpu_snapshot, device_of, read_generic
 from cacheseek.stores.tiered.levels import (
     Level,
@@ -295,12 +295,12 @@ def test_removal_tries_every_level_and_keeps_the_copy_that_failed(two_memories):
 
     top.free = broken
     with pytest.raises(StoreError, match="cannot remove"):
-        removal.free_blob(book, handle)
+        residency.free_blob(book, handle)
     assert book.levels_of(handle) == (0,) and not any(low.contains(blob_keys(LOC, 2)))
     del top.free
-    removal.free_blob(book, handle)
+    residency.free_blob(book, handle)
     assert LOC not in book.blobs and not any(top.contains(blob_keys(LOC, 2)))
-    removal.free_blob(book, handle)  # idempotent
+    residency.free_blob(book, handle)  # idempotent
 
 
 def test_removal_refuses_a_blob_with_a_write_in_flight(two_memories):
@@ -310,14 +310,14 @@ def test_removal_refuses_a_blob_with_a_write_in_flight(two_memories):
         book.blobs[LOC] = rec
     book.settle(rec, 1, BlobHandle(Tier.CPU, LOC, 64, 2))
     with pytest.raises(WriteNotCompleteError):
-        removal.free_blob(book, rec.outer)
+        residency.free_blob(book, rec.outer)
 
 
 def test_a_latent_is_removed_from_every_level_and_forgotten(two_memories):
     book, top, low = two_memories()
     write.put_latent(book, LAT, torch.ones(4))
     assert book.latent_levels(LAT) == (0, 1)
-    removal.free_latent(book, LAT)
+    residency.free_latent(book, LAT)
     assert book.latent_levels(LAT) == () and LAT not in book.latents and LAT not in book.probed
     assert top.contains([LAT]) == low.contains([LAT]) == [False]
 

@@ -169,7 +169,6 @@ class SyntheticWorldRuntime:
         self.num_steps = num_steps
         self.device = device
         self.dtype = torch_dtype(dtype)
-        self.dtype_name = dtype
         self.chunk_size = g.chunk_size
         self.frame_tokens = g.frame_tokens
         self.kv_local_attn_size = local_attn_size

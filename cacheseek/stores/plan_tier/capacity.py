@@ -11,7 +11,8 @@ Slot lifecycle (one per overlapped write)::
                             the same slot changes nothing (failure paths release where they stand)
 
 A free slot too small for a chunk is replaced by a larger one; at most ``n_slots`` exist. The
-first write over an empty reservation is always let through, whatever its size.
+first write over an empty reservation is always let through, whatever its size. A write's values
+are packed into its slot by `staging_layout`; its D2H out of the slot is cut by `split`.
 """
 
 from __future__ import annotations
@@ -30,11 +31,43 @@ from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 from cacheseek.plan.base import PlanClient
 from cacheseek.stores.plan_tier.segments import ClientCalls
 from cacheseek.stores.plan_tier.stats import Counters, store_errors
+from cacheseek.transfer.batch import CopyBatch
+from cacheseek.transfer.lazy import LazyModule
 from cacheseek.transfer.memory import MemoryRange
 
-__all__ = ["SLOT_ROUND", "SegmentCapacity", "Slot", "StagingSlots"]
+__all__ = ["ALIGN", "SLOT_ROUND", "SegmentCapacity", "Slot", "StagingSlots", "split", "staging_layout"]
+
+np = LazyModule("numpy")
 
 SLOT_ROUND = 2 << 20  # slot sizes are whole multiples of this
+ALIGN = 256  # bytes between snapshot entries in a staging slot
+
+
+def staging_layout(lengths: Any) -> tuple[Any, Any, int]:
+    """``(lengths, offsets, need)`` of values packed into one staging slot: each value at an
+    offset aligned to `ALIGN` bytes, in order; ``need`` is the bytes the slot must hold."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = np.zeros(len(lengths), dtype=np.int64)
+    offsets[1:] = np.cumsum(-(-lengths // ALIGN) * ALIGN)[:-1]
+    return lengths, offsets, int(offsets[-1] + lengths[-1])
+
+
+def split(batch: CopyBatch, piece_bytes: int) -> list[CopyBatch]:
+    """``batch`` cut into pieces of about ``piece_bytes`` (copies larger than that are cut into
+    sub-copies of contiguous bytes); one piece when ``piece_bytes`` is 0."""
+    if piece_bytes <= 0 or batch.nbytes <= piece_bytes:
+        return [batch]
+    sizes = batch.sizes
+    parts = -(-sizes // piece_bytes)
+    idx = np.repeat(np.arange(len(sizes)), parts)
+    starts = np.repeat(np.cumsum(parts) - parts, parts)
+    off = (np.arange(len(idx)) - starts) * piece_bytes
+    sub = np.minimum(piece_bytes, sizes[idx] - off)
+    dsts, srcs, codes = batch.dsts[idx] + off, batch.srcs[idx] + off, batch.codes[idx]
+    group = (np.cumsum(sub) - sub) // piece_bytes
+    cuts = np.flatnonzero(np.diff(group)) + 1
+    return [CopyBatch(d, s_, n, c) for d, s_, n, c in zip(
+        np.split(dsts, cuts), np.split(srcs, cuts), np.split(sub, cuts), np.split(codes, cuts))]
 
 
 @attrs.define(eq=False)

@@ -28,12 +28,17 @@ orders it after the ring's zeroing and before the runtime's next read of the rin
 goes on the read stream after an event on the producer stream, and the producer stream waits for
 the read's completion event. Either way the host synchronizes once before the views are
 released.
+
+What a Plan-tier path read copies, decided before any Plan call: the path checked against the
+runtime's `RestoreTarget` (`check_path`: a miss, or a layout mismatch), and the target's copy runs
+as int64 arrays (`run_arrays`, cached per window shape: a runtime restores the same few shapes).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import threading
 import time
@@ -55,7 +60,6 @@ from cacheseek.kv.locators import blob_keys, layer_keys
 from cacheseek.kv.payload import LayerPayload, RestoreTarget
 from cacheseek.plan.base import GetPlan, PlanClient
 from cacheseek.plan.table import decode_plan_table
-from cacheseek.stores.plan_tier.path_target import check_path, run_arrays
 from cacheseek.stores.plan_tier.segments import Attached, TransferLink, ValueMemory, copy_now, nbytes
 from cacheseek.stores.plan_tier.stats import Counters, settle
 from cacheseek.transfer.batch import CopyBatch
@@ -63,7 +67,7 @@ from cacheseek.transfer.lazy import LazyModule
 from cacheseek.transfer.memory import DeviceRanges, MemoryRange
 from cacheseek.transfer.pending import PendingBatch
 
-__all__ = ["GetRead", "HeldReads", "Reader"]
+__all__ = ["GetRead", "HeldReads", "Reader", "check_path", "run_arrays", "runs_as_arrays"]
 
 np = LazyModule("numpy")
 log = logging.getLogger(__name__)
@@ -138,8 +142,7 @@ class GetRead:
 
 
 class HeldReads:
-    """Restores whose copies did not land within their wait, with their get plans (module
-    docstring, ``held``): ended once their batches are known to have ended, leaked at close."""
+    """Restores whose copies did not land within their wait (``held``, module docstring)."""
 
     def __init__(self, counters: Counters) -> None:
         self._counters = counters
@@ -235,7 +238,6 @@ class Reader:
 
     # -- a whole window path --------------------------------------------------------------------
     def read_path(self, path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget) -> bool:
-        """See `PathReadStore.read_path`; counts reads, hits, misses, bytes and seconds."""
         path, window = list(path), list(window)
         t0 = time.perf_counter()
         self._counters.count(reads=1)
@@ -371,7 +373,7 @@ class Reader:
 
     # -- one latent, one layer, a probe ---------------------------------------------------------
     def get_latent(self, locator: str, like: Any, size: Optional[int]) -> Any:
-        """The latent ``locator`` (see ``PlanTierStore.get_skeleton``), or None when absent."""
+        """``PlanTierStore.get_skeleton``."""
         size = nbytes(like) if like is not None else size
         size = self._latent_sizes.get(locator) if size is None else size
         if size is None:
@@ -384,16 +386,11 @@ class Reader:
             if like is None:
                 return self._raw(src, size)
             out = like.new_empty(like.shape)
-            attached = self._link.attached_for(out)
-            transfer = attached.transfer
-            batch = CopyBatch.of([out.data_ptr()], [src], [size], attached.values.from_values)
-            copy_now(transfer, batch, [transfer.device_range(out)] + attached.values.device_ranges,
-                     producer=None, on=attached.read_stream)
+            self._copy_into([out], [src])
             return out
 
     def get_layer(self, handle: BlobHandle, layer: int, like: Optional[LayerPayload]) -> Optional[LayerPayload]:
-        """One layer's ``(k, v)`` (see ``PlanTierStore.get_layer``), or None when either is
-        missing."""
+        """``PlanTierStore.get_layer``."""
         size = handle.nbytes // (2 * handle.n_layers)
         sizes = [size, size] if like is None else [nbytes(t) for t in like]
         with self.reading(list(layer_keys(handle.locator, layer)), [2]) as read:
@@ -404,12 +401,16 @@ class Reader:
             if like is None:
                 return self._raw(srcs[0], size), self._raw(srcs[1], size)
             k, v = (t.new_empty(t.shape) for t in like)
-            attached = self._link.attached_for(k)
-            transfer, values = attached.transfer, attached.values
-            batch = CopyBatch.of([k.data_ptr(), v.data_ptr()], srcs, [nbytes(k), nbytes(v)], values.from_values)
-            copy_now(transfer, batch, [transfer.device_range(k), transfer.device_range(v)] + values.device_ranges,
-                     producer=None, on=attached.read_stream)
+            self._copy_into([k, v], srcs)
             return k, v
+
+    def _copy_into(self, outs: list, srcs: list[int]) -> None:
+        """The values at ``srcs`` into the new tensors ``outs``: one batch, synchronized."""
+        attached = self._link.attached_for(outs[0])
+        transfer, values = attached.transfer, attached.values
+        batch = CopyBatch.of([t.data_ptr() for t in outs], srcs, [nbytes(t) for t in outs], values.from_values)
+        copy_now(transfer, batch, [transfer.device_range(t) for t in outs] + values.device_ranges,
+                 producer=None, on=attached.read_stream)
 
     def _value_pointers(self, read: GetRead, table: int, sizes: Sequence[int], *, raw: bool) -> list[int]:
         """The value pointers of a transferred read of ``len(sizes)`` values, checked before any
@@ -455,3 +456,56 @@ class Reader:
             out[i : i + n] = [True] * n
             i += n + 1
         return out
+
+
+def check_path(
+    path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget
+) -> Optional[tuple[list[str], list[BlobHandle]]]:
+    """The path's latent keys and the window's blob handles; None on a miss (a node without
+    latent or ready blob). Raises `LayoutMismatchError` when sizes, depths or runs disagree
+    with the target."""
+    n_layers, value_nbytes = target.n_layers, target.chunk_value_nbytes
+    if n_layers == 0 or len(target.latents) != len(path):
+        raise LayoutMismatchError(
+            f"{len(target.latents)} latent targets and {n_layers} layers for a path of {len(path)}"
+        )
+    depths = [n.depth for n in window]
+    if depths != list(target.window_depths):
+        raise LayoutMismatchError(
+            f"window depths {depths} differ from the target's {list(target.window_depths)}"
+        )
+    latent_keys = [n.skeleton.latent_locator for n in path if n.skeleton is not None]
+    blobs = [n.blob for n in window if n.blob is not None and n.blob.ready]
+    if len(latent_keys) != len(path) or len(blobs) != len(window):
+        return None
+    for blob in blobs:
+        if blob.n_layers != n_layers or blob.nbytes != 2 * n_layers * value_nbytes:
+            raise LayoutMismatchError(
+                f"blob {blob.locator} holds {blob.n_layers} layers in {blob.nbytes} B; the "
+                f"runtime expects {n_layers} layers of K and V of {value_nbytes} B each"
+            )
+    for run in target.runs:
+        if run.chunk_depth not in depths or run.src_token + run.n_tokens > target.chunk_tokens:
+            raise LayoutMismatchError(
+                f"copy run {run} is outside the window or a {target.chunk_tokens}-token chunk"
+            )
+    return latent_keys, blobs
+
+
+@functools.lru_cache(maxsize=64)
+def runs_as_arrays(runs: tuple, window_depths: tuple, token_bytes: int) -> tuple:
+    """A restore's runs as four read-only int64 arrays of length n_runs (window slot, source and
+    destination byte offsets, bytes), cached per window shape: every restore of that shape shares them."""
+    slot = {depth: j for j, depth in enumerate(window_depths)}
+    tokens = np.array([(r.src_token, r.dst_token, r.n_tokens) for r in runs], dtype=np.int64).reshape(-1, 3)
+    arrays = [np.array([slot[r.chunk_depth] for r in runs], dtype=np.int64)]
+    arrays += [np.ascontiguousarray(tokens[:, i]) * token_bytes for i in range(3)]
+    for a in arrays:
+        a.flags.writeable = False  # shared by every restore of this shape
+    return tuple(arrays)
+
+
+def run_arrays(target: RestoreTarget) -> tuple:
+    """``(window slot, source offset, ring offset, bytes)`` of each copy run of ``target``, int64
+    ``[n_runs]`` each (cached: a runtime restores the same few shapes of window)."""
+    return runs_as_arrays(tuple(target.runs), tuple(target.window_depths), int(target.token_bytes))

@@ -19,6 +19,7 @@ import attrs
 
 from cacheseek.errors import PlanError, StoreError, TransferTimeoutError, add_note
 from cacheseek.kv.handles import BlobHandle
+from cacheseek.plan.base import SegmentTimers
 from cacheseek.transfer.pending import PendingBatch
 
 __all__ = ["Counters", "PlanTierStats", "as_store_error", "collect", "fail_write", "land_write", "settle", "store_errors"]
@@ -139,9 +140,10 @@ def collect(
     staging_bytes: int,
     transfer: dict[str, Any],
 ) -> PlanTierStats:
-    """The snapshot: the counters, with the client's `PlanUsage` and segment timers (either may
+    """The snapshot: the counters, with the client's `PlanUsage` and `SegmentTimers` (either may
     be None), the write-back state now and the transfer runtime's own stats."""
     sums, facts = counters.snapshot()
+    t = timers or SegmentTimers()
     return PlanTierStats(
         **sums,
         **facts,
@@ -152,11 +154,11 @@ def collect(
         inflight_bytes=inflight_bytes,
         peak_inflight_bytes=peak_inflight_bytes,
         staging_bytes=staging_bytes,
-        map_seconds=getattr(timers, "map_seconds", 0.0) if timers else 0.0,
-        fault_seconds=timers.fault_seconds if timers else 0.0,
-        fault_method=timers.fault_method if timers else "none",
-        fault_threads=getattr(timers, "fault_threads", 0) if timers else 0,
-        huge_page_bytes=getattr(timers, "huge_page_bytes", -1) if timers else -1,
+        map_seconds=t.map_seconds,
+        fault_seconds=t.fault_seconds,
+        fault_method=t.fault_method,
+        fault_threads=t.fault_threads,
+        huge_page_bytes=t.huge_page_bytes,
         transfer=transfer,
     )
 

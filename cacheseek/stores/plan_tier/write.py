@@ -11,17 +11,24 @@ Write of one chunk (`put_async`)::
     overlap on: take a staging slot (blocks while ``staging_slots`` writes or
         ``max_inflight_bytes`` are in flight: backpressure, `StagingSlots`); snapshot the views
         into it with one device-side batch on the producer stream (the ring may be overwritten
-        as soon as this returns); return the PENDING handle; the completion thread ends the
-        write (`Completion`). With ``write_piece_bytes=0`` the whole D2H is submitted here as
-        one batch after the snapshot.
+        as soon as this returns); return the PENDING handle (with ``write_piece_bytes=0`` the
+        whole D2H is submitted here too, after the snapshot). Then, on the completion thread
+        (`Completion`, in submission order, started on first use): the D2H from the slot goes
+        out in pieces of ``write_piece_bytes``, ``write_pieces_in_flight`` at a time, on the
+        write stream after the snapshot's event; every piece waited for; the slot released;
+        every plan committed and checked; handle.ready, counted, then on_ready(handle) (its
+        failure is logged). ``flush`` and ``stop`` are bounded: a stuck copy gives
+        `StoreTimeoutError`, and then nothing may be torn down under it.
     failure before commit: anything submitted is waited for, then every live uncommitted plan
     is aborted; failure at or after commit: wait for the submitted commits, then remove every
     key of them, so nothing of the blob stays in the store. handle.error is set and counted; a
-    failure found here raises a `StoreError`, one found by the completion thread is reported on
-    the handle (and in stats) only.
+    failure found in put_async raises a `StoreError`, one found by the completion thread is
+    logged and reported on the handle (and in stats) only.
 
-Both batches of an overlapped write are validated whole before the first copy goes out
-(docs/design.md section 2), although the D2H goes out later, in pieces.
+Why pieces: a copy the runtime makes in the same direction meanwhile (a frame read back, a
+``.tolist()``) shares the copy engine: behind one 3.6 GiB batch it would wait ~70 ms, behind two
+pieces of 32 MiB ~1.3 ms. Both batches of an overlapped write are validated whole before the
+first copy goes out (docs/design.md section 2), although the D2H goes out later, in pieces.
 
 The put plans of one write (`PutPlans`), grouped by value size; a plan is in exactly one of
 ``started`` and ``submitted``::
@@ -42,11 +49,16 @@ copy (a 480p chunk is thousands of copies).
 
 from __future__ import annotations
 
+import collections
+import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Optional
+
+import attrs
 
 from cacheseek.errors import PlanError, StoreTimeoutError, add_note
 from cacheseek.kv.handles import BlobHandle, Tier
@@ -54,48 +66,17 @@ from cacheseek.kv.locators import layer_keys
 from cacheseek.kv.payload import LayerPayload
 from cacheseek.plan.base import PlanClient, PutCommitResult, PutPlan
 from cacheseek.plan.table import decode_plan_table
-from cacheseek.stores.plan_tier.capacity import Slot, StagingSlots
-from cacheseek.stores.plan_tier.completion import Completion, PendingWrite
+from cacheseek.stores.plan_tier.capacity import Slot, StagingSlots, split, staging_layout
 from cacheseek.stores.plan_tier.read import Reader
-from cacheseek.stores.plan_tier.segments import TransferLink, copy_now, direction, nbytes
+from cacheseek.stores.plan_tier.segments import Attached, TransferLink, copy_now, direction, nbytes
 from cacheseek.stores.plan_tier.stats import Counters, fail_write, land_write, settle, store_errors
 from cacheseek.transfer.batch import CopyBatch, Direction
 from cacheseek.transfer.lazy import LazyModule
 from cacheseek.transfer.pending import PendingBatch
 
-__all__ = ["ALIGN", "PutPlans", "Writer", "group_by_size", "plan_waves", "split", "staging_layout"]
+__all__ = ["Completion", "PendingWrite", "PutPlans", "Writer", "group_by_size", "plan_waves"]
 
 np = LazyModule("numpy")
-
-ALIGN = 256  # bytes between snapshot entries in a staging slot
-
-
-def staging_layout(lengths: Any) -> tuple[Any, Any, int]:
-    """``(lengths, offsets, need)`` of values packed into one staging slot: each value at an
-    offset aligned to `ALIGN` bytes, in order; ``need`` is the bytes the slot must hold."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    offsets = np.zeros(len(lengths), dtype=np.int64)
-    offsets[1:] = np.cumsum(-(-lengths // ALIGN) * ALIGN)[:-1]
-    return lengths, offsets, int(offsets[-1] + lengths[-1])
-
-
-def split(batch: CopyBatch, piece_bytes: int) -> list[CopyBatch]:
-    """``batch`` cut into pieces of about ``piece_bytes`` (copies larger than that are cut into
-    sub-copies of contiguous bytes); one piece when ``piece_bytes`` is 0."""
-    if piece_bytes <= 0 or batch.nbytes <= piece_bytes:
-        return [batch]
-    sizes = batch.sizes
-    parts = -(-sizes // piece_bytes)
-    idx = np.repeat(np.arange(len(sizes)), parts)
-    starts = np.repeat(np.cumsum(parts) - parts, parts)
-    off = (np.arange(len(idx)) - starts) * piece_bytes
-    sub = np.minimum(piece_bytes, sizes[idx] - off)
-    dsts, srcs, codes = batch.dsts[idx] + off, batch.srcs[idx] + off, batch.codes[idx]
-    group = (np.cumsum(sub) - sub) // piece_bytes
-    cuts = np.flatnonzero(np.diff(group)) + 1
-    return [CopyBatch(d, s_, n, c) for d, s_, n, c in zip(
-        np.split(dsts, cuts), np.split(srcs, cuts), np.split(sub, cuts), np.split(codes, cuts))]
-
 
 def group_by_size(lengths: Sequence[int]) -> dict[int, list[int]]:
     """Item indices by value size, in first-seen order (one Plan per size)."""
@@ -132,7 +113,7 @@ def plan_waves(sizes: Sequence[int], max_plan_values: Optional[Callable[[int], i
 
 
 class PutPlans:
-    """The plans of one write on ``client`` (see the module docstring for the lifecycle)."""
+    """The plans of one write on ``client`` (lifecycle: the module docstring)."""
 
     def __init__(self, client: PlanClient, counters: Counters, timeout_s: float) -> None:
         self._client = client
@@ -145,8 +126,7 @@ class PutPlans:
     def start(
         self, keys: Sequence[str], lengths: Sequence[int], arena: Optional[tuple[int, int]]
     ) -> tuple[list[int], list[int], list[int]]:
-        """Start one plan per size group (each in ``started`` once started); returns the value
-        pointers, the item indices and the sizes, all in group order."""
+        """Returns the value pointers, the item indices and the sizes, in group order."""
         dsts: list[int] = []
         order: list[int] = []
         sizes: list[int] = []
@@ -160,8 +140,6 @@ class PutPlans:
         return dsts, order, sizes
 
     def commit(self) -> None:
-        """Commit every started plan and check every status and key code of these commits;
-        raises `PlanError` naming each failure."""
         now: list[PutPlan] = []
         while self.started:
             plan = self.started.pop(0)
@@ -191,8 +169,6 @@ class PutPlans:
             ) from exc
 
     def undo(self, exc: BaseException) -> None:
-        """Abort every uncommitted plan; remove every key of a submitted one (after its commit
-        settled), so that a failed write leaves nothing behind."""
         for plan in self.started:
             try:
                 self._client.put_abort(plan)
@@ -215,8 +191,8 @@ class PutPlans:
 
 
 class Writer:
-    """Writes through ``link`` (see the module docstring): overlapped writes take a slot of
-    ``slots`` and end on ``completion``; ``latent_sizes`` records each latent written."""
+    """Writes through ``link``: overlapped writes take a slot of ``slots`` and end on
+    ``completion``; ``latent_sizes`` records each latent written."""
 
     def __init__(
         self,
@@ -251,9 +227,7 @@ class Writer:
         on_ready: Optional[Callable[[BlobHandle], None]],
         stream: Any,
     ) -> BlobHandle:
-        """One chunk's KV (per layer ``(k, v)``) under ``{locator}:L{i}:k/v``; the handle ready,
-        or PENDING with overlap. Raises a `StoreError` (handle.error set) for a failure found
-        before it returns."""
+        """`PlanTierStore.put_async`."""
         layers = list(payload)
         handle = BlobHandle(tier, locator, 0, len(layers))
         t0 = time.perf_counter()
@@ -283,14 +257,13 @@ class Writer:
         return handle
 
     def put_latent(self, locator: str, latent: Any, *, stream: Any) -> None:
-        """One latent as the value ``locator``, synchronously. Raises a `StoreError`."""
         with store_errors(f"put of latent {locator}"):
             self._put_values(self._link.attached_for(latent), [(locator, latent)], stream=stream)
         self._latent_sizes[locator] = nbytes(latent)
 
     def _waves(self, items: list[tuple[str, Any]]) -> list[list[int]]:
         limit = self._calls.max_plan_values
-        if limit is None:
+        if limit is None:  # the hot path: no sizes computed
             return [list(range(len(items)))]
         return plan_waves([nbytes(t) for _, t in items], limit)
 
@@ -362,11 +335,7 @@ class Writer:
                                               attached))
 
     def copy_from(self, source: Reader, keys: Sequence[str], lengths: Optional[Sequence[int]]) -> Optional[int]:
-        """Copy the published values ``keys`` that ``source`` reads into this store's values
-        under the same keys: one get plan on the source, one batch straight from its values into
-        the reserved ones, one synchronize, then commit: publication last (how tiers promote and
-        demote without a staging copy). All or nothing: None, with nothing written, when a key is
-        missing; a `StoreError` (nothing written) on any failure. Returns the bytes copied."""
+        """`PlanTierStore.copy_values_from`."""
         attached = self._link.attached
         if attached is None:
             raise PlanError("copy between Plan stores needs a transfer runtime: build the store with "
@@ -395,3 +364,151 @@ class Writer:
             if key.endswith(":lat"):
                 self._latent_sizes[key] = int(length)
         return batch.nbytes
+
+
+log = logging.getLogger(__package__)
+
+_POLL_S = 0.0005  # poll interval once a copy is due
+_PIECE_POLL_S = 0.0002
+_EXPECTED_GIB_S = 60.0  # first sleep of the thread: bytes at this rate, then poll
+
+
+@attrs.define(eq=False)
+class PendingWrite:
+    """One overlapped write between ``put_async`` and its end on the completion thread."""
+
+    handle: BlobHandle
+    plans: "PutPlans"  # started, not committed
+    snapshot: Optional[PendingBatch]
+    copy: Optional[PendingBatch]  # the whole D2H, submitted by put_async (write_piece_bytes=0)
+    pieces: list  # else the D2H in pieces, submitted by the completion thread
+    slot: Slot
+    on_ready: Optional[Callable[[BlobHandle], None]]
+    t0: float
+    nbytes: int
+    attached: Attached  # the runtime, the write stream and the values it copies with
+
+
+class Completion:
+    """The queue of pending writes and the one thread that ends them; ``timeout_s`` bounds
+    ``flush`` (per pending write) and ``stop``."""
+
+    def __init__(
+        self, slots: StagingSlots, counters: Counters, *, pieces_in_flight: int, timeout_s: float,
+    ) -> None:
+        self._slots = slots
+        self._counters = counters
+        self._pieces_in_flight = pieces_in_flight
+        self._timeout_s = timeout_s
+        self._cv = threading.Condition(threading.Lock())
+        self._queue: collections.deque[PendingWrite] = collections.deque()
+        self._stopping = False
+        self.thread: Optional[threading.Thread] = None
+
+    @property
+    def pending(self) -> int:
+        """Writes enqueued and not yet ended."""
+        return len(self._queue)
+
+    def enqueue(self, item: PendingWrite) -> None:
+        with self._cv:
+            self._queue.append(item)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._drain, name="plan-tier-commit", daemon=True)
+                self.thread.start()
+            self._cv.notify_all()
+
+    def flush(self, timeout_s: Optional[float] = None) -> None:
+        """`PlanTierStore.flush`."""
+        with self._cv:
+            bound = timeout_s if timeout_s is not None else self._timeout_s * max(4, len(self._queue) + 1)
+            deadline = time.monotonic() + bound
+            while self._queue:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise StoreTimeoutError(
+                        f"Plan tier: {len(self._queue)} writes still pending after {bound:.1f} s "
+                        "(a stuck copy or commit?)")
+                self._cv.wait(timeout=min(remaining, 1.0))
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self.thread is not None:
+            self.thread.join(timeout=self._timeout_s)
+            if self.thread.is_alive():
+                raise StoreTimeoutError(
+                    f"Plan tier: the completion thread did not stop within {self._timeout_s} s; "
+                    "streams, registrations and the client are left as they are")
+
+    def _drain(self) -> None:
+        """The thread, on the transfer runtime's device (`bind_thread`), never device 0 by default."""
+        bound = False
+        while True:
+            with self._cv:
+                while not self._queue and not self._stopping:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                item = self._queue[0]
+            if not bound:  # the runtime is the same for every write: bound once, before the first
+                bind, bound = getattr(item.attached.transfer, "bind_thread", None), True
+                if callable(bind):
+                    bind()
+            try:
+                self._complete(item)
+            except BaseException:  # noqa: BLE001 - the thread must outlive any one write
+                log.exception("Plan tier: completing the write of %s failed", item.handle.locator)
+            finally:
+                with self._cv:
+                    self._queue.popleft()
+                    self._cv.notify_all()
+
+    def _complete(self, item: PendingWrite) -> None:
+        handle, plans = item.handle, item.plans
+        try:
+            try:
+                if item.copy is not None:
+                    item.copy.wait(poll_s=_POLL_S, expected_s=0.9 * item.nbytes / (_EXPECTED_GIB_S * 2**30))
+                else:
+                    self._trickle(item)
+            finally:
+                if item.snapshot is not None:
+                    settle(item.snapshot)
+                self._slots.release(item.slot, item.nbytes)
+            plans.commit()
+        except BaseException as exc:  # noqa: BLE001 - reported on the handle
+            plans.undo(exc)
+            fail_write(handle, exc, self._counters)
+            log.warning("Plan tier: write of %s failed after submission: %s", handle.locator, handle.error)
+            return
+        land_write(handle, self._counters, time.perf_counter() - item.t0)
+        if item.on_ready is not None:
+            try:
+                item.on_ready(handle)
+            except Exception:  # noqa: BLE001 - the write is done; the callback's failure is logged
+                log.exception("Plan tier: on_ready of %s raised", handle.locator)
+
+    def _trickle(self, item: PendingWrite) -> None:
+        """The D2H pieces, ``pieces_in_flight`` at a time, the first after the snapshot."""
+        transfer: Any = item.attached.transfer
+        ranges = [item.slot.range()] + item.attached.values.device_ranges
+        in_flight: collections.deque[PendingBatch] = collections.deque()
+        after = [item.snapshot] if item.snapshot is not None else []
+        try:
+            for piece in item.pieces:
+                while len(in_flight) >= self._pieces_in_flight:
+                    oldest = in_flight.popleft()
+                    oldest.wait(poll_s=_PIECE_POLL_S, expected_s=0.8 * oldest.nbytes / (_EXPECTED_GIB_S * 2**30))
+                in_flight.append(transfer.submit_batch(
+                    piece, stream=item.attached.write_stream, device_ranges=ranges, after=after
+                ))
+                after = []
+                self._counters.count(write_pieces=1)
+            while in_flight:
+                in_flight.popleft().wait(poll_s=_PIECE_POLL_S)
+        except BaseException as exc:
+            for pending in in_flight:
+                settle(pending, exc)
+            raise

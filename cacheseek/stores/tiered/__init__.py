@@ -9,15 +9,16 @@ store interface and hands each call to its role:
 
 - `levels`: what a level is, building the levels from their Hydra nodes, the storage format
   (the levels' own when they all share one, else one naming every level), closing them;
-- `residency`: the record of what each level holds, the handle lifecycle per level;
+- `residency`: the record of what each level holds, the handle lifecycle per level; ``free`` and
+  ``free_skeleton`` across every level;
 - `write`: write-through of a chunk (first level with room, then every level below) and of a
   latent (every level with room);
 - `read`: a restore from the nearest level holding the whole window, single values, ``contains``;
-- `promotion`: a hit from a lower level copied into level 0 (from the ring or the level below);
+- `moves`: a blob or a latent copied between two levels; promotion, a hit from a lower level
+  copied into level 0 (from the ring or the level below);
 - `demotion`: an upper level's copy dropped once a level below holds one (written first when
   none does: nothing is lost; a full level below is first made room in by the manager, then the
-  write is retried once); `moves` copies a blob or a latent between two levels for both;
-- `removal`: ``free`` and ``free_skeleton`` across every level;
+  write is retried once);
 - `generic_level`: values in and out of a generic level (owned CPU snapshots, byte-wise reads);
 - `stats`: `TierUsage` per level and `TieredStats` for the report.
 
@@ -49,7 +50,7 @@ from cacheseek.kv.handles import BlobHandle, ChunkNode, Tier
 from cacheseek.registry import STORES
 from cacheseek.stores.base import PathReadStore, RestoreTarget
 from cacheseek.stores.startup import StartToken, combine
-from cacheseek.stores.tiered import demotion, read, removal, write
+from cacheseek.stores.tiered import demotion, read, write
 from cacheseek.stores.tiered.levels import (
     build_stores,
     close_levels,
@@ -60,7 +61,7 @@ from cacheseek.stores.tiered.levels import (
     storage_format,
 )
 from cacheseek.stores.tiered.records import TieredRecords
-from cacheseek.stores.tiered.residency import Residency, TieredHandle
+from cacheseek.stores.tiered.residency import Residency, TieredHandle, free_blob, free_latent
 from cacheseek.stores.tiered.stats import TieredStats, TierUsage, tier_usages, tiered_stats
 
 __all__ = ["TieredStore", "TieredHandle", "TierUsage", "TieredStats"]
@@ -70,7 +71,7 @@ log = logging.getLogger(__name__)
 
 @STORES.register("tiered", objects=("transfer", "stores"), keywords=level_keywords)
 class TieredStore(PathReadStore):
-    """Levels fastest first (see the package docstring). ``tiers``: registry names, each with its
+    """Levels fastest first. ``tiers``: registry names, each with its
     config node passed by that name (``hbm={...}``); or ``stores``: built levels (the caller
     keeps owning them; tests). ``transfer``: the runtime every level shares. Its config has one
     node per registered store, whatever the registry names; only the listed ones are built."""
@@ -135,13 +136,11 @@ class TieredStore(PathReadStore):
     # -- warm-up --------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
-        """Some level can serve (a level without a notion of readiness always can): False only
-        while every level is still warming up in the background."""
+        """Some level can serve (a level without a warm-up always can)."""
         return any(lv.store.ready for lv in self._levels)
 
     def session_starting(self) -> StartToken:
-        """A session is starting: every level warming in the background yields to it until the
-        token is released (`cacheseek.stores.startup`)."""
+        """Every level's token (the levels warming in the background yield to the session)."""
         taken: list[StartToken] = []
         try:
             for lv in self._levels:
@@ -186,78 +185,57 @@ class TieredStore(PathReadStore):
         on_ready: Optional[Callable[[BlobHandle], None]] = None,
         stream: Any = None,
     ) -> BlobHandle:
-        """Write one chunk to the first level with room and, with ``write_through``, to every
-        level below it (see `write`). Returns the PENDING or READY outer handle (its ``tier``
-        is level 0's, whatever ``tier`` says). Raises `StoreFullError` when no level has room, a
-        `StoreError` when every level refused."""
+        """`write.put_chunk`; the outer handle's ``tier`` is level 0's, whatever ``tier`` says."""
         self._check_open()
         self._book.reap()
         return write.put_chunk(self._book, locator, payload, write_through=self.write_through,
                                on_ready=on_ready, stream=stream)
 
     def put_skeleton(self, locator: str, latent: Any, *, stream: Any = None) -> None:
-        """Write a latent to every level that has room (latents are small and every level's
-        restore reads the whole path's). Raises when no level took it."""
         self._check_open()
         write.put_latent(self._book, locator, latent, stream=stream)
 
     # -- reads ----------------------------------------------------------------------------------
     def read_path(self, path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget) -> bool:
-        """See `PathReadStore.read_path`: the nearest level holding the whole path restores it,
-        then (``promote``) the path is copied into level 0. False when no level can."""
         self._check_open()
         self._book.reap()
         return read.read_path(self._book, path, window, target, promote=self.promote)
 
     def served_tier(self) -> Optional[str]:
-        """The level (its registry name) that served this thread's last `read_path`, for the
-        metrics' per-tier hits and restore histograms; None when it served none."""
+        """The level (its registry name) that served this thread's last `read_path`."""
         return self._book.served.name
 
     def promoted_last_read(self) -> bool:
-        """Whether this thread's last `read_path` was served below level 0 with ``promote`` on:
-        the path was copied into level 0, which may be above its watermark now."""
         served = self._book.served.name
         return self.promote and served is not None and served != self._levels[0].name
 
     def get_skeleton(self, locator: str, *args: Any, **kwargs: Any) -> Any:
-        """The latent from the nearest level holding it (None when none does)."""
         self._check_open()
         return read.get_latent(self._book, locator, *args, **kwargs)
 
     def get_layer(self, handle: BlobHandle, layer: int, **kwargs: Any) -> Any:
-        """One layer from the nearest level holding the blob (None when none does)."""
         self._check_open()
         return read.get_layer(self._book, handle, layer, **kwargs)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
-        """Which keys some level holds (a lost value in one level is served by another)."""
         self._check_open()
         return read.contains(self._book, keys)
 
     # -- demotion -------------------------------------------------------------------------------
     def demote(self, handle: BlobHandle, level: int, *, make_room: Optional[demotion.MakeRoom] = None) -> bool:
-        """Drop ``level``'s copy of a blob, keeping (or first writing) a ready copy in a level
-        below. A level below that is full is made room in by ``make_room(level, nbytes)`` (the
-        manager's: returns how many blobs it moved out) and the write retried once. False when
-        ``level`` does not hold it, a write is in flight, it is the last level's only copy (that
-        is eviction, not demotion) or no level below could take it (then nothing changed:
-        nothing is lost). Raises when freeing the copy fails (kept)."""
+        """`demotion.demote`."""
         self._check_open()
         self._book.reap()
         return demotion.demote(self._book, handle, level, make_room)
 
     def evict_copy(self, handle: BlobHandle, level: int) -> bool:
-        """Free ``level``'s copy of a blob while another level keeps a ready one (the manager
-        making room in the lowest level). False when there is no such pair of copies or a write
-        is in flight; raises when the free fails (the copy is kept)."""
+        """`demotion.evict_copy`."""
         self._check_open()
         self._book.reap()
         return demotion.evict_copy(self._book, handle, level)
 
     # -- capacity -------------------------------------------------------------------------------
     def tier_usages(self) -> list[TierUsage]:
-        """Every level's usage and the blobs it holds, fastest first."""
         self._book.reap()
         return tier_usages(self._book, closed=self._closed)
 
@@ -269,26 +247,20 @@ class TieredStore(PathReadStore):
 
     # -- lifetime -------------------------------------------------------------------------------
     def free(self, handle: BlobHandle) -> None:
-        """Remove the blob from every level (idempotent). `WriteNotCompleteError` while a write
-        is in flight; a level whose free fails keeps its copy (still recorded) and the first error
-        is raised after every level was tried."""
         self._check_open()
         self._book.reap()
-        removal.free_blob(self._book, handle)
+        free_blob(self._book, handle)
 
     def free_skeleton(self, locator: str) -> None:
-        """Remove a latent from every level (idempotent); the first failure is raised after all."""
         self._check_open()
-        removal.free_latent(self._book, locator)
+        free_latent(self._book, locator)
 
     def flush(self) -> None:
-        """Wait for every level's pending writes, then settle them."""
         for lv in self._levels:
             lv.store.flush()
         self._book.reap()
 
     def close(self) -> None:
-        """Flush and close every level this store built (last level first). Idempotent."""
         if self._closed:
             return
         try:

@@ -23,7 +23,7 @@ from cacheseek.kv.handles import BlobHandle, ChunkNode
 from cacheseek.kv.locators import blob_keys
 from cacheseek.stores.base import RestoreTarget
 from cacheseek.stores.tiered.generic_level import read_generic
-from cacheseek.stores.tiered.promotion import promote as promote_path
+from cacheseek.stores.tiered.moves import promote as promote_path
 from cacheseek.stores.tiered.residency import Copies, Residency
 
 __all__ = ["read_path", "get_latent", "get_layer", "contains"]
