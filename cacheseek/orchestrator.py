@@ -98,7 +98,8 @@ class Stack:
             index = dataclasses.replace(index, enabled=False)
         return WorldKVManager(forest if forest is not None else self.forest, self.store,
                               self.manager_config(), eviction=self.eviction_config(),
-                              metrics=self.metrics, shared_index=index)
+                              metrics=self.metrics, shared_index=index,
+                              beside_writes_in_flight=int(self.cfg.manager.get("beside_writes_in_flight", 1)))
 
     def new_binding(self, manager: Any = None, *, ingest_enabled: bool = True):
         manager = manager if manager is not None else self.new_manager()
@@ -233,6 +234,11 @@ def _manager_config(cfg: Any, runtime_factory: Any) -> Any:
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise ConfigError("manager.decoder_state_every", f"must be an integer >= 0, got {every!r}",
                           "manager.decoder_state_every=0 (rebuild the decoder's state by replay at divergence)")
+    in_flight = cfg.manager.get("beside_writes_in_flight", 1)
+    if isinstance(in_flight, bool) or not isinstance(in_flight, int) or in_flight < 0:
+        raise ConfigError("manager.beside_writes_in_flight", f"must be an integer >= 0, got {in_flight!r}",
+                          "manager.beside_writes_in_flight=1 (one frames and one decoder state written off the "
+                          "request path at once; 0 writes them on it)")
     if rt.local_attn_size == -1:
         return make_full_kv_config(break_even_k=be)
     return make_rolling_config(local_attn_size=rt.local_attn_size, sink_size=rt.sink_size,

@@ -10,7 +10,9 @@ it are decoded again. `experiments/session_reuse` has the table (bytes against s
 
 The state is one value per chunk, ``{hex}:dec`` (`cacheseek.kv.decoder_state`: bound to the node
 key, digest-checked on every read), written through the store's small-value path as the frames
-are, counted in its capacity, never evicting KV to make room (a full store drops it:
+are, off the request path (copied on its device at once, since the decoder overwrites it; sealed
+and put on the store's writer thread, at most ``beside_writes_in_flight`` states held: one more
+is dropped), counted in its capacity, never evicting KV to make room (a full store drops it:
 ``decoder_states_dropped``), freed with the chunk (`frames.free_frames` frees both). A missing
 state is ``decoder_states_missing``, a damaged one ``decoder_states_corrupt`` (removed): both fall
 back to the next lower resume point, then to the replay; a wrong state is never loaded.
@@ -30,7 +32,7 @@ from cacheseek.kv import decoder_state as state_value
 from cacheseek.kv.decoder_state import DecoderStateSpec
 from cacheseek.kv.locators import decoder_state_locator
 from cacheseek.kv.runtime_decoder import RuntimeDecoder
-from cacheseek.reuse.exact_prefix.beside_chunk import put_beside_chunk
+from cacheseek.reuse.exact_prefix.beside_chunk import DECODER_STATES, write_beside_chunk
 
 if TYPE_CHECKING:
     from cacheseek.reuse.exact_prefix.manager import WorldKVManager
@@ -55,22 +57,19 @@ class ChunkDecoderStates:
 
     def write(self, node: Any, entries: list, device: Any) -> bool:
         """Store ``entries`` (the decoder's state after chunk ``node``, computed here) on
-        ``device``. False when not stored (counted as ``decoder_states_dropped``). Never raises."""
+        ``device`` off the request path: here the state is copied into one value on its device
+        (queued on the current stream, before the decoder's next decode overwrites it); its
+        digest, header and put run on the store's writer thread (`beside_chunk`). False when not
+        taken (counted as ``decoder_states_dropped``: the writer holds as many states as it may,
+        the store is closed). Never raises."""
         ctx = self.ctx
-        try:
-            value = state_value.pack(node.node_key, entries, device)
-            if not ctx.store.accepts_device_views and value.device.type != "cpu":
-                value = value.cpu()
-            if not put_beside_chunk(ctx, node, decoder_state_locator(node.node_key), value,
-                                    what="decoder state (a divergence there replays)", dropped="decoder_states_dropped",
-                                    free=lambda: free_decoder_state(ctx, node.node_key)):
-                return False
-            ctx.metrics.add(decoder_states_written=1, decoder_state_write_bytes=int(value.numel()))
-            return True
-        except Exception:  # noqa: BLE001 - not stored: a divergence there replays instead
-            log.exception("writing the decoder state after %r failed", node)
-            ctx.metrics.add(decoder_states_dropped=1)
-            return False
+
+        def capture() -> Any:
+            snap = state_value.snapshot(node.node_key, entries, device)
+            return lambda: _finish(snap, ctx.store)
+
+        return write_beside_chunk(ctx, node, decoder_state_locator(node.node_key), capture, DECODER_STATES,
+                                  device=device, free=lambda: free_decoder_state(ctx, node.node_key))
 
     def read(self, node_key: bytes, spec: DecoderStateSpec, device: Any) -> Optional[list]:
         """The decoder state stored after chunk ``node_key`` on ``device``, or None (missing,
@@ -102,6 +101,15 @@ class ChunkDecoderStates:
                         decoder_state_read_bytes=sum(t.numel() * t.element_size() for t in out
                                                      if isinstance(t, torch.Tensor)))
         return out
+
+
+def _finish(snap: state_value.Snapshot, store: Any) -> Any:
+    """On the writer thread: the state's value sealed (its copies waited for, its check computed
+    over exactly the bytes stored), on the host for a store that takes no device tensors."""
+    value = snap.seal()
+    if not store.accepts_device_views and value.device.type != "cpu":
+        value = value.cpu()
+    return value
 
 
 def free_decoder_state(ctx: "WorldKVManager", node_key: bytes) -> None:

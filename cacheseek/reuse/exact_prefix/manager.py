@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-from cacheseek.errors import CacheSeekError, StoreError, StoreFullError
+from cacheseek.errors import CacheSeekError, ConfigError, StoreError, StoreFullError
 from cacheseek.eviction import EvictionConfig, make_policy, store_usage
 from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.metrics import CacheMetrics
@@ -65,7 +65,10 @@ class WorldKVManager:
     ``metrics``: a `CacheMetrics` to report into (default: a new one). ``clock``: the time
     source of ``last_access`` and the usage timeline (default ``time.monotonic``).
     ``shared_index``: a `SharedIndexConfig` (or a mapping of its fields; default on, 8 keys a
-    probe): lookups continue past the local trie in the store's chunk records."""
+    probe): lookups continue past the local trie in the store's chunk records.
+    ``beside_writes_in_flight``: the values of one kind kept beside chunks (frames, decoder
+    states) the store's writer may hold at once, off the request path; one more is dropped
+    (counted); 0 writes them in the caller's thread (`beside_chunk`)."""
 
     def __init__(
         self,
@@ -77,7 +80,13 @@ class WorldKVManager:
         eviction: Any = None,
         metrics: Optional[CacheMetrics] = None,
         shared_index: Any = None,
+        beside_writes_in_flight: int = 1,
     ) -> None:
+        if isinstance(beside_writes_in_flight, bool) or not isinstance(beside_writes_in_flight, int) \
+                or beside_writes_in_flight < 0:
+            raise ConfigError("manager.beside_writes_in_flight", f"must be an integer >= 0, got {beside_writes_in_flight!r}",
+                              "1 (the default) keeps one value of each kind in flight; 0 writes on the request path")
+        self.beside_writes_in_flight = beside_writes_in_flight
         self.forest = forest
         self.store = store
         self.cfg = cfg

@@ -350,7 +350,9 @@ class PlanTierStore(PathReadStore):
         """Wait until every pending write has committed or failed (a failure is on its handle and
         in `stats`; nothing is raised). Returns at once without overlap. Bounded: at most
         ``timeout_s`` seconds (default: ``commit_timeout_s`` per pending write, at least 4 of them);
-        `StoreTimeoutError` past it, naming how many writes are pending (they go on)."""
+        `StoreTimeoutError` past it, naming how many writes are pending (they go on). The values
+        written beside chunks first (`TierStore.flush_beside`)."""
+        self.flush_beside(*(() if timeout_s is None else (timeout_s,)))
         self._completion.flush(timeout_s)
 
     def close(self) -> None:
@@ -360,6 +362,7 @@ class PlanTierStore(PathReadStore):
             return
         self._warmup.join(max(60.0, self.commit_timeout_s))  # never tear down under the warm-up
         try:
+            self.close_beside()
             self.flush()
         finally:
             self._closed = True

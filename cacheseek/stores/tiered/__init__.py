@@ -282,7 +282,9 @@ class TieredStore(PathReadStore):
         removal.free_latent(self._book, locator)
 
     def flush(self) -> None:
-        """Wait for every level's pending writes, then settle them."""
+        """Wait for the values written beside chunks, then every level's pending writes, then
+        settle them."""
+        self.flush_beside()
         for lv in self._levels:
             lv.store.flush()
         self._book.reap()
@@ -292,6 +294,7 @@ class TieredStore(PathReadStore):
         if self._closed:
             return
         try:
+            self.close_beside()
             self.flush()
         finally:
             self._closed = True
