@@ -42,11 +42,12 @@ def _session(factory, manager, actions, every, stop_after=None):
                               decoder_state_every=every)
     s = factory.make(actions, hooks=b)
     s.generate(stop_after)
+    manager.store.flush()  # its frames and states are written off the request path
     return b, s
 
 
 def _written(factory, every=1):
-    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config())
+    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config(), beside_writes_in_flight=8)
     _session(factory, manager, X, every)
     assert manager.metrics.decoder_states_written == 3  # after chunks 0, 1, 2 (the last clears the cache)
     return manager
@@ -112,10 +113,11 @@ def test_a_live_session_loads_the_stored_cache_at_its_divergence(factory):
     """Live sessions streamed one action per chunk (each control built as TeleFuser's service
     builds it): one computes X, one follows it for 2 chunks and diverges; the follower's computed
     chunks equal a cold live run's, with the cache after chunk 1 loaded and nothing replayed."""
-    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config())
+    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config(), beside_writes_in_flight=8)
     b = LingBotWorldKVBinding(manager, manager.forest, model_fingerprint=factory.weights_fingerprint,
                               decoder_state_every=2)
     factory.make(X, hooks=b, streamed=True).generate()
+    manager.store.flush()
     cold = factory.make(FORKS[2], hooks=None, streamed=True).generate()
     c = LingBotWorldKVBinding(manager, manager.forest, model_fingerprint=factory.weights_fingerprint,
                               decoder_state_every=2)

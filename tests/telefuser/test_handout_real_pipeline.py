@@ -34,13 +34,14 @@ def cold(factory):
 
 
 def _manager():
-    return WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config())
+    return WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config(), beside_writes_in_flight=8)
 
 
 def _session(factory, manager, actions):
     b = LingBotWorldKVBinding(manager, manager.forest, model_fingerprint=factory.weights_fingerprint)
     s = factory.make(actions, hooks=b)
     s.generate()
+    manager.store.flush()  # its frames are written off the request path
     return b, s
 
 

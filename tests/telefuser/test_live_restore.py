@@ -40,7 +40,7 @@ def factory(request):
 def _manager(factory):
     L, S = factory.local_attn_size, factory.sink_size
     cfg = make_full_kv_config() if L == -1 else make_rolling_config(local_attn_size=L, sink_size=S)
-    return WorldKVManager(NamespaceForest(), InMemoryTierStore(), cfg)
+    return WorldKVManager(NamespaceForest(), InMemoryTierStore(), cfg, beside_writes_in_flight=8)
 
 
 def _run(factory, actions, manager=None, *, handout=False):
@@ -110,7 +110,7 @@ def plan_store():
 def test_a_live_session_restores_each_chunk_from_the_plan_tier(factory, plan_store):
     L, S = factory.local_attn_size, factory.sink_size
     cfg = make_full_kv_config() if L == -1 else make_rolling_config(local_attn_size=L, sink_size=S)
-    manager = WorldKVManager(NamespaceForest(), plan_store, cfg)
+    manager = WorldKVManager(NamespaceForest(), plan_store, cfg, beside_writes_in_flight=8)
     cold_frames, cold_state = _run(factory, FOLLOW_THEN_DIVERGE)
     _run(factory, X, manager)
     frames, state = _run(factory, FOLLOW_THEN_DIVERGE, manager)
@@ -123,7 +123,7 @@ def test_a_live_session_hands_out_frames_from_the_plan_tier_and_materializes_at_
         pytest.skip("TeleFuser main decodes in its actors: its live chunks are restored eagerly, not handed out")
     L, S = factory.local_attn_size, factory.sink_size
     cfg = make_full_kv_config() if L == -1 else make_rolling_config(local_attn_size=L, sink_size=S)
-    manager = WorldKVManager(NamespaceForest(), plan_store, cfg)
+    manager = WorldKVManager(NamespaceForest(), plan_store, cfg, beside_writes_in_flight=8)
     cold_frames, cold_state = _run(factory, FOLLOW_THEN_DIVERGE)
     _run(factory, X, manager, handout=True)
     assert manager.metrics.frames_written == len(X)
