@@ -111,6 +111,8 @@ def test_without_loading_the_stored_state_the_computed_frames_differ(store, monk
 
     def unloaded(self, runtime, idx, spec, **kw):
         plan = real(self, runtime, idx, spec, **kw)
+        if plan.late_state is not None:
+            assert plan.late_state.result()[1] is not None  # found (and never loaded)
         return NextChunk(frames=plan.frames, replay=plan.replay, replay_from=plan.replay_from,
                          recompute=plan.recompute)
 

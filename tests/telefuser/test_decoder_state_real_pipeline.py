@@ -81,6 +81,8 @@ def test_without_loading_the_stored_cache_the_computed_chunk_is_wrong(factory, c
 
     def unloaded(self, rt, idx, spec, *a):
         plan = real(self, rt, idx, spec, *a)
+        if plan.late_state is not None:
+            assert plan.late_state.result()[1] is not None  # found (and never loaded)
         return NextChunk(frames=plan.frames, replay=plan.replay, replay_from=plan.replay_from)
 
     monkeypatch.setattr(LingBotWorldKVBinding, "next_chunk", unloaded)

@@ -23,6 +23,9 @@ back to the next lower resume point, then to the replay; a wrong state is never 
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -39,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ChunkDecoderStates", "RuntimeDecoder", "DecoderStateSpec", "resume_points"]
+__all__ = ["ChunkDecoderStates", "LateState", "RuntimeDecoder", "DecoderStateSpec", "resume_points"]
 
 
 def resume_points(every: int, below: int) -> list[int]:
@@ -101,6 +104,63 @@ class ChunkDecoderStates:
                         decoder_state_read_bytes=sum(t.numel() * t.element_size() for t in out
                                                      if isinstance(t, torch.Tensor)))
         return out
+
+
+class LateState:
+    """The decoder's state at a divergence, read and checked while the chunk computes.
+
+    Made by the binding as the session materializes (`HandOut.next_chunk`) for a decoder that
+    loads late (`RuntimeDecoder.loads_late`): the nearest stored state at or below the last
+    served chunk is read on a reader thread (on a GPU on a stream of its own, waited for there)
+    and its digest checked; a missing or damaged one falls back to the next lower resume point,
+    then to none. The runtime calls `catch_up` right before the decoder's first use (after the
+    chunk's denoising): it waits for the read (bounded: ``wait_s``, past it a miss), loads the
+    state and decodes the served latents after it, in order, or all of them when none was found.
+    A state that fails its check is never loaded: the replay rebuilds the decoder instead."""
+
+    def __init__(self, future: Any, latents: tuple, metrics: Any, wait_s: float) -> None:
+        self.future = future
+        self.latents = latents  # chunks 0..idx-1, every one the replay may need
+        self.metrics = metrics
+        self.wait_s = wait_s
+        self.caught_up = False
+
+    def result(self) -> tuple[int, Optional[list]]:
+        """``(start, state)``: the state after chunk ``start - 1`` (None, 0: none found in time)."""
+        try:
+            return self.future.result(timeout=self.wait_s)
+        except Exception as exc:  # noqa: BLE001 - a read not done in time, or failed, is a miss
+            log.warning("the decoder's stored state was not read in %.0f s (%r): the decoder is rebuilt", self.wait_s, exc)
+            self.metrics.add(decoder_states_missing=1)
+            return 0, None
+
+    def catch_up(self, decoder: RuntimeDecoder, decode: Callable[[Any, bool], Any]) -> None:
+        """Before the decoder's first use: load the state read (``decoder.load``), then
+        ``decode(latent, first)`` each served latent after it, in order (once)."""
+        if self.caught_up:
+            return
+        self.caught_up = True
+        start, state = self.result()
+        if state is not None:
+            for t in state:  # made on the reader's stream, used on this one from now on
+                if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                    t.record_stream(torch.cuda.current_stream(t.device))
+            decoder.load(state)
+        self.metrics.add(decoder_replays=len(self.latents) - start)
+        for j in range(start, len(self.latents)):
+            decode(self.latents[j], j == 0)
+
+
+_reader: list = []
+_reader_lock = threading.Lock()
+
+
+def reader() -> ThreadPoolExecutor:
+    """The process's reader of decoder states at divergence (one thread, started on first use)."""
+    with _reader_lock:
+        if not _reader:
+            _reader.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="cacheseek-decoder-state-read"))
+        return _reader[0]
 
 
 def _finish(snap: state_value.Snapshot, store: Any) -> Any:
