@@ -188,3 +188,29 @@ def test_flush_waits_for_a_slow_write():
     writes.flush(5)
     assert done == [1]
     writes.close(5)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_state_is_sealed_on_its_own_stream_while_the_model_runs():
+    """The snapshot is queued on the decoder's stream and marked by an event; the seal (another
+    thread) waits for that event only, never for the model's work queued after it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    dev = torch.device("cuda")
+    key = bytes(range(32))
+    live = [torch.randn(64, 1024, 1024, device=dev), None, "Rep"]  # 256 MiB
+    snap = state_value.snapshot(key, live)
+    expect = live[0].clone()
+    live[0].add_(1.0)  # the next decode overwrites the state in place, after the snapshot's copy
+    a = torch.randn(8192, 8192, device=dev)
+    for _ in range(120):  # the model's queued work: a second or more
+        a = a @ a / 8192 ** 0.5
+    model_done = torch.cuda.Event()
+    model_done.record()
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(snap.seal()))
+    t.start()
+    t.join(60)
+    assert out and not model_done.query()  # sealed while the model's work still runs
+    torch.cuda.synchronize()
+    assert torch.equal(out[0], state_value.pack(key, [expect, None, "Rep"]))

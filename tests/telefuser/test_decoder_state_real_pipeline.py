@@ -7,6 +7,8 @@ rebuilt by replay, never loaded wrong."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 pytestmark = pytest.mark.telefuser
@@ -17,6 +19,7 @@ from cacheseek.integrations.telefuser.handout import WanDecoder  # noqa: E402
 from cacheseek.kv.decoder_state import spec_of  # noqa: E402
 from cacheseek.kv.locators import decoder_state_locator  # noqa: E402
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager  # noqa: E402
+from cacheseek.reuse.exact_prefix.decoder_states import ChunkDecoderStates  # noqa: E402
 from cacheseek.reuse.exact_prefix.handout import NextChunk  # noqa: E402
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config  # noqa: E402
 from cacheseek.runtime.telefuser import TeleFuserRuntimeFactory  # noqa: E402
@@ -62,6 +65,26 @@ def test_the_stored_cache_replaces_the_replay_bit_exactly(factory, cold):
         assert s.frame_hashes == cold[k] and (b.frames_served, b.chunks_materialized) == (k, k)
         assert after["decoder_states_restored"] - before["decoder_states_restored"] == 1
         assert after["decoder_replays"] == before["decoder_replays"]  # nothing decoded again
+
+
+def test_the_stored_cache_is_read_while_the_chunk_denoises_and_the_vae_is_left_as_it_was(factory, cold, monkeypatch):
+    """The read of the stored cache runs on the reader thread (started as the session
+    materializes), and the VAE's first decode of the chunk catches the decoder up: the
+    one-shot wrapper is gone afterwards, the frames equal a cold run's."""
+    manager = _written(factory)
+    threads = []
+    real = ChunkDecoderStates.read
+
+    def read(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChunkDecoderStates, "read", read)
+    b, s = _session(factory, manager, FORKS[2], 1)
+    assert s.frame_hashes == cold[2] and manager.metrics.decoder_states_restored == 1
+    assert threads and all(name.startswith("cacheseek-decoder-state-read") for name in threads)
+    vae = WanDecoder(factory.pipeline, s.runtime, {}).vae
+    assert "cached_decode_withflag" not in vars(vae)
 
 
 def test_the_dry_decode_predicts_the_cache_after_every_chunk(factory):
