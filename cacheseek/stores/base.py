@@ -189,15 +189,15 @@ class TierStore:
         ``limit`` 0 runs both now, in the caller's thread (`BesideWrites`)."""
         return self._beside_writes().submit(capture, kind=kind, limit=limit)
 
-    def flush_beside(self, bound_s: float = FLUSH_S) -> None:
-        """Wait for the values `write_beside` has in flight, at most ``bound_s``
-        (`StoreTimeoutError` past it). Every store's ``flush`` calls it first."""
-        self._beside_writes().flush(bound_s)
+    def flush_beside(self, bound_s: Optional[float] = None) -> None:
+        """Wait for the values `write_beside` has in flight, at most ``bound_s`` (None: `FLUSH_S`;
+        `StoreTimeoutError` past it). Every store's ``flush`` calls it first."""
+        self._beside_writes().flush(FLUSH_S if bound_s is None else bound_s)
 
-    def close_beside(self, bound_s: float = FLUSH_S) -> None:
-        """Refuse further `write_beside` jobs, wait for those in flight, stop the writer (bounded).
-        Every store's ``close`` calls it before tearing anything down."""
-        self._beside_writes().close(bound_s)
+    def close_beside(self, bound_s: Optional[float] = None) -> None:
+        """Refuse further `write_beside` jobs, wait for those in flight, stop the writer (bounded
+        as `flush_beside`). Every store's ``close`` calls it before tearing anything down."""
+        self._beside_writes().close(FLUSH_S if bound_s is None else bound_s)
 
     def _beside_writes(self) -> BesideWrites:
         with _BESIDE_LOCK:

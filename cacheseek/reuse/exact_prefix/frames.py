@@ -57,8 +57,10 @@ class ChunkFrames:
         takes device tensors). False when they were not taken (counted as ``frames_dropped``).
         Never raises."""
         ctx = self.ctx
-        return write_beside_chunk(ctx, node, frames_locator(node.node_key), lambda: _capture(node.node_key, frames, device, ctx.store),
-                                  FRAMES, device=device if ctx.store.accepts_device_views else "cpu",
+        on_gpu = isinstance(frames, torch.Tensor) and frames.device.type == "cuda"
+        work = frames.device if on_gpu else device if ctx.store.accepts_device_views else "cpu"
+        return write_beside_chunk(ctx, node, frames_locator(node.node_key),
+                                  lambda: _capture(node.node_key, frames, device, ctx.store), FRAMES, device=work,
                                   free=lambda: free_frames(ctx, node.node_key))
 
     # -- read -----------------------------------------------------------------------------------

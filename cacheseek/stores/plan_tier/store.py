@@ -352,7 +352,7 @@ class PlanTierStore(PathReadStore):
         ``timeout_s`` seconds (default: ``commit_timeout_s`` per pending write, at least 4 of them);
         `StoreTimeoutError` past it, naming how many writes are pending (they go on). The values
         written beside chunks first (`TierStore.flush_beside`)."""
-        self.flush_beside(*(() if timeout_s is None else (timeout_s,)))
+        self.flush_beside(timeout_s)
         self._completion.flush(timeout_s)
 
     def close(self) -> None:
