@@ -2,9 +2,9 @@
 
 A store whose put of a value beside a chunk blocks until the test releases it shows the
 contract: the session returns while the write waits; the value is not findable until it is
-whole; one more value of a kind than ``beside_writes_in_flight`` is dropped and counted, never
-waited for; a chunk freed during the write leaves nothing; ``flush`` waits for the writer
-(bounded) and a closed store takes no write. The decoder state is copied when it is captured:
+whole; one more value of a kind than its bound (``frames_in_flight``,
+``decoder_states_in_flight``) is dropped and counted, never waited for; a chunk freed during the
+write leaves nothing; ``flush`` waits for the writer (bounded) and a closed store takes no write. The decoder state is copied when it is captured:
 what the decoder does afterwards never reaches the stored value.
 """
 
@@ -55,7 +55,8 @@ class GatedStore(InMemoryTierStore):
 
 def run(store, actions=X, *, every=0, in_flight=N):
     forest = NamespaceForest()
-    manager = WorldKVManager(forest, store, make_full_kv_config(), beside_writes_in_flight=in_flight)
+    manager = WorldKVManager(forest, store, make_full_kv_config(), frames_in_flight=in_flight,
+                             decoder_states_in_flight=in_flight)
     b = LingBotWorldKVBinding(manager, forest, decoder_state_every=every)
     rt = SyntheticRuntimeFactory(geometry="tiny", local_attn_size=-1, sink_size=0, handout=True).make(actions, hooks=b)
     hashes = rt.generate()
@@ -133,7 +134,7 @@ def test_in_flight_zero_writes_on_the_request_path(tmp_path):
 def test_flush_returns_what_a_second_session_finds(tmp_path):
     store = LocalDiskTierStore(root=str(tmp_path / "disk"))
     forest = NamespaceForest()
-    manager = WorldKVManager(forest, store, make_full_kv_config())  # the default: one in flight
+    manager = WorldKVManager(forest, store, make_full_kv_config(), frames_in_flight=1)  # one in flight
     factory = SyntheticRuntimeFactory(geometry="tiny", local_attn_size=-1, sink_size=0, handout=True)
     cold = factory.make(X, hooks=None).generate()
     written = []

@@ -50,8 +50,8 @@ def factory(mode) -> SyntheticRuntimeFactory:
 def session(store, forest, mode, actions, every, *, streamed=False):
     cfg = make_full_kv_config() if mode[0] == -1 else make_rolling_config(local_attn_size=mode[0], sink_size=mode[1])
     # written off the request path: room for every chunk's values (this runtime outpaces the writer)
-    b = LingBotWorldKVBinding(WorldKVManager(forest, store, cfg, beside_writes_in_flight=N), forest,
-                              decoder_state_every=every)
+    manager = WorldKVManager(forest, store, cfg, frames_in_flight=N, decoder_states_in_flight=N)
+    b = LingBotWorldKVBinding(manager, forest, decoder_state_every=every)
     rt = factory(mode).make(actions, hooks=b, streamed=streamed)
     hashes = rt.generate()
     store.flush()  # what the session wrote beside its chunks, in the store before the next looks

@@ -47,8 +47,8 @@ def factory(mode) -> SyntheticRuntimeFactory:
 def binding(store, forest, mode, *, ingest=True) -> LingBotWorldKVBinding:
     cfg = make_full_kv_config() if mode[0] == -1 else make_rolling_config(local_attn_size=mode[0], sink_size=mode[1])
     # frames are written off the request path: room for every chunk's (this runtime outpaces the writer)
-    return LingBotWorldKVBinding(WorldKVManager(forest, store, cfg, beside_writes_in_flight=N), forest,
-                                 ingest_enabled=ingest)
+    manager = WorldKVManager(forest, store, cfg, frames_in_flight=N, decoder_states_in_flight=N)
+    return LingBotWorldKVBinding(manager, forest, ingest_enabled=ingest)
 
 
 def session(store, forest, mode, actions, *, streamed=False, ingest=True):

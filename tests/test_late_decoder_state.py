@@ -61,7 +61,7 @@ class Binding(LingBotWorldKVBinding):
 
 
 def session(store, forest, actions, *, open_at=-1):
-    manager = WorldKVManager(forest, store, make_full_kv_config(), beside_writes_in_flight=N)
+    manager = WorldKVManager(forest, store, make_full_kv_config(), frames_in_flight=N, decoder_states_in_flight=N)
     b = Binding(manager, forest, decoder_state_every=2)
     b.open_at = open_at
     hashes = FACTORY.make(actions, hooks=b).generate()

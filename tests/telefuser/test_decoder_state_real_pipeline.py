@@ -25,6 +25,8 @@ from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding
 from cacheseek.runtime.telefuser import TeleFuserRuntimeFactory  # noqa: E402
 from cacheseek.stores.memory import InMemoryTierStore  # noqa: E402
 
+ROOM = {"frames_in_flight": 8, "decoder_states_in_flight": 8}  # written off the request path: never dropped here
+
 X = [[0.3, -0.2, 0.1], [-0.5, 0.4, 0.0], [0.1, 0.1, -0.3], [0.2, 0.5, 0.1]]
 FORKS = {1: X[:1] + [[0.7, -0.6, 0.2], [0.0, 0.3, 0.3], [0.4, 0.4, -0.1]],
          2: X[:2] + [[0.7, -0.6, 0.2], [0.0, 0.3, 0.3]]}
@@ -50,7 +52,7 @@ def _session(factory, manager, actions, every, stop_after=None):
 
 
 def _written(factory, every=1):
-    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config(), beside_writes_in_flight=8)
+    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config(), **ROOM)
     _session(factory, manager, X, every)
     assert manager.metrics.decoder_states_written == 3  # after chunks 0, 1, 2 (the last clears the cache)
     return manager
@@ -138,7 +140,7 @@ def test_a_live_session_loads_the_stored_cache_at_its_divergence(factory):
     """Live sessions streamed one action per chunk (each control built as TeleFuser's service
     builds it): one computes X, one follows it for 2 chunks and diverges; the follower's computed
     chunks equal a cold live run's, with the cache after chunk 1 loaded and nothing replayed."""
-    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config(), beside_writes_in_flight=8)
+    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config(), **ROOM)
     b = LingBotWorldKVBinding(manager, manager.forest, model_fingerprint=factory.weights_fingerprint,
                               decoder_state_every=2)
     factory.make(X, hooks=b, streamed=True).generate()

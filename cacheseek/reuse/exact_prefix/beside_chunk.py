@@ -3,9 +3,9 @@ state) stored beside its KV, the one way both are written.
 
 `write_beside_chunk` takes what the caller captured at that moment and finishes the value (its
 copies waited for, its digest, its header) and stores it on the store's writer thread
-(`TierStore.write_beside`), off the request path: at most ``manager.beside_writes_in_flight``
-values of one kind in flight; past it the value is dropped and counted, the caller never waits.
-``beside_writes_in_flight=0`` writes it in the caller's thread, as before.
+(`TierStore.write_beside`), off the request path: at most ``manager.frames_in_flight`` frames
+and ``manager.decoder_states_in_flight`` decoder states in flight; past it the value is dropped
+and counted, the caller never waits. 0 writes them in the caller's thread, as before.
 
 The value goes through the store's latent path (``put_skeleton``), so every store and tier holds
 and counts it, but it never evicts KV to make room: a full store drops it. A store's put is its
@@ -55,8 +55,8 @@ def write_beside_chunk(ctx: "WorldKVManager", node: Any, locator: str, capture: 
     """Store a value under ``locator`` beside chunk ``node``'s KV (see the module docstring):
     ``capture()``, in this thread once the writer has a place, takes what cannot wait and
     returns ``finish``; ``finish()``, on the store's writer thread, returns the value, whole and
-    checked. False when refused (the writer holds ``ctx.beside_writes_in_flight`` values of this
-    kind already, or the store is closed; nothing captured) or the capture failed: counted as
+    checked. False when refused (the writer holds ``ctx.beside_in_flight[kind.kind]`` values of
+    this kind already, or the store is closed; nothing captured) or the capture failed: counted as
     ``kind.dropped``. Never raises; a failure of the write itself is logged and counted on the
     writer's thread. ``device``: where the value is made; on a GPU the writer's work there runs
     on a stream of its own (`side_stream`), never behind the runtime's queued work."""
@@ -79,7 +79,7 @@ def write_beside_chunk(ctx: "WorldKVManager", node: Any, locator: str, capture: 
             ctx.metrics.add(**{kind.dropped: 1})
 
     try:
-        if ctx.store.write_beside(start, kind=kind.kind, limit=ctx.beside_writes_in_flight):
+        if ctx.store.write_beside(start, kind=kind.kind, limit=ctx.beside_in_flight[kind.kind]):
             return True
     except Exception:  # noqa: BLE001 - a cache must never take a session down
         log.exception("capturing the %s of %r failed", kind.what, node)

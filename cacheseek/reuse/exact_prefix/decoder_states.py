@@ -11,7 +11,7 @@ it are decoded again. `experiments/session_reuse` has the table (bytes against s
 The state is one value per chunk, ``{hex}:dec`` (`cacheseek.kv.decoder_state`: bound to the node
 key, digest-checked on every read), written through the store's small-value path as the frames
 are, off the request path (copied on its device at once, since the decoder overwrites it; sealed
-and put on the store's writer thread, at most ``beside_writes_in_flight`` states held: one more
+and put on the store's writer thread, at most ``decoder_states_in_flight`` states held: one more
 is dropped), counted in its capacity, never evicting KV to make room (a full store drops it:
 ``decoder_states_dropped``), freed with the chunk (`frames.free_frames` frees both). A missing
 state is ``decoder_states_missing``, a damaged one ``decoder_states_corrupt`` (removed): both fall

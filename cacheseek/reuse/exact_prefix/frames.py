@@ -8,7 +8,7 @@ its capacity. Lifetime:
 
 - written once the chunk's frames are out (after the user has them), off the request path
   (`beside_chunk.write_beside_chunk`): stacked, packed (one digest pass and one copy) and put on
-  the store's writer thread, at most ``beside_writes_in_flight`` at a time (more are dropped);
+  the store's writer thread, at most ``frames_in_flight`` at a time (more are dropped);
   a store that is full drops them too (counted as ``frames_dropped``: no chunk's KV is evicted
   for frames; the chunk stays cached and its restore decodes). The store's ``flush`` waits for
   them and its ``close`` stops the writer, so a closed store never sees a write arrive. What the

@@ -66,8 +66,8 @@ class WorldKVManager:
     source of ``last_access`` and the usage timeline (default ``time.monotonic``).
     ``shared_index``: a `SharedIndexConfig` (or a mapping of its fields; default on, 8 keys a
     probe): lookups continue past the local trie in the store's chunk records.
-    ``beside_writes_in_flight``: the values of one kind kept beside chunks (frames, decoder
-    states) the store's writer may hold at once, off the request path; one more is dropped
+    ``frames_in_flight``, ``decoder_states_in_flight``: the frames and the decoder states the
+    store's writer may hold at once, written off the request path; one more is dropped
     (counted); 0 writes them in the caller's thread (`beside_chunk`)."""
 
     def __init__(
@@ -80,13 +80,11 @@ class WorldKVManager:
         eviction: Any = None,
         metrics: Optional[CacheMetrics] = None,
         shared_index: Any = None,
-        beside_writes_in_flight: int = 1,
+        frames_in_flight: int = 8,
+        decoder_states_in_flight: int = 1,
     ) -> None:
-        if isinstance(beside_writes_in_flight, bool) or not isinstance(beside_writes_in_flight, int) \
-                or beside_writes_in_flight < 0:
-            raise ConfigError("manager.beside_writes_in_flight", f"must be an integer >= 0, got {beside_writes_in_flight!r}",
-                              "1 (the default) keeps one value of each kind in flight; 0 writes on the request path")
-        self.beside_writes_in_flight = beside_writes_in_flight
+        self.beside_in_flight = {"frames": in_flight("manager.frames_in_flight", frames_in_flight),
+                                 "decoder_state": in_flight("manager.decoder_states_in_flight", decoder_states_in_flight)}
         self.forest = forest
         self.store = store
         self.cfg = cfg
@@ -289,6 +287,14 @@ class WorldKVManager:
     def evict_blob(self, node: TrieNode) -> bool:
         """`Evictor.evict_blob` honouring every pin (docs/api.md)."""
         return self.evictor.evict_blob(node, honour_pins=True)
+
+
+def in_flight(field: str, value: Any) -> int:
+    """``value`` checked as a bound of values written off the request path (an int >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(field, f"must be an integer >= 0, got {value!r}",
+                          f"{field}=1 (one value in flight; 0 writes it on the request path)")
+    return value
 
 
 def cold(namespace: Optional[Namespace]) -> FastForwardResult:
