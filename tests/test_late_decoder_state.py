@@ -17,6 +17,7 @@ import torch
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager, handout
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config
 from cacheseek.runtime.synthetic import SyntheticRuntimeFactory
+from cacheseek.runtime.synthetic.runtime import SyntheticDecoder
 from cacheseek.stores.memory import InMemoryTierStore
 
 N, K = 6, 4
@@ -93,3 +94,24 @@ def test_a_read_past_the_wait_bound_is_a_miss_and_the_decoder_is_replayed(monkey
     assert hashes == FACTORY.make(FORK, hooks=None).generate()
     m = c.manager.metrics.as_dict()
     assert m["decoder_states_missing"] == 1 and m["decoder_replays"] == K
+
+
+def test_a_decoder_that_does_not_load_late_gets_the_state_before_the_chunk(monkeypatch):
+    monkeypatch.setattr(SyntheticDecoder, "loads_late", False)
+    store = SlowStateReads(wait_s=0.0)
+    forest = NamespaceForest()
+    session(store, forest, X)
+    plans = []
+    real = LingBotWorldKVBinding.next_chunk
+
+    def seen(self, runtime, idx, spec, **kw):
+        plans.append(real(self, runtime, idx, spec, **kw))
+        return plans[-1]
+
+    monkeypatch.setattr(LingBotWorldKVBinding, "next_chunk", seen)
+    c, hashes = session(store, forest, FORK)
+    assert hashes == FACTORY.make(FORK, hooks=None).generate()
+    diverged = plans[K]
+    assert diverged.late_state is None and diverged.decoder_state is not None and diverged.replay_from == K
+    m = c.manager.metrics.as_dict()
+    assert (m["decoder_states_restored"], m["decoder_replays"]) == (1, 0)

@@ -202,7 +202,7 @@ class HandOut:
         wanted = self._resume_specs(idx, decoder)
         if wanted and decoder.loads_late:  # read while the chunk computes; loaded before its decode
             states, device = self.decoder_states, decoder.device
-            future = reader().submit(_read_nearest, states, wanted, device)
+            future = reader().submit(_read_nearest_aside, states, wanted, device)
             return NextChunk(late_state=LateState(future, tuple(latents), self.manager.metrics, LATE_WAIT_S))
         start, state = _read_nearest(self.decoder_states, wanted, decoder.device)
         replay = tuple(latents[start:])
@@ -259,11 +259,17 @@ class HandOut:
 
 def _read_nearest(states: ChunkDecoderStates, wanted: list, device: Any) -> tuple[int, Any]:
     """``(j + 1, state)``: the first of ``wanted`` (`HandOut._resume_specs`) stored and passing its
-    checks, read onto ``device`` (on a GPU on a stream of its own, waited for); ``(0, None)``
-    when none does (each miss counted by `ChunkDecoderStates.read`)."""
-    with side_stream(device):
-        for node_key, j, spec in wanted:
-            state = states.read(node_key, spec, device)
-            if state is not None:
-                return j + 1, state
+    checks, read onto ``device``; ``(0, None)`` when none does (each miss counted by
+    `ChunkDecoderStates.read`)."""
+    for node_key, j, spec in wanted:
+        state = states.read(node_key, spec, device)
+        if state is not None:
+            return j + 1, state
     return 0, None
+
+
+def _read_nearest_aside(states: ChunkDecoderStates, wanted: list, device: Any) -> tuple[int, Any]:
+    """`_read_nearest` on the reader thread: on a GPU on a stream of its own, waited for (the
+    runtime's stream records its use of the state: `LateState.catch_up`)."""
+    with side_stream(device):
+        return _read_nearest(states, wanted, device)
