@@ -361,8 +361,8 @@ class PlanTierStore(PathReadStore):
         if self._closed:
             return
         self._warmup.join(max(60.0, self.commit_timeout_s))  # never tear down under the warm-up
+        self.close_beside()  # nor under a value being written beside a chunk (raises: nothing torn down)
         try:
-            self.close_beside()
             self.flush()
         finally:
             self._closed = True

@@ -293,8 +293,8 @@ class TieredStore(PathReadStore):
         """Flush and close every level this store built (last level first). Idempotent."""
         if self._closed:
             return
+        self.close_beside()  # never close a level under a value being written (raises: nothing closed)
         try:
-            self.close_beside()
             self.flush()
         finally:
             self._closed = True
