@@ -4,8 +4,9 @@ A store whose put of a value beside a chunk blocks until the test releases it sh
 contract: the session returns while the write waits; the value is not findable until it is
 whole; one more value of a kind than its bound (``frames_in_flight``,
 ``decoder_states_in_flight``) is dropped and counted, never waited for; a chunk freed during the
-write leaves nothing; ``flush`` waits for the writer (bounded) and a closed store takes no write. The decoder state is copied when it is captured:
-what the decoder does afterwards never reaches the stored value.
+write leaves nothing; ``flush`` waits for the writer (bounded) and a closed store takes no write.
+The decoder state is copied when it is captured: what the decoder does afterwards never reaches
+the stored value.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ import xxhash
 
 from cacheseek.errors import CorruptValueError
 
-__all__ = ["MAGIC", "ALIGN", "DecoderStateSpec", "Snapshot", "spec_of", "snapshot", "pack", "unpack", "packed_nbytes", "body_sums", "empty_like_spec", "BLOCK_WORDS", "CHECKS"]
+__all__ = ["MAGIC", "ALIGN", "DecoderStateSpec", "Snapshot", "spec_of", "snapshot", "pack", "unpack", "packed_nbytes",
+           "body_sums", "empty_like_spec", "BLOCK_WORDS", "CHECKS"]
 
 MAGIC = b"CSDECV01"
 ALIGN = 64

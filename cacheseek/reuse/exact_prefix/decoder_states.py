@@ -130,7 +130,8 @@ class LateState:
         try:
             return self.future.result(timeout=self.wait_s)
         except Exception as exc:  # noqa: BLE001 - a read not done in time, or failed, is a miss
-            log.warning("the decoder's stored state was not read in %.0f s (%r): the decoder is rebuilt", self.wait_s, exc)
+            log.warning("the decoder's stored state was not read in %.0f s (%r): the decoder is rebuilt",
+                        self.wait_s, exc)
             self.metrics.add(decoder_states_missing=1)
             return 0, None
 

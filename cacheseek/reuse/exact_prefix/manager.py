@@ -83,8 +83,9 @@ class WorldKVManager:
         frames_in_flight: int = 8,
         decoder_states_in_flight: int = 1,
     ) -> None:
-        self.beside_in_flight = {"frames": in_flight("manager.frames_in_flight", frames_in_flight),
-                                 "decoder_state": in_flight("manager.decoder_states_in_flight", decoder_states_in_flight)}
+        self.beside_in_flight = {  # per `beside_chunk.BesideKind.kind`
+            "frames": in_flight("manager.frames_in_flight", frames_in_flight),
+            "decoder_state": in_flight("manager.decoder_states_in_flight", decoder_states_in_flight)}
         self.forest = forest
         self.store = store
         self.cfg = cfg
