@@ -131,7 +131,7 @@ class CacheMetrics:
     frames_written: int = counter("cacheseek_frames_written_total", "Computed chunks whose frames were stored.")
     frames_write_bytes: int = counter("cacheseek_frames_write_bytes_total", "Bytes of frames stored.")
     frames_dropped: int = counter("cacheseek_frames_dropped_total", "Computed chunks whose frames were not "
-                                  "stored (store full, a write error).")
+                                  "stored (store full, a write error, the writer busy).")
     materializations: int = counter("cacheseek_materializations_total", "Sessions whose served prefix was "
                                     "restored into the ring to compute on.")
     chunks_materialized: int = counter("cacheseek_materialized_chunks_total", "Chunks of KV restored at a "
@@ -142,7 +142,7 @@ class CacheMetrics:
                                           "after a computed chunk at a resume point (decoder_state_every).")
     decoder_state_write_bytes: int = counter("cacheseek_decoder_state_write_bytes_total", "Bytes of decoder states stored.")
     decoder_states_dropped: int = counter("cacheseek_decoder_states_dropped_total", "Decoder states not stored "
-                                          "(store full, a write error).")
+                                          "(store full, a write error, the writer busy).")
     decoder_states_restored: int = counter("cacheseek_decoder_states_restored_total", "Decoder states loaded at "
                                            "divergence (the chunks before them not decoded again).")
     decoder_state_read_bytes: int = counter("cacheseek_decoder_state_read_bytes_total", "Bytes of decoder states loaded.")

@@ -58,6 +58,7 @@ from cacheseek.layout.ring_layout import RingLayout
 from cacheseek.metrics import CacheMetrics
 from cacheseek.registry import LAYOUTS, STORES, TRANSFERS, instantiate
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager
+from cacheseek.reuse.exact_prefix.manager import in_flight
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config, make_rolling_config
 from cacheseek.reuse.exact_prefix.config import SharedIndexConfig
 from cacheseek.sizes import format_size
@@ -98,7 +99,9 @@ class Stack:
             index = dataclasses.replace(index, enabled=False)
         return WorldKVManager(forest if forest is not None else self.forest, self.store,
                               self.manager_config(), eviction=self.eviction_config(),
-                              metrics=self.metrics, shared_index=index)
+                              metrics=self.metrics, shared_index=index,
+                              frames_in_flight=self.cfg.manager.get("frames_in_flight", 8),
+                              decoder_states_in_flight=self.cfg.manager.get("decoder_states_in_flight", 1))
 
     def new_binding(self, manager: Any = None, *, ingest_enabled: bool = True):
         manager = manager if manager is not None else self.new_manager()
@@ -233,6 +236,8 @@ def _manager_config(cfg: Any, runtime_factory: Any) -> Any:
     if isinstance(every, bool) or not isinstance(every, int) or every < 0:
         raise ConfigError("manager.decoder_state_every", f"must be an integer >= 0, got {every!r}",
                           "manager.decoder_state_every=0 (rebuild the decoder's state by replay at divergence)")
+    in_flight("manager.frames_in_flight", cfg.manager.get("frames_in_flight", 8))
+    in_flight("manager.decoder_states_in_flight", cfg.manager.get("decoder_states_in_flight", 1))
     if rt.local_attn_size == -1:
         return make_full_kv_config(break_even_k=be)
     return make_rolling_config(local_attn_size=rt.local_attn_size, sink_size=rt.sink_size,

@@ -43,6 +43,10 @@ class ManagerConf:
     break_even_k: int = 1
     # store the decoder's state after chunks N-1, 2N-1, ... (0: rebuild it at divergence by replay)
     decoder_state_every: int = 2
+    # frames / decoder states written off the request path at once (one more is dropped,
+    # counted); 0: written on the request path
+    frames_in_flight: int = 8
+    decoder_states_in_flight: int = 1
     eviction: EvictionConf = dataclasses.field(default_factory=EvictionConf)
     shared_index: SharedIndexConf = dataclasses.field(default_factory=SharedIndexConf)
 

@@ -49,9 +49,13 @@ def factory(mode) -> SyntheticRuntimeFactory:
 
 def session(store, forest, mode, actions, every, *, streamed=False):
     cfg = make_full_kv_config() if mode[0] == -1 else make_rolling_config(local_attn_size=mode[0], sink_size=mode[1])
-    b = LingBotWorldKVBinding(WorldKVManager(forest, store, cfg), forest, decoder_state_every=every)
+    # written off the request path: room for every chunk's values (this runtime outpaces the writer)
+    manager = WorldKVManager(forest, store, cfg, frames_in_flight=N, decoder_states_in_flight=N)
+    b = LingBotWorldKVBinding(manager, forest, decoder_state_every=every)
     rt = factory(mode).make(actions, hooks=b, streamed=streamed)
-    return b, rt, rt.generate()
+    hashes = rt.generate()
+    store.flush()  # what the session wrote beside its chunks, in the store before the next looks
+    return b, rt, hashes
 
 
 def cold(mode, actions):
@@ -107,6 +111,8 @@ def test_without_loading_the_stored_state_the_computed_frames_differ(store, monk
 
     def unloaded(self, runtime, idx, spec, **kw):
         plan = real(self, runtime, idx, spec, **kw)
+        if plan.late_state is not None:
+            assert plan.late_state.result()[1] is not None  # found (and never loaded)
         return NextChunk(frames=plan.frames, replay=plan.replay, replay_from=plan.replay_from,
                          recompute=plan.recompute)
 

@@ -46,13 +46,16 @@ def factory(mode) -> SyntheticRuntimeFactory:
 
 def binding(store, forest, mode, *, ingest=True) -> LingBotWorldKVBinding:
     cfg = make_full_kv_config() if mode[0] == -1 else make_rolling_config(local_attn_size=mode[0], sink_size=mode[1])
-    return LingBotWorldKVBinding(WorldKVManager(forest, store, cfg), forest, ingest_enabled=ingest)
+    # frames are written off the request path: room for every chunk's (this runtime outpaces the writer)
+    manager = WorldKVManager(forest, store, cfg, frames_in_flight=N, decoder_states_in_flight=N)
+    return LingBotWorldKVBinding(manager, forest, ingest_enabled=ingest)
 
 
 def session(store, forest, mode, actions, *, streamed=False, ingest=True):
     b = binding(store, forest, mode, ingest=ingest)
     rt = factory(mode).make(actions, hooks=b, streamed=streamed)
     hashes = rt.generate()
+    store.flush()  # what the session wrote beside its chunks, in the store before the next looks
     return b, rt, hashes
 
 

@@ -42,7 +42,8 @@ import xxhash
 
 from cacheseek.errors import CorruptValueError
 
-__all__ = ["MAGIC", "ALIGN", "DecoderStateSpec", "spec_of", "pack", "unpack", "packed_nbytes", "body_sums", "empty_like_spec", "BLOCK_WORDS", "CHECKS"]
+__all__ = ["MAGIC", "ALIGN", "DecoderStateSpec", "Snapshot", "spec_of", "snapshot", "pack", "unpack", "packed_nbytes",
+           "body_sums", "empty_like_spec", "BLOCK_WORDS", "CHECKS"]
 
 MAGIC = b"CSDECV01"
 ALIGN = 64
@@ -217,12 +218,50 @@ def _digest(key: bytes, check: int, table: bytes, body_check: bytes) -> bytes:
     return h.digest()
 
 
-def pack(key: bytes, entries: Sequence[Any], device: Any = None, *, check: Optional[str] = None) -> torch.Tensor:
-    """The stored value of a decoder state (``entries``: tensors, None, marker strings) for the
-    chunk ``key``: a 1-D uint8 tensor on ``device`` (default: the first tensor's). Copies the
-    tensors once (the state is the decoder's own, replaced as it decodes on). ``check``: a
-    `CHECKS` name; default ``sums`` where the value is on a GPU (never copied to the host to be
-    checked), else ``xxh3``."""
+class Snapshot:
+    """A state copied for storing, not yet sealed (`snapshot`): ``value`` holds every tensor's
+    bytes in the body (the copies queued on the device's current stream, ``ready`` recorded
+    after them on a GPU), the header still empty. `seal` finishes it on any thread."""
+
+    __slots__ = ("key", "spec", "value", "check", "ready")
+
+    def __init__(self, key: bytes, spec: DecoderStateSpec, value: torch.Tensor, check: int, ready: Any) -> None:
+        self.key, self.spec, self.value, self.check, self.ready = key, spec, value, check, ready
+
+    @property
+    def device(self) -> torch.device:
+        return self.value.device
+
+    def seal(self) -> torch.Tensor:
+        """The stored value (`pack`'s): waits for the body's copies, computes the body's check
+        over the bytes now in ``value`` (on a GPU on a side stream of its own, waited for), writes
+        the header. Call it once."""
+        value, head = self.value, _head_nbytes(len(self.spec.entries))
+        if value.device.type != "cuda":
+            return _seal(self, value, head)
+        with torch.cuda.device(value.device):
+            stream = torch.cuda.Stream(value.device)
+            stream.wait_event(self.ready)
+            with torch.cuda.stream(stream):
+                out = _seal(self, value, head)
+            stream.synchronize()
+        return out
+
+
+def _seal(snap: Snapshot, value: torch.Tensor, head: int) -> torch.Tensor:
+    table = _table(snap.spec)
+    digest = _digest(snap.key, snap.check, table, _body_check(value[head:], snap.check))
+    header = (_HEAD.pack(MAGIC, snap.key, digest, len(snap.spec.entries), snap.check) + table).ljust(head, b"\0")
+    value[:head].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    return value
+
+
+def snapshot(key: bytes, entries: Sequence[Any], device: Any = None, *, check: Optional[str] = None) -> Snapshot:
+    """The state ``entries`` (tensors, None, marker strings) of chunk ``key`` copied, once, into
+    the body of a value on ``device`` (default: the first tensor's): the decoder overwrites its
+    state as it decodes on, so this is the part of a write that cannot wait. On a GPU the copies
+    are queued on the current stream (the decoder's: its next decode runs after them) and an
+    event marks them; nothing waits here. `Snapshot.seal` does the rest. ``check``: as `pack`."""
     spec = spec_of(entries)
     tensors = [e for e in entries if isinstance(e, torch.Tensor)]
     if device is None:
@@ -236,13 +275,21 @@ def pack(key: bytes, entries: Sequence[Any], device: Any = None, *, check: Optio
         if _padded(n) > n:
             out[off + n:off + _padded(n)].zero_()
         off += _padded(n)
-    table = _table(spec)
-    check = CHECKS[check] if check is not None else (_XXH3 if out.device.type == "cpu" else _SUMS)
-    digest = _digest(key, check, table, _body_check(out[head:], check))
-    header = _HEAD.pack(MAGIC, key, digest, len(spec.entries), check) + table
-    header = header.ljust(head, b"\0")
-    out[:head].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
-    return out
+    code = CHECKS[check] if check is not None else (_XXH3 if out.device.type == "cpu" else _SUMS)
+    ready = None
+    if out.device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(out.device))
+    return Snapshot(key, spec, out, code, ready)
+
+
+def pack(key: bytes, entries: Sequence[Any], device: Any = None, *, check: Optional[str] = None) -> torch.Tensor:
+    """The stored value of a decoder state (``entries``: tensors, None, marker strings) for the
+    chunk ``key``: a 1-D uint8 tensor on ``device`` (default: the first tensor's). Copies the
+    tensors once (the state is the decoder's own, replaced as it decodes on). ``check``: a
+    `CHECKS` name; default ``sums`` where the value is on a GPU (never copied to the host to be
+    checked), else ``xxh3``. `snapshot` then `Snapshot.seal`, at once."""
+    return snapshot(key, entries, device, check=check).seal()
 
 
 def unpack(key: bytes, value: Any, spec: DecoderStateSpec, locator: str, device: Any,

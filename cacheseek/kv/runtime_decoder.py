@@ -21,6 +21,9 @@ class RuntimeDecoder:
     (``spec`` None: nothing is stored, nothing loaded; a divergence replays as before)."""
 
     device: Any = "cpu"
+    # the runtime calls `NextChunk.late_state.catch_up` right before the decoder's first use at a
+    # divergence (after the chunk's denoising), so a stored state is read while the chunk computes
+    loads_late: bool = False
 
     def spec(self, after_chunk: int) -> Optional[DecoderStateSpec]:
         """What the state holds after chunk ``after_chunk`` (its entries' shapes and dtypes), or

@@ -29,6 +29,12 @@ Defaults that are already the right behaviour for a store without the operation:
 (none: not tiered), ``served_tier`` (None: the store itself), ``flush``/``close``/
 ``session_starting``/``wait_ready`` (nothing to wait for), ``records`` (`NO_RECORDS`),
 ``codec_id`` (None: raw bytes), ``storage_format`` (the class's path), ``ready`` (True).
+
+Every store has, from the base, ``write_beside(capture, kind=, limit=)``: a value kept beside a chunk
+(its frames, its decoder's state) finished and stored on the store's own writer thread
+(`BesideWrites`), bounded, refused when busy. A store's ``flush`` waits for it first
+(``flush_beside``) and its ``close`` stops it (``close_beside``), so that what a session wrote is
+in the store once flushed and a closed store never sees a write arrive.
 """
 
 from __future__ import annotations
@@ -43,9 +49,12 @@ from cacheseek.kv.handles import BlobHandle, ChunkNode, Tier
 from cacheseek.kv.payload import LayerPayload, RestoreTarget
 from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 from cacheseek.registry import STORES
+from cacheseek.stores.beside_writes import FLUSH_S, BesideWrites
 from cacheseek.stores.startup import NO_TOKEN, StartToken
 
 __all__ = ["TierStore", "PathReadStore", "RestoreTarget", "LayerPayload", "as_store"]
+
+_BESIDE_LOCK = threading.Lock()  # makes each store's `BesideWrites` once
 
 
 class TierStore:
@@ -166,10 +175,36 @@ class TierStore:
         return False
 
     def flush(self) -> None:
-        return None
+        self.flush_beside()
 
     def close(self) -> None:
-        return None
+        self.close_beside()
+
+    # -- values beside a chunk, written off the request path (every store: not overridden) ------
+    def write_beside(self, capture: Callable[[], Callable[[], Any]], *, kind: str, limit: int) -> bool:
+        """Store a value kept beside a chunk off the caller's thread: once the writer has a place
+        for it, ``capture()`` runs here (what cannot wait) and returns the job that finishes the
+        value and stores it (``put_skeleton``) on this store's writer thread. False, nothing
+        captured, when ``limit`` jobs of ``kind`` are in flight or the store was closed.
+        ``limit`` 0 runs both now, in the caller's thread (`BesideWrites`)."""
+        return self._beside_writes().submit(capture, kind=kind, limit=limit)
+
+    def flush_beside(self, bound_s: Optional[float] = None) -> None:
+        """Wait for the values `write_beside` has in flight, at most ``bound_s`` (None: `FLUSH_S`;
+        `StoreTimeoutError` past it). Every store's ``flush`` calls it first."""
+        self._beside_writes().flush(FLUSH_S if bound_s is None else bound_s)
+
+    def close_beside(self, bound_s: Optional[float] = None) -> None:
+        """Refuse further `write_beside` jobs, wait for those in flight, stop the writer (bounded
+        as `flush_beside`). Every store's ``close`` calls it before tearing anything down."""
+        self._beside_writes().close(FLUSH_S if bound_s is None else bound_s)
+
+    def _beside_writes(self) -> BesideWrites:
+        with _BESIDE_LOCK:
+            writes = self.__dict__.get("_beside")
+            if writes is None:
+                writes = self.__dict__["_beside"] = BesideWrites(self.label)
+            return writes
 
     @property
     def ready(self) -> bool:
@@ -212,7 +247,7 @@ class PathReadStore(TierStore):
 _REQUIRED = ("put_async", "get_layer", "put_skeleton", "get_skeleton", "free")
 _OPTIONAL = ("get_layers", "read_path", "contains", "free_skeleton", "keys", "delete_values", "orphans",
              "copy_values_from",
-             "usage", "tier_usages", "served_tier", "promoted_last_read", "flush", "close", "session_starting", "wait_ready")
+             "usage", "tier_usages", "served_tier", "promoted_last_read", "session_starting", "wait_ready")
 
 
 class _CallerStore(TierStore):
@@ -245,6 +280,18 @@ class _CallerStore(TierStore):
         fmt = getattr(obj, "storage_format", None)
         self._format = fmt or f"{type(obj).__module__}.{type(obj).__qualname__}"
         self._label = STORES.name_of(type(obj)) or type(obj).__name__.lower()
+
+    def flush(self) -> None:
+        self.flush_beside()
+        flush = getattr(self.wrapped, "flush", None)
+        if callable(flush):
+            flush()
+
+    def close(self) -> None:
+        self.close_beside()
+        close = getattr(self.wrapped, "close", None)
+        if callable(close):
+            close()
 
     def __getattr__(self, name: str) -> Any:  # anything else the caller's store has (its own calls)
         if name in ("wrapped", "__setstate__"):

@@ -364,8 +364,11 @@ class KeyValueTier(TierStore):
     def flush(self, timeout_s: Optional[float] = None) -> None:
         """Wait until every queued write has completed (successfully or not), at most
         ``timeout_s`` seconds (default ``flush_timeout_s``); `StoreTimeoutError` past it, naming
-        how many writes are still pending (they go on; a later flush may succeed)."""
-        self.pending.flush(self.flush_timeout_s if timeout_s is None else timeout_s)
+        how many writes are still pending (they go on; a later flush may succeed). The values
+        written beside chunks first (`TierStore.flush_beside`)."""
+        bound = self.flush_timeout_s if timeout_s is None else timeout_s
+        self.flush_beside(bound)
+        self.pending.flush(bound)
 
     def close(self) -> None:
         """Flush pending writes, stop the write-back thread, wait for backend calls still running
@@ -380,6 +383,7 @@ class KeyValueTier(TierStore):
             return
         if not self._closed:  # a close that timed out before goes on from here when called again
             try:
+                self.close_beside(self.flush_timeout_s)
                 self.flush()
             except StoreTimeoutError:
                 self._closed = True

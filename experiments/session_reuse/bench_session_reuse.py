@@ -132,7 +132,8 @@ def run_one(name: str, argv: list[str]) -> None:
         print(f"  decoder states: {g['decoder_states_written']} stored ({g['decoder_state_write_bytes'] / 2**30:.2f} GiB), "
               f"{g['decoder_states_dropped']} dropped, {g['decoder_states_restored']} loaded, "
               f"{g['decoder_states_missing']} missing, {g['decoder_states_corrupt']} corrupt; "
-              f"{g['decoder_replays']} chunks replayed", flush=True)
+              f"{g['decoder_replays']} chunks replayed; frames {g['frames_written']} stored, "
+              f"{g['frames_dropped']} dropped", flush=True)
 
         if full:
             with stage_timers(sync) as stages, profiled(out_dir, f"{name}.B2"):  # B again, each stage synchronized

@@ -7,6 +7,8 @@ rebuilt by replay, never loaded wrong."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 pytestmark = pytest.mark.telefuser
@@ -17,10 +19,13 @@ from cacheseek.integrations.telefuser.handout import WanDecoder  # noqa: E402
 from cacheseek.kv.decoder_state import spec_of  # noqa: E402
 from cacheseek.kv.locators import decoder_state_locator  # noqa: E402
 from cacheseek.reuse.exact_prefix import NamespaceForest, WorldKVManager  # noqa: E402
+from cacheseek.reuse.exact_prefix.decoder_states import ChunkDecoderStates  # noqa: E402
 from cacheseek.reuse.exact_prefix.handout import NextChunk  # noqa: E402
 from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding, make_full_kv_config  # noqa: E402
 from cacheseek.runtime.telefuser import TeleFuserRuntimeFactory  # noqa: E402
 from cacheseek.stores.memory import InMemoryTierStore  # noqa: E402
+
+ROOM = {"frames_in_flight": 8, "decoder_states_in_flight": 8}  # written off the request path: never dropped here
 
 X = [[0.3, -0.2, 0.1], [-0.5, 0.4, 0.0], [0.1, 0.1, -0.3], [0.2, 0.5, 0.1]]
 FORKS = {1: X[:1] + [[0.7, -0.6, 0.2], [0.0, 0.3, 0.3], [0.4, 0.4, -0.1]],
@@ -42,11 +47,12 @@ def _session(factory, manager, actions, every, stop_after=None):
                               decoder_state_every=every)
     s = factory.make(actions, hooks=b)
     s.generate(stop_after)
+    manager.store.flush()  # its frames and states are written off the request path
     return b, s
 
 
 def _written(factory, every=1):
-    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config())
+    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config(), **ROOM)
     _session(factory, manager, X, every)
     assert manager.metrics.decoder_states_written == 3  # after chunks 0, 1, 2 (the last clears the cache)
     return manager
@@ -61,6 +67,26 @@ def test_the_stored_cache_replaces_the_replay_bit_exactly(factory, cold):
         assert s.frame_hashes == cold[k] and (b.frames_served, b.chunks_materialized) == (k, k)
         assert after["decoder_states_restored"] - before["decoder_states_restored"] == 1
         assert after["decoder_replays"] == before["decoder_replays"]  # nothing decoded again
+
+
+def test_the_stored_cache_is_read_while_the_chunk_denoises_and_the_vae_is_left_as_it_was(factory, cold, monkeypatch):
+    """The read of the stored cache runs on the reader thread (started as the session
+    materializes), and the VAE's first decode of the chunk catches the decoder up: the
+    one-shot wrapper is gone afterwards, the frames equal a cold run's."""
+    manager = _written(factory)
+    threads = []
+    real = ChunkDecoderStates.read
+
+    def read(self, *args, **kwargs):
+        threads.append(threading.current_thread().name)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChunkDecoderStates, "read", read)
+    b, s = _session(factory, manager, FORKS[2], 1)
+    assert s.frame_hashes == cold[2] and manager.metrics.decoder_states_restored == 1
+    assert threads and all(name.startswith("cacheseek-decoder-state-read") for name in threads)
+    vae = WanDecoder(factory.pipeline, s.runtime, {}).vae
+    assert "cached_decode_withflag" not in vars(vae)
 
 
 def test_the_dry_decode_predicts_the_cache_after_every_chunk(factory):
@@ -80,6 +106,8 @@ def test_without_loading_the_stored_cache_the_computed_chunk_is_wrong(factory, c
 
     def unloaded(self, rt, idx, spec, *a):
         plan = real(self, rt, idx, spec, *a)
+        if plan.late_state is not None:
+            assert plan.late_state.result()[1] is not None  # found (and never loaded)
         return NextChunk(frames=plan.frames, replay=plan.replay, replay_from=plan.replay_from)
 
     monkeypatch.setattr(LingBotWorldKVBinding, "next_chunk", unloaded)
@@ -112,10 +140,11 @@ def test_a_live_session_loads_the_stored_cache_at_its_divergence(factory):
     """Live sessions streamed one action per chunk (each control built as TeleFuser's service
     builds it): one computes X, one follows it for 2 chunks and diverges; the follower's computed
     chunks equal a cold live run's, with the cache after chunk 1 loaded and nothing replayed."""
-    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config())
+    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config(), **ROOM)
     b = LingBotWorldKVBinding(manager, manager.forest, model_fingerprint=factory.weights_fingerprint,
                               decoder_state_every=2)
     factory.make(X, hooks=b, streamed=True).generate()
+    manager.store.flush()
     cold = factory.make(FORKS[2], hooks=None, streamed=True).generate()
     c = LingBotWorldKVBinding(manager, manager.forest, model_fingerprint=factory.weights_fingerprint,
                               decoder_state_every=2)

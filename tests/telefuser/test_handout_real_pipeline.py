@@ -19,6 +19,8 @@ from cacheseek.reuse.exact_prefix.telefuser_lingbot import LingBotWorldKVBinding
 from cacheseek.runtime.telefuser import TeleFuserRuntimeFactory  # noqa: E402
 from cacheseek.stores.memory import InMemoryTierStore  # noqa: E402
 
+ROOM = {"frames_in_flight": 8, "decoder_states_in_flight": 8}  # written off the request path: never dropped here
+
 X = [[0.3, -0.2, 0.1], [-0.5, 0.4, 0.0], [0.1, 0.1, -0.3]]
 Y = X[:2] + [[0.7, -0.6, 0.2]]
 
@@ -34,13 +36,14 @@ def cold(factory):
 
 
 def _manager():
-    return WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config())
+    return WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config(), **ROOM)
 
 
 def _session(factory, manager, actions):
     b = LingBotWorldKVBinding(manager, manager.forest, model_fingerprint=factory.weights_fingerprint)
     s = factory.make(actions, hooks=b)
     s.generate()
+    manager.store.flush()  # its frames are written off the request path
     return b, s
 
 

@@ -21,6 +21,8 @@ from cacheseek.runtime.snapshot import snapshot_diff
 from cacheseek.runtime.telefuser import TeleFuserRuntimeFactory
 from cacheseek.stores.memory import InMemoryTierStore
 
+ROOM = {"frames_in_flight": 8, "decoder_states_in_flight": 8}  # written off the request path: never dropped here
+
 RINGS = {"full": (-1, 0), "rolling_L7_S3": (7, 3), "rolling_L6_S0": (6, 0), "rolling_L5_S1": (5, 1)}
 X = [[0.3, -0.2, 0.1, 0.5], [-0.5, 0.4, 0.0, -0.3], [0.1, 0.1, -0.3, 0.8], [0.7, -0.6, 0.2, 0.2]]
 K = 2
@@ -40,7 +42,7 @@ def factory(request):
 def _manager(factory):
     L, S = factory.local_attn_size, factory.sink_size
     cfg = make_full_kv_config() if L == -1 else make_rolling_config(local_attn_size=L, sink_size=S)
-    return WorldKVManager(NamespaceForest(), InMemoryTierStore(), cfg)
+    return WorldKVManager(NamespaceForest(), InMemoryTierStore(), cfg, **ROOM)
 
 
 def _run(factory, actions, manager=None, *, handout=False):
@@ -110,7 +112,7 @@ def plan_store():
 def test_a_live_session_restores_each_chunk_from_the_plan_tier(factory, plan_store):
     L, S = factory.local_attn_size, factory.sink_size
     cfg = make_full_kv_config() if L == -1 else make_rolling_config(local_attn_size=L, sink_size=S)
-    manager = WorldKVManager(NamespaceForest(), plan_store, cfg)
+    manager = WorldKVManager(NamespaceForest(), plan_store, cfg, **ROOM)
     cold_frames, cold_state = _run(factory, FOLLOW_THEN_DIVERGE)
     _run(factory, X, manager)
     frames, state = _run(factory, FOLLOW_THEN_DIVERGE, manager)
@@ -123,7 +125,7 @@ def test_a_live_session_hands_out_frames_from_the_plan_tier_and_materializes_at_
         pytest.skip("TeleFuser main decodes in its actors: its live chunks are restored eagerly, not handed out")
     L, S = factory.local_attn_size, factory.sink_size
     cfg = make_full_kv_config() if L == -1 else make_rolling_config(local_attn_size=L, sink_size=S)
-    manager = WorldKVManager(NamespaceForest(), plan_store, cfg)
+    manager = WorldKVManager(NamespaceForest(), plan_store, cfg, **ROOM)
     cold_frames, cold_state = _run(factory, FOLLOW_THEN_DIVERGE)
     _run(factory, X, manager, handout=True)
     assert manager.metrics.frames_written == len(X)

@@ -82,7 +82,8 @@ class NextChunkSeam:
         else:
             if plan is not None:
                 handout.prepare(self.pipeline, runtime, plan, self.inner, decoder)
-            images = self.inner(runtime, *args, **kwargs)
+            with handout.late_decoder(self.pipeline, plan, decoder):
+                images = self.inner(runtime, *args, **kwargs)
             if plan is not None:
                 binding.on_chunk_frames(runtime, idx, handout.frames_of(images), decoder)
         binding.chunk_finished(idx, time.perf_counter() - t0, since_session_start=True)

@@ -12,7 +12,8 @@ what to do with the chunk (`HandOut.next_chunk`):
   (``decode_video_cached``, chunk 0 with ``is_first_clip``), so that the Wan decoder's causal
   feature cache is the one a cold run leaves before this chunk; with a stored state (the
   binding's ``decoder_state_every``) it is loaded first (`WanDecoder`) and only the chunks after
-  it are decoded;
+  it are decoded. Both happen late (``late_state``, `late_decoder`): the state is read while the
+  DiT denoises the chunk, and the decoder caught up right before the chunk's decode;
 - ``recompute``: the served chunks are computed again (their KV was gone at divergence) with
   their controls, frames discarded, then the chunk runs.
 
@@ -22,8 +23,10 @@ binding's writer thread, off the request path.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -34,7 +37,7 @@ from cacheseek.kv.decoder_state import DecoderStateSpec, spec_of
 from cacheseek.kv.frames import FramesSpec
 from cacheseek.kv.runtime_decoder import RuntimeDecoder
 
-__all__ = ["frames_spec", "hand_out", "pil_images", "prepare", "frames_of", "WanDecoder"]
+__all__ = ["frames_spec", "hand_out", "pil_images", "prepare", "frames_of", "WanDecoder", "late_decoder"]
 
 VIDEO_PER_LATENT = 4
 
@@ -120,7 +123,13 @@ class WanDecoder(RuntimeDecoder):
     or chunks 0 and 1 for any later chunk: the cache's layout is the same after every chunk past
     the first), each tensor's last two sizes scaled to the session's frame, as
     `wan_parts.feature_cache_bytes` sizes it; memoized in ``memo`` (one per pipeline). A stored
-    state of another layout fails its checks (a miss), never loads."""
+    state of another layout fails its checks (a miss), never loads.
+
+    It loads late (`NextChunk.late_state`): at a divergence the stored state is read while the
+    DiT denoises the chunk, and loaded (with the served latents after it decoded) right before
+    the VAE's first decode of the chunk (`late_decoder`)."""
+
+    loads_late = True
 
     def __init__(self, pipeline: Any, runtime: Any, memo: dict) -> None:
         vae = pipeline.vae
@@ -164,3 +173,37 @@ class WanDecoder(RuntimeDecoder):
 
     def load(self, entries: list) -> None:
         self.vae._feat_cache, self.vae._feat_idx = list(entries), [0]
+
+
+@contextlib.contextmanager
+def late_decoder(pipeline: Any, plan: Any, decoder: WanDecoder) -> Iterator[None]:
+    """While ``generate_next_chunk`` runs a chunk whose decoder loads late (``plan.late_state``):
+    the first call of the VAE's ``cached_decode_withflag`` (the one whose feature cache is the
+    state) first catches the decoder up (`LateState.catch_up`: waits for the state's read,
+    loads it, decodes the served latents after it as `prepare` does), then decodes. Whatever
+    path TeleFuser takes to its decode goes through that call; the VAE is left as it was."""
+    late = plan.late_state if plan is not None else None
+    if late is None:
+        yield
+        return
+    vae = decoder.vae
+    had, before = "cached_decode_withflag" in vars(vae), vars(vae).get("cached_decode_withflag")
+
+    def restore() -> None:
+        if had:
+            vae.cached_decode_withflag = before
+        else:
+            vars(vae).pop("cached_decode_withflag", None)
+
+    def first_decode(*args: Any, **kwargs: Any) -> Any:
+        restore()
+        with torch.inference_mode():
+            late.catch_up(decoder, lambda latent, first: pipeline.decode_video_cached(
+                latent.to(device=pipeline.device, dtype=pipeline.torch_dtype), is_first_clip=first, is_last_clip=False))
+        return vae.cached_decode_withflag(*args, **kwargs)
+
+    vae.cached_decode_withflag = first_decode
+    try:
+        yield
+    finally:
+        restore()

@@ -6,12 +6,14 @@ bound to the node key, digest-checked on every read), written through the store'
 path (``put_skeleton``, as the latent), so every store and tier holds them and counts them in
 its capacity. Lifetime:
 
-- written once the chunk's frames are out (after the user has them), in the caller's thread:
-  packed (one digest pass and one copy) and written; a store that is full drops them (counted
-  as ``frames_dropped``: no chunk's KV is evicted for frames; the chunk stays cached and its
-  restore decodes). Not on a writer thread: a store closed after a session must
-  never see a write arrive, and the cost is measured (experiments/session_reuse: A against no
-  cache);
+- written once the chunk's frames are out (after the user has them), off the request path
+  (`beside_chunk.write_beside_chunk`): stacked, packed (one digest pass and one copy) and put on
+  the store's writer thread, at most ``frames_in_flight`` at a time (more are dropped);
+  a store that is full drops them too (counted as ``frames_dropped``: no chunk's KV is evicted
+  for frames; the chunk stays cached and its restore decodes). The store's ``flush`` waits for
+  them and its ``close`` stops the writer, so a closed store never sees a write arrive. What the
+  runtime handed out is read by the writer later, so the runtime never writes to it again (a
+  frames tensor on a GPU is read after an event on the stream that made it);
 - read when a restored chunk is handed out (`read`): a missing value is ``frames_missing``, a
   value that fails its checks ``frames_corrupt`` (removed; both are misses: the chunk is then
   decoded or computed, never handed out wrong);
@@ -29,7 +31,7 @@ from cacheseek.errors import CorruptValueError
 from cacheseek.kv import frames as frames_value
 from cacheseek.kv.frames import FramesSpec
 from cacheseek.kv.locators import frames_locator
-from cacheseek.reuse.exact_prefix.beside_chunk import put_beside_chunk
+from cacheseek.reuse.exact_prefix.beside_chunk import FRAMES, write_beside_chunk
 from cacheseek.reuse.exact_prefix.decoder_states import free_decoder_state
 
 log = logging.getLogger(__name__)
@@ -49,30 +51,17 @@ class ChunkFrames:
     # -- write ------------------------------------------------------------------------------------
 
     def write(self, node: Any, frames: Any, device: Any) -> bool:
-        """Store the frames of ``node`` (its chunk computed here and ingested): ``frames`` is the
-        handed-out frames (a tensor, an array, or a callable returning one), stored on
-        ``device`` (the runtime's, for a store that takes device tensors). False when they were
-        not stored (counted as ``frames_dropped``). Never raises."""
-        try:
-            return self._write(node, frames, device)
-        except Exception:  # noqa: BLE001 - frames not stored: the chunk's restore decodes instead
-            log.exception("writing the frames of %r failed", node)
-            self.ctx.metrics.add(frames_dropped=1)
-            return False
-
-    def _write(self, node: Any, frames: Any, device: Any) -> bool:
+        """Store the frames of ``node`` (its chunk computed here and ingested) off the request
+        path: ``frames`` is the handed-out frames (a tensor, an array, or a callable returning
+        one: called on the writer thread), stored on ``device`` (the runtime's, for a store that
+        takes device tensors). False when they were not taken (counted as ``frames_dropped``).
+        Never raises."""
         ctx = self.ctx
-        if callable(frames):
-            frames = frames()
-        value = frames_value.pack(node.node_key, frames)
-        if ctx.store.accepts_device_views and str(device) != "cpu":
-            value = value.to(device)
-            torch.cuda.current_stream(value.device).synchronize()
-        if not put_beside_chunk(ctx, node, frames_locator(node.node_key), value, what="frames (its restore decodes)",
-                                dropped="frames_dropped", free=lambda: free_frames(ctx, node.node_key)):
-            return False
-        ctx.metrics.add(frames_written=1, frames_write_bytes=int(value.numel()))
-        return True
+        on_gpu = isinstance(frames, torch.Tensor) and frames.device.type == "cuda"
+        work = frames.device if on_gpu else device if ctx.store.accepts_device_views else "cpu"
+        return write_beside_chunk(ctx, node, frames_locator(node.node_key),
+                                  lambda: _capture(node.node_key, frames, device, ctx.store), FRAMES, device=work,
+                                  free=lambda: free_frames(ctx, node.node_key))
 
     # -- read -----------------------------------------------------------------------------------
 
@@ -107,6 +96,28 @@ class ChunkFrames:
 
     def free(self, node_key: bytes) -> None:
         free_frames(self.ctx, node_key)
+
+
+def _capture(key: bytes, frames: Any, device: Any, store: Any) -> Any:
+    """What cannot wait of a frames write: a frames tensor on a GPU marked by an event on the
+    stream that made it (the writer copies it once that has passed). Returns the finish (on the
+    writer thread): the frames packed (one digest pass and one copy), on ``device`` for a store
+    that takes device tensors."""
+    ready = None
+    if isinstance(frames, torch.Tensor) and frames.device.type == "cuda":
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(frames.device))
+
+    def finish() -> Any:
+        if ready is not None:
+            ready.synchronize()
+        value = frames_value.pack(key, frames() if callable(frames) else frames)
+        if store.accepts_device_views and str(device) != "cpu":  # on the writer's stream (`side_stream`)
+            value = value.to(device)
+            torch.cuda.current_stream(value.device).synchronize()
+        return value
+
+    return finish
 
 
 def free_frames(ctx: "WorldKVManager", node_key: bytes) -> None:

@@ -17,8 +17,12 @@ and asks, before each chunk ``idx``, ``next_chunk(runtime, idx, spec) -> NextChu
   resume point ``s <= idx - 1`` comes with them (``decoder_state``, loaded first) and only the
   latents of chunks ``s+1..idx-1`` are decoded (``replay_from = s + 1``); a state missing or
   damaged falls back to the next lower one, then to all of them (`experiments/session_reuse` has
-  the table: bytes stored against seconds replayed). Latents of served chunks beyond ``idx`` stay
-  the runtime's cached latents (decoded, as today's restore does);
+  the table: bytes stored against seconds replayed). A decoder that loads late
+  (``RuntimeDecoder.loads_late``) gets ``late_state`` instead (`decoder_states.LateState`): the
+  read starts now on a reader thread and the runtime catches the decoder up right before its
+  first use, after the chunk's denoising, so the read overlaps the chunk's compute. Latents of
+  served chunks beyond ``idx`` stay the runtime's cached latents (decoded, as today's restore
+  does);
 - ``recompute``: the served path could not be materialized (its KV was evicted or lost since the
   lookup): the runtime computes chunks 0..idx-1 again, discarding their frames (already handed
   out), with these controls (None: the planned one), then chunk ``idx``. Correct, slow, counted;
@@ -43,7 +47,8 @@ import torch
 
 from cacheseek.kv.frames import FramesSpec
 from cacheseek.kv.runtime_decoder import RuntimeDecoder
-from cacheseek.reuse.exact_prefix.decoder_states import ChunkDecoderStates, resume_points
+from cacheseek.reuse.exact_prefix.beside_chunk import side_stream
+from cacheseek.reuse.exact_prefix.decoder_states import ChunkDecoderStates, LateState, reader, resume_points
 from cacheseek.reuse.exact_prefix.prefix_window import PrefixWindow
 
 log = logging.getLogger("cacheseek.reuse.exact_prefix.telefuser_lingbot")
@@ -51,19 +56,23 @@ log = logging.getLogger("cacheseek.reuse.exact_prefix.telefuser_lingbot")
 __all__ = ["HandOut", "NextChunk", "FramesSpec", "RuntimeDecoder"]
 
 NO_DECODER = RuntimeDecoder()
+LATE_WAIT_S = 60.0  # the longest a decoder waits for its state read at divergence (past it: replayed)
 
 
 @attrs.frozen
 class NextChunk:
     """What the runtime does with its next chunk (see the module docstring): ``replay`` holds
     the latents of chunks ``replay_from..idx-1``, decoded after ``decoder_state`` (when not None)
-    is loaded into the decoder."""
+    is loaded into the decoder. For a decoder that loads late, ``late_state`` (a
+    `decoder_states.LateState`, being read) replaces both: the runtime calls its ``catch_up``
+    right before the decoder's first use."""
 
     frames: Any = None
     replay: tuple = ()
     recompute: tuple = ()
     replay_from: int = 0
     decoder_state: Any = None
+    late_state: Any = None
 
     @property
     def handed_out(self) -> bool:
@@ -188,17 +197,23 @@ class HandOut:
         self._replay_pending = False
         cached = self.layout.cached_latents(runtime)
         latents = [cached.pop(j) for j in range(idx)]
-        start, state = self._stored_decoder_state(idx, decoder)
-        replay = tuple(latents[start:])
-        self.manager.metrics.add(decoder_replays=len(replay))
         if idx not in cached and idx not in self._restored:
             self.chunks_computed += 1
+        wanted = self._resume_specs(idx, decoder)
+        if wanted and decoder.loads_late:  # read while the chunk computes; loaded before its decode
+            states, device = self.decoder_states, decoder.device
+            future = reader().submit(_read_nearest_aside, states, wanted, device)
+            return NextChunk(late_state=LateState(future, tuple(latents), self.manager.metrics, LATE_WAIT_S))
+        start, state = _read_nearest(self.decoder_states, wanted, decoder.device)
+        replay = tuple(latents[start:])
+        self.manager.metrics.add(decoder_replays=len(replay))
         return NextChunk(replay=replay, replay_from=start, decoder_state=state)
 
-    def _stored_decoder_state(self, idx: int, decoder: RuntimeDecoder) -> tuple[int, Any]:
-        """``(j + 1, state)``: the decoder's state stored after the nearest resume point ``j <=
-        idx - 1`` of the served path; ``(0, None)`` when none is stored (or readable)."""
-        path = self._served_path
+    def _resume_specs(self, idx: int, decoder: RuntimeDecoder) -> list[tuple[Any, int, Any]]:
+        """``(node_key, j, spec)`` of each resume point ``j <= idx - 1`` of the served path,
+        nearest first, while the decoder knows its state's layout there (asked here, in the
+        runtime's thread: a decoder may run a dry decode to tell)."""
+        path, out = self._served_path, []
         for j in resume_points(self.decoder_state_every, min(idx, len(path))):
             try:
                 spec = decoder.spec(j)
@@ -207,10 +222,8 @@ class HandOut:
                 break
             if spec is None:
                 break
-            state = self.decoder_states.read(path[j].node_key, spec, decoder.device)
-            if state is not None:
-                return j + 1, state
-        return 0, None
+            out.append((path[j].node_key, j, spec))
+        return out
 
     def _recompute(self, idx: int) -> NextChunk:
         """The served chunks 0..idx-1 are computed again (their frames are out already)."""
@@ -242,3 +255,21 @@ class HandOut:
                 state = None
             if state:
                 self.decoder_states.write(node, state, decoder.device)
+
+
+def _read_nearest(states: ChunkDecoderStates, wanted: list, device: Any) -> tuple[int, Any]:
+    """``(j + 1, state)``: the first of ``wanted`` (`HandOut._resume_specs`) stored and passing its
+    checks, read onto ``device``; ``(0, None)`` when none does (each miss counted by
+    `ChunkDecoderStates.read`)."""
+    for node_key, j, spec in wanted:
+        state = states.read(node_key, spec, device)
+        if state is not None:
+            return j + 1, state
+    return 0, None
+
+
+def _read_nearest_aside(states: ChunkDecoderStates, wanted: list, device: Any) -> tuple[int, Any]:
+    """`_read_nearest` on the reader thread: on a GPU on a stream of its own, waited for (the
+    runtime's stream records its use of the state: `LateState.catch_up`)."""
+    with side_stream(device):
+        return _read_nearest(states, wanted, device)

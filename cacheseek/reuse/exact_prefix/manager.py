@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
-from cacheseek.errors import CacheSeekError, StoreError, StoreFullError
+from cacheseek.errors import CacheSeekError, ConfigError, StoreError, StoreFullError
 from cacheseek.eviction import EvictionConfig, make_policy, store_usage
 from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.metrics import CacheMetrics
@@ -65,7 +65,10 @@ class WorldKVManager:
     ``metrics``: a `CacheMetrics` to report into (default: a new one). ``clock``: the time
     source of ``last_access`` and the usage timeline (default ``time.monotonic``).
     ``shared_index``: a `SharedIndexConfig` (or a mapping of its fields; default on, 8 keys a
-    probe): lookups continue past the local trie in the store's chunk records."""
+    probe): lookups continue past the local trie in the store's chunk records.
+    ``frames_in_flight``, ``decoder_states_in_flight``: the frames and the decoder states the
+    store's writer may hold at once, written off the request path; one more is dropped
+    (counted); 0 writes them in the caller's thread (`beside_chunk`)."""
 
     def __init__(
         self,
@@ -77,7 +80,12 @@ class WorldKVManager:
         eviction: Any = None,
         metrics: Optional[CacheMetrics] = None,
         shared_index: Any = None,
+        frames_in_flight: int = 8,
+        decoder_states_in_flight: int = 1,
     ) -> None:
+        self.beside_in_flight = {  # per `beside_chunk.BesideKind.kind`
+            "frames": in_flight("manager.frames_in_flight", frames_in_flight),
+            "decoder_state": in_flight("manager.decoder_states_in_flight", decoder_states_in_flight)}
         self.forest = forest
         self.store = store
         self.cfg = cfg
@@ -280,6 +288,14 @@ class WorldKVManager:
     def evict_blob(self, node: TrieNode) -> bool:
         """`Evictor.evict_blob` honouring every pin (docs/api.md)."""
         return self.evictor.evict_blob(node, honour_pins=True)
+
+
+def in_flight(field: str, value: Any) -> int:
+    """``value`` checked as a bound of values written off the request path (an int >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(field, f"must be an integer >= 0, got {value!r}",
+                          f"{field}=1 (one value in flight; 0 writes it on the request path)")
+    return value
 
 
 def cold(namespace: Optional[Namespace]) -> FastForwardResult:

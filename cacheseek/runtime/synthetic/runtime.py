@@ -69,7 +69,10 @@ __all__ = ["SyntheticWorldRuntime", "SyntheticDecoder", "sigma_schedule"]
 
 class SyntheticDecoder(RuntimeDecoder):
     """The causal decoder's state of a `SyntheticWorldRuntime`: the previous chunk's last frame
-    ``[3, latent_h, latent_w]`` float32."""
+    ``[3, latent_h, latent_w]`` float32. It loads late: a stored state is read while the chunk
+    denoises and loaded right before its decode (`NextChunk.late_state`)."""
+
+    loads_late = True
 
     def __init__(self, runtime: "SyntheticWorldRuntime") -> None:
         self.runtime = weakref.proxy(runtime)  # the runtime holds its decoder: no cycle keeps its ring
@@ -336,6 +339,8 @@ class SyntheticWorldRuntime:
             if self.hooks is not None:
                 self.hooks.on_chunk_finalized(self, i, x0)
         self.latents.append(x0)
+        if plan is not None and plan.late_state is not None:  # the decoder's first use since the divergence
+            plan.late_state.catch_up(self.decoder, lambda latent, first: self.decode_chunk(latent, first=first))
         frames = self.decode_chunk(x0, first=i == 0)
         self.frame_hashes.append(hashlib.sha256(tensor_bytes(frames)).digest())
         if self.keep_frames:

@@ -503,13 +503,16 @@ class PlanTierStore(PathReadStore):
         """Wait until every pending write has committed or failed (a failure is on its handle and
         in `stats`; nothing is raised). Returns at once without overlap. Bounded: at most
         ``timeout_s`` seconds (default: ``commit_timeout_s`` per pending write, at least 4 of them);
-        `StoreTimeoutError` past it, naming how many writes are pending (they go on)."""
+        `StoreTimeoutError` past it, naming how many writes are pending (they go on). The values
+        written beside chunks first (`TierStore.flush_beside`)."""
+        self.flush_beside(timeout_s)
         self._completion.flush(timeout_s)
 
     def close(self) -> None:
         if self._closed:
             return
         self._warmup.join(max(60.0, self.commit_timeout_s))  # never tear down under the warm-up
+        self.close_beside()  # nor under a value being written beside a chunk (raises: nothing torn down)
         try:
             self.flush()
         finally:

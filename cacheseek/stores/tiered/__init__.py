@@ -256,6 +256,7 @@ class TieredStore(PathReadStore):
         free_latent(self._book, locator)
 
     def flush(self) -> None:
+        self.flush_beside()
         for lv in self._levels:
             lv.store.flush()
         self._book.reap()
@@ -263,6 +264,7 @@ class TieredStore(PathReadStore):
     def close(self) -> None:
         if self._closed:
             return
+        self.close_beside()  # never close a level under a value being written (raises: nothing closed)
         try:
             self.flush()
         finally:
