@@ -107,7 +107,7 @@ def test_a_damaged_stored_encode_is_a_miss_and_the_frames_stay_a_cold_runs(facto
             yield WorldKVManager(NamespaceForest(), shared, make_full_kv_config())
 
     kept = hooks_of(factory.pipeline).encodes
-    kept._kept.clear()  # the process's keep forgotten (as in a new worker): only the store serves
+    kept.clear()  # the process's keep forgotten (as in a new worker): only the store serves
     with stack() as m:
         _session(factory, m)
         assert len([k for k in m.store.keys() if k.endswith(":" + damaged)]) == 2
@@ -122,7 +122,7 @@ def test_a_damaged_stored_encode_is_a_miss_and_the_frames_stay_a_cold_runs(facto
             raw = bytearray(p.read_bytes())
             raw[-1] ^= 0x40
             p.write_bytes(bytes(raw))
-    kept._kept.clear()
+    kept.clear()
     with stack() as m:
         before = _counts(kept)
         s = _session(factory, m)
@@ -134,7 +134,7 @@ def test_a_damaged_stored_encode_is_a_miss_and_the_frames_stay_a_cold_runs(facto
     assert s.frame_hashes == cold.frame_hashes
     assert _same(s.runtime.prompt_emb, cold.runtime.prompt_emb)
     assert _same(s.runtime.encoded_image_latent, cold.runtime.encoded_image_latent)
-    kept._kept.clear()
+    kept.clear()
     with stack() as m:
         _session(factory, m)
         assert m.metrics.as_dict()["encodes_loaded"] == 2  # the rewritten values serve again
@@ -144,7 +144,7 @@ def test_another_prompt_or_image_never_gets_them(factory, cold, tmp_path):
     manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config())
     _session(factory, manager)
     kept = hooks_of(factory.pipeline).encodes
-    kept._kept.clear()  # the process's keep forgotten: only the store can serve
+    kept.clear()  # the process's keep forgotten: only the store can serve
     prompt = factory.prompt
     factory.prompt = "a blue boat on a lake"
     try:
@@ -157,7 +157,7 @@ def test_another_prompt_or_image_never_gets_them(factory, cold, tmp_path):
     assert (got["encodes_loaded"], got["encodes_missing"]) == (1, 1)  # the same image's latents; not the prompt
     assert _same(s.runtime.prompt_emb, ref.runtime.prompt_emb)
     assert not _same(s.runtime.prompt_emb, cold.runtime.prompt_emb)
-    kept._kept.clear()
+    kept.clear()
     image = torch.arange(32 * 32 * 3, dtype=torch.int64).reshape(32, 32, 3).mul(7).remainder(251).to(torch.uint8)
     from PIL import Image
 
@@ -173,7 +173,7 @@ def test_another_prompt_or_image_never_gets_them(factory, cold, tmp_path):
 
 def test_the_encodes_leave_with_their_namespaces_last_chunk(factory, tmp_path):
     manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config())
-    hooks_of(factory.pipeline).encodes._kept.clear()
+    hooks_of(factory.pipeline).encodes.clear()
     b = LingBotWorldKVBinding(manager, manager.forest, model_fingerprint=factory.weights_fingerprint)
     factory.make(ACTIONS, hooks=b).generate()
     stored = [k for k in manager.store.keys() if k.endswith((":enc", ":encb"))]
@@ -192,7 +192,7 @@ def test_the_encodes_leave_with_their_namespaces_last_chunk(factory, tmp_path):
 def test_a_store_full_drops_the_encodes_and_never_evicts_kv(factory):
     store = InMemoryTierStore()
     manager = WorldKVManager(NamespaceForest(), store, make_full_kv_config())
-    hooks_of(factory.pipeline).encodes._kept.clear()
+    hooks_of(factory.pipeline).encodes.clear()
     real = store.put_skeleton
 
     def refuse_encodes(locator, value):
@@ -209,3 +209,29 @@ def test_a_store_full_drops_the_encodes_and_never_evicts_kv(factory):
     assert got["encodes_dropped"] == 2 and got["encodes_written"] == 0 and got["evictions"] == 0
     assert not any(k.endswith((":enc", ":encb")) for k in store.keys())
     assert encode_locators(b"\0" * 32)[0].endswith(":enc")
+
+
+def test_a_plan_tier_shared_by_two_stacks_serves_both_encodes(factory, cold):
+    """The Plan tier (read by length: the head, then the body it names), as two workers on one
+    Fluxon segment see it: the second stack's session, with nothing kept in the process, loads both."""
+    from cacheseek.plan.embedded import EmbeddedPlanClient
+    from cacheseek.stores.plan_tier import PlanTierStore
+    from cacheseek.transfer.host_transfer import HostTransferRuntime
+
+    store = PlanTierStore(plan_client=EmbeddedPlanClient(segment_bytes=64 << 20, prefault_threads=1),
+                          transfer=HostTransferRuntime(), overlap=False)
+    kept = hooks_of(factory.pipeline).encodes
+    try:
+        kept.clear()
+        _session(factory, WorldKVManager(NamespaceForest(), store, make_full_kv_config()))
+        kept.clear()
+        m = WorldKVManager(NamespaceForest(), store, make_full_kv_config())
+        before = _counts(kept)
+        s = _session(factory, m)
+    finally:
+        store.close()
+    assert _counts(kept) == (before[0], before[1] + 2, before[2])
+    assert m.metrics.as_dict()["encodes_loaded"] == 2
+    assert s.frame_hashes == cold.frame_hashes
+    assert _same(s.runtime.prompt_emb, cold.runtime.prompt_emb)
+    assert _same(s.runtime.encoded_image_latent, cold.runtime.encoded_image_latent)

@@ -39,7 +39,7 @@ import xxhash
 from cacheseek import weights
 from cacheseek.hooks import as_hooks
 
-__all__ = ["KeptEncodes", "prompt_key", "condition_key"]
+__all__ = ["KeptEncodes", "prompt_key", "condition_key", "tensor_digest"]
 
 
 def _module_version(module: Any) -> tuple:
@@ -102,13 +102,15 @@ def prompt_key(prompt: str, tokenizer: Any, encoder_id: bytes, device: torch.dev
                 encoder_id, _kernels(device))
 
 
-def condition_key(image_tensor: Any, frame_num: int, encoder_id: bytes, device: torch.device) -> bytes:
-    """The stored condition latents' key: the resized image tensor, the frame count, the VAE, the kernels."""
-    return _key(b"cacheseek.encode.condition.v1", _tensor_digest(image_tensor), str(int(frame_num)).encode(),
-                encoder_id, _kernels(device))
+def condition_key(image_digest: bytes, frame_num: int, encoder_id: bytes, device: torch.device) -> bytes:
+    """The stored condition latents' key: the resized image tensor (its `tensor_digest`), the frame
+    count, the VAE, the kernels."""
+    return _key(b"cacheseek.encode.condition.v1", image_digest, str(int(frame_num)).encode(), encoder_id,
+                _kernels(device))
 
 
-def _tensor_digest(t: Any) -> bytes:
+def tensor_digest(t: Any) -> bytes:
+    """A tensor's bytes (xxh3-128), shape and dtype."""
     raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
     return xxhash.xxh3_128(raw).digest() + str((tuple(t.shape), t.dtype)).encode()
 
@@ -144,6 +146,11 @@ class KeptEncodes:
         finally:
             self._active.on, self._active.stored = before
 
+    def clear(self) -> None:
+        """Forget what the process keeps (the store's copies stay): as a fresh worker starts."""
+        with self._lock:
+            self._kept.clear()
+
     def install(self) -> None:
         p = self.pipeline
         self._encode_prompt = p.encode_prompt
@@ -170,11 +177,12 @@ class KeptEncodes:
 
     def encode_condition(self, image_tensor: Any, frame_num: int) -> Any:
         p = self.pipeline
-        key = ("condition", _tensor_digest(image_tensor), int(frame_num), _module_version(p.vae))
+        digest = tensor_digest(image_tensor)
+        key = ("condition", digest, int(frame_num), _module_version(p.vae))
 
         def stored_key() -> Optional[bytes]:
             found = self._encoder_id(p.vae)
-            return None if found is None else condition_key(image_tensor, frame_num, found[0], found[1])
+            return None if found is None else condition_key(digest, frame_num, found[0], found[1])
         return self._kept_or(key, stored_key, lambda: self._encode_condition(image_tensor, frame_num))
 
     def _encoder_id(self, encoder: Any) -> Optional[tuple[bytes, torch.device]]:
