@@ -182,8 +182,8 @@ def run_one(name: str, argv: list[str]) -> None:
 
 def _fresh_worker_b(stack: Any, factory: Any, gate: Any, px: list, sync: Any) -> dict:
     """B as a fresh worker's first session runs it: the process's keep of encodes forgotten, so
-    both come from the store (`encodes_loaded`); plus what such a worker pays once before it, the
-    encoders' weights fingerprints (the keys of the stored encodes)."""
+    both come from the store (`encodes_loaded`); plus what such a worker pays once at ``attach``,
+    the encoders' weights fingerprints (the keys of the stored encodes)."""
     import torch
     from stages import stage_timers
 
@@ -208,7 +208,7 @@ def _fresh_worker_b(stack: Any, factory: Any, gate: Any, px: list, sync: Any) ->
                **stages)
     print(f"  B, a fresh worker's keep: {b.wall_s:.3f} s, {out['encodes_loaded']} encodes loaded; "
           + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stages.items())
-          + f"; once per worker: fingerprints umT5 {out['fingerprint_text_encoder_s'] * 1e3:.1f} ms, "
+          + f"; at attach, once per worker: fingerprints umT5 {out['fingerprint_text_encoder_s'] * 1e3:.1f} ms, "
           f"VAE {out['fingerprint_vae_s'] * 1e3:.1f} ms", flush=True)
     return out
 
@@ -457,7 +457,7 @@ def _markdown(results: dict) -> str:
             if fw:
                 lines += ["", f"B as a fresh worker's first session (its keep empty: {fw['encodes_loaded']} encodes "
                           f"loaded from the store): {fw['wall_s']:.3f} s; encode_prompt {fw['encode_prompt'] * 1e3:.1f} ms, "
-                          f"encode_condition {fw['encode_condition'] * 1e3:.1f} ms; once per worker before it, the "
+                          f"encode_condition {fw['encode_condition'] * 1e3:.1f} ms; once per worker, at attach, the "
                           f"encoders' fingerprints: umT5 {fw['fingerprint_text_encoder_s'] * 1e3:.1f} ms, "
                           f"VAE {fw['fingerprint_vae_s'] * 1e3:.1f} ms."]
         sw = r.get("sweep")

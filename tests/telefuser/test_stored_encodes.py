@@ -235,3 +235,29 @@ def test_a_plan_tier_shared_by_two_stacks_serves_both_encodes(factory, cold):
     assert s.frame_hashes == cold.frame_hashes
     assert _same(s.runtime.prompt_emb, cold.runtime.prompt_emb)
     assert _same(s.runtime.encoded_image_latent, cold.runtime.encoded_image_latent)
+
+
+def test_encoder_weights_written_in_place_make_a_new_key(factory, cold):
+    """A weight load into the same encoder object (its tensors' versions bumped) is another
+    encoder: its sessions never get the encode stored for the old weights."""
+    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_full_kv_config())
+    kept = hooks_of(factory.pipeline).encodes
+    kept.clear()
+    _session(factory, manager)
+    param = next(factory.pipeline.text_encoder.parameters())
+    saved = param.detach().clone()
+    try:
+        with torch.no_grad():
+            param.add_(0.5)
+        kept.clear()
+        ref = factory.make(ACTIONS, hooks=None)
+        ref.generate(stop_after=0)
+        s = _session(factory, manager)
+        got = manager.metrics.as_dict()
+        assert (got["encodes_loaded"], got["encodes_missing"]) == (1, 3)  # the condition's latents only
+        assert _same(s.runtime.prompt_emb, ref.runtime.prompt_emb)
+        assert not _same(s.runtime.prompt_emb, cold.runtime.prompt_emb)
+    finally:
+        with torch.no_grad():
+            param.copy_(saved)
+        kept.clear()

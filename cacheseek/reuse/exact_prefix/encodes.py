@@ -170,7 +170,7 @@ class StoredEncodes:
             root = top.node_key
             with self.ctx.forest.lock:
                 ns = self.ctx.forest.resolve(root)
-                if ns is not None and any(n.has_kv for n in ns.iter_nodes()):
+                if ns is not None and any(not n.state.vacant for n in ns.iter_nodes()):  # ready or being written
                     return
             with self._lock:
                 gone = []
