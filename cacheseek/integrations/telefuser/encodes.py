@@ -125,7 +125,7 @@ class KeptEncodes:
     def __init__(self, pipeline: Any) -> None:
         self.pipeline = pipeline
         self._lock = threading.Lock()
-        self._kept: "OrderedDict[tuple, Any]" = OrderedDict()
+        self._kept: "OrderedDict[tuple, list]" = OrderedDict()  # key -> [encode, its store key or None]
         self.hits = 0
         self.loaded = 0
         self.misses = 0
@@ -212,32 +212,36 @@ class KeptEncodes:
         if not getattr(self._active, "on", False):
             return encode()
         with self._lock:
-            kept = self._kept.get(key)
-            if kept is not None:
+            entry = self._kept.get(key)
+            if entry is not None:
                 self._kept.move_to_end(key)
                 self.hits += 1
         stored = self._active.stored
-        skey = stored_key() if stored is not None else None
-        if kept is not None:
-            if skey is not None:
-                stored.kept(skey, kept)  # the memo's own copy, never handed out
+        if entry is not None:
+            kept, skey = entry
+            if stored is not None:
+                skey = skey or stored_key()  # the memo's key names the store's (inputs, encoder version)
+                if skey is not None:
+                    stored.kept(skey, kept)  # the memo's own copy, never handed out
+                    entry[1] = skey
             return kept.clone()
+        skey = stored_key() if stored is not None else None
         out = stored.read(skey, self.pipeline.device) if skey is not None else None
         if out is not None:
             with self._lock:
                 self.loaded += 1
-                self._keep(key, out.clone())
+                self._keep(key, [out.clone(), skey])
             return out
         out = encode()
         copy = out.clone()
         with self._lock:
             self.misses += 1
-            self._keep(key, copy)
+            self._keep(key, [copy, skey])
         if skey is not None:
             stored.ran(skey, copy)  # stored once the session holds a cached chunk
         return out
 
-    def _keep(self, key: tuple, value: Any) -> None:
+    def _keep(self, key: tuple, value: list) -> None:
         self._kept[key] = value
         while len(self._kept) > self.ENTRIES:
             self._kept.popitem(last=False)
