@@ -5,7 +5,8 @@ denoised)`` (upstream's two hooks). Everything else has a default meaning "this 
 part", so the seams call and never probe: ``accept_handout()``, ``on_control_arrived``,
 ``on_chunk_control``, ``withdraw_control`` (nothing), ``restore_chunk`` (None: compute it),
 ``next_chunk`` (None: compute it, handing nothing out), ``on_chunk_frames`` (nothing),
-``materialize`` (0 chunks), ``chunk_finished`` (not timed). `LingBotWorldKVBinding` subclasses
+``materialize`` (0 chunks), ``chunk_finished`` (not timed), ``session_encodes`` (None: the
+session's encodes run). `LingBotWorldKVBinding` subclasses
 it; a caller's own binding is wrapped by `as_hooks`, the only place that looks at what it has.
 """
 
@@ -52,9 +53,14 @@ class RuntimeHooks:
     def chunk_finished(self, idx: int, seconds: float, *, since_session_start: bool = False) -> None:
         return None
 
+    def session_encodes(self) -> Optional[Any]:
+        """Where this session's encodes are kept (`reuse.exact_prefix.encodes.SessionEncodes`),
+        asked before the runtime exists; None: the runtime runs them."""
+        return None
+
 
 _OPTIONAL = ("accept_handout", "on_control_arrived", "on_chunk_control", "withdraw_control", "restore_chunk",
-             "next_chunk", "on_chunk_frames", "materialize", "chunk_finished")
+             "next_chunk", "on_chunk_frames", "materialize", "chunk_finished", "session_encodes")
 
 
 class _CallerHooks(RuntimeHooks):

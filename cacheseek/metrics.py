@@ -22,6 +22,9 @@ adding a counter is one line here). Who records what:
   resume points (``decoder_states_written``, ``decoder_state_write_bytes``, ``decoder_states_dropped``)
   and loaded at divergence (``decoder_states_restored``, ``decoder_state_read_bytes``;
   ``decoder_states_missing``, ``decoder_states_corrupt``: rebuilt instead);
+- the stored encodes (`reuse.exact_prefix.encodes`): a session's prompt and condition encodes
+  loaded from the store (``encodes_loaded``), looked for and absent (``encodes_missing``), failing
+  their checks (``encodes_corrupt``, removed), stored (``encodes_written``) or not (``encodes_dropped``);
 - the bindings: their hooks' failures (by hook and exception type), the sessions run uncached
   because the store was still warming up (``sessions_bypassed_warming``), the chunks whose
   control had no key (``action_key_errors``) and the chunks not cached because no control was
@@ -150,6 +153,15 @@ class CacheMetrics:
                                           "at divergence and not found (the decoder rebuilt instead).")
     decoder_states_corrupt: int = counter("cacheseek_decoder_states_corrupt_total", "Stored decoder states that "
                                           "failed their checks (removed, never loaded).")
+    encodes_loaded: int = counter("cacheseek_encodes_loaded_total", "Session encodes (prompt, condition) "
+                                  "loaded from the store instead of run.")
+    encodes_missing: int = counter("cacheseek_encodes_missing_total", "Session encodes looked for in the store "
+                                   "and not found (run instead).")
+    encodes_corrupt: int = counter("cacheseek_encodes_corrupt_total", "Stored session encodes that failed their "
+                                   "checks (removed, run instead).")
+    encodes_written: int = counter("cacheseek_encodes_written_total", "Session encodes stored.")
+    encodes_dropped: int = counter("cacheseek_encodes_dropped_total", "Session encodes not stored (store full, "
+                                   "a write error).")
     recomputed_chunks: int = counter("cacheseek_recomputed_chunks_total", "Served chunks computed again: their "
                                      "KV was gone at divergence.")
     hook_failures_by_error: dict = labelled("cacheseek_hook_failures_total", "Runtime hooks of a binding that "

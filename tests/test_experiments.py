@@ -142,6 +142,7 @@ def test_session_reuse_benchmark_smoke(tmp_path):
     b, c = plan["requests"]["B"], plan["requests"]["C"]
     assert (b["frames_served"], b["chunks_materialized"], c["frames_served"], c["chunks_materialized"]) == (3, 0, 2, 2)
     assert plan["live"]["frames_equal"] and plan["live"]["served"] == [3, 3]
+    assert plan["b_fresh_worker"]["encodes_loaded"] == 2  # a fresh worker's keep: both encodes from the store
     assert [r["k"] for r in plan["sweep"]["rows"]] == [1, 2] and all(r["frames_served"] == r["k"] for r in plan["sweep"]["rows"])
     assert "| fluxon_plan |" in (tmp_path / "results.md").read_text() and (tmp_path / "session_reuse.png").exists()
 

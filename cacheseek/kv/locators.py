@@ -6,6 +6,8 @@
     latent          {hex}:lat           the chunk's skeleton
     frames          {hex}:frm           what the runtime handed out for the chunk (`kv.frames`)
     decoder state   {hex}:dec           the decoder's causal state after the chunk (`kv.decoder_state`)
+    encode          {hex}:enc, :encb    a session's encode, head and body (`kv.encode`; ``hex`` the
+                                        encode's key, not a chunk's)
 
 Both the trie (which names values) and every store (which writes and frees them) use these, so
 they live below both.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["kv_locator", "latent_locator", "frames_locator", "decoder_state_locator", "layer_keys", "object_key", "blob_keys", "node_key_of"]
+__all__ = ["kv_locator", "latent_locator", "frames_locator", "decoder_state_locator", "encode_locators", "layer_keys", "object_key", "blob_keys", "node_key_of"]
 
 
 def kv_locator(key: bytes) -> str:
@@ -32,6 +34,11 @@ def frames_locator(key: bytes) -> str:
 
 def decoder_state_locator(key: bytes) -> str:
     return f"{key.hex()}:dec"
+
+
+def encode_locators(key: bytes) -> tuple[str, str]:
+    """The head and body locators of the encode ``key`` (`cacheseek.kv.encode`)."""
+    return f"{key.hex()}:enc", f"{key.hex()}:encb"
 
 
 def node_key_of(locator: str) -> bytes:

@@ -11,6 +11,8 @@ bf16 weights on the GPU, real Wan VAE and umT5), 480x832:
    against the mean of the two, timed as the gate times a request;
 3. B again with each stage timed (synchronized; ``b_stages``): TeleFuser's prompt and condition
    encodes in ``create_runtime``, CacheSeek's creation hook, each chunk's frames read and hand-out;
+   then B as a fresh worker's first session (``b_fresh_worker``: the process's keep of encodes
+   forgotten, both loaded from the store) and the encoders' fingerprints such a worker pays once;
 4. the time to the first frame of a planned session whose chunks are all cached (creation and its
    chunk 0);
 5. live sessions streamed one action per chunk: one that computes a path, then ``live_sessions``
@@ -140,6 +142,7 @@ def run_one(name: str, argv: list[str]) -> None:
                 again = gate._request(stack, "B2", px, "P+X")
             row["b_stages"] = {"wall_s": again.wall_s, "hit_depth": again.hit_depth, **stages}
             print("  B stages (ms): " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in stages.items()), flush=True)
+            row["b_fresh_worker"] = _fresh_worker_b(stack, factory, gate, px, sync)
 
             binding = stack.new_binding()
             session = factory.make(px, hooks=binding)
@@ -176,6 +179,39 @@ def run_one(name: str, argv: list[str]) -> None:
     finally:
         stack.close()
     write_json(out_dir / f"store_{name}.json", row)
+
+
+def _fresh_worker_b(stack: Any, factory: Any, gate: Any, px: list, sync: Any) -> dict:
+    """B as a fresh worker's first session runs it: the process's keep of encodes forgotten, so
+    both come from the store (`encodes_loaded`); plus what such a worker pays once at ``attach``,
+    the encoders' weights fingerprints (the keys of the stored encodes)."""
+    import torch
+    from stages import stage_timers
+
+    from cacheseek import weights
+    from cacheseek.integrations.telefuser import hooks_of
+
+    p = factory.pipeline
+    out = {}
+    for name, enc in (("text_encoder", p.text_encoder), ("vae", p.vae)):
+        sync()
+        t = time.perf_counter()
+        named = (enc.state_dict().items() if callable(getattr(enc, "state_dict", None))  # a stand-in: its tensors
+                 else [(k, v) for k, v in vars(enc).items() if isinstance(v, torch.Tensor)])
+        weights.tensor_fingerprint(sorted(named))
+        sync()
+        out[f"fingerprint_{name}_s"] = time.perf_counter() - t
+    hooks_of(p).encodes.clear()
+    loaded = stack.metrics.as_dict()["encodes_loaded"]
+    with stage_timers(sync, only=("create_runtime", "encode_prompt", "encode_condition")) as stages:
+        b = gate._request(stack, "B3", px, "P+X")
+    out.update(wall_s=b.wall_s, hit_depth=b.hit_depth, encodes_loaded=stack.metrics.as_dict()["encodes_loaded"] - loaded,
+               **stages)
+    print(f"  B, a fresh worker's keep: {b.wall_s:.3f} s, {out['encodes_loaded']} encodes loaded; "
+          + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in stages.items())
+          + f"; at attach, once per worker: fingerprints umT5 {out['fingerprint_text_encoder_s'] * 1e3:.1f} ms, "
+          f"VAE {out['fingerprint_vae_s'] * 1e3:.1f} ms", flush=True)
+    return out
 
 
 def _ms(seconds: Any) -> str:
@@ -418,6 +454,13 @@ def _markdown(results: dict) -> str:
                 lines.append(f"| {k} | {v * 1e3:.1f} |")
             inside = sum(v for k, v in named.items() if k in ("create_runtime", "chunk_seam"))
             lines.append(f"| rest (the session object, the flush, Python) | {(st['wall_s'] - inside) * 1e3:.1f} |")
+            fw = r.get("b_fresh_worker")
+            if fw:
+                lines += ["", f"B as a fresh worker's first session (its keep empty: {fw['encodes_loaded']} encodes "
+                          f"loaded from the store): {fw['wall_s']:.3f} s; encode_prompt {fw['encode_prompt'] * 1e3:.1f} ms, "
+                          f"encode_condition {fw['encode_condition'] * 1e3:.1f} ms; once per worker, at attach, the "
+                          f"encoders' fingerprints: umT5 {fw['fingerprint_text_encoder_s'] * 1e3:.1f} ms, "
+                          f"VAE {fw['fingerprint_vae_s'] * 1e3:.1f} ms."]
         sw = r.get("sweep")
         if sw:
             lines += ["", f"## Divergence after k served chunks ({run}; a session of {sw['chunks']} chunks)", "",

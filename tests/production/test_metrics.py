@@ -43,6 +43,7 @@ KEYS = {
     "frames_write_bytes", "frames_dropped", "materializations", "chunks_materialized", "decoder_replays",
     "recomputed_chunks", "decoder_states_written", "decoder_state_write_bytes", "decoder_states_dropped",
     "decoder_states_restored", "decoder_state_read_bytes", "decoder_states_missing", "decoder_states_corrupt",
+    "encodes_loaded", "encodes_missing", "encodes_corrupt", "encodes_written", "encodes_dropped",
 }  # and "records" where the store's chunk records are shared (the memory and LocalDisk tiers)
 
 

@@ -261,6 +261,7 @@ class Evictor:
             with ctx.forest.lock:
                 node.settle(handle if restored else None)
         free_frames(ctx, node.node_key)  # the chunk's frames leave with its KV
+        ctx.encodes.chunk_left(node)  # and its namespace's encodes with its last chunk
         ctx.metrics.add(evictions=1, evicted_bytes=handle.nbytes)
         return True
 

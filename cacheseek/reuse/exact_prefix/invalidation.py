@@ -13,6 +13,7 @@ Which nodes are gone: the one a fetch met, plus every node the store's optional
 store offers ``keys()`` and ``delete_values(keys)``; on a store with shared chunk records, the
 values no record names and no writer can still be writing: the store's ``orphans()``), unless the
 forest's snapshot did not load whole (then the unnamed values may be committed chunks: kept).
+Stored session encodes are no chunk's values and are kept (`encodes`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Optional
 
 from cacheseek.errors import StoreError
+from cacheseek.reuse.exact_prefix.encodes import is_encode_locator
 from cacheseek.reuse.exact_prefix.frames import free_frames
 from cacheseek.kv.locators import decoder_state_locator
 from cacheseek.reuse.exact_prefix.keys import blob_keys, frames_locator, layer_keys
@@ -110,6 +112,7 @@ class Invalidator:
         try:
             self.ctx.store.free(handle)
             free_frames(self.ctx, node.node_key)
+            self.ctx.encodes.chunk_left(node)
         except Exception as exc:  # noqa: BLE001 - keep it as a failed blob: freed later
             log.warning("invalidated %r but freeing its values failed: %s", node, exc)
             handle.fail(exc)
@@ -139,7 +142,7 @@ class Invalidator:
         if ctx.store.lists_values and ctx.store.records.shared:
             # The records name what is committed; other processes may be writing: the store removes
             # only values without a record that are older than any write in flight.
-            orphans = ctx.store.orphans()
+            orphans = [k for k in ctx.store.orphans() if not is_encode_locator(k)]  # encodes: no chunk's
             if orphans:
                 ctx.store.delete_values(orphans)
                 removed = len(orphans)
@@ -158,7 +161,7 @@ class Invalidator:
                             named.update(blob_keys(n.blob.locator, n.blob.n_layers, pairs=n.blob.pairs))
                             named.add(frames_locator(n.node_key))
                             named.add(decoder_state_locator(n.node_key))
-            orphans = [k for k in ctx.store.keys() if k not in named]
+            orphans = [k for k in ctx.store.keys() if k not in named and not is_encode_locator(k)]
             if orphans:
                 ctx.store.delete_values(orphans)
                 removed = len(orphans)

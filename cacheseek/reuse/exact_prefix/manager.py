@@ -43,6 +43,7 @@ from cacheseek.kv.payload import layer_nbytes, payload_nbytes
 from cacheseek.metrics import CacheMetrics
 from cacheseek.reuse.exact_prefix.capacity import Demoter, Evictor
 from cacheseek.reuse.exact_prefix.config import SharedIndexConfig, WorldKVConfig
+from cacheseek.reuse.exact_prefix.encodes import StoredEncodes
 from cacheseek.reuse.exact_prefix.frames import ChunkFrames
 from cacheseek.reuse.exact_prefix.invalidation import Invalidator
 from cacheseek.reuse.exact_prefix.keys import kv_locator, latent_locator
@@ -101,6 +102,7 @@ class WorldKVManager:
         self.demoter = Demoter(self)
         self.evictor = Evictor(self, self.demoter)
         self.frames = ChunkFrames(self)
+        self.encodes = StoredEncodes(self)
 
     @property
     def store(self) -> TierStore:

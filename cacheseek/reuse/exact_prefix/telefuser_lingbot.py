@@ -73,6 +73,7 @@ from cacheseek.metrics_server import serve_metrics
 from cacheseek.registry import LAYOUTS
 from cacheseek.reuse.exact_prefix.actions import action_bytes
 from cacheseek.reuse.exact_prefix.config import WorldKVConfig
+from cacheseek.reuse.exact_prefix.encodes import SessionEncodes
 from cacheseek.reuse.exact_prefix.handout import HandOut
 from cacheseek.reuse.exact_prefix.hook_failures import counted_failures
 from cacheseek.reuse.exact_prefix.keys import canonical_json_bytes, config_blob_hash, node_key, root_hash, sha256
@@ -174,6 +175,7 @@ class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
                               "0 rebuilds the decoder's state by replay; N stores it after chunks N-1, 2N-1, ...")
         self.decoder_state_every = decoder_state_every
         self._written: dict[int, TrieNode] = {}  # chunks this session wrote, until their frames are stored
+        self._encodes = SessionEncodes(manager.encodes)  # asked before on_runtime_created: not reset there
         self._reset_live()
         self._reset_handout()
         if snapshot_path is not None and len(forest) == 0:
@@ -197,6 +199,10 @@ class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
 
     # -- hooks (each inside `counted_failures`: TeleFuser swallows a hook's exceptions) ---------
     # the live-session hooks (on_control_arrived, on_chunk_control, restore_chunk) are `LiveChunks`'
+
+    def session_encodes(self) -> Optional[SessionEncodes]:
+        """The session's stored encodes (`encodes`), unless the store cannot serve yet."""
+        return self._encodes if self.manager.store.ready else None
 
     def on_runtime_created(self, runtime: Any, session_config: Any) -> None:
         try:
@@ -272,6 +278,8 @@ class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
             self.last_fast_forward = result.start_chunk
         else:
             self._cursor = self._ns.root
+        if self.last_fast_forward > 0:  # a cached prefix: the encodes it ran are stored now
+            self._encodes.commit(self.root)
         if self.ingest_enabled:
             keys.compute_rest_in_background()  # each chunk's ingest takes its key from there
 
@@ -339,6 +347,7 @@ class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
             if node.blob is not blob_before and node.blob is not None and node.blob.error is None:
                 self.bytes_written += nbytes
                 self._written[idx] = node  # its frames follow (`HandOut.on_chunk_frames`)
+                self._encodes.commit(self.root)  # a chunk of these inputs is cached: so are their encodes
         except CacheSeekError as exc:
             self.ingest_errors += 1
             level = logging.INFO if isinstance(exc, StoreWarmingError) else logging.WARNING  # expected while warming
