@@ -20,8 +20,8 @@ pipeline, ``manager.decoder_state_every=2``):
    (median ms): ``get_skeleton`` as the product reads it, the copy out of the store's memory
    as it is now (``Reader._raw``) against as it was before this change (a pageable ``.cpu()``
    then ``bytes`` for HBM, ``ctypes.string_at`` for the Plan tier), measured in the same run;
-   the checks (`frames.unpack`), the images (`pil_images`), the runtime's frame hash, the key
-   of one control (`chunk_action_key`).
+   the checks (`frames.unpack`), the images (`pil_images`, and on `IMAGE_THREADS` threads), the
+   runtime's frame hash, the key of one control (`chunk_action_key`).
 
 Writes under ``out_dir`` (default outputs/experiments/session_reuse_profile/): ``store_<store>.json``,
 ``profile_<store>.txt``, ``results.json`` and ``results.md`` (machine, versions, commit, the tables).
@@ -49,6 +49,7 @@ from benchlib import REPO, compose, env_info, git_state, write_json  # noqa: E40
 from gate_children import child_stack, device_sync, entry, nocache_run, plain, run_children  # noqa: E402
 
 READS = 20
+IMAGE_THREADS = (1, 2, 4, 8, 12)  # the hand-out's image threads, measured straight (`_reads`)
 TARGET_MS = 15.0
 _RL = "cacheseek.reuse.exact_prefix"
 STEPS = {  # the sub-steps of a restored live chunk, in the order they run
@@ -196,6 +197,7 @@ def _reads(stack: Any, factory: Any, manager: Any, actions: list, sync: Any) -> 
     """The frames value of chunk 1 of the path read straight from the store (module docstring, 5)."""
     import torch
 
+    from cacheseek.integrations.telefuser import handout
     from cacheseek.integrations.telefuser.handout import frames_spec, pil_images
     from cacheseek.kv import frames as frames_value
     from cacheseek.kv.locators import frames_locator
@@ -225,6 +227,13 @@ def _reads(stack: Any, factory: Any, manager: Any, actions: list, sync: Any) -> 
     frames = frames_value.unpack(node.node_key, value, spec, loc)
     out["frames_checks_ms"] = _timed(lambda: frames_value.unpack(node.node_key, value, spec, loc), sync)
     out["pil_images_ms"] = _timed(lambda: pil_images(frames), sync)
+    saved = handout._IMAGE_THREADS
+    try:  # the images on other numbers of threads (a fresh pool each)
+        for threads in IMAGE_THREADS:
+            _image_threads(handout, threads)
+            out[f"pil_images_{threads}_threads_ms"] = _timed(lambda: pil_images(frames), sync)
+    finally:
+        _image_threads(handout, saved)
     images = pil_images(frames)
     out["frame_hash_ms"] = _timed(lambda: images_hash(images), sync)
     control = factory.chunk_override(session.runtime, actions, 2)
@@ -232,6 +241,15 @@ def _reads(stack: Any, factory: Any, manager: Any, actions: list, sync: Any) -> 
     out["action_key_ms"] = _timed(lambda: chunk_action_key(2, control), sync)
     binding.close()
     return out
+
+
+def _image_threads(handout: Any, threads: int) -> None:
+    """`handout.pil_images` on ``threads`` threads from now on (its pool started again)."""
+    with handout._pool_lock:
+        for pool in handout._pool:
+            pool.shutdown(wait=True)
+        handout._pool.clear()
+    handout._IMAGE_THREADS = threads
 
 
 def _profile_text(prof: Any, top: int = 60) -> str:
