@@ -33,6 +33,7 @@ released.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import threading
 import time
@@ -436,11 +437,11 @@ class Reader:
         return srcs
 
     def _raw(self, src: int, size: int) -> Any:
-        """The bytes of a value this store holds a view of, owned by the caller (a uint8 array or
-        bytes: `host_out`; through the pool for device values)."""
+        """The bytes of a value this store holds a view of, owned by the caller: ``bytes``, or for
+        a value in a CUDA pool a pinned uint8 CPU tensor (`host_out.from_device`)."""
         if self.values.on_device:  # published values were synchronized before their commit
             return host_out.from_device(self.client.value_tensor(src, size))  # type: ignore[attr-defined]
-        return host_out.from_host(src, size)
+        return ctypes.string_at(src, size)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Which of ``keys`` are published, in order, copying no value: a get plan of one-key
