@@ -259,7 +259,7 @@ def _profile_text(prof: Any, top: int = 60) -> str:
     stats.sort_stats("cumulative").print_stats(r"cacheseek|telefuser", top)
     text.write("\n== everything, by own time ==\n")
     stats.sort_stats("tottime").print_stats(top)
-    return text.getvalue()
+    return text.getvalue().replace(f"{REPO}/", "")  # the repo's files by their paths in it
 
 
 def markdown(results: dict) -> str:
