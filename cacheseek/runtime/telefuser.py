@@ -50,6 +50,7 @@ from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.integrations.telefuser import TeleFuserLayout, attach, plan_controls
 from cacheseek.integrations.telefuser.tiny import PARTS, TinyDiTSpec, build_tiny_pipeline, rope_head_dim_problem
 from cacheseek.integrations.telefuser.wan_parts import feature_cache_bytes
+from cacheseek.kv import frames as frames_value
 from cacheseek.registry import RUNTIMES
 from cacheseek.runtime.geometry import Geometry, check_cpu_memory, no_cuda_error, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
@@ -228,11 +229,9 @@ class TeleFuserRuntimeFactory:
         ``generate_next_chunk`` hands out (a later chunk's ``4c`` frames, the most), and with the
         Wan VAE and ``decoder_state_every > 0`` the decoder's state stored at a resume point (its
         feature cache, the pipeline built first, plus the value's header and padding)."""
-        from cacheseek.kv import frames
-
         g = self._geometry
-        out = {"frames": frames.packed_nbytes(frames.FramesSpec(
-            (VIDEO_PER_LATENT * g.chunk_size, self.height, self.width, 3), frames.DTYPES[1]))}
+        out = {"frames": frames_value.packed_nbytes(frames_value.FramesSpec(
+            (VIDEO_PER_LATENT * g.chunk_size, self.height, self.width, 3), frames_value.DTYPES[1]))}
         if decoder_state_every > 0 and self._parts["vae"] == "wan":
             self.pipeline
             if self._vae_cache_bytes is None:
