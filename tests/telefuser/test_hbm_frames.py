@@ -8,10 +8,12 @@ dropped). A damaged frames value in the pool is a miss (the chunk is computed), 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cacheseek.kv import frames as frames_value
 from cacheseek.kv.locators import frames_locator
 from cacheseek.orchestrator import build_stack
+from cacheseek.reuse.exact_prefix import NamespaceForest
 
 
 @pytest.fixture
@@ -25,12 +27,14 @@ def stack(compose_cfg, tmp_path):
     stack.close()
 
 
-def _frames_of(stack, actions):
-    """The stored frames value of each chunk of ``actions``' cached path: (locator, node key)."""
-    binding = stack.new_binding()
-    session = stack.runtime_factory.make(actions, hooks=binding)
-    session.generate()
-    return [(frames_locator(n.node_key), n.node_key) for n in binding._lazy], session.frame_hashes
+def _chunk_nodes(stack, binding):
+    """The trie nodes of the chunks ``binding``'s session ran, in order."""
+    node = stack.forest.resolve(binding.root).root
+    out = []
+    for key in list(binding.actions):
+        node = node.children[key]
+        out.append(node)
+    return out
 
 
 def test_auto_sized_hbm_hands_out_every_chunk_after_the_gate(stack):
@@ -40,10 +44,11 @@ def test_auto_sized_hbm_hands_out_every_chunk_after_the_gate(stack):
     res = gate.run(stack)
     assert res["passed"], res["verdicts"]
     cold = {r["name"]: r for r in res["requests"]}["A"]
-    again = gate._request(stack, "B2", gate.P + gate.X, "P+X")
+    again, hashes, _ = stack.run_session(gate.P + gate.X)
     assert (again.frames_served, again.chunks_materialized) == (3, 0)  # nothing evicted, nothing decoded
-    a = gate._request(stack, "A2", gate.P + gate.X, "P+X", manager=stack.new_manager(), ingest=False)
-    assert again.frame_hashes == a.frame_hashes  # bit for bit what a session that computes hands out
+    cold_run, computed, _ = stack.run_session(gate.P + gate.X, manager=stack.new_manager(NamespaceForest(), shared_index=False),
+                                              ingest=False)
+    assert cold_run.frames_served == 0 and cold_run.chunks_computed == 3 and hashes == computed  # bit for bit what a session that computes hands out
     m = stack.metrics.as_dict()
     assert m["frames_dropped"] == 0 and m["frames_corrupt"] == 0 and cold["frames_served"] == 0
 
@@ -51,21 +56,22 @@ def test_auto_sized_hbm_hands_out_every_chunk_after_the_gate(stack):
 def test_a_damaged_frames_value_in_the_pool_is_a_miss(stack):
     gate = stack.workload
     actions = gate.P + gate.X
-    first = gate._request(stack, "A", actions, "P+X")
-    values, served_hashes = _frames_of(stack, actions)
-    assert served_hashes == [bytes.fromhex(h) for h in first.frame_hashes]
-    loc, key = values[1]
-    reader, client = stack.store._reader, stack.store.plan_client
-    spec_bytes = frames_value.packed_nbytes(_spec(stack, actions))
-    with reader.reading([loc], [1]) as read:
-        table, _ = read.transfer(None)
-        (src,) = reader._value_pointers(read, table, [spec_bytes], raw=True)
-        client.value_tensor(src, spec_bytes)[-1] ^= 0x01  # one pixel byte of chunk 1's frames
+    binding = stack.new_binding()
+    session = stack.runtime_factory.make(actions, hooks=binding)
+    session.generate()
+    stack.store.flush()
+    first = session.frame_hashes
+    node = _chunk_nodes(stack, binding)[1]
+    loc, size = frames_locator(node.node_key), frames_value.packed_nbytes(_spec(stack, actions))
+    value = bytearray(stack.store.get_skeleton(loc, nbytes=size))  # the pool's value, read back raw
+    value[-1] ^= 0x01  # one pixel byte of chunk 1's frames
+    stack.store.free_skeleton(loc)
+    stack.store.put_skeleton(loc, torch.frombuffer(value, dtype=torch.uint8))
     before = stack.metrics.as_dict()
-    again = gate._request(stack, "B2", actions, "P+X")
+    again, hashes, _ = stack.run_session(actions)
     after = stack.metrics.as_dict()
     assert after["frames_corrupt"] - before["frames_corrupt"] == 1
-    assert again.frames_served == 1 and again.frame_hashes == first.frame_hashes  # computed, never handed out
+    assert again.frames_served == 1 and hashes == first  # computed, never handed out
 
 
 def _spec(stack, actions):
