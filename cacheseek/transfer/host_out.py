@@ -23,7 +23,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-import torch
+from cacheseek.transfer.lazy import LazyModule
+
+torch = LazyModule("torch")  # imported at the first read: importing a store costs nothing
 
 __all__ = ["from_device"]
 
@@ -31,7 +33,7 @@ _streams: dict[Any, Any] = {}  # device -> the side stream of raw reads
 _lock = threading.Lock()
 
 
-def _side_stream(device: torch.device) -> Any:
+def _side_stream(device: Any) -> Any:
     with _lock:
         stream = _streams.get(device)
         if stream is None:
@@ -39,7 +41,7 @@ def _side_stream(device: torch.device) -> Any:
         return stream
 
 
-def from_device(view: torch.Tensor) -> Any:
+def from_device(view: Any) -> Any:
     """The bytes of ``view`` (a contiguous uint8 tensor whose writes were synchronized before it
     was published), owned by the caller; see the module docstring."""
     if view.device.type != "cuda":
