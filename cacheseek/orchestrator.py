@@ -155,7 +155,8 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
     runtime_factory = objects.pop("runtime_factory", None) or instantiate(cfg.runtime)
     if workload is None and cfg.get("workload") is not None:
         workload = instantiate(cfg.workload)
-    need = sizing.need_for(runtime_factory, workload)
+    every = cfg.manager.get("decoder_state_every", 0)  # validated below (`_manager_config`)
+    need = sizing.need_for(runtime_factory, workload, every if isinstance(every, int) and not isinstance(every, bool) else 0)
     for line in getattr(runtime_factory, "start_notes", list)():  # what the user will see, and why
         tell(line)
     layout = build_layout(cfg.layout, runtime_factory)

@@ -2,7 +2,12 @@
 
 A runtime's geometry and dtype fix the bytes of one chunk (``2 * n_layers`` KV values plus one
 latent); a workload says how many chunks it keeps cached at once (``cache_chunks``, e.g. the
-gate's A writes ``n`` chunks and C ``n - |P|`` more). Together they are a `CacheNeed`.
+gate's A writes ``n`` chunks and C ``n - |P|`` more). Beside a chunk's KV a store also holds what
+the runtime stores with it (``beside_chunk_bytes() -> {what: bytes of one value}``, optional):
+its handed-out frames with every chunk, and the decoder's state after chunks ``N-1, 2N-1, ...``
+(``manager.decoder_state_every=N``; the chunks at those depths among the workload's
+``cache_chunk_depths``, else one in N). Together they are a `CacheNeed`; ``auto`` counts both, so
+that the workload's own values never evict its chunks.
 
 Before a store is built, the orchestrator resolves every size field the store class declares
 (``size_fields(config) -> list[SizeField]``, a class method: the `SizedStore` capability):
@@ -57,17 +62,35 @@ _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 class CacheNeed:
     """What one workload asks of a store: ``chunks`` chunks of ``values`` (bytes of each value of
     one chunk, KV first, the latent last), for ``geometry`` in ``dtype``; ``why`` says where the
-    chunk count comes from, in a few words for the report ("the gate: A writes 4, C 2")."""
+    chunk count comes from, in a few words for the report ("the gate: A writes 4, C 2").
+    ``beside``: the values stored beside the chunks, ``(what, bytes of one, how many)`` (the
+    frames of every chunk, the decoder states at resume points)."""
 
     values: tuple[int, ...] = attrs.field(converter=tuple)
     chunks: int
     geometry: str
     dtype: str
     why: str
+    beside: tuple[tuple[str, int, int], ...] = attrs.field(default=(), converter=tuple)
 
     @property
     def chunk_bytes(self) -> int:
         return sum(self.values)
+
+    def beside_bytes(self, alignment: int = 1) -> int:
+        """Bytes of every value stored beside the chunks, each rounded up to ``alignment``."""
+        a = max(1, alignment)
+        return sum(count * (-(-nbytes // a) * a) for _, nbytes, count in self.beside)
+
+    def total(self, alignment: int = 1) -> int:
+        """Bytes of the workload's chunks and of what is stored beside them."""
+        return self.chunks * self.footprint(alignment) + self.beside_bytes(alignment)
+
+    def describe_beside(self, alignment: int = 1) -> str:
+        """The values beside the chunks in words ("" when none)."""
+        parts = [f"{count} {what} of {format_size(-(-nbytes // max(1, alignment)) * max(1, alignment))}"
+                 for what, nbytes, count in self.beside if count]
+        return " and ".join(parts)
 
     def footprint(self, alignment: int = 1) -> int:
         """Bytes of one chunk in a store that rounds each value up to ``alignment``."""
@@ -106,9 +129,10 @@ class SizedStore(Protocol):
     def size_fields(cls, config: dict[str, Any]) -> list[SizeField]: ...
 
 
-def need_for(runtime_factory: Any, workload: Any) -> Optional[CacheNeed]:
-    """The `CacheNeed` of ``workload`` on ``runtime_factory`` (geometry and dtype), or None when
-    the workload does not say how many chunks it keeps (``cache_chunks``)."""
+def need_for(runtime_factory: Any, workload: Any, decoder_state_every: int = 0) -> Optional[CacheNeed]:
+    """The `CacheNeed` of ``workload`` on ``runtime_factory`` (geometry and dtype, what it stores
+    beside a chunk), or None when the workload does not say how many chunks it keeps
+    (``cache_chunks``). ``decoder_state_every``: the manager's (0: no decoder state stored)."""
     chunks = getattr(workload, "cache_chunks", None)
     geometry = getattr(runtime_factory, "geometry", None)
     if chunks is None or geometry is None:
@@ -118,7 +142,24 @@ def need_for(runtime_factory: Any, workload: Any) -> Optional[CacheNeed]:
     kv = geometry.kv_nbytes_per_chunk(item)
     values = [kv] * (2 * geometry.n_layers) + [geometry.latent_nbytes(item)]
     why = getattr(workload, "cache_chunks_why", None) or type(workload).__name__
-    return CacheNeed(values=values, chunks=int(chunks), geometry=geometry.name, dtype=dtype, why=why)
+    chunks = int(chunks)
+    beside_fn = getattr(runtime_factory, "beside_chunk_bytes", None)
+    beside = dict(beside_fn(decoder_state_every)) if beside_fn is not None else {}
+    counts = {"frames": chunks, "decoder state": _resume_points(workload, chunks, decoder_state_every)}
+    stored = tuple((what, int(nbytes), counts[what]) for what, nbytes in beside.items() if nbytes and counts[what])
+    return CacheNeed(values=values, chunks=chunks, geometry=geometry.name, dtype=dtype, why=why, beside=stored)
+
+
+def _resume_points(workload: Any, chunks: int, every: int) -> int:
+    """How many of the workload's chunks get a decoder state at ``every``: those at depths
+    ``N-1, 2N-1, ...`` among its ``cache_chunk_depths`` (0-based, one per chunk kept), else one
+    chunk in ``every``, rounded up."""
+    if every <= 0:
+        return 0
+    depths = getattr(workload, "cache_chunk_depths", None)
+    if depths is None:
+        return -(-chunks // every)
+    return sum(1 for d in depths if (int(d) + 1) % every == 0)
 
 
 def runtime_device_room(runtime_factory: Any, need: Optional[CacheNeed]) -> tuple[int, str]:
@@ -167,8 +208,11 @@ def _auto(field: SizeField, need: Optional[CacheNeed], high_watermark: float) ->
         return fallback, "the workload does not say how many chunks it keeps"
     chunk = need.footprint(field.alignment)
     what = f"{need.chunks} chunks of {format_size(chunk)} ({need.why})"
+    beside = need.describe_beside(field.alignment)
+    if beside:
+        what = f"{what} and beside them {beside}"
     if field.role == "capacity":
-        want = need.chunks * chunk
+        want = need.total(field.alignment)
         if room is None or want <= room:
             return None, f"{what} fit in {room_words or 'the room there is'}"
         return room, f"{what} do not fit: capped at {room_words}"
@@ -176,7 +220,7 @@ def _auto(field: SizeField, need: Optional[CacheNeed], high_watermark: float) ->
         want = STAGING_CHUNKS * chunk
         why = f"{STAGING_CHUNKS} writes in flight of {format_size(chunk)}"
     else:
-        want = math.ceil(need.chunks * chunk / high_watermark)
+        want = math.ceil(need.total(field.alignment) / high_watermark)
         why = f"{what}, below the {high_watermark:.0%} eviction watermark"
     unit = _MiB if want >= 64 * _MiB else 4096  # whole MiB for real sizes, pages for test geometries
     want = -(-want // unit) * unit

@@ -12,7 +12,7 @@
 # against chunks restored, restore GiB/s per tier against the link's peak), root_open (a LocalDisk root of 100k and 1M committed chunks
 # opened, CPU only: the host's 16 cores and its own disk), session_reuse (issue 32: frames handed out, KV
 # restored only where a session computes; A/B/C on the Plan tier and HBM at 14B, live chunks, the
-# divergence sweep). Results go to $OUT/results/<step>/ (packed into $OUT/results.tgz after every
+# divergence sweep), session_reuse_profile (a restored live chunk sub-step by sub-step, both tiers, ~1 min). Results go to $OUT/results/<step>/ (packed into $OUT/results.tgz after every
 # step, so a step that runs out of time still leaves the earlier ones); the log is $OUT/run.log.
 # Per step: T_<STEP>= (seconds, upper case) and ARGS_<STEP>= (overrides of its conf/*.yaml; for
 # tests, the test paths: ARGS_TESTS="tests/core/test_weights_fingerprint.py ...").
@@ -31,7 +31,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.current,pc
 grep -E "MemTotal|MemAvailable" /proc/meminfo; nproc
 python3 -c "import torch, cuda.bindings, sys; print(sys.version.split()[0], torch.__version__, cuda.bindings.__version__)"
 
-declare -A DEFAULT_T=([tests]=200 [transfer]=150 [e2e]=230 [registration]=140 [copy_kernel]=120 [action_keys]=120 [warmup]=200 [hbm_tier]=420 [live_restore]=240 [interactive]=240 [interactive_14b]=150 [metrics]=240 [telefuser_480p]=330 [telefuser_480p_rolling]=170 [shared_index]=300 [codecs]=470 [root_open]=580 [session_reuse]=560)
+declare -A DEFAULT_T=([tests]=200 [transfer]=150 [e2e]=230 [registration]=140 [copy_kernel]=120 [action_keys]=120 [warmup]=200 [hbm_tier]=420 [live_restore]=240 [interactive]=240 [interactive_14b]=150 [metrics]=240 [telefuser_480p]=330 [telefuser_480p_rolling]=170 [shared_index]=300 [codecs]=470 [root_open]=580 [session_reuse]=560 [session_reuse_profile]=300)
 declare -A FIXED_ARGS=([action_keys]="device=cuda old_runs=1"
     [metrics]="geometry=lingbot_480p device=cuda store=fluxon_plan store_overrides=['store.backing=private'] runtime_overrides=['runtime.compute_gemm_dim=8192','runtime.compute_gemms=8'] sessions=8 depth=3 branching=2"
     [telefuser_480p_rolling]="stores=[fluxon_plan,nocache] frames_cache=false profile_b=false runtime_overrides=['runtime.local_attn_size=6','runtime.sink_size=3']")
@@ -49,6 +49,9 @@ for s in "$@"; do
     elif [ "$s" = root_open ]; then
         timeout "$t" python3 experiments/root_open/measure.py --dir /tmp --out "$R/root_open/results.json" $(var ARGS "$s" "")
         rm -rf /tmp/cs-root-open-*
+    elif [ "$s" = session_reuse_profile ]; then
+        timeout "$t" python3 experiments/session_reuse/profile_live.py out_dir="$R/$s" $(var ARGS "$s" "live_sessions=5") \
+            2>&1 | grep -v "^\s*$" | tail -70
     elif [ "$s" = interactive ]; then
         timeout "$t" python3 -m cacheseek workload=interactive runtime.geometry=lingbot_480p runtime.device=cuda \
             runtime.compute_gemm_dim=8192 runtime.compute_gemms=8 +store=fluxon_plan store.backing=private \

@@ -148,6 +148,27 @@ def test_session_reuse_benchmark_smoke(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.telefuser
+def test_session_reuse_live_profile_smoke(tmp_path):
+    """The restored live chunk's profile on TeleFuser's real pipeline, tiny, both stores: every
+    following chunk served, their frames equal, each sub-step timed, the reads measured."""
+    pytest.importorskip("telefuser.pipelines.lingbot_world_fast", reason="needs the telefuser extra (see README)")
+    tiny = ["runtime.n_layers=1", "runtime.n_heads=1", "runtime.head_dim=14", "runtime.ffn_dim=32", "runtime.text_dim=16",
+            "runtime.height=32", "runtime.width=32", "runtime.vae=stand_in", "runtime.text_encoder=stand_in"]
+    module = load_script("experiments/session_reuse/profile_live.py", "profile_live")
+    res = module.main([
+        "device=cpu", "stores=[hbm,fluxon_plan]", f"out_dir={tmp_path}", "live_sessions=2",
+        "store_overrides.fluxon_plan=['+store=fluxon_plan','store.backing=private','store.segment_bytes=4MiB']",
+        "runtime_overrides=[" + ",".join(f"'{o}'" for o in tiny) + "]"])
+    for store in ("hbm", "fluxon_plan"):
+        r = res["stores"][store]
+        assert r["returncode"] == 0 and r["plain"]["served"] == [3, 3] and r["plain"]["frames_equal"]
+        assert r["steps"]["steps_ms"]["frames_read"] > 0 and r["reads"]["copy_out_ms"] >= 0
+        assert (tmp_path / f"profile_{store}.txt").read_text().startswith("== CacheSeek's")
+    assert "| hbm |" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.slow
 def test_shared_index_workers_benchmark_smoke(tmp_path):
     module = load_script("experiments/shared_index/bench_workers.py", "bench_workers")
     res = module.main(['interactive=["workload.sessions=4"]', "stress=null", "workers=[1]", "restart_after=2",

@@ -4,6 +4,7 @@ workload or refused before anything is allocated (cacheseek.sizing)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from cacheseek.errors import ConfigError
 from cacheseek.runtime.geometry import get_geometry
@@ -146,3 +147,82 @@ def test_a_reported_capacity_must_hold_one_chunk():
     with pytest.raises(ConfigError, match="16 MiB cannot hold one chunk") as ei:
         check_capacity(16 * MiB, _need("lingbot_480p", 3, 1), "store", "restart the service with --dram 8GiB")
     assert "--dram" in ei.value.fix
+
+
+class _FramesFactory(_Factory):
+    """A runtime that stores frames of ``frames`` bytes beside each chunk and a decoder state of
+    ``state`` bytes at each resume point (`need_for` asks ``beside_chunk_bytes``)."""
+
+    def __init__(self, geometry: str, frames: int, state: int) -> None:
+        super().__init__(geometry)
+        self.frames, self.state, self.asked = frames, state, []
+
+    def beside_chunk_bytes(self, decoder_state_every: int) -> dict[str, int]:
+        self.asked.append(decoder_state_every)
+        out = {"frames": self.frames}
+        if decoder_state_every > 0:
+            out["decoder state"] = self.state
+        return out
+
+
+def test_auto_counts_the_frames_and_decoder_states_stored_beside_the_chunks():
+    # issue 32's miscount: the HBM pool of the gate at 14B held 4 chunks of KV and nothing else, so the
+    # frames and the decoder state (1.76 GiB) stored beside them evicted a chunk the gate's B needed
+    gate = PrefixGate(total_chunks=3, prefix_chunks=2)  # A writes depths 0,1,2; C writes depth 2
+    assert gate.cache_chunks == 4 and gate.cache_chunk_depths == [0, 1, 2, 2]
+    frames, state = 14_376_960 + 80, 1_890_000_000
+    need = need_for(_FramesFactory("lingbot_480p", frames, state), gate, 2)
+    assert need.beside == (("frames", frames, 4), ("decoder state", state, 1))  # a state after chunk 1 only
+    assert need.total() == 4 * need.chunk_bytes + 4 * frames + state
+    assert need.beside_bytes(256) == 4 * (-(-frames // 256) * 256) + (-(-state // 256) * 256)
+    field = SizeField("capacity_bytes", "segment", room=120 * GiB, alignment=256, device_room=True)
+    cfg = {"capacity_bytes": "auto"}
+    (note,) = resolve_sizes(cfg, [field], need, high_watermark=0.9)
+    assert cfg["capacity_bytes"] >= need.total(256) / 0.9 > 4 * need.footprint(256) / 0.9 + state
+    assert "beside them 4 frames of 13.7" in note and "1 decoder state of 1.76 GiB" in note
+    plain = need_for(_Factory("lingbot_480p"), gate, 2)  # a runtime that stores nothing beside its chunks
+    assert plain.beside == () and plain.total() == 4 * plain.chunk_bytes
+
+
+@pytest.mark.parametrize("every,states", [(0, 0), (1, 4), (2, 1), (3, 2), (4, 0)])
+def test_decoder_states_are_counted_at_the_resume_points_of_the_chunks_kept(every, states):
+    gate = PrefixGate(total_chunks=3, prefix_chunks=2)
+    factory = _FramesFactory("tiny", 100, 1000)
+    need = need_for(factory, gate, every)
+    assert factory.asked == [every]
+    assert dict((w, c) for w, _, c in need.beside) == {"frames": 4, **({"decoder state": states} if states else {})}
+
+
+def test_decoder_states_of_a_workload_without_depths_are_one_in_every():
+    class Chunks:
+        cache_chunks = 5
+
+    need = need_for(_FramesFactory("tiny", 100, 1000), Chunks(), 2)
+    assert need.beside == (("frames", 100, 5), ("decoder state", 1000, 3))
+
+
+def test_auto_capacity_counts_what_is_beside_the_chunks():
+    need = need_for(_FramesFactory("tiny", 10_000, 0), PrefixGate(total_chunks=4, prefix_chunks=2), 0)
+    cfg = {"capacity_bytes": "auto"}
+    resolve_sizes(cfg, [SizeField("capacity_bytes", "capacity", room=need.total() + 100)], need)
+    assert cfg["capacity_bytes"] == int((need.total() + 100) * 0.8)  # the room is capped: frames count
+    assert need.total() > int((need.total() + 100) * 0.8) > need.chunks * need.chunk_bytes
+
+
+def test_the_runtimes_say_what_they_store_beside_a_chunk():
+    from cacheseek.kv import decoder_state, frames
+    from cacheseek.runtime.synthetic import SyntheticRuntimeFactory
+    from cacheseek.workloads.interactive import InteractiveWorkload
+
+    assert SyntheticRuntimeFactory(geometry="tiny").beside_chunk_bytes(2) == {}  # no hand-out: nothing stored
+    rt = SyntheticRuntimeFactory(geometry="tiny", handout=True)
+    g = rt.geometry
+    assert rt.beside_chunk_bytes(0) == {"frames": 64 + 4 * 4 + g.chunk_size * 3 * g.latent_h * g.latent_w * 4}
+    state = decoder_state.packed_nbytes(decoder_state.DecoderStateSpec([((3, g.latent_h, g.latent_w), torch.float32)]))
+    assert rt.beside_chunk_bytes(2)["decoder state"] == state
+    wl = InteractiveWorkload(sessions=6, depth=3, branching=2)
+    assert len(wl.cache_chunk_depths) == wl.cache_chunks and set(wl.cache_chunk_depths) <= {0, 1, 2}
+    need = need_for(rt, wl, 2)
+    assert dict((w, c) for w, _, c in need.beside) == {"frames": wl.cache_chunks,
+                                                       "decoder state": wl.cache_chunk_depths.count(1)}
+    assert frames.packed_nbytes(frames.FramesSpec((12, 480, 832, 3), torch.uint8)) == 14_376_960 + 64 + 4 * 4  # 480x832, 12 frames: 13.7 MiB

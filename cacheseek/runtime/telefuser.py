@@ -50,6 +50,7 @@ from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.integrations.telefuser import TeleFuserLayout, attach, plan_controls
 from cacheseek.integrations.telefuser.tiny import PARTS, TinyDiTSpec, build_tiny_pipeline, rope_head_dim_problem
 from cacheseek.integrations.telefuser.wan_parts import feature_cache_bytes
+from cacheseek.kv import frames as frames_value
 from cacheseek.registry import RUNTIMES
 from cacheseek.runtime.geometry import Geometry, check_cpu_memory, no_cuda_error, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
@@ -105,6 +106,7 @@ class TeleFuserRuntimeFactory:
     ``vae`` (``stand_in`` or ``wan``) and ``text_encoder`` (``stand_in`` or ``umt5``, of
     ``text_layers`` blocks) choose TeleFuser's real part with random weights or the stand-in."""
 
+    DECODER_STATE_HEADROOM = 1 << 20  # a stored state's header, entry table and padding (a few KiB at 480p)
     ACTIVATION_HEADROOM = 2 << 30  # beyond the ring and the FFN's activations: allocator slack, the VAE
 
     def __init__(self, *, local_attn_size: int = -1, sink_size: int = 0, device: str = "cpu",
@@ -221,6 +223,21 @@ class TeleFuserRuntimeFactory:
                 self._vae_cache_bytes = feature_cache_bytes(self._pipeline.vae.vae, height=self.height, width=self.width)
             reserve.append(("Wan VAE decode", 3 * self._vae_cache_bytes))
         return reserve
+
+    def beside_chunk_bytes(self, decoder_state_every: int) -> dict[str, int]:
+        """What a store holds beside each chunk's KV (`sizing.need_for`): the frames
+        ``generate_next_chunk`` hands out (a later chunk's ``4c`` frames, the most), and with the
+        Wan VAE and ``decoder_state_every > 0`` the decoder's state stored at a resume point (its
+        feature cache, the pipeline built first, plus the value's header and padding)."""
+        g = self._geometry
+        out = {"frames": frames_value.packed_nbytes(frames_value.FramesSpec(
+            (VIDEO_PER_LATENT * g.chunk_size, self.height, self.width, 3), frames_value.DTYPES[1]))}
+        if decoder_state_every > 0 and self._parts["vae"] == "wan":
+            self.pipeline
+            if self._vae_cache_bytes is None:
+                self._vae_cache_bytes = feature_cache_bytes(self._pipeline.vae.vae, height=self.height, width=self.width)
+            out["decoder state"] = self._vae_cache_bytes + self.DECODER_STATE_HEADROOM
+        return out
 
     @property
     def layout_name(self) -> str:

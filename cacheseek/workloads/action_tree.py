@@ -75,7 +75,12 @@ class ActionTree:
         return out
 
     def distinct_prefixes(self) -> int:
-        return len({(img, path[:d + 1]) for img, path in self.plan for d in range(len(path))})
+        return len(self.prefix_depths())
+
+    def prefix_depths(self) -> list[int]:
+        """The depth (0-based chunk index) of the last chunk of each distinct prefix."""
+        return [len(prefix) - 1 for _, prefix in {(img, path[:d + 1]) for img, path in self.plan
+                                                  for d in range(len(path))}]
 
 
 def image(i: int) -> Any:

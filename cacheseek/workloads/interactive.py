@@ -56,6 +56,11 @@ class InteractiveWorkload:
 
     cache_chunks_why = "every distinct prefix"
 
+    @property
+    def cache_chunk_depths(self) -> list[int]:
+        """The depth of each chunk in `cache_chunks` (`cacheseek.sizing`: decoder states)."""
+        return self.tree.prefix_depths()
+
     def run(self, stack: Any, sessions: Optional[Sequence[int]] = None, *,
             on_ready: Optional[Callable[[], None]] = None,
             on_session: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:

@@ -119,6 +119,11 @@ class PrefixGate:
     def cache_chunks_why(self) -> str:
         return f"the gate: A writes {self.n}, C {self.n - self.p}"
 
+    @property
+    def cache_chunk_depths(self) -> list[int]:
+        """The depth (chunk index) of each chunk in `cache_chunks`: A's 0..n-1, C's |P|..n-1."""
+        return list(range(self.n)) + list(range(self.p, self.n))
+
     def _request(self, stack, name: str, actions, label: str, *, manager=None, ingest=True,
                  frames=None) -> RequestResult:
         binding, hashes, wall = stack.run_session(actions, manager=manager, ingest=ingest, frames=frames)

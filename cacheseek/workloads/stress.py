@@ -86,6 +86,11 @@ class StressWorkload:
     def cache_chunks_why(self) -> str:
         return "workload.capacity_chunks" if self.capacity_chunks is not None else "every distinct prefix"
 
+    @property
+    def cache_chunk_depths(self) -> Optional[list[int]]:
+        """The depth of each chunk in `cache_chunks`; None with ``capacity_chunks`` (unknown)."""
+        return None if self.capacity_chunks is not None else self.tree.prefix_depths()
+
     def actions(self, path: tuple[int, ...]) -> list[list[float]]:
         return self.tree.actions(path)
 

@@ -220,3 +220,22 @@ def test_the_background_thread_starts_again_for_controls_supplied_later():
     keys.supply(1, CONTROLS[2])
     keys.compute_rest_in_background()  # closed: the asking thread computes it
     assert keys.computed == 1 and keys[1] == action_keys([CONTROLS[2]])[0]
+
+
+def test_supplying_the_same_control_again_does_not_wait_for_its_key_under_way(calls):
+    keys = LazyActionKeys(CONTROLS[:1])
+    keys.compute_rest_in_background()  # the thread holds key 0 until ``go``
+    done = threading.Event()
+    threading.Thread(target=lambda: (keys.supply(0, CONTROLS[0]), done.set()), daemon=True).start()
+    assert done.wait(5)  # returned while key 0 of that control is still under way
+    assert keys.computed == 0
+    calls.go.set()
+    assert keys[0] == action_keys(CONTROLS[:1])[0] and calls == [(THREAD_NAME, 0)]  # computed once
+    replaced = threading.Event()
+    keys2 = LazyActionKeys(CONTROLS[:1])
+    calls.go.clear()
+    keys2.compute_rest_in_background()
+    threading.Thread(target=lambda: (keys2.supply(0, CONTROLS[1]), replaced.set()), daemon=True).start()
+    assert not replaced.wait(0.3)  # another control waits for the key under way, then replaces it
+    calls.go.set()
+    assert replaced.wait(5) and keys2[0] == action_keys(CONTROLS[1:2])[0]

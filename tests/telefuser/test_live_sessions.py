@@ -153,3 +153,29 @@ def test_streamed_overrides_are_float32_controls_of_the_chunk(factory):
     override = factory.chunk_override(session.runtime, X, 1)
     assert session.runtime.control_chunks is None
     assert override.dtype == torch.float32 and override.shape[2] == 3
+
+
+def test_a_live_chunk_that_looks_its_key_up_next_is_keyed_as_its_control_arrives(factory, cold, monkeypatch):
+    """The override is built right before its chunk: where that chunk's lookup reads the key (a
+    cached child below the cursor, or a shared index to ask), the key is computed in the caller's
+    thread as the control arrives, not handed to the keys' thread and waited for; where no
+    lookup reads it (a fresh namespace, no shared index), the keys' thread computes it."""
+    import threading
+
+    from cacheseek.reuse.exact_prefix import lazy_keys
+
+    if factory.streaming:
+        pytest.skip("TeleFuser main's service submits controls ahead; no override is built before a chunk")
+    manager = WorldKVManager(NamespaceForest(), InMemoryTierStore(), make_rolling_config(local_attn_size=7, sink_size=3),
+                             shared_index={"enabled": False})
+    assert not manager.index.active
+    where: list[tuple[str, int]] = []
+    real = lazy_keys.chunk_action_key
+    monkeypatch.setattr(lazy_keys, "chunk_action_key",
+                        lambda i, c: (where.append((threading.current_thread().name, i)), real(i, c))[1])
+    _, _, frames = _streamed(factory, manager, X)
+    assert frames == cold["X"] and sorted(where) == [(lazy_keys.THREAD_NAME, i) for i in range(len(X))]
+    where.clear()
+    _, binding, frames = _streamed(factory, manager, X)  # each chunk's cached child is looked up by its key
+    assert frames == cold["X"] and len(binding.restored_chunks) == len(X)
+    assert sorted(where) == [(threading.main_thread().name, i) for i in range(len(X))]

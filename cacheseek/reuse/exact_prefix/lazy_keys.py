@@ -134,6 +134,8 @@ class _Keys:
         """Chunk ``i``'s control is ``control`` from now on; a key of another control is dropped
         (after a computation of it under way has ended)."""
         with self.cond:
+            if self.controls[i] is control:  # already its control: a key under way for it stands
+                return
             while i in self.busy:
                 self.cond.wait()
             if self.controls[i] is control:

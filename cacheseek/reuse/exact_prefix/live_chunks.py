@@ -100,15 +100,28 @@ class LiveChunks:
 
     def on_control_arrived(self, runtime: Any, idx: int, control: Any) -> None:
         """Chunk ``idx``'s control arrived ahead of the chunk (a service queues it, or builds the
-        override first): its key is computed now, off the chunk's path, on the keys' thread.
-        The chunk still reports the control it runs with through ``on_chunk_control``."""
+        override first): its key is computed now, off the chunk's path, on the keys' thread;
+        in this thread instead when chunk ``idx`` is the next to run and its lookup will read
+        the key (`_looks_up`): the chunk would wait for it anyway, and handing it to the thread
+        and back cost more than the key (3.2 against 1.7 ms on the H200 host, 480p). The chunk
+        still reports the control it runs with through ``on_chunk_control``."""
         keys = self._keys
         if keys is None or not 0 <= idx < len(keys) or idx < self.last_fast_forward:
             return
         with contextlib.suppress(Exception):  # a key that fails is computed, and reported, at its chunk
             with counted_failures(self, "on_control_arrived"):
                 keys.supply(idx, control)
+                if self._looks_up(idx):
+                    with contextlib.suppress(ValueError):  # kept for its index: the chunk reports it
+                        keys[idx]
                 keys.compute_rest_in_background()
+
+    def _looks_up(self, idx: int) -> bool:
+        """Whether chunk ``idx`` is looked up when it starts (`_restore_chunk`): the cursor sits
+        at depth ``idx - 1`` with children, or a shared index may know one."""
+        parent = self._cursor
+        return (self._ns is not None and parent is not None and parent.depth == idx - 1
+                and bool(parent.children or self.manager.index.active))
 
     def withdraw_control(self, idx: int) -> None:
         """Chunk ``idx``'s control, named ahead of the chunk, was not taken (a scheduler refused

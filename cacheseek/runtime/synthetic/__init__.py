@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from cacheseek.errors import ConfigError
+from cacheseek.kv import decoder_state, frames
 from cacheseek.registry import RUNTIMES
 from cacheseek.runtime.geometry import Geometry, get_geometry, validate_window
 from cacheseek.runtime.snapshot import snapshot_diff
@@ -121,6 +122,19 @@ class SyntheticRuntimeFactory:
     @property
     def geometry(self) -> Geometry:
         return self._geometry
+
+    def beside_chunk_bytes(self, decoder_state_every: int) -> dict[str, int]:
+        """What a store holds beside each chunk's KV (`sizing.need_for`) when sessions hand out
+        frames: the chunk's frames (float32 ``[c, 3, h, w]``) and, with ``decoder_state_every >
+        0``, the decoder's state (the last frame, ``[3, h, w]``); nothing without ``handout``."""
+        if not self.handout:
+            return {}
+        g, float32 = self._geometry, frames.DTYPES[2]
+        out = {"frames": frames.packed_nbytes(frames.FramesSpec((g.chunk_size, 3, g.latent_h, g.latent_w), float32))}
+        if decoder_state_every > 0:
+            spec = decoder_state.DecoderStateSpec([((3, g.latent_h, g.latent_w), float32)])
+            out["decoder state"] = decoder_state.packed_nbytes(spec)
+        return out
 
     def describe(self) -> dict[str, Any]:
         """What a report names: the runtime, its geometry and device."""

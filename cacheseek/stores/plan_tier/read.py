@@ -62,6 +62,7 @@ from cacheseek.plan.base import GetPlan, PlanClient
 from cacheseek.plan.table import decode_plan_table
 from cacheseek.stores.plan_tier.segments import Attached, TransferLink, ValueMemory, copy_now, nbytes
 from cacheseek.stores.plan_tier.stats import Counters, settle
+from cacheseek.transfer import host_out
 from cacheseek.transfer.batch import CopyBatch
 from cacheseek.transfer.lazy import LazyModule
 from cacheseek.transfer.memory import DeviceRanges, MemoryRange
@@ -436,10 +437,11 @@ class Reader:
                     key, f"[{src:#x}, +{size}) does not lie inside a segment mapping of the Plan client")
         return srcs
 
-    def _raw(self, src: int, size: int) -> bytes:
-        """The bytes of a value this store holds a view of (through the pool for device values)."""
+    def _raw(self, src: int, size: int) -> Any:
+        """The bytes of a value this store holds a view of, owned by the caller: ``bytes``, or for
+        a value in a CUDA pool a pinned uint8 CPU tensor (`host_out.from_device`)."""
         if self.values.on_device:  # published values were synchronized before their commit
-            return bytes(self.client.value_tensor(src, size).cpu().numpy())  # type: ignore[attr-defined]
+            return host_out.from_device(self.client.value_tensor(src, size))  # type: ignore[attr-defined]
         return ctypes.string_at(src, size)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
