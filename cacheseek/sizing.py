@@ -3,7 +3,8 @@
 A runtime's geometry and dtype fix the bytes of one chunk (``2 * n_layers`` KV values plus one
 latent); a workload says how many chunks it keeps cached at once (``cache_chunks``, e.g. the
 gate's A writes ``n`` chunks and C ``n - |P|`` more). Beside a chunk's KV a store also holds what
-the runtime stores with it (``beside_chunk_bytes() -> {what: bytes of one value}``, optional):
+the runtime stores with it (``beside_chunk_bytes() -> {what: bytes of one value}``, optional;
+``session_encode_bytes(session_chunks)``, optional: a session's stored encodes, counted once):
 its handed-out frames with every chunk, and the decoder's state after chunks ``N-1, 2N-1, ...``
 (``manager.decoder_state_every=N``; the chunks at those depths among the workload's
 ``cache_chunk_depths``, else one in N). Together they are a `CacheNeed`; ``auto`` counts both, so
@@ -146,6 +147,11 @@ def need_for(runtime_factory: Any, workload: Any, decoder_state_every: int = 0) 
     beside_fn = getattr(runtime_factory, "beside_chunk_bytes", None)
     beside = dict(beside_fn(decoder_state_every)) if beside_fn is not None else {}
     counts = {"frames": chunks, "decoder state": _resume_points(workload, chunks, decoder_state_every)}
+    encodes_fn = getattr(runtime_factory, "session_encode_bytes", None)
+    if encodes_fn is not None:  # the workloads run one prompt and one image: one session's encodes
+        depths = getattr(workload, "cache_chunk_depths", None)
+        beside["session's encodes"] = encodes_fn(max(depths) + 1 if depths else chunks)
+        counts["session's encodes"] = 1
     stored = tuple((what, int(nbytes), counts[what]) for what, nbytes in beside.items() if nbytes and counts[what])
     return CacheNeed(values=values, chunks=chunks, geometry=geometry.name, dtype=dtype, why=why, beside=stored)
 

@@ -50,6 +50,7 @@ from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.integrations.telefuser import TeleFuserLayout, attach, plan_controls
 from cacheseek.integrations.telefuser.tiny import PARTS, TinyDiTSpec, build_tiny_pipeline, rope_head_dim_problem
 from cacheseek.integrations.telefuser.wan_parts import feature_cache_bytes
+from cacheseek.kv import encode as encode_value
 from cacheseek.kv import frames as frames_value
 from cacheseek.registry import RUNTIMES
 from cacheseek.runtime.geometry import Geometry, check_cpu_memory, no_cuda_error, validate_window
@@ -238,6 +239,16 @@ class TeleFuserRuntimeFactory:
                 self._vae_cache_bytes = feature_cache_bytes(self._pipeline.vae.vae, height=self.height, width=self.width)
             out["decoder state"] = self._vae_cache_bytes + self.DECODER_STATE_HEADROOM
         return out
+
+    def session_encode_bytes(self, session_chunks: int) -> int:
+        """At most the bytes of one session's stored encodes (`sizing.need_for`): the prompt
+        embedding ``[512, text_dim]`` and the condition video's mask and latents ``[4 + C,
+        c * session_chunks, h, w]`` of the latent geometry, each counted as float32 (the bound
+        of their dtypes) with its value head."""
+        g = self._geometry
+        prompt = 512 * self._text_dim * 4
+        condition = (4 + g.latent_channels) * g.chunk_size * int(session_chunks) * g.latent_h * g.latent_w * 4
+        return prompt + condition + 2 * encode_value.HEAD_NBYTES
 
     @property
     def layout_name(self) -> str:

@@ -40,6 +40,7 @@ def _chunk_nodes(stack, binding):
 def test_auto_sized_hbm_hands_out_every_chunk_after_the_gate(stack):
     (sized,) = [n for n in stack.notes if n.startswith("store.capacity_bytes=auto")]
     assert "beside them 4 frames of" in sized  # the gate keeps 4 chunks, each with its frames
+    assert "1 session's encodes of" in sized  # and its session's prompt and condition encodes, stored once
     gate = stack.workload
     res = gate.run(stack)
     assert res["passed"], res["verdicts"]
