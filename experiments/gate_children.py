@@ -7,6 +7,8 @@
   results written after each child (a run that runs out of time leaves the others);
 - `child_stack`: a child's stack: the ``lingbot_world_14b`` experiment on ``cfg.device`` with the
   store's overrides, the runtime's and ``extra``, no ring check; the CPU's threads set;
+- `built`: a child's stack made ready (the pipeline built, the store's warm-up waited for) and
+  what its results record of that;
 - `device_sync`: the device's synchronize (nothing on a CPU);
 - `nocache_run`: a session without a cache, timed as the gate times a request (its generate,
   after its runtime is made, synchronized);
@@ -34,7 +36,7 @@ from typing import Any, Iterator
 
 from benchlib import REPO, write_json
 
-__all__ = ["run_children", "child_stack", "device_sync", "nocache_run", "plain", "entry", "profiled"]
+__all__ = ["run_children", "child_stack", "built", "device_sync", "nocache_run", "plain", "entry", "profiled"]
 
 
 def run_children(script: Path, names: Sequence[str], argv: Sequence[str], cfg: Any, out_dir: Path,
@@ -82,6 +84,14 @@ def child_stack(cfg: Any, store: str, out_dir: Path, run_name: str, extra: Seque
         torch.set_num_threads(int(cfg.cpu_threads))
     stack = build_stack(hcfg, run_dir=out_dir / f"run_{run_name}", note=lambda line: print(f"  {line}", flush=True))
     return stack, overrides
+
+
+def built(stack: Any, t0: float) -> dict:
+    """Build the pipeline and wait for the store's warm-up; ``{"build_s"`` (since ``t0``),
+    ``"runtime"`` (what the factory describes)``}``."""
+    stack.runtime_factory.pipeline
+    stack.store.wait_ready(None)
+    return {"build_s": time.perf_counter() - t0, "runtime": stack.runtime_factory.describe()}
 
 
 def device_sync(device: str) -> Callable[[], None]:

@@ -48,7 +48,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from benchlib import REPO, compose, env_info, git_state, write_json  # noqa: E402
-from gate_children import child_stack, device_sync, entry, nocache_run, plain, profiled, run_children  # noqa: E402
+from gate_children import built, child_stack, device_sync, entry, nocache_run, plain, profiled, run_children  # noqa: E402
 
 REQUESTS = ("A", "B", "C", "D")
 TARGETS = {"B_ratio": 0.03, "C_ratio": 0.40, "live_restored_ms": 15.0, "ttff_ms": 60.0, "first_computed_ratio": 1.3,
@@ -105,12 +105,7 @@ def run_one(name: str, argv: list[str]) -> None:
     row: dict[str, Any] = {"store": store, "decoder_state_every": every, "overrides": overrides}
     try:
         factory, gate = stack.runtime_factory, stack.workload
-        factory.pipeline
-        wait_ready = getattr(stack.store, "wait_ready", None)
-        if wait_ready is not None:
-            wait_ready(None)
-        row["build_s"] = time.perf_counter() - t0
-        row["runtime"] = factory.describe()
+        row.update(built(stack, t0))
         print(f"  built in {row['build_s']:.1f} s: {row['runtime']['model']}, decoder_state_every={every}", flush=True)
         px = gate.P + gate.X
 

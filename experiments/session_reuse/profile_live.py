@@ -46,7 +46,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from benchlib import REPO, compose, env_info, git_state, write_json  # noqa: E402
-from gate_children import child_stack, device_sync, entry, nocache_run, plain, run_children  # noqa: E402
+from gate_children import built, child_stack, device_sync, entry, nocache_run, plain, run_children  # noqa: E402
 
 READS = 20
 IMAGE_THREADS = (1, 2, 4, 8, 12)  # the hand-out's image threads, measured straight (`_reads`)
@@ -103,12 +103,7 @@ def run_one(store: str, argv: list[str]) -> None:
     row: dict[str, Any] = {"store": store, "overrides": overrides}
     try:
         factory, gate = stack.runtime_factory, stack.workload
-        factory.pipeline
-        wait_ready = getattr(stack.store, "wait_ready", None)
-        if wait_ready is not None:
-            wait_ready(None)
-        row["build_s"] = time.perf_counter() - t0
-        row["runtime"] = factory.describe()
+        row.update(built(stack, t0))
         actions = gate.P + gate.X
         nocache_run(factory, actions[:1], "warm-up (1 chunk, no cache)", sync)
         manager = stack.new_manager()
