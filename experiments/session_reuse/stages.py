@@ -43,6 +43,7 @@ STAGES = {
     "materialize": "cacheseek.reuse.exact_prefix.telefuser_lingbot:LingBotWorldKVBinding.materialize",
     "decoder_replay": "cacheseek.integrations.telefuser.handout:prepare",
     "decoder_state_read": "cacheseek.reuse.exact_prefix.decoder_states:ChunkDecoderStates.read",
+    "decoder_catch_up": "cacheseek.reuse.exact_prefix.decoder_states:LateState.catch_up",
     "decoder_state_write": "cacheseek.reuse.exact_prefix.decoder_states:ChunkDecoderStates.write",
     "control_build": "cacheseek.runtime.telefuser:TeleFuserRuntimeFactory.chunk_override",
     "decode": "telefuser.pipelines.lingbot_world_fast.pipeline:LingBotWorldFastPipeline.decode_video_cached",
