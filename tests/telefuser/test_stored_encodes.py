@@ -261,3 +261,17 @@ def test_encoder_weights_written_in_place_make_a_new_key(factory, cold):
         with torch.no_grad():
             param.copy_(saved)
         kept.clear()
+
+
+def test_managers_on_one_store_write_the_encodes_once(factory, tmp_path):
+    """A session's binding gets a manager of its own (`Stack.new_binding`); the encodes one of
+    them stored are known to the next on the same store, which does not write them again."""
+    store = InMemoryTierStore()
+    forest = NamespaceForest()
+    first = WorldKVManager(forest, store, make_full_kv_config())
+    _session(factory, first)
+    second = WorldKVManager(forest, store, make_full_kv_config(), metrics=first.metrics)
+    _session(factory, second)
+    m = first.metrics.as_dict()
+    assert m["encodes_written"] == 2 and m["encodes_dropped"] == 0
+    store.close()

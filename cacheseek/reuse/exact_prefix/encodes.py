@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -51,6 +52,32 @@ __all__ = ["StoredEncodes", "SessionEncodes", "is_encode_locator"]
 _PENDING = 8  # encodes a session keeps for its write (two per session; more: a reused binding)
 
 
+class _EncodeBook:
+    """What a process knows of the encodes in one store: its readers, the keys to free after
+    them, the namespaces that used each key and the keys it stored or loaded. Shared by every
+    manager on that store (a session's binding makes its own manager: a book per manager would
+    store the same encodes again each session and free one under another manager's reader)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.readers: dict[bytes, int] = {}
+        self.doomed: set[bytes] = set()
+        self.users: dict[bytes, set[bytes]] = {}
+        self.held: set[bytes] = set()
+
+
+_BOOKS: "weakref.WeakKeyDictionary[Any, _EncodeBook]" = weakref.WeakKeyDictionary()
+_BOOKS_LOCK = threading.Lock()
+
+
+def _book_of(store: Any) -> _EncodeBook:
+    with _BOOKS_LOCK:
+        book = _BOOKS.get(store)
+        if book is None:
+            book = _BOOKS[store] = _EncodeBook()
+        return book
+
+
 def is_encode_locator(key: str) -> bool:
     """Whether ``key`` is an encode's head or body (reconcile keeps them)."""
     return key.endswith((":enc", ":encb"))
@@ -61,11 +88,12 @@ class StoredEncodes:
 
     def __init__(self, ctx: "WorldKVManager") -> None:
         self.ctx = ctx
-        self._lock = threading.Lock()
-        self._readers: dict[bytes, int] = {}
-        self._doomed: set[bytes] = set()
-        self._users: dict[bytes, set[bytes]] = {}  # encode key -> namespace roots that used it
-        self._held: set[bytes] = set()  # keys this process stored or loaded (and has not freed)
+        book = _book_of(ctx.store)  # one per store in a process: every manager on it sees the same
+        self._lock = book.lock
+        self._readers: dict[bytes, int] = book.readers
+        self._doomed: set[bytes] = book.doomed
+        self._users: dict[bytes, set[bytes]] = book.users  # encode key -> namespace roots that used it
+        self._held: set[bytes] = book.held  # keys this process stored or loaded (and has not freed)
 
     def holds(self, key: bytes) -> bool:
         """Whether this process stored or loaded ``key`` and has not freed it since."""
