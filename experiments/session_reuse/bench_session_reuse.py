@@ -8,7 +8,9 @@ bf16 weights on the GPU, real Wan VAE and umT5), 480x832:
 1. builds the stack; one warm-up chunk without a cache;
 2. P+X without a cache (``nocache_before``), the gate (A cold + write, B full hit, C 2/3 hit, D cold
    fork; no ring check), P+X without a cache again (``nocache_after``): each request's ratio is
-   against the mean of the two, timed as the gate times a request;
+   against the mean of the two, timed as the gate times a request; then (``write_pairs``) what
+   writing costs a cold session, paired: new actions run cold without writing and cold writing,
+   in alternating order (`_write_pairs`);
 3. B again with each stage timed (synchronized; ``b_stages``): TeleFuser's prompt and condition
    encodes in ``create_runtime``, CacheSeek's creation hook, each chunk's frames read and hand-out;
    then B as a fresh worker's first session (``b_fresh_worker``: the process's keep of encodes
@@ -132,6 +134,8 @@ def run_one(name: str, argv: list[str]) -> None:
               f"{g['decoder_replays']} chunks replayed; frames {g['frames_written']} stored, "
               f"{g['frames_dropped']} dropped", flush=True)
 
+        if full and int(cfg.write_pairs):
+            row["write_pairs"] = _write_pairs(stack, gate, int(cfg.write_pairs))
         if full:
             with stage_timers(sync) as stages, profiled(out_dir, f"{name}.B2"):  # B again, each stage synchronized
                 again = gate._request(stack, "B2", px, "P+X")
@@ -207,6 +211,38 @@ def _fresh_worker_b(stack: Any, factory: Any, gate: Any, px: list, sync: Any) ->
           + f"; at attach, once per worker: fingerprints umT5 {out['fingerprint_text_encoder_s'] * 1e3:.1f} ms, "
           f"VAE {out['fingerprint_vae_s'] * 1e3:.1f} ms", flush=True)
     return out
+
+
+def _write_pairs(stack: Any, gate: Any, pairs: int) -> dict:
+    """What writing costs a cold session, paired: for each of ``pairs`` fresh action lists (no
+    chunk of them cached), the session twice through the same binding path, once cold without
+    writing (a fresh trie, no ingest: the gate's D) and once cold and writing into the shared cache
+    (the gate's A), in alternating order so that a drift of the device's speed over the process
+    favours neither. Both load the session's encodes from the store (the gate's A stored them), so
+    the pair differs only in the chunks' KV, frames and decoder states written. The gate's own A
+    also pays the process's first writes and its encodes computed."""
+    import random
+
+    from cacheseek.reuse.exact_prefix import NamespaceForest
+
+    rows = []
+    for i in range(pairs):
+        rng = random.Random(9001 + i)
+        actions = [[round(rng.uniform(-1, 1), 4) for _ in range(len(gate.P[0]))] for _ in range(gate.n)]
+        walls = {}
+        for kind in (("cold", "write") if i % 2 == 0 else ("write", "cold")):
+            extra = ({"manager": stack.new_manager(forest=NamespaceForest(), shared_index=False), "ingest": False}
+                     if kind == "cold" else {})
+            req = gate._request(stack, f"{kind}{i}", actions, f"Z{i}", **extra)
+            if req.hit_depth:
+                raise SystemExit(f"write pair {i}: the {kind} session hit {req.hit_depth} chunks; its actions must be new")
+            walls[kind] = req.wall_s
+        rows.append({"pair": i, "first": "cold" if i % 2 == 0 else "write", "cold_s": walls["cold"],
+                     "write_s": walls["write"], "ratio": walls["write"] / walls["cold"]})
+        print(f"  write pair {i}: cold without writing {walls['cold']:.3f} s, cold writing {walls['write']:.3f} s "
+              f"({rows[-1]['ratio']:.4f}x)", flush=True)
+    ratios = [r["ratio"] for r in rows]
+    return {"rows": rows, "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios)}
 
 
 def _ms(seconds: Any) -> str:
@@ -362,6 +398,7 @@ def _summary(r: dict) -> dict:
     out["first_computed_ratios"] = {x["k"]: x["ratio"] for x in sw}
     for key in ("bytes_beyond_kv", "frames_beyond_kv", "decoder_state_beyond_kv"):
         out[key] = r.get(key)
+    out["write_pairs"] = r.get("write_pairs")
     return out
 
 
@@ -430,6 +467,16 @@ def _markdown(results: dict) -> str:
                   "process. A live restored chunk: `generate_next_chunk` as attached (the control's key, the lookup, "
                   "the frames read and checked, the images), then with TeleFuser's build of the control before it "
                   "(as its service calls both), then the session's whole chunk (with this bench's frame hash)."]
+    for run, s in results.get("summary", {}).items():
+        wp = s.get("write_pairs")
+        if wp:
+            lines += ["", f"## What writing costs a cold session ({run}, paired, alternating order)", "",
+                      "| pair | first | cold, not writing s | cold, writing s | ratio |", "| ---: | --- | ---: | ---: | ---: |"]
+            lines += [f"| {x['pair']} | {x['first']} | {x['cold_s']:.3f} | {x['write_s']:.3f} | {x['ratio']:.4f}x |"
+                      for x in wp["rows"]]
+            lines += ["", f"Median {wp['median_ratio']:.4f}x (range {wp['min_ratio']:.4f}-{wp['max_ratio']:.4f}x). Both "
+                      "sessions of a pair run through the same binding on new actions and load the session's encodes "
+                      "from the store; only the writes of the chunks' KV, frames and decoder states differ."]
     table = results.get("decoder_state_table") or {}
     if table:
         lines += ["", "## The decoder's state: stored every N chunks against rebuilt (replayed) at divergence", "",
