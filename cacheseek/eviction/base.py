@@ -37,13 +37,7 @@ import attrs
 
 from cacheseek.errors import ConfigError
 
-__all__ = [
-    "StoreUsage",
-    "EvictionConfig",
-    "Candidate",
-    "EvictionPolicy",
-    "store_usage",
-]
+__all__ = ["StoreUsage", "EvictionConfig", "Candidate", "EvictionPolicy", "store_usage"]
 
 
 @attrs.frozen(slots=True)

@@ -65,33 +65,14 @@ from cacheseek.fluxon.native_store import shut_native_store
 from cacheseek.fluxon.records import EtcdRecords
 from cacheseek.fluxon.results import Miss, unwrap
 from cacheseek.fluxon.segment import SegmentMapping, file_generation, mappings_of, zero_copy_mapping
-from cacheseek.fluxon.values import (
-    META_FIELD,
-    VALUE_FIELD,
-    ValueView,
-    buffer_address,
-    check_address,
-    slot_bytes,
-    too_large_text,
-    writable_u8,
-)
+from cacheseek.fluxon.values import (META_FIELD, VALUE_FIELD, ValueView, buffer_address, check_address, slot_bytes,
+                                     too_large_text, writable_u8)
 from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "FluxonClient",
-    "ValueView",
-    "SegmentMapping",
-    "FluxonUnavailableError",
-    "FluxonValueTooLargeError",
-    "FluxonImportError",
-    "fluxon_runtime_info",
-    "VALUE_FIELD",
-    "META_FIELD",
-    "MAX_STUCK_CALLS",
-    "slot_bytes",
-]
+__all__ = ["FluxonClient", "ValueView", "SegmentMapping", "FluxonUnavailableError", "FluxonValueTooLargeError",
+           "FluxonImportError", "fluxon_runtime_info", "VALUE_FIELD", "META_FIELD", "MAX_STUCK_CALLS", "slot_bytes"]
 
 T = TypeVar("T")
 

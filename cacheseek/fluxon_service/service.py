@@ -74,13 +74,8 @@ from typing import Any, Optional, Union
 from cacheseek.errors import ConfigError
 from cacheseek.fluxon_service.children import Children, free_ports
 from cacheseek.fluxon.endpoint import FluxonEndpoint
-from cacheseek.fluxon.config import (
-    DEFAULT_CLUSTER_NAME,
-    DEFAULT_SHARE_MEM_PATH,
-    SEGMENT_ALIGN,
-    master_config,
-    owner_config,
-)
+from cacheseek.fluxon.config import (DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH, SEGMENT_ALIGN, master_config,
+                                     owner_config)
 from cacheseek.fluxon.errors import FluxonServiceError
 from cacheseek.fluxon.etcd import etcd_command, etcd_healthy, resolve_etcd_binary
 from cacheseek.fluxon.loader import fluxon_py_problem

@@ -51,23 +51,9 @@ import attrs
 
 from cacheseek.errors import HandleStateError
 
-__all__ = [
-    "SegmentMapping",
-    "PutCommitResult",
-    "PutPlanState",
-    "GetPlanState",
-    "PutPlan",
-    "GetPlan",
-    "PlanClient",
-    "PlanClientInfo",
-    "PlanSharedRecords",
-    "PlanValueLengths",
-    "PlanSegmentPieces",
-    "PlanUsage",
-    "SegmentTimers",
-    "PLAN_OK",
-    "REQUIRED_PLAN_CALLS",
-]
+__all__ = ["SegmentMapping", "PutCommitResult", "PutPlanState", "GetPlanState", "PutPlan", "GetPlan", "PlanClient",
+           "PlanClientInfo", "PlanSharedRecords", "PlanValueLengths", "PlanSegmentPieces", "PlanUsage",
+           "SegmentTimers", "PLAN_OK", "REQUIRED_PLAN_CALLS"]
 
 PLAN_OK = 0
 

@@ -72,13 +72,7 @@ from typing import Any, Optional
 
 
 from cacheseek.codecs.tier import TierCodec
-from cacheseek.errors import (
-    CorruptValueError,
-    StoreClosedError,
-    StoreError,
-    StoreTimeoutError,
-    WriteNotCompleteError,
-)
+from cacheseek.errors import CorruptValueError, StoreClosedError, StoreError, StoreTimeoutError, WriteNotCompleteError
 from cacheseek.eviction.base import StoreUsage
 from cacheseek.kv.handles import BlobHandle, Tier, kv_pairs
 from cacheseek.kv.locators import blob_keys, layer_keys, node_key_of, object_key

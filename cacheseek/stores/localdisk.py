@@ -86,15 +86,7 @@ from cacheseek.registry import STORES
 from cacheseek.stores.root_files import NotRegularError, RootFolder
 from cacheseek.sizes import AUTO, Size, disk_total_bytes, free_bytes
 from cacheseek.sizing import SizeField
-from cacheseek.stores.disk_names import (
-    TEMP_GRACE_S,
-    decode_key,
-    encode_key,
-    key_in,
-    place,
-    temp_name,
-    writer_gone,
-)
+from cacheseek.stores.disk_names import TEMP_GRACE_S, decode_key, encode_key, key_in, place, temp_name, writer_gone
 from cacheseek.stores import disk_values
 from cacheseek.stores.disk_records import DiskRecords
 from cacheseek.stores.disk_values import MAGIC

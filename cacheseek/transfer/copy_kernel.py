@@ -36,17 +36,8 @@ from cacheseek.transfer.lazy import LazyModule
 
 np = LazyModule("numpy")
 
-__all__ = [
-    "MAX_RANGES",
-    "TILE_BYTES",
-    "PARAM_BYTES",
-    "RangeTable",
-    "RangeKernel",
-    "aligned",
-    "range_tables",
-    "CudaRangeKernel",
-    "KernelShape",
-]
+__all__ = ["MAX_RANGES", "TILE_BYTES", "PARAM_BYTES", "RangeTable", "RangeKernel", "aligned", "range_tables",
+           "CudaRangeKernel", "KernelShape"]
 
 MAX_RANGES = 1024
 TILE_SHIFT = 16

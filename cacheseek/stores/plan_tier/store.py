@@ -45,13 +45,8 @@ from cacheseek.sizing import SizeField
 from cacheseek.stores.base import PathReadStore
 from cacheseek.stores.plan_tier.capacity import SegmentCapacity, StagingSlots
 from cacheseek.stores.plan_tier.read import Reader
-from cacheseek.stores.plan_tier.segments import (
-    ClientOptions,
-    TransferLink,
-    build_client,
-    client_records,
-    client_size_fields,
-)
+from cacheseek.stores.plan_tier.segments import (ClientOptions, TransferLink, build_client, client_records,
+                                                 client_size_fields)
 from cacheseek.stores.plan_tier.stats import Counters, PlanTierStats, collect
 from cacheseek.stores.plan_tier.warmup import Warmup, WarmupOptions
 from cacheseek.stores.plan_tier.write import Completion, Writer

@@ -51,15 +51,8 @@ from cacheseek.registry import STORES
 from cacheseek.stores.base import PathReadStore, RestoreTarget
 from cacheseek.stores.startup import StartToken, combine
 from cacheseek.stores.tiered import demotion, read, write
-from cacheseek.stores.tiered.levels import (
-    build_stores,
-    close_levels,
-    codec_id,
-    level_keywords,
-    make_levels,
-    shared_transfer,
-    storage_format,
-)
+from cacheseek.stores.tiered.levels import (build_stores, close_levels, codec_id, level_keywords, make_levels,
+                                            shared_transfer, storage_format)
 from cacheseek.stores.tiered.records import TieredRecords
 from cacheseek.stores.tiered.residency import Residency, TieredHandle, free_blob, free_latent
 from cacheseek.stores.tiered.stats import TieredStats, TierUsage, tier_usages, tiered_stats
