@@ -142,10 +142,6 @@ class DiskBackend:
         """`shard_files` of every shard (unbounded: the store bounds each shard's listing)."""
         return [f for shard in self.folder.shard_names() for f in self.shard_files(shard)]
 
-    def _stored(self) -> list[tuple[str, int]]:
-        """``(key, file size)`` of every value file."""
-        return [(key, size) for key, size, _ in self.listing()]
-
     # -- ValueBackend -------------------------------------------------------------------------
 
     def write(self, key: str, value: Any) -> str:
@@ -269,7 +265,7 @@ class DiskBackend:
 
     def key_sizes(self) -> dict[str, int]:
         """Every stored key with its file size (bytes on disk, header included)."""
-        return dict(self._stored())
+        return {key: size for key, size, _ in self.listing()}
 
     def free_bytes(self) -> Optional[int]:
         """Bytes free on the file system under root (None when unknown)."""
