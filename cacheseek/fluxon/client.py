@@ -126,7 +126,6 @@ class FluxonClient:
         self._attach(key_index)
 
     # -- attach ---------------------------------------------------------------------------------
-
     @property
     def segment_dir(self) -> Path:
         return self.endpoint.segment_dir
@@ -156,7 +155,6 @@ class FluxonClient:
                  self.segment_dir, time.monotonic() - t0)
 
     # -- bounded calls --------------------------------------------------------------------------
-
     def _run(self, op: str, key: Optional[str], fn: Callable[[], T], timeout: Optional[float] = None,
              *, ptr_note: bool = False) -> T:
         """Run ``fn`` on a daemon thread; wait at most ``timeout`` (default op_timeout_s)."""
@@ -173,7 +171,6 @@ class FluxonClient:
             raise FluxonValueTooLargeError(too_large_text(key, nbytes, self.segment_bytes))
 
     # -- writes ---------------------------------------------------------------------------------
-
     def put_bytes(self, key: str, data: Any, *, meta: bytes = b"") -> None:
         """Store ``data`` (bytes, bytearray or a contiguous memoryview) under ``key`` (overwrites).
         One copy: Fluxon copies from ``data`` into the segment."""
@@ -213,7 +210,6 @@ class FluxonClient:
             raise
 
     # -- reads ----------------------------------------------------------------------------------
-
     def _hold(self, key: str) -> Optional[ValueView]:
         """On a call thread: get and hold ``key``'s value as a view this client does not track
         yet, or None on a miss."""
@@ -306,7 +302,6 @@ class FluxonClient:
         return self._index.list_keys(prefix, self.count_prefix, self.exists)
 
     # -- the shared index -----------------------------------------------------------------------
-
     @property
     def records(self) -> ChunkRecords:
         """The cluster's chunk records (`EtcdRecords`, in the service's etcd): what every worker
@@ -314,7 +309,6 @@ class FluxonClient:
         return self._records if self._records is not None else NO_RECORDS
 
     # -- the segment ----------------------------------------------------------------------------
-
     def segment_mappings(self) -> list[SegmentMapping]:
         """Every mapping of the owner's segment file in this process, in address order. 0.2.4
         maps it twice: read-only (``r--s``, where DLPack views point) and read-write (``rw-s``,
@@ -334,7 +328,6 @@ class FluxonClient:
         return file_generation(self.segment_dir / "mmap.file")
 
     # -- lifetime -------------------------------------------------------------------------------
-
     @property
     def closed(self) -> bool:
         return self._calls.closed
@@ -365,7 +358,6 @@ class FluxonClient:
         self.close()
 
     # -- internals ------------------------------------------------------------------------------
-
     def _check_open(self) -> None:
         if self._calls.closed:
             raise StoreClosedError(f"the Fluxon client {self.instance_key} is closed")

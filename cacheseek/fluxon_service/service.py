@@ -187,7 +187,6 @@ class FluxonService:
         self.ready_seconds: Optional[float] = None
 
     # -- what clients need ----------------------------------------------------------------------
-
     @property
     def cluster_name(self) -> str:
         return self.endpoint.cluster_name
@@ -271,7 +270,6 @@ class FluxonService:
         }
 
     # -- lifecycle ------------------------------------------------------------------------------
-
     def __enter__(self) -> "FluxonService":
         return self.start()
 
@@ -349,7 +347,6 @@ class FluxonService:
         return self._children.log_tails(lines)
 
     # -- internals ------------------------------------------------------------------------------
-
     def _prepare_dirs(self) -> None:
         import fcntl
 

@@ -166,7 +166,6 @@ class KeyValueTier(TierStore):
         return [SizeField("capacity_bytes", "capacity", room=available_memory(), total=total_memory())]
 
     # -- writes -------------------------------------------------------------------------------
-
     def put_async(
         self,
         locator: str,
@@ -265,7 +264,6 @@ class KeyValueTier(TierStore):
                 self.pending.done()
 
     # -- accounting ---------------------------------------------------------------------------
-
     def _reserve(self, sizes: list[tuple[str, int]]) -> dict[str, Optional[int]]:
         """Under ``_lock``: `ValueLedger.reserve`, the refusal naming this tier and its fix."""
         return self.ledger.reserve(sizes, name=self.name, fix=self.capacity_fix)
@@ -287,7 +285,6 @@ class KeyValueTier(TierStore):
             return self.ledger.usage(self.name, time.monotonic())
 
     # -- reads --------------------------------------------------------------------------------
-
     def get_skeleton(self, locator: str, like: Any = None, *, nbytes: Optional[int] = None) -> Any:
         """The small value under ``locator`` (a latent, a chunk's frames), or None. ``like`` and
         ``nbytes`` are for stores that read raw bytes by length (the Plan tier): a value here
@@ -329,7 +326,6 @@ class KeyValueTier(TierStore):
         return super().get_layers(requests)
 
     # -- lifetime -----------------------------------------------------------------------------
-
     def free(self, handle: BlobHandle) -> None:
         self._check_open()
         if handle.in_flight:

@@ -117,7 +117,6 @@ class DiskBackend:
         self._close_lock = threading.Lock()
 
     # -- paths --------------------------------------------------------------------------------
-
     def path_of(self, key: str) -> Path:
         """Where ``key``'s file is (for messages and tests; every access goes through `RootFolder`)."""
         shard, name = place(key)
@@ -143,7 +142,6 @@ class DiskBackend:
         return [f for shard in self.folder.shard_names() for f in self.shard_files(shard)]
 
     # -- ValueBackend -------------------------------------------------------------------------
-
     def write(self, key: str, value: Any) -> str:
         """Write ``key``'s file atomically (replacing one that is there); the value's checksum."""
         return self._put(key, value, replace=True)[1]
@@ -288,7 +286,6 @@ class DiskBackend:
             self.folder.close()
 
     # -- opening ------------------------------------------------------------------------------
-
     def open(self) -> None:
         """Create or check the root, probe it, take its lock, refuse planted shards (`RootFolder`;
         the store's first listing sweeps stale temp files). ConfigError naming ``store.root`` on

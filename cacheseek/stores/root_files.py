@@ -174,7 +174,6 @@ class RootFolder:
             self.fd = None
 
     # -- shards ---------------------------------------------------------------------------------
-
     @contextlib.contextmanager
     def shard(self, name: str, *, create: bool = False) -> Iterator[Optional[int]]:
         """The shard folder ``name``'s descriptor (None: absent and not created). A link or a
@@ -210,7 +209,6 @@ class RootFolder:
         return [(name, size) for name, size, _ in self.files_aged(shard_fd)]
 
     # -- files ----------------------------------------------------------------------------------
-
     @staticmethod
     def open_file(shard_fd: int, name: str) -> Optional[int]:
         """A read descriptor of regular file ``name`` (None: absent); a link, FIFO, folder or
