@@ -108,9 +108,7 @@ class EmbeddedPlanClient(InProcessPlanClient):
         if alignment & (alignment - 1):
             raise ConfigError("store.alignment", f"must be a power of two, got {alignment}")
         if backing not in BACKINGS:
-            raise ConfigError(
-                "store.backing", f"unknown backing {backing!r}", f"use one of: {', '.join(BACKINGS)}"
-            )
+            raise ConfigError("store.backing", f"unknown backing {backing!r}", f"use one of: {', '.join(BACKINGS)}")
         super().__init__()
         self.segment_bytes = -(-segment_bytes // alignment) * alignment
         self.prefault_threads = prefault_threads

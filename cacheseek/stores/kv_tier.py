@@ -166,14 +166,8 @@ class KeyValueTier(TierStore):
         return [SizeField("capacity_bytes", "capacity", room=available_memory(), total=total_memory())]
 
     # -- writes -------------------------------------------------------------------------------
-    def put_async(
-        self,
-        locator: str,
-        payload: Sequence[Any],
-        *,
-        tier: Tier,
-        on_ready: Optional[Callable[[BlobHandle], None]] = None,
-    ) -> BlobHandle:
+    def put_async(self, locator: str, payload: Sequence[Any], *, tier: Tier,
+                  on_ready: Optional[Callable[[BlobHandle], None]] = None) -> BlobHandle:
         self._check_open()
         pairs = kv_pairs(payload)
         items: list[tuple[str, Any]] = []

@@ -177,9 +177,7 @@ class CudaTransferRuntime(TransferRuntimeBase):
         if err == self._already:
             return False, not mapping.writable
         if mapping.writable:
-            raise RegistrationError(
-                f"cudaHostRegister of writable mapping {mapping} failed: {self._name(err)}"
-            )
+            raise RegistrationError(f"cudaHostRegister of writable mapping {mapping} failed: {self._name(err)}")
         (err_ro,) = rt.cudaHostRegister(mapping.ptr, mapping.length, rt.cudaHostRegisterReadOnly)[:1]
         if err_ro == self._ok:
             return True, True
@@ -195,9 +193,7 @@ class CudaTransferRuntime(TransferRuntimeBase):
         (err,) = self._rt.cudaHostUnregister(registration.mapping.ptr)[:1]
         if err != self._ok:
             self._clear_last_error()
-            raise RegistrationError(
-                f"cudaHostUnregister of {registration.mapping} failed: {self._name(err)}"
-            )
+            raise RegistrationError(f"cudaHostUnregister of {registration.mapping} failed: {self._name(err)}")
 
     def _is_device_memory(self, ptr: int, nbytes: int) -> bool:
         device = None

@@ -129,17 +129,8 @@ class Counters:
             return dict(self._sums), dict(self._facts)
 
 
-def collect(
-    counters: Counters,
-    *,
-    usage: Any,
-    timers: Any,
-    pending_writes: int,
-    inflight_bytes: int,
-    peak_inflight_bytes: int,
-    staging_bytes: int,
-    transfer: dict[str, Any],
-) -> PlanTierStats:
+def collect(counters: Counters, *, usage: Any, timers: Any, pending_writes: int, inflight_bytes: int,
+            peak_inflight_bytes: int, staging_bytes: int, transfer: dict[str, Any]) -> PlanTierStats:
     """The snapshot: the counters, with the client's `PlanUsage` and `SegmentTimers` (either may
     be None), the write-back state now and the transfer runtime's own stats."""
     sums, facts = counters.snapshot()

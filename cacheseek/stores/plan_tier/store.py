@@ -227,15 +227,8 @@ class PlanTierStore(PathReadStore):
             raise self._warmup.refuse_write()
 
     # -- write ----------------------------------------------------------------------------------
-    def put_async(
-        self,
-        locator: str,
-        payload: Sequence[LayerPayload],
-        *,
-        tier: Tier,
-        on_ready: Optional[Callable[[BlobHandle], None]] = None,
-        stream: Any = None,
-    ) -> BlobHandle:
+    def put_async(self, locator: str, payload: Sequence[LayerPayload], *, tier: Tier,
+                  on_ready: Optional[Callable[[BlobHandle], None]] = None, stream: Any = None) -> BlobHandle:
         """Write one chunk's KV (per layer ``(k, v)`` views ``[1, chunk_tokens, H, D]``,
         contiguous, on the runtime device) under ``{locator}:L{i}:k/v``; ``stream``: where the
         views were produced (None: the current stream). The handle comes back ready, or PENDING

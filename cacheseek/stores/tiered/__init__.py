@@ -169,15 +169,8 @@ class TieredStore(PathReadStore):
         return self._book.pending_levels_of(handle)
 
     # -- writes ---------------------------------------------------------------------------------
-    def put_async(
-        self,
-        locator: str,
-        payload: Sequence[Any],
-        *,
-        tier: Tier = Tier.HBM_STAGING,
-        on_ready: Optional[Callable[[BlobHandle], None]] = None,
-        stream: Any = None,
-    ) -> BlobHandle:
+    def put_async(self, locator: str, payload: Sequence[Any], *, tier: Tier = Tier.HBM_STAGING,
+                  on_ready: Optional[Callable[[BlobHandle], None]] = None, stream: Any = None) -> BlobHandle:
         """`write.put_chunk`; the outer handle's ``tier`` is level 0's, whatever ``tier`` says."""
         self._check_open()
         self._book.reap()
