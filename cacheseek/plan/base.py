@@ -57,17 +57,8 @@ __all__ = ["SegmentMapping", "PutCommitResult", "PutPlanState", "GetPlanState", 
 
 PLAN_OK = 0
 
-REQUIRED_PLAN_CALLS = (
-    "wait_local_segments_ready",
-    "local_fast_put_start",
-    "local_fast_put_commit",
-    "put_abort",
-    "get_start",
-    "get_transfer",
-    "cancel_get_transfer",
-    "release_views",
-    "remove",
-)
+REQUIRED_PLAN_CALLS = ("wait_local_segments_ready", "local_fast_put_start", "local_fast_put_commit", "put_abort",
+                       "get_start", "get_transfer", "cancel_get_transfer", "release_views", "remove")
 
 
 def _positive(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:

@@ -193,10 +193,8 @@ class EmbeddedPlanClient(InProcessPlanClient):
     def _new_segment(self, prefault: bool) -> Any:
         """The value segment (``ptr``, ``length``, timers, ``close()``), pre-faulted or not; a
         subclass may back it with other memory (`DevicePlanClient`: the runtime device's)."""
-        return HostSegment(
-            self.segment_bytes, self.backing, self.shm_dir, self.prefault_threads,
-            prefault=prefault, hugepages=self.hugepages,
-        )
+        return HostSegment(self.segment_bytes, self.backing, self.shm_dir, self.prefault_threads, prefault=prefault,
+                           hugepages=self.hugepages)
 
     def recreate_segment(self) -> list[SegmentMapping]:
         """Drop every value and map a fresh segment with the next generation. Refused while a
@@ -313,10 +311,8 @@ class EmbeddedPlanClient(InProcessPlanClient):
             if self._closed:
                 return
             if self._live_puts or self._live_gets:
-                log.warning(
-                    "closing the embedded Plan store with %d put plans and %d get plans live",
-                    len(self._live_puts), len(self._live_gets),
-                )
+                log.warning("closing the embedded Plan store with %d put plans and %d get plans live",
+                            len(self._live_puts), len(self._live_gets))
             self._unmap()
             self._live_puts.clear()
             self._live_gets.clear()

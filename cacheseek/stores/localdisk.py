@@ -344,11 +344,8 @@ class LocalDiskTierStore(KeyValueTier):
     ) -> None:
         TierCodec(codec, codec_device)  # a bad codec is refused before the root is opened
         if root is None or (isinstance(root, str) and not root.strip()):
-            raise ConfigError(
-                "store.root",
-                "no folder given (the orchestrator fills it with <run folder>/kvstore)",
-                _ROOT_FIX,
-            )
+            raise ConfigError("store.root", "no folder given (the orchestrator fills it with <run folder>/kvstore)",
+                              _ROOT_FIX)
         if not isinstance(root, (str, os.PathLike)):
             raise ConfigError("store.root", f"must be a path, got {type(root).__name__}", _ROOT_FIX)
         if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:

@@ -389,10 +389,8 @@ class TransferLink:
         if wanted is None:
             wanted = can_async and getattr(transfer, "device_kind", "cpu") == "cuda"
         if wanted and not can_async:
-            raise ConfigError(
-                "store.overlap", f"{type(transfer).__name__} offers no streams and events",
-                "set store.overlap=false or use a transfer runtime with the AsyncTransfer capability",
-            )
+            raise ConfigError("store.overlap", f"{type(transfer).__name__} offers no streams and events",
+                              "set store.overlap=false or use a transfer runtime with the AsyncTransfer capability")
         self._counters.note(overlap=bool(wanted))
         streams = (transfer.new_stream(), transfer.new_stream()) if can_async else (None, None)  # type: ignore[attr-defined]
         self.attached = Attached(transfer, self.values, bool(wanted), *streams,
