@@ -176,18 +176,9 @@ class EmbeddedPlanClient(InProcessPlanClient):
         self._alloc = FirstFitAllocator(seg.length, self.alignment)
         self._generation += 1
         self._timers = self._segment_timers(seg)
-        log.info(
-            "embedded Plan segment: %d MiB %s, generation %d, mapped in %.3f s, "
-            "pre-faulted (%s, %d threads) in %.3f s, %d MiB in 2 MiB pages",
-            seg.length >> 20,
-            self.backing,
-            self._generation,
-            seg.map_seconds,
-            seg.fault_method,
-            seg.threads,
-            seg.fault_seconds,
-            max(seg.huge_bytes, 0) >> 20,
-        )
+        log.info("embedded Plan segment: %d MiB %s, generation %d, mapped in %.3f s, pre-faulted (%s, %d threads) "
+                 "in %.3f s, %d MiB in 2 MiB pages", seg.length >> 20, self.backing, self._generation, seg.map_seconds,
+                 seg.fault_method, seg.threads, seg.fault_seconds, max(seg.huge_bytes, 0) >> 20)
         return seg
 
     def _new_segment(self, prefault: bool) -> Any:
