@@ -275,7 +275,7 @@ class DiskBackend:
         for shard in self.folder.shard_names():
             with self.folder.shard(shard) as fd:
                 if fd is not None:
-                    total += sum(size for _, size in self.folder.files(fd))
+                    total += sum(size for _, size, _ in self.folder.files_aged(fd))
         return total
 
     def close(self) -> None:
