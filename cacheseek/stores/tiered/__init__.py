@@ -126,6 +126,12 @@ class TieredStore(PathReadStore):
         if self._closed:
             raise StoreClosedError("tiered store used after close()")
 
+    def _reaped(self) -> Residency:
+        """The residency book, once the store is checked open and the writes that ended are reaped."""
+        self._check_open()
+        self._book.reap()
+        return self._book
+
     # -- warm-up --------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
@@ -172,9 +178,7 @@ class TieredStore(PathReadStore):
     def put_async(self, locator: str, payload: Sequence[Any], *, tier: Tier = Tier.HBM_STAGING,
                   on_ready: Optional[Callable[[BlobHandle], None]] = None, stream: Any = None) -> BlobHandle:
         """`write.put_chunk`; the outer handle's ``tier`` is level 0's, whatever ``tier`` says."""
-        self._check_open()
-        self._book.reap()
-        return write.put_chunk(self._book, locator, payload, write_through=self.write_through,
+        return write.put_chunk(self._reaped(), locator, payload, write_through=self.write_through,
                                on_ready=on_ready, stream=stream)
 
     def put_skeleton(self, locator: str, latent: Any, *, stream: Any = None) -> None:
@@ -183,9 +187,7 @@ class TieredStore(PathReadStore):
 
     # -- reads ----------------------------------------------------------------------------------
     def read_path(self, path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget) -> bool:
-        self._check_open()
-        self._book.reap()
-        return read.read_path(self._book, path, window, target, promote=self.promote)
+        return read.read_path(self._reaped(), path, window, target, promote=self.promote)
 
     def served_tier(self) -> Optional[str]:
         """The level (its registry name) that served this thread's last `read_path`."""
@@ -210,15 +212,11 @@ class TieredStore(PathReadStore):
     # -- demotion -------------------------------------------------------------------------------
     def demote(self, handle: BlobHandle, level: int, *, make_room: Optional[demotion.MakeRoom] = None) -> bool:
         """`demotion.demote`."""
-        self._check_open()
-        self._book.reap()
-        return demotion.demote(self._book, handle, level, make_room)
+        return demotion.demote(self._reaped(), handle, level, make_room)
 
     def evict_copy(self, handle: BlobHandle, level: int) -> bool:
         """`demotion.evict_copy`."""
-        self._check_open()
-        self._book.reap()
-        return demotion.evict_copy(self._book, handle, level)
+        return demotion.evict_copy(self._reaped(), handle, level)
 
     # -- capacity -------------------------------------------------------------------------------
     def tier_usages(self) -> list[TierUsage]:
@@ -233,9 +231,7 @@ class TieredStore(PathReadStore):
 
     # -- lifetime -------------------------------------------------------------------------------
     def free(self, handle: BlobHandle) -> None:
-        self._check_open()
-        self._book.reap()
-        free_blob(self._book, handle)
+        free_blob(self._reaped(), handle)
 
     def free_skeleton(self, locator: str) -> None:
         self._check_open()
