@@ -247,8 +247,7 @@ class FluxonClient:
 
     def get_bytes(self, key: str) -> Optional[bytes]:
         """A private copy of ``key``'s payload, or None on a miss (the holder is released)."""
-        self._check_key(key)
-        got = self.get_with_meta(key)
+        got = self.get_with_meta(key)  # checks the key
         return None if got is None else got[1]
 
     def get_with_meta(self, key: str) -> Optional[tuple[bytes, bytes]]:
