@@ -27,7 +27,7 @@ from typing import Any
 from cacheseek.errors import ConfigError, StoreError
 from cacheseek.registry import CODECS
 
-__all__ = ["KVCodec", "NoneCodec", "get_codec", "codec_fingerprint", "codec_label"]
+__all__ = ["KVCodec", "NoneCodec", "get_codec", "codec_fingerprint"]
 
 ROLES = ("k", "v")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # what a codec encodes
@@ -91,7 +91,3 @@ def codec_fingerprint(store: Any) -> Any:
     tiered store's levels), ``none`` for stores that move raw bytes (Plan, HBM)."""
     return store.codec_id or KVCodec().fingerprint
 
-
-def codec_label(codec: KVCodec) -> dict[str, Any]:
-    """What results.json and the report say of a codec."""
-    return {"name": codec.name, "fingerprint": codec.fingerprint, "lossy": codec.lossy}

@@ -12,6 +12,7 @@ computed, so the gate reports a quality verdict instead of bit-exactness (``loss
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -32,14 +33,8 @@ def _matrix_shape(shape: list[int]) -> tuple[int, int]:
     at least three (BSHD), else the last one."""
     if not shape:
         return 1, 1
-    if len(shape) >= 3:
-        cols = shape[-2] * shape[-1]
-    else:
-        cols = shape[-1]
-    rows = 1
-    for d in shape[: len(shape) - (2 if len(shape) >= 3 else 1)]:
-        rows *= d
-    return rows, cols
+    split = len(shape) - (2 if len(shape) >= 3 else 1)
+    return math.prod(shape[:split]), math.prod(shape[split:])
 
 
 def _grouped(x: torch.Tensor, role: str, group: int) -> tuple[torch.Tensor, tuple[int, int]]:

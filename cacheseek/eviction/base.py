@@ -37,13 +37,7 @@ import attrs
 
 from cacheseek.errors import ConfigError
 
-__all__ = [
-    "StoreUsage",
-    "EvictionConfig",
-    "Candidate",
-    "EvictionPolicy",
-    "store_usage",
-]
+__all__ = ["StoreUsage", "EvictionConfig", "Candidate", "EvictionPolicy", "store_usage"]
 
 
 @attrs.frozen(slots=True)
@@ -71,12 +65,9 @@ def store_usage(store: Any) -> Optional[StoreUsage]:
         return None
     if u is None or isinstance(u, StoreUsage):
         return u
-    return StoreUsage(
-        used_bytes=int(u.used_bytes),
-        capacity_bytes=None if u.capacity_bytes is None else int(u.capacity_bytes),
-        peak_bytes=getattr(u, "peak_bytes", None),
-        n_values=getattr(u, "n_values", None),
-    )
+    return StoreUsage(used_bytes=int(u.used_bytes),
+                      capacity_bytes=None if u.capacity_bytes is None else int(u.capacity_bytes),
+                      peak_bytes=getattr(u, "peak_bytes", None), n_values=getattr(u, "n_values", None))
 
 
 def _fraction(name: str):
@@ -112,11 +103,9 @@ class EvictionConfig:
 
     def __attrs_post_init__(self) -> None:
         if self.low_watermark > self.high_watermark:
-            raise ConfigError(
-                "manager.eviction.low_watermark",
-                f"{self.low_watermark} is above high_watermark {self.high_watermark}",
-                "keep low_watermark <= high_watermark",
-            )
+            raise ConfigError("manager.eviction.low_watermark",
+                              f"{self.low_watermark} is above high_watermark {self.high_watermark}",
+                              "keep low_watermark <= high_watermark")
 
     @classmethod
     def from_conf(cls, node: Any) -> "EvictionConfig":
@@ -125,13 +114,9 @@ class EvictionConfig:
             return cls()
         get = node.get if hasattr(node, "get") else lambda k, d=None: getattr(node, k, d)
         d = cls()
-        return cls(
-            policy=str(get("policy", d.policy)),
-            high_watermark=get("high_watermark", d.high_watermark),
-            low_watermark=get("low_watermark", d.low_watermark),
-            enabled=bool(get("enabled", d.enabled)),
-            live_sessions=get("live_sessions", d.live_sessions),
-        )
+        return cls(policy=str(get("policy", d.policy)), high_watermark=get("high_watermark", d.high_watermark),
+                   low_watermark=get("low_watermark", d.low_watermark), enabled=bool(get("enabled", d.enabled)),
+                   live_sessions=get("live_sessions", d.live_sessions))
 
 
 @attrs.frozen(slots=True)

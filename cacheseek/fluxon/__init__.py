@@ -14,24 +14,11 @@ Importing this package costs nothing: fluxon-py (and numpy) are imported inside 
 
 from cacheseek.fluxon.client import FluxonClient
 from cacheseek.fluxon.endpoint import FluxonEndpoint
-from cacheseek.fluxon.errors import (
-    FluxonImportError,
-    FluxonServiceError,
-    FluxonUnavailableError,
-    FluxonValueTooLargeError,
-)
+from cacheseek.fluxon.errors import (FluxonImportError, FluxonServiceError, FluxonUnavailableError,
+                                     FluxonValueTooLargeError)
 from cacheseek.fluxon.loader import fluxon_runtime_info
 from cacheseek.fluxon.segment import SegmentMapping
 from cacheseek.fluxon.values import ValueView
 
-__all__ = [
-    "FluxonClient",
-    "FluxonEndpoint",
-    "FluxonImportError",
-    "FluxonServiceError",
-    "FluxonUnavailableError",
-    "FluxonValueTooLargeError",
-    "SegmentMapping",
-    "ValueView",
-    "fluxon_runtime_info",
-]
+__all__ = ["FluxonClient", "FluxonEndpoint", "FluxonImportError", "FluxonServiceError", "FluxonUnavailableError",
+           "FluxonValueTooLargeError", "SegmentMapping", "ValueView", "fluxon_runtime_info"]

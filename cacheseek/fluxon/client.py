@@ -65,33 +65,14 @@ from cacheseek.fluxon.native_store import shut_native_store
 from cacheseek.fluxon.records import EtcdRecords
 from cacheseek.fluxon.results import Miss, unwrap
 from cacheseek.fluxon.segment import SegmentMapping, file_generation, mappings_of, zero_copy_mapping
-from cacheseek.fluxon.values import (
-    META_FIELD,
-    VALUE_FIELD,
-    ValueView,
-    buffer_address,
-    check_address,
-    slot_bytes,
-    too_large_text,
-    writable_u8,
-)
+from cacheseek.fluxon.values import (META_FIELD, VALUE_FIELD, ValueView, buffer_address, check_address, slot_bytes,
+                                     too_large_text, writable_u8)
 from cacheseek.kv.records import NO_RECORDS, ChunkRecords
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "FluxonClient",
-    "ValueView",
-    "SegmentMapping",
-    "FluxonUnavailableError",
-    "FluxonValueTooLargeError",
-    "FluxonImportError",
-    "fluxon_runtime_info",
-    "VALUE_FIELD",
-    "META_FIELD",
-    "MAX_STUCK_CALLS",
-    "slot_bytes",
-]
+__all__ = ["FluxonClient", "ValueView", "SegmentMapping", "FluxonUnavailableError", "FluxonValueTooLargeError",
+           "FluxonImportError", "fluxon_runtime_info", "VALUE_FIELD", "META_FIELD", "MAX_STUCK_CALLS", "slot_bytes"]
 
 T = TypeVar("T")
 
@@ -145,7 +126,6 @@ class FluxonClient:
         self._attach(key_index)
 
     # -- attach ---------------------------------------------------------------------------------
-
     @property
     def segment_dir(self) -> Path:
         return self.endpoint.segment_dir
@@ -175,7 +155,6 @@ class FluxonClient:
                  self.segment_dir, time.monotonic() - t0)
 
     # -- bounded calls --------------------------------------------------------------------------
-
     def _run(self, op: str, key: Optional[str], fn: Callable[[], T], timeout: Optional[float] = None,
              *, ptr_note: bool = False) -> T:
         """Run ``fn`` on a daemon thread; wait at most ``timeout`` (default op_timeout_s)."""
@@ -192,7 +171,6 @@ class FluxonClient:
             raise FluxonValueTooLargeError(too_large_text(key, nbytes, self.segment_bytes))
 
     # -- writes ---------------------------------------------------------------------------------
-
     def put_bytes(self, key: str, data: Any, *, meta: bytes = b"") -> None:
         """Store ``data`` (bytes, bytearray or a contiguous memoryview) under ``key`` (overwrites).
         One copy: Fluxon copies from ``data`` into the segment."""
@@ -232,7 +210,6 @@ class FluxonClient:
             raise
 
     # -- reads ----------------------------------------------------------------------------------
-
     def _hold(self, key: str) -> Optional[ValueView]:
         """On a call thread: get and hold ``key``'s value as a view this client does not track
         yet, or None on a miss."""
@@ -270,8 +247,7 @@ class FluxonClient:
 
     def get_bytes(self, key: str) -> Optional[bytes]:
         """A private copy of ``key``'s payload, or None on a miss (the holder is released)."""
-        self._check_key(key)
-        got = self.get_with_meta(key)
+        got = self.get_with_meta(key)  # checks the key
         return None if got is None else got[1]
 
     def get_with_meta(self, key: str) -> Optional[tuple[bytes, bytes]]:
@@ -325,7 +301,6 @@ class FluxonClient:
         return self._index.list_keys(prefix, self.count_prefix, self.exists)
 
     # -- the shared index -----------------------------------------------------------------------
-
     @property
     def records(self) -> ChunkRecords:
         """The cluster's chunk records (`EtcdRecords`, in the service's etcd): what every worker
@@ -333,7 +308,6 @@ class FluxonClient:
         return self._records if self._records is not None else NO_RECORDS
 
     # -- the segment ----------------------------------------------------------------------------
-
     def segment_mappings(self) -> list[SegmentMapping]:
         """Every mapping of the owner's segment file in this process, in address order. 0.2.4
         maps it twice: read-only (``r--s``, where DLPack views point) and read-write (``rw-s``,
@@ -353,7 +327,6 @@ class FluxonClient:
         return file_generation(self.segment_dir / "mmap.file")
 
     # -- lifetime -------------------------------------------------------------------------------
-
     @property
     def closed(self) -> bool:
         return self._calls.closed
@@ -384,7 +357,6 @@ class FluxonClient:
         self.close()
 
     # -- internals ------------------------------------------------------------------------------
-
     def _check_open(self) -> None:
         if self._calls.closed:
             raise StoreClosedError(f"the Fluxon client {self.instance_key} is closed")

@@ -59,11 +59,6 @@ class _Stubs:
     txn: Callable[..., bytes]
 
 
-def _prefix_end(prefix: bytes) -> bytes:
-    """The range end of every key starting with ``prefix`` (etcd's convention)."""
-    return prefix[:-1] + bytes([prefix[-1] + 1])
-
-
 class EtcdRecords(ChunkRecords):
     """The chunk records of cluster ``cluster_name`` in its etcd at ``endpoints`` (``host:port``
     each, as fluxon-py reports them); see the module docstring."""
@@ -115,7 +110,6 @@ class EtcdRecords(ChunkRecords):
         return (self.prefix + name).encode("utf-8")
 
     # -- one bounded call -----------------------------------------------------------------------
-
     def _call(self, op: str, send: Callable[["_Stubs", float], Any]) -> Any:
         """``send(stubs, timeout)``: one RPC, with ``op_timeout_s`` as its deadline."""
         with self._state:
@@ -162,7 +156,6 @@ class EtcdRecords(ChunkRecords):
                 self._connect()
 
     # -- the raw operations of ChunkRecords -----------------------------------------------------
-
     def _put_new(self, name: str, data: bytes) -> bool:
         request = etcd_txn.put_new_request(self.key(name), bytes(data))
         return etcd_txn.succeeded(self._call("put", lambda s, t: s.txn(request, timeout=t)))
@@ -185,12 +178,12 @@ class EtcdRecords(ChunkRecords):
 
     def _names(self) -> list[str]:
         root = self.prefix.encode("utf-8")
-        request = self._rpc.RangeRequest(key=root, range_end=_prefix_end(root), keys_only=True)
+        end = root[:-1] + bytes([root[-1] + 1])  # etcd's range of every key starting with root
+        request = self._rpc.RangeRequest(key=root, range_end=end, keys_only=True)
         reply = self._call("list", lambda s, t: s.kv.Range(request, timeout=t))
         return [bytes(kv.key)[len(root):].decode("utf-8") for kv in reply.kvs]
 
     # -- lifetime -------------------------------------------------------------------------------
-
     @property
     def closed(self) -> bool:
         return self._closed

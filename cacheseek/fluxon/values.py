@@ -23,17 +23,8 @@ from typing import Any, Optional
 
 from cacheseek.errors import HandleStateError, StoreError
 
-__all__ = [
-    "VALUE_FIELD",
-    "META_FIELD",
-    "SLOT_HEADER_ALLOWANCE",
-    "ValueView",
-    "slot_bytes",
-    "too_large_text",
-    "writable_u8",
-    "buffer_address",
-    "check_address",
-]
+__all__ = ["VALUE_FIELD", "META_FIELD", "SLOT_HEADER_ALLOWANCE", "ValueView", "slot_bytes", "too_large_text",
+           "writable_u8", "buffer_address", "check_address"]
 
 VALUE_FIELD = "cacheseek.value." + "_" * 35  # 51 bytes: payload 64-byte aligned (see above)
 META_FIELD = "cacheseek.meta"

@@ -74,13 +74,8 @@ from typing import Any, Optional, Union
 from cacheseek.errors import ConfigError
 from cacheseek.fluxon_service.children import Children, free_ports
 from cacheseek.fluxon.endpoint import FluxonEndpoint
-from cacheseek.fluxon.config import (
-    DEFAULT_CLUSTER_NAME,
-    DEFAULT_SHARE_MEM_PATH,
-    SEGMENT_ALIGN,
-    master_config,
-    owner_config,
-)
+from cacheseek.fluxon.config import (DEFAULT_CLUSTER_NAME, DEFAULT_SHARE_MEM_PATH, SEGMENT_ALIGN, master_config,
+                                     owner_config)
 from cacheseek.fluxon.errors import FluxonServiceError
 from cacheseek.fluxon.etcd import etcd_command, etcd_healthy, resolve_etcd_binary
 from cacheseek.fluxon.loader import fluxon_py_problem
@@ -92,21 +87,9 @@ from cacheseek.sizes import format_size, parse_size
 log = logging.getLogger(__name__)
 
 # Besides FluxonService, the names tools/fluxon_service.py reaches through this module.
-__all__ = [
-    "FluxonService",
-    "FluxonServiceError",
-    "parse_size",
-    "format_size",
-    "private_netns_problem",
-    "resolve_etcd_binary",
-    "fluxon_py_problem",
-    "local_service_problem",
-    "SEGMENT_ALIGN",
-    "DEFAULT_ETCD_PORT",
-    "OwnerSizing",
-    "DEFAULT_CLUSTER_NAME",
-    "DEFAULT_SHARE_MEM_PATH",
-]
+__all__ = ["FluxonService", "FluxonServiceError", "parse_size", "format_size", "private_netns_problem",
+           "resolve_etcd_binary", "fluxon_py_problem", "local_service_problem", "SEGMENT_ALIGN", "DEFAULT_ETCD_PORT",
+           "OwnerSizing", "DEFAULT_CLUSTER_NAME", "DEFAULT_SHARE_MEM_PATH"]
 
 
 DEFAULT_ETCD_PORT = 2379  # the control plane's etcd across hosts (etcd's own default)
@@ -187,9 +170,6 @@ class FluxonService:
         self.endpoint = FluxonEndpoint(cluster_name, share_mem_path, client_instance_key, field_prefix="")
         self.workdir = Path(workdir).expanduser().absolute()
         self.dram_bytes = aligned
-        self._cluster_name = cluster_name
-        self._share_mem_path = self.endpoint.share_mem_path
-        self._client_instance_key = client_instance_key
         self._segment = SegmentFolder(self.endpoint)
         self.ready_timeout_s = float(ready_timeout_s)
         self.stop_timeout_s = float(stop_timeout_s)
@@ -207,19 +187,18 @@ class FluxonService:
         self.ready_seconds: Optional[float] = None
 
     # -- what clients need ----------------------------------------------------------------------
-
     @property
     def cluster_name(self) -> str:
-        return self._cluster_name
+        return self.endpoint.cluster_name
 
     @property
     def share_mem_path(self) -> str:
-        return self._share_mem_path
+        return self.endpoint.share_mem_path
 
     @property
     def instance_key(self) -> str:
         """The client instance key prefix to attach with (each client makes it unique)."""
-        return self._client_instance_key
+        return self.endpoint.instance_key
 
     @property
     def segment_dir(self) -> Path:
@@ -262,9 +241,9 @@ class FluxonService:
     def attach_info(self) -> dict[str, Any]:
         """Everything a client (or a CacheSeek run) needs to attach, JSON-serialisable."""
         return {
-            "cluster_name": self._cluster_name,
-            "share_mem_path": self._share_mem_path,
-            "instance_key": self._client_instance_key,
+            "cluster_name": self.cluster_name,
+            "share_mem_path": self.share_mem_path,
+            "instance_key": self.instance_key,
             "segment_dir": str(self.segment_dir),
             "shared_json": str(self.shared_json),
             "segment_bytes": self.dram_bytes,
@@ -275,23 +254,22 @@ class FluxonService:
             "owner_p2p_port": self.owner_port,
             "workdir": str(self.workdir),
             "logs_dir": str(self.logs_dir),
-            "fluxon_kv_logs_dir": str(self.workdir / "large" / f"{self._cluster_name}_cluster_kv_logs"),
+            "fluxon_kv_logs_dir": str(self.workdir / "large" / f"{self.cluster_name}_cluster_kv_logs"),
             "pids": self.pids,
             "hydra_overrides": [
                 "+store=fluxon",
-                f"store.cluster_name={self._cluster_name}",
-                f"store.share_mem_path={self._share_mem_path}",
+                f"store.cluster_name={self.cluster_name}",
+                f"store.share_mem_path={self.share_mem_path}",
             ],
             "plan_hydra_overrides": [  # the Plan tier (its client options start unset: `+` is accepted)
                 "+store=fluxon_plan",
                 "store.client=fluxon",
-                f"+store.client_options.cluster_name={self._cluster_name}",
-                f"+store.client_options.share_mem_path={self._share_mem_path}",
+                f"+store.client_options.cluster_name={self.cluster_name}",
+                f"+store.client_options.share_mem_path={self.share_mem_path}",
             ],
         }
 
     # -- lifecycle ------------------------------------------------------------------------------
-
     def __enter__(self) -> "FluxonService":
         return self.start()
 
@@ -342,7 +320,7 @@ class FluxonService:
         self._running = True
         self.ready_seconds = time.monotonic() - t0
         log.info("fluxon service (%s) ready in %.1f s: cluster %r, segment %s at %s, etcd %s, logs %s",
-                 self.role, self.ready_seconds, self._cluster_name, format_size(self.dram_bytes),
+                 self.role, self.ready_seconds, self.cluster_name, format_size(self.dram_bytes),
                  self.segment_dir, self.etcd_endpoint, self.logs_dir)
         return self
 
@@ -363,13 +341,12 @@ class FluxonService:
             os.close(self._lock_fd)
             self._lock_fd = None
         self._running = False
-        log.info("fluxon service stopped (cluster %r); logs kept in %s", self._cluster_name, self.logs_dir)
+        log.info("fluxon service stopped (cluster %r); logs kept in %s", self.cluster_name, self.logs_dir)
 
     def log_tails(self, lines: int = 15) -> str:
         return self._children.log_tails(lines)
 
     # -- internals ------------------------------------------------------------------------------
-
     def _prepare_dirs(self) -> None:
         import fcntl
 
@@ -399,17 +376,17 @@ class FluxonService:
     def _start_etcd(self, etcd_bin: str) -> None:
         data = self.workdir / "etcd" / "data"
         data.parent.mkdir(parents=True, exist_ok=True)
-        self._children.spawn("etcd", etcd_command(etcd_bin, f"{self._cluster_name}-etcd", data, self.etcd_port,
+        self._children.spawn("etcd", etcd_command(etcd_bin, f"{self.cluster_name}-etcd", data, self.etcd_port,
                                          self.etcd_peer_port, self.listen_host or "127.0.0.1"))
 
     def _write_configs(self) -> None:
         import yaml  # PyYAML: a dependency of fluxon-py and of hydra-core
 
         etcd = [self.etcd_endpoint]
-        key = f"{self._cluster_name}-owner-{socket.gethostname()}" if self.role != "single" else ""
-        owner = owner_config(self._cluster_name, self.dram_bytes, etcd, self._share_mem_path,
+        key = f"{self.cluster_name}-owner-{socket.gethostname()}" if self.role != "single" else ""
+        owner = owner_config(self.cluster_name, self.dram_bytes, etcd, self.share_mem_path,
                              self.workdir / "large", self.owner_port, key)
         (self.workdir / "owner.yaml").write_text(yaml.safe_dump(owner, sort_keys=False))
         if not self.join:
-            master = master_config(self._cluster_name, self.master_port, etcd, self.logs_dir / "master")
+            master = master_config(self.cluster_name, self.master_port, etcd, self.logs_dir / "master")
             (self.workdir / "master.yaml").write_text(yaml.safe_dump(master, sort_keys=False))

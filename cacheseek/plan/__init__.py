@@ -17,40 +17,15 @@ its per-value Fluxon calls in `fluxon_calls` and `pipeline`.
 
 from __future__ import annotations
 
-from cacheseek.plan.base import (
-    GetPlan,
-    GetPlanState,
-    PlanClient,
-    PlanClientInfo,
-    PlanUsage,
-    PutCommitResult,
-    PutPlan,
-    PutPlanState,
-    SegmentMapping,
-    SegmentTimers,
-)
+from cacheseek.plan.base import (GetPlan, GetPlanState, PlanClient, PlanClientInfo, PlanUsage, PutCommitResult,
+                                 PutPlan, PutPlanState, SegmentMapping, SegmentTimers)
 from cacheseek.plan.embedded import EmbeddedPlanClient
 from cacheseek.plan.fluxon_native import FluxonNativePlanClient
 from cacheseek.plan.fluxon_public import FluxonPublicPlanClient
 from cacheseek.plan.fluxon_select import open_fluxon_plan_client
 from cacheseek.plan.table import PLAN_MAGIC, decode_plan_table, encode_plan_table
 
-__all__ = [
-    "GetPlan",
-    "GetPlanState",
-    "PlanClient",
-    "PlanClientInfo",
-    "PlanUsage",
-    "PutCommitResult",
-    "PutPlan",
-    "PutPlanState",
-    "SegmentMapping",
-    "SegmentTimers",
-    "EmbeddedPlanClient",
-    "FluxonNativePlanClient",
-    "FluxonPublicPlanClient",
-    "open_fluxon_plan_client",
-    "PLAN_MAGIC",
-    "decode_plan_table",
-    "encode_plan_table",
-]
+__all__ = ["GetPlan", "GetPlanState", "PlanClient", "PlanClientInfo", "PlanUsage", "PutCommitResult", "PutPlan",
+           "PutPlanState", "SegmentMapping", "SegmentTimers", "EmbeddedPlanClient", "FluxonNativePlanClient",
+           "FluxonPublicPlanClient", "open_fluxon_plan_client", "PLAN_MAGIC", "decode_plan_table",
+           "encode_plan_table"]

@@ -51,37 +51,14 @@ import attrs
 
 from cacheseek.errors import HandleStateError
 
-__all__ = [
-    "SegmentMapping",
-    "PutCommitResult",
-    "PutPlanState",
-    "GetPlanState",
-    "PutPlan",
-    "GetPlan",
-    "PlanClient",
-    "PlanClientInfo",
-    "PlanSharedRecords",
-    "PlanValueLengths",
-    "PlanSegmentPieces",
-    "PlanUsage",
-    "SegmentTimers",
-    "PLAN_OK",
-    "REQUIRED_PLAN_CALLS",
-]
+__all__ = ["SegmentMapping", "PutCommitResult", "PutPlanState", "GetPlanState", "PutPlan", "GetPlan", "PlanClient",
+           "PlanClientInfo", "PlanSharedRecords", "PlanValueLengths", "PlanSegmentPieces", "PlanUsage",
+           "SegmentTimers", "PLAN_OK", "REQUIRED_PLAN_CALLS"]
 
 PLAN_OK = 0
 
-REQUIRED_PLAN_CALLS = (
-    "wait_local_segments_ready",
-    "local_fast_put_start",
-    "local_fast_put_commit",
-    "put_abort",
-    "get_start",
-    "get_transfer",
-    "cancel_get_transfer",
-    "release_views",
-    "remove",
-)
+REQUIRED_PLAN_CALLS = ("wait_local_segments_ready", "local_fast_put_start", "local_fast_put_commit", "put_abort",
+                       "get_start", "get_transfer", "cancel_get_transfer", "release_views", "remove")
 
 
 def _positive(_inst: Any, attribute: attrs.Attribute, value: Any) -> None:

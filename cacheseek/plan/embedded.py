@@ -108,9 +108,7 @@ class EmbeddedPlanClient(InProcessPlanClient):
         if alignment & (alignment - 1):
             raise ConfigError("store.alignment", f"must be a power of two, got {alignment}")
         if backing not in BACKINGS:
-            raise ConfigError(
-                "store.backing", f"unknown backing {backing!r}", f"use one of: {', '.join(BACKINGS)}"
-            )
+            raise ConfigError("store.backing", f"unknown backing {backing!r}", f"use one of: {', '.join(BACKINGS)}")
         super().__init__()
         self.segment_bytes = -(-segment_bytes // alignment) * alignment
         self.prefault_threads = prefault_threads
@@ -178,27 +176,16 @@ class EmbeddedPlanClient(InProcessPlanClient):
         self._alloc = FirstFitAllocator(seg.length, self.alignment)
         self._generation += 1
         self._timers = self._segment_timers(seg)
-        log.info(
-            "embedded Plan segment: %d MiB %s, generation %d, mapped in %.3f s, "
-            "pre-faulted (%s, %d threads) in %.3f s, %d MiB in 2 MiB pages",
-            seg.length >> 20,
-            self.backing,
-            self._generation,
-            seg.map_seconds,
-            seg.fault_method,
-            seg.threads,
-            seg.fault_seconds,
-            max(seg.huge_bytes, 0) >> 20,
-        )
+        log.info("embedded Plan segment: %d MiB %s, generation %d, mapped in %.3f s, pre-faulted (%s, %d threads) "
+                 "in %.3f s, %d MiB in 2 MiB pages", seg.length >> 20, self.backing, self._generation, seg.map_seconds,
+                 seg.fault_method, seg.threads, seg.fault_seconds, max(seg.huge_bytes, 0) >> 20)
         return seg
 
     def _new_segment(self, prefault: bool) -> Any:
         """The value segment (``ptr``, ``length``, timers, ``close()``), pre-faulted or not; a
         subclass may back it with other memory (`DevicePlanClient`: the runtime device's)."""
-        return HostSegment(
-            self.segment_bytes, self.backing, self.shm_dir, self.prefault_threads,
-            prefault=prefault, hugepages=self.hugepages,
-        )
+        return HostSegment(self.segment_bytes, self.backing, self.shm_dir, self.prefault_threads, prefault=prefault,
+                           hugepages=self.hugepages)
 
     def recreate_segment(self) -> list[SegmentMapping]:
         """Drop every value and map a fresh segment with the next generation. Refused while a
@@ -315,10 +302,8 @@ class EmbeddedPlanClient(InProcessPlanClient):
             if self._closed:
                 return
             if self._live_puts or self._live_gets:
-                log.warning(
-                    "closing the embedded Plan store with %d put plans and %d get plans live",
-                    len(self._live_puts), len(self._live_gets),
-                )
+                log.warning("closing the embedded Plan store with %d put plans and %d get plans live",
+                            len(self._live_puts), len(self._live_gets))
             self._unmap()
             self._live_puts.clear()
             self._live_gets.clear()

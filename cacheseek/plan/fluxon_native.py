@@ -46,24 +46,9 @@ import attrs
 from cacheseek.errors import CacheSeekError, PlanError, StoreClosedError, StoreTimeoutError
 from cacheseek.bounded_calls import BoundedCalls
 from cacheseek.fluxon.endpoint import FluxonEndpoint
-from cacheseek.plan.base import (
-    GetPlan,
-    GetPlanState,
-    PutCommitResult,
-    PutPlan,
-    PutPlanState,
-    SegmentMapping,
-)
-from cacheseek.plan.fluxon_native_api import (
-    bounded_commit,
-    build_native,
-    checked_pointers,
-    keys_text,
-    missing_plan_calls,
-    segment_mapping,
-    transferable,
-    unavailable,
-)
+from cacheseek.plan.base import GetPlan, GetPlanState, PutCommitResult, PutPlan, PutPlanState, SegmentMapping
+from cacheseek.plan.fluxon_native_api import (bounded_commit, build_native, checked_pointers, keys_text,
+                                              missing_plan_calls, segment_mapping, transferable, unavailable)
 from cacheseek.plan.table_arena import TableArena, table_arena_for
 from cacheseek.registry import PLAN_CLIENTS
 from cacheseek.sizes import AUTO, Size, parse_size

@@ -123,10 +123,8 @@ def checked_pointers(op: str, ptr: Any, keys: Sequence[str], nbytes: Optional[Se
     every value inside one of ``mappings()`` (writable ones for a put). A failure is a `PlanError`
     naming the call and the key."""
     try:
-        if not keys:  # nothing transferable: the native table is not read
-            pointers = []
-        else:
-            pointers = decode_plan_table(as_int(ptr), len(keys), arena=arena() if callable(arena) else None)
+        # nothing transferable: the native table is not read
+        pointers = decode_plan_table(as_int(ptr), len(keys), arena=arena() if callable(arena) else None) if keys else []
     except CacheSeekError as exc:
         raise PlanError(f"fluxon_native {op}{keys_text(keys)}: bad plan table: {exc}") from exc
     segments = mappings()

@@ -113,17 +113,13 @@ PLAN_ENDPOINT_DEFAULTS = {"instance_key": "cacheseek-plan", "attach_timeout_s": 
 _FIELD_PREFIX = "store.client_options."
 
 
-def plan_endpoint_keywords() -> list:
-    return FluxonEndpoint.keywords(**PLAN_ENDPOINT_DEFAULTS)
-
-
 def plan_endpoint(options: dict[str, Any]) -> FluxonEndpoint:
     """The `FluxonEndpoint` of a Plan client's options (``store.client_options.*``; those that
     are not its fields are ignored)."""
     return FluxonEndpoint.of(options, field_prefix=_FIELD_PREFIX, **PLAN_ENDPOINT_DEFAULTS)
 
 
-@PLAN_CLIENTS.register("fluxon_public", objects=("client",), keywords=plan_endpoint_keywords)
+@PLAN_CLIENTS.register("fluxon_public", objects=("client",), keywords=lambda: FluxonEndpoint.keywords(**PLAN_ENDPOINT_DEFAULTS))
 class FluxonPublicPlanClient(InProcessPlanClient):
     """`PlanClient` emulated over a public fluxon-py client (see the module docstring).
 

@@ -19,16 +19,9 @@ from typing import Any, Optional
 __all__ = ["run_in_order"]
 
 
-def run_in_order(
-    n: int,
-    call: Callable[[int], Any],
-    settle: Callable[[int, Future], None],
-    stop: Callable[[], bool],
-    *,
-    width: int,
-    pool: Optional[Callable[[], Executor]] = None,
-    limit: Optional[Callable[[], int]] = None,
-) -> None:
+def run_in_order(n: int, call: Callable[[int], Any], settle: Callable[[int, Future], None], stop: Callable[[], bool],
+                 *, width: int, pool: Optional[Callable[[], Executor]] = None,
+                 limit: Optional[Callable[[], int]] = None) -> None:
     """Run ``call(i)`` for i in 0..n-1 (see the module docstring). ``pool``: a function giving
     the executor (asked only when ``width`` > 1)."""
     def more(i: int) -> bool:

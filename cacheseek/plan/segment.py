@@ -92,16 +92,8 @@ class HostSegment:
     """``length`` bytes of host memory at ``ptr`` (see the module docstring), with the timers
     ``map_seconds``, ``fault_seconds``, ``fault_method``, ``threads`` and ``huge_bytes``."""
 
-    def __init__(
-        self,
-        length: int,
-        backing: str,
-        shm_dir: Optional[str],
-        prefault_threads: int,
-        *,
-        prefault: bool,
-        hugepages: bool = True,
-    ) -> None:
+    def __init__(self, length: int, backing: str, shm_dir: Optional[str], prefault_threads: int, *, prefault: bool,
+                 hugepages: bool = True) -> None:
         if backing not in BACKINGS:
             raise ValueError(f"unknown backing {backing!r}; use one of: {', '.join(BACKINGS)}")
         t0 = time.perf_counter()

@@ -69,12 +69,9 @@ class BackendCalls:
              ) -> Optional[Any]:
         """The value (after ``decode``: a codec's failure is a corrupt value), or None when it is
         missing or corrupt: then ``on_corrupt(key, exc, removed=...)`` and the value removed."""
-        if expect is not None and self.checks_digests:
-            read = lambda: self.backend.read(key, expect)  # noqa: E731
-        else:
-            read = lambda: self.backend.read(key)  # noqa: E731
+        args = (key, expect) if expect is not None and self.checks_digests else (key,)
         try:
-            value = self.run("read", read, key)
+            value = self.run("read", lambda: self.backend.read(*args), key)
             return decode(value) if decode is not None else value
         except CorruptValueError as exc:
             log.error("%s: %s; removing it and reading it as missing", self.name, exc)

@@ -17,8 +17,7 @@ from typing import Optional
 
 from cacheseek.kv.claims import process_alive
 
-__all__ = ["encode_key", "decode_key", "is_value_name", "key_in", "place", "temp_name", "writer_gone",
-           "TEMP_GRACE_S"]
+__all__ = ["encode_key", "decode_key", "key_in", "place", "temp_name", "writer_gone", "TEMP_GRACE_S"]
 
 _MAX_NAME = 200  # escaped key length limit; leaves room for the temp-file decoration in 255
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-")
@@ -36,20 +35,7 @@ def encode_key(key: str) -> str:
 
 def decode_key(name: str) -> str:
     """Inverse of `encode_key`."""
-    out = bytearray()
-    i = 0
-    while i < len(name):
-        if name[i] == "%":
-            out.append(int(name[i + 1 : i + 3], 16))
-            i += 3
-        else:
-            out.append(ord(name[i]))
-            i += 1
-    return out.decode("utf-8")
-
-
-def is_value_name(name: str) -> bool:
-    return "." not in name
+    return unquote_to_bytes(name).decode("utf-8")
 
 
 _ESCAPED = re.compile(r"[A-Za-z0-9_-]*(?:%[0-9A-F]{2}[A-Za-z0-9_-]*)*")

@@ -57,9 +57,7 @@ def _meta(key: str, value: Any) -> tuple[dict[str, Any], Any]:
         meta = {"kind": "bytes"}
     elif _is_tensor(value):
         if value.device.type != "cpu":
-            raise StoreError(
-                f"localdisk: {key}: expected a CPU snapshot, got a tensor on {value.device}"
-            )
+            raise StoreError(f"localdisk: {key}: expected a CPU snapshot, got a tensor on {value.device}")
         t = value.detach().contiguous()
         body = _tensor_bytes(t) if t.numel() else b""
         meta = {"kind": "tensor", "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}

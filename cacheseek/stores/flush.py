@@ -19,12 +19,8 @@ __all__ = ["wait_drained"]
 POLL_S = 1.0  # the longest sleep between two looks at the count
 
 
-def wait_drained(
-    idle: threading.Condition,
-    pending: Callable[[], int],
-    bound_s: float,
-    timeout_error: Callable[[int], BaseException],
-) -> None:
+def wait_drained(idle: threading.Condition, pending: Callable[[], int], bound_s: float,
+                 timeout_error: Callable[[int], BaseException]) -> None:
     """With ``idle``'s lock held: return once ``pending()`` is 0; past ``bound_s`` seconds raise
     ``timeout_error(pending())``. ``idle`` must be notified when a pending write completes."""
     deadline = time.monotonic() + bound_s

@@ -42,13 +42,7 @@ from cacheseek.stores.kv_tier import KeyValueTier, check_read_parallelism
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "FluxonBytesStore",
-    "FluxonTensorTier",
-    "FluxonValueBackend",
-    "decode_value",
-    "encode_header",
-]
+__all__ = ["FluxonBytesStore", "FluxonTensorTier", "FluxonValueBackend", "decode_value", "encode_header"]
 
 _HEADER_VERSION = 2  # 2: the checksum covers the value's key
 

@@ -72,13 +72,7 @@ from typing import Any, Optional
 
 
 from cacheseek.codecs.tier import TierCodec
-from cacheseek.errors import (
-    CorruptValueError,
-    StoreClosedError,
-    StoreError,
-    StoreTimeoutError,
-    WriteNotCompleteError,
-)
+from cacheseek.errors import CorruptValueError, StoreClosedError, StoreError, StoreTimeoutError, WriteNotCompleteError
 from cacheseek.eviction.base import StoreUsage
 from cacheseek.kv.handles import BlobHandle, Tier, kv_pairs
 from cacheseek.kv.locators import blob_keys, layer_keys, node_key_of, object_key
@@ -172,15 +166,8 @@ class KeyValueTier(TierStore):
         return [SizeField("capacity_bytes", "capacity", room=available_memory(), total=total_memory())]
 
     # -- writes -------------------------------------------------------------------------------
-
-    def put_async(
-        self,
-        locator: str,
-        payload: Sequence[Any],
-        *,
-        tier: Tier,
-        on_ready: Optional[Callable[[BlobHandle], None]] = None,
-    ) -> BlobHandle:
+    def put_async(self, locator: str, payload: Sequence[Any], *, tier: Tier,
+                  on_ready: Optional[Callable[[BlobHandle], None]] = None) -> BlobHandle:
         self._check_open()
         pairs = kv_pairs(payload)
         items: list[tuple[str, Any]] = []
@@ -271,7 +258,6 @@ class KeyValueTier(TierStore):
                 self.pending.done()
 
     # -- accounting ---------------------------------------------------------------------------
-
     def _reserve(self, sizes: list[tuple[str, int]]) -> dict[str, Optional[int]]:
         """Under ``_lock``: `ValueLedger.reserve`, the refusal naming this tier and its fix."""
         return self.ledger.reserve(sizes, name=self.name, fix=self.capacity_fix)
@@ -293,7 +279,6 @@ class KeyValueTier(TierStore):
             return self.ledger.usage(self.name, time.monotonic())
 
     # -- reads --------------------------------------------------------------------------------
-
     def get_skeleton(self, locator: str, like: Any = None, *, nbytes: Optional[int] = None) -> Any:
         """The small value under ``locator`` (a latent, a chunk's frames), or None. ``like`` and
         ``nbytes`` are for stores that read raw bytes by length (the Plan tier): a value here
@@ -335,7 +320,6 @@ class KeyValueTier(TierStore):
         return super().get_layers(requests)
 
     # -- lifetime -----------------------------------------------------------------------------
-
     def free(self, handle: BlobHandle) -> None:
         self._check_open()
         if handle.in_flight:

@@ -86,15 +86,7 @@ from cacheseek.registry import STORES
 from cacheseek.stores.root_files import NotRegularError, RootFolder
 from cacheseek.sizes import AUTO, Size, disk_total_bytes, free_bytes
 from cacheseek.sizing import SizeField
-from cacheseek.stores.disk_names import (
-    TEMP_GRACE_S,
-    decode_key,
-    encode_key,
-    key_in,
-    place,
-    temp_name,
-    writer_gone,
-)
+from cacheseek.stores.disk_names import TEMP_GRACE_S, decode_key, encode_key, key_in, place, temp_name, writer_gone
 from cacheseek.stores import disk_values
 from cacheseek.stores.disk_records import DiskRecords
 from cacheseek.stores.disk_values import MAGIC
@@ -125,7 +117,6 @@ class DiskBackend:
         self._close_lock = threading.Lock()
 
     # -- paths --------------------------------------------------------------------------------
-
     def path_of(self, key: str) -> Path:
         """Where ``key``'s file is (for messages and tests; every access goes through `RootFolder`)."""
         shard, name = place(key)
@@ -150,12 +141,7 @@ class DiskBackend:
         """`shard_files` of every shard (unbounded: the store bounds each shard's listing)."""
         return [f for shard in self.folder.shard_names() for f in self.shard_files(shard)]
 
-    def _stored(self) -> list[tuple[str, int]]:
-        """``(key, file size)`` of every value file."""
-        return [(key, size) for key, size, _ in self.listing()]
-
     # -- ValueBackend -------------------------------------------------------------------------
-
     def write(self, key: str, value: Any) -> str:
         """Write ``key``'s file atomically (replacing one that is there); the value's checksum."""
         return self._put(key, value, replace=True)[1]
@@ -277,7 +263,7 @@ class DiskBackend:
 
     def key_sizes(self) -> dict[str, int]:
         """Every stored key with its file size (bytes on disk, header included)."""
-        return dict(self._stored())
+        return {key: size for key, size, _ in self.listing()}
 
     def free_bytes(self) -> Optional[int]:
         """Bytes free on the file system under root (None when unknown)."""
@@ -289,7 +275,7 @@ class DiskBackend:
         for shard in self.folder.shard_names():
             with self.folder.shard(shard) as fd:
                 if fd is not None:
-                    total += sum(size for _, size in self.folder.files(fd))
+                    total += sum(size for _, size, _ in self.folder.files_aged(fd))
         return total
 
     def close(self) -> None:
@@ -300,7 +286,6 @@ class DiskBackend:
             self.folder.close()
 
     # -- opening ------------------------------------------------------------------------------
-
     def open(self) -> None:
         """Create or check the root, probe it, take its lock, refuse planted shards (`RootFolder`;
         the store's first listing sweeps stale temp files). ConfigError naming ``store.root`` on
@@ -359,11 +344,8 @@ class LocalDiskTierStore(KeyValueTier):
     ) -> None:
         TierCodec(codec, codec_device)  # a bad codec is refused before the root is opened
         if root is None or (isinstance(root, str) and not root.strip()):
-            raise ConfigError(
-                "store.root",
-                "no folder given (the orchestrator fills it with <run folder>/kvstore)",
-                _ROOT_FIX,
-            )
+            raise ConfigError("store.root", "no folder given (the orchestrator fills it with <run folder>/kvstore)",
+                              _ROOT_FIX)
         if not isinstance(root, (str, os.PathLike)):
             raise ConfigError("store.root", f"must be a path, got {type(root).__name__}", _ROOT_FIX)
         if isinstance(queue_depth, bool) or not isinstance(queue_depth, int) or queue_depth < 1:

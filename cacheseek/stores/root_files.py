@@ -111,9 +111,8 @@ class RootFolder:
     def probe(self, name: str) -> None:
         """Write and remove a new small file ``name``: `ConfigError` when the root is not
         writable. Created exclusively: a planted file or link of that name is never written."""
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(name, flags, 0o600, dir_fd=self.fd)
+            fd = os.open(name, _WRITE_FLAGS, 0o600, dir_fd=self.fd)
             try:
                 os.write(fd, b"probe")
             finally:
@@ -174,7 +173,6 @@ class RootFolder:
             self.fd = None
 
     # -- shards ---------------------------------------------------------------------------------
-
     @contextlib.contextmanager
     def shard(self, name: str, *, create: bool = False) -> Iterator[Optional[int]]:
         """The shard folder ``name``'s descriptor (None: absent and not created). A link or a
@@ -205,12 +203,7 @@ class RootFolder:
         with os.scandir(self.fd) as it:
             return sorted(e.name for e in it if is_shard_name(e.name) and e.is_dir(follow_symlinks=False))
 
-    def files(self, shard_fd: int) -> list[tuple[str, int]]:
-        """``(name, size)`` of every regular file in a shard (links, FIFOs, folders excluded)."""
-        return [(name, size) for name, size, _ in self.files_aged(shard_fd)]
-
     # -- files ----------------------------------------------------------------------------------
-
     @staticmethod
     def open_file(shard_fd: int, name: str) -> Optional[int]:
         """A read descriptor of regular file ``name`` (None: absent); a link, FIFO, folder or
@@ -254,7 +247,7 @@ class RootFolder:
         return True
 
     def files_aged(self, shard_fd: int) -> list[tuple[str, int, float]]:
-        """``(name, size, mtime)`` of every regular file in a shard."""
+        """``(name, size, mtime)`` of every regular file in a shard (links, FIFOs, folders excluded)."""
         out = []
         with os.scandir(shard_fd) as it:
             for e in it:

@@ -21,18 +21,8 @@ from cacheseek.transfer.stats import DirectionStats, TransferStats
 from cacheseek.transfer.cuda_transfer import CudaTransferRuntime
 from cacheseek.transfer.host_transfer import HostTransferRuntime
 
-__all__ = [
-    "CopyDescriptor",
-    "Direction",
-    "DirectionStats",
-    "HostMapping",
-    "MemoryRange",
-    "TransferRuntime",
-    "TransferStats",
-    "HostTransferRuntime",
-    "CudaTransferRuntime",
-    "auto_transfer_runtime",
-]
+__all__ = ["CopyDescriptor", "Direction", "DirectionStats", "HostMapping", "MemoryRange", "TransferRuntime",
+           "TransferStats", "HostTransferRuntime", "CudaTransferRuntime", "auto_transfer_runtime"]
 
 
 def auto_transfer_runtime(

@@ -118,14 +118,9 @@ class TransferRuntimeBase(abc.ABC):
         self._check_open()
         self._registrations.register(mappings, self._register_one)
 
-    def register_in_pieces(
-        self,
-        mapping: HostMapping,
-        piece_bytes: Optional[int],
-        *,
-        before_piece: Optional[Callable[[HostMapping], None]] = None,
-        after_piece: Optional[Callable[[HostMapping], None]] = None,
-    ) -> None:
+    def register_in_pieces(self, mapping: HostMapping, piece_bytes: Optional[int], *,
+                           before_piece: Optional[Callable[[HostMapping], None]] = None,
+                           after_piece: Optional[Callable[[HostMapping], None]] = None) -> None:
         """`register` one mapping as consecutive pieces of at most ``piece_bytes`` (None or 0: in
         one call), each its own registration; ``before_piece(piece)`` runs before each (pre-fault
         it), ``after_piece(piece)`` between two (a pause). One user of the mapping, as `register`;
@@ -204,14 +199,8 @@ class TransferRuntimeBase(abc.ABC):
         self._stream_wait_event(self._resolve_stream(stream), ev.handle)
 
     # -- copies ---------------------------------------------------------------------------------
-    def copy_batch(
-        self,
-        descriptors: BatchLike,
-        *,
-        stream: Any = None,
-        device_ranges: Sequence[MemoryRange] = (),
-        after: Sequence[Union[Event, PendingBatch]] = (),
-    ) -> None:
+    def copy_batch(self, descriptors: BatchLike, *, stream: Any = None, device_ranges: Sequence[MemoryRange] = (),
+                   after: Sequence[Union[Event, PendingBatch]] = ()) -> None:
         batch, handle = self._prepare(descriptors, stream, device_ranges, after)
         if not len(batch):
             return
@@ -220,14 +209,8 @@ class TransferRuntimeBase(abc.ABC):
         self._synchronize(handle)
         self._record_dirs(batch.by_direction(), time.perf_counter() - t0)
 
-    def submit_batch(
-        self,
-        batch: BatchLike,
-        *,
-        stream: Any = None,
-        device_ranges: Sequence[MemoryRange] = (),
-        after: Sequence[Union[Event, PendingBatch]] = (),
-    ) -> PendingBatch:
+    def submit_batch(self, batch: BatchLike, *, stream: Any = None, device_ranges: Sequence[MemoryRange] = (),
+                     after: Sequence[Union[Event, PendingBatch]] = ()) -> PendingBatch:
         """Validate, order ``stream`` after every ``after`` event, submit, record a completion
         event; return without waiting. Raises `TransferError` (nothing of the batch in flight)."""
         batch, handle = self._prepare(batch, stream, device_ranges, after)
@@ -259,13 +242,8 @@ class TransferRuntimeBase(abc.ABC):
         validate_batch(batch, hosts, device_ranges, self._is_device_memory)
         return batch
 
-    def _prepare(
-        self,
-        descriptors: BatchLike,
-        stream: Any,
-        device_ranges: Sequence[MemoryRange],
-        after: Sequence[Union[Event, PendingBatch]],
-    ) -> tuple[CopyBatch, Any]:
+    def _prepare(self, descriptors: BatchLike, stream: Any, device_ranges: Sequence[MemoryRange],
+                 after: Sequence[Union[Event, PendingBatch]]) -> tuple[CopyBatch, Any]:
         """What every submission does first: the whole batch cut at the joints and validated,
         then ``stream`` resolved and ordered after every ``after`` event. Nothing is submitted
         here. Returns the batch to submit (the cut one)."""

@@ -96,12 +96,9 @@ class CopyBatch:
         for i, d in enumerate(descriptors):
             if not isinstance(d, CopyDescriptor):
                 raise TransferError(f"descriptor {i} is a {type(d).__name__}, not a CopyDescriptor")
-        return cls(
-            _int64([d.dst for d in descriptors]),
-            _int64([d.src for d in descriptors]),
-            _int64([d.nbytes for d in descriptors]),
-            np.array([d.direction.code for d in descriptors], dtype=np.int8),
-        )
+        return cls(_int64([d.dst for d in descriptors]), _int64([d.src for d in descriptors]),
+                   _int64([d.nbytes for d in descriptors]),
+                   np.array([d.direction.code for d in descriptors], dtype=np.int8))
 
     @classmethod
     def coerce(cls, batch: Union["CopyBatch", Sequence[CopyDescriptor]]) -> "CopyBatch":

@@ -36,17 +36,8 @@ from cacheseek.transfer.lazy import LazyModule
 
 np = LazyModule("numpy")
 
-__all__ = [
-    "MAX_RANGES",
-    "TILE_BYTES",
-    "PARAM_BYTES",
-    "RangeTable",
-    "RangeKernel",
-    "aligned",
-    "range_tables",
-    "CudaRangeKernel",
-    "KernelShape",
-]
+__all__ = ["MAX_RANGES", "TILE_BYTES", "PARAM_BYTES", "RangeTable", "RangeKernel", "aligned", "range_tables",
+           "CudaRangeKernel", "KernelShape"]
 
 MAX_RANGES = 1024
 TILE_SHIFT = 16
@@ -72,10 +63,8 @@ class KernelShape:
 
     def source(self) -> str:
         load, store = _HINTS[self.hint]
-        return _SOURCE % {
-            "max_ranges": MAX_RANGES, "tile_shift": TILE_SHIFT, "threads": self.threads, "unroll": self.unroll,
-            "load": load % "(p)", "store": store % ("(p)", "(v)"),
-        }
+        return _SOURCE % {"max_ranges": MAX_RANGES, "tile_shift": TILE_SHIFT, "threads": self.threads,
+                          "unroll": self.unroll, "load": load % "(p)", "store": store % ("(p)", "(v)")}
 
 
 _SOURCE = r"""
@@ -167,10 +156,8 @@ def range_tables(dsts: "np.ndarray", srcs: "np.ndarray", sizes: "np.ndarray") ->
     """The launches for a batch (int64 arrays ``[n]``): ceil(n / `MAX_RANGES`) tables."""
     if not aligned(dsts, srcs, sizes):
         raise TransferError("the range-copy kernel moves 16-byte words: every address and size must be a multiple of 16")
-    return [
-        RangeTable(dsts[lo : lo + MAX_RANGES], srcs[lo : lo + MAX_RANGES], sizes[lo : lo + MAX_RANGES])
-        for lo in range(0, len(sizes), MAX_RANGES)
-    ]
+    return [RangeTable(dsts[lo : lo + MAX_RANGES], srcs[lo : lo + MAX_RANGES], sizes[lo : lo + MAX_RANGES])
+            for lo in range(0, len(sizes), MAX_RANGES)]
 
 
 class RangeKernel(Protocol):
@@ -203,10 +190,8 @@ class CudaRangeKernel:
         major = _attribute(rt, attr.cudaDevAttrComputeCapabilityMajor, device)
         minor = _attribute(rt, attr.cudaDevAttrComputeCapabilityMinor, device)
         self.sm_count = _attribute(rt, attr.cudaDevAttrMultiProcessorCount, device)
-        self.host_readable = bool(
-            _attribute(rt, attr.cudaDevAttrCanUseHostPointerForRegisteredMem, device)
-            and _attribute(rt, attr.cudaDevAttrUnifiedAddressing, device)
-        )
+        self.host_readable = bool(_attribute(rt, attr.cudaDevAttrCanUseHostPointerForRegisteredMem, device)
+                                  and _attribute(rt, attr.cudaDevAttrUnifiedAddressing, device))
         self.device = device
         self.shape = shape
         image = _compile(nvrtc, shape.source(), f"sm_{major}{minor}")
@@ -219,9 +204,8 @@ class CudaRangeKernel:
     def launch(self, table: RangeTable, stream: int) -> None:
         params = np.array([table.buffer.ctypes.data], dtype=np.uint64)
         grid = max(1, min(table.tiles, self._grid_max))
-        (err,) = self._driver.cuLaunchKernel(
-            self._function, grid, 1, 1, self.shape.threads, 1, 1, 0, stream, params.ctypes.data, 0
-        )[:1]
+        (err,) = self._driver.cuLaunchKernel(self._function, grid, 1, 1, self.shape.threads, 1, 1, 0, stream,
+                                             params.ctypes.data, 0)[:1]
         _check_driver(self._driver, err, f"cuLaunchKernel(copy_ranges, {table.n} ranges)")
 
     def __repr__(self) -> str:

@@ -52,9 +52,7 @@ def coerce_stream(stream: Optional[Any]) -> Optional[int]:
     handle = getattr(stream, "cuda_stream", None)
     if isinstance(handle, int):
         return handle
-    raise TypeError(
-        f"stream must be None, an int handle or a torch stream, got {type(stream).__name__}"
-    )
+    raise TypeError(f"stream must be None, an int handle or a torch stream, got {type(stream).__name__}")
 
 
 def torch_current_stream() -> int:

@@ -98,13 +98,10 @@ class CudaTransferRuntime(TransferRuntimeBase):
             raise TransferError("use_batch_api=True but these cuda bindings lack cudaMemcpyBatchAsync")
         self._batch = None if batch_fn is None else MemcpyBatch(
             self._rt, batch_fn, max_batch, name=self._name, clear=self._clear_last_error, synchronize=self._synchronize)
-        self._kinds = {
-            Direction.H2D: self._rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
-            Direction.D2H: self._rt.cudaMemcpyKind.cudaMemcpyDeviceToHost,
-            Direction.H2H: self._rt.cudaMemcpyKind.cudaMemcpyHostToHost,
-            Direction.D2D: self._rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice,
-        }
-        self._kind_by_code = [self._kinds[d] for d in DIRECTIONS]  # indexed by Direction.code
+        kind = self._rt.cudaMemcpyKind
+        by_direction = {Direction.H2D: kind.cudaMemcpyHostToDevice, Direction.D2H: kind.cudaMemcpyDeviceToHost,
+                        Direction.H2H: kind.cudaMemcpyHostToHost, Direction.D2D: kind.cudaMemcpyDeviceToDevice}
+        self._kind_by_code = [by_direction[d] for d in DIRECTIONS]  # indexed by Direction.code
         self._stream_flags = getattr(self._rt, "cudaStreamNonBlocking", 1)
         self._event_flags = getattr(self._rt, "cudaEventDisableTiming", 2)
         self._idle = IdleEvents()  # released events kept for reuse
@@ -177,27 +174,21 @@ class CudaTransferRuntime(TransferRuntimeBase):
         if err == self._already:
             return False, not mapping.writable
         if mapping.writable:
-            raise RegistrationError(
-                f"cudaHostRegister of writable mapping {mapping} failed: {self._name(err)}"
-            )
+            raise RegistrationError(f"cudaHostRegister of writable mapping {mapping} failed: {self._name(err)}")
         (err_ro,) = rt.cudaHostRegister(mapping.ptr, mapping.length, rt.cudaHostRegisterReadOnly)[:1]
         if err_ro == self._ok:
             return True, True
         self._clear_last_error()
         if err_ro == self._already:
             return False, True
-        raise RegistrationError(
-            f"cudaHostRegister of read-only mapping {mapping} failed: default flags "
-            f"{self._name(err)}, read-only flags {self._name(err_ro)}"
-        )
+        raise RegistrationError(f"cudaHostRegister of read-only mapping {mapping} failed: default flags "
+                                f"{self._name(err)}, read-only flags {self._name(err_ro)}")
 
     def _unregister_one(self, registration: Registration) -> None:
         (err,) = self._rt.cudaHostUnregister(registration.mapping.ptr)[:1]
         if err != self._ok:
             self._clear_last_error()
-            raise RegistrationError(
-                f"cudaHostUnregister of {registration.mapping} failed: {self._name(err)}"
-            )
+            raise RegistrationError(f"cudaHostUnregister of {registration.mapping} failed: {self._name(err)}")
 
     def _is_device_memory(self, ptr: int, nbytes: int) -> bool:
         device = None
@@ -251,13 +242,8 @@ class CudaTransferRuntime(TransferRuntimeBase):
             if err != self._ok:
                 self._clear_last_error()
                 i = start + j
-                raise SubmitFailed(
-                    i,
-                    TransferError(
-                        f"cudaMemcpyAsync {i} of {n} ({batch.direction(i).value}, "
-                        f"{size} B) failed: {self._name(err)}"
-                    ),
-                )
+                raise SubmitFailed(i, TransferError(f"cudaMemcpyAsync {i} of {n} ({batch.direction(i).value}, "
+                                                    f"{size} B) failed: {self._name(err)}"))
 
     # -- streams and events ---------------------------------------------------------------------
     def _check(self, err: Any, what: str) -> None:
@@ -337,7 +323,5 @@ class CudaTransferRuntime(TransferRuntimeBase):
             raise TransferError(f"cudaStreamSynchronize failed: {self._name(err)}")
 
     def __repr__(self) -> str:
-        return (
-            f"CudaTransferRuntime(batch_api={self.batch_api}, kernel={self._kernels.last!r}, "
-            f"registered={len(self.registered())})"
-        )
+        return (f"CudaTransferRuntime(batch_api={self.batch_api}, kernel={self._kernels.last!r}, "
+                f"registered={len(self.registered())})")

@@ -93,16 +93,10 @@ class RegistrationTable:
         self._seconds = 0.0
         self._timings: list[tuple[HostMapping, float]] = []
 
-    def register(
-        self,
-        mappings: Sequence[HostMapping],
-        register_one: Callable[[HostMapping], tuple[bool, bool]],
-        *,
-        unregister_one: Optional[Callable[[Registration], None]] = None,
-        piece_bytes: Optional[int] = None,
-        before_piece: Optional[Callable[[HostMapping], None]] = None,
-        after_piece: Optional[Callable[[HostMapping], None]] = None,
-    ) -> None:
+    def register(self, mappings: Sequence[HostMapping], register_one: Callable[[HostMapping], tuple[bool, bool]], *,
+                 unregister_one: Optional[Callable[[Registration], None]] = None, piece_bytes: Optional[int] = None,
+                 before_piece: Optional[Callable[[HostMapping], None]] = None,
+                 after_piece: Optional[Callable[[HostMapping], None]] = None) -> None:
         """Count one user of each mapping, registering it (whole, or in pieces of ``piece_bytes``:
         module docstring) for the first. An error propagates; the mappings before it stay
         registered (and counted), nothing of the failing one does (``unregister_one`` undoes its
@@ -142,13 +136,8 @@ class RegistrationTable:
         """Rebuild the index from every piece (the caller holds the lock)."""
         self._index = HostIndex.of([r for pieces in self._registrations.values() for r in pieces])
 
-    def unregister(
-        self,
-        mappings: Sequence[HostMapping],
-        unregister_one: Callable[[Registration], None],
-        *,
-        force: bool = False,
-    ) -> None:
+    def unregister(self, mappings: Sequence[HostMapping], unregister_one: Callable[[Registration], None], *,
+                   force: bool = False) -> None:
         """One count off each mapping (``force``: all of them); at zero, forget it and call
         ``unregister_one`` for each of its pieces this runtime registered. Every mapping and piece
         is tried; the first `TransferError` is raised at the end."""
@@ -218,14 +207,10 @@ class RegistrationTable:
             return sum(len(p) for p in self._registrations.values())
 
 
-def _register_pieces(
-    mapping: HostMapping,
-    register_one: Callable[[HostMapping], tuple[bool, bool]],
-    unregister_one: Optional[Callable[[Registration], None]],
-    piece_bytes: Optional[int],
-    before_piece: Optional[Callable[[HostMapping], None]],
-    after_piece: Optional[Callable[[HostMapping], None]],
-) -> tuple[tuple[Registration, ...], float]:
+def _register_pieces(mapping: HostMapping, register_one: Callable[[HostMapping], tuple[bool, bool]],
+                     unregister_one: Optional[Callable[[Registration], None]], piece_bytes: Optional[int],
+                     before_piece: Optional[Callable[[HostMapping], None]],
+                     after_piece: Optional[Callable[[HostMapping], None]]) -> tuple[tuple[Registration, ...], float]:
     """Register every piece of ``mapping`` in order (outside the lock); on a failure undo the
     pieces before it. Returns the pieces' registrations and the seconds of the register calls."""
     pieces = mapping.pieces(piece_bytes)

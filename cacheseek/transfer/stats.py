@@ -52,13 +52,8 @@ class TransferStats:
             out[f"{d.value}_bytes"] = s.bytes
             out[f"{d.value}_seconds"] = s.seconds
             out[f"{d.value}_copies"] = s.copies
-        out.update(
-            batches=self.batches,
-            n_registered=self.n_registered,
-            registered_bytes=self.registered_bytes,
-            register_seconds=self.register_seconds,
-            registered_pieces=self.registered_pieces,
-        )
+        out.update(batches=self.batches, n_registered=self.n_registered, registered_bytes=self.registered_bytes,
+                   register_seconds=self.register_seconds, registered_pieces=self.registered_pieces)
         return out
 
 
@@ -85,14 +80,7 @@ class CopyCounters:
     ) -> TransferStats:
         """The totals so far, with the registration figures given."""
         with self._lock:
-            return TransferStats(
-                h2d=self._dirs[Direction.H2D],
-                d2h=self._dirs[Direction.D2H],
-                h2h=self._dirs[Direction.H2H],
-                d2d=self._dirs[Direction.D2D],
-                batches=self._batches,
-                n_registered=n_registered,
-                registered_bytes=registered_bytes,
-                register_seconds=register_seconds,
-                registered_pieces=registered_pieces,
-            )
+            return TransferStats(h2d=self._dirs[Direction.H2D], d2h=self._dirs[Direction.D2H],
+                                 h2h=self._dirs[Direction.H2H], d2d=self._dirs[Direction.D2D], batches=self._batches,
+                                 n_registered=n_registered, registered_bytes=registered_bytes,
+                                 register_seconds=register_seconds, registered_pieces=registered_pieces)

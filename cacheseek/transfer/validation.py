@@ -29,12 +29,8 @@ np = LazyModule("numpy")
 __all__ = ["validate_batch"]
 
 
-def validate_batch(
-    batch: CopyBatch,
-    hosts: HostIndex,
-    device_ranges: "Sequence[MemoryRange] | DeviceRanges",
-    is_device_memory: Callable[[int, int], bool],
-) -> None:
+def validate_batch(batch: CopyBatch, hosts: HostIndex, device_ranges: "Sequence[MemoryRange] | DeviceRanges",
+                   is_device_memory: Callable[[int, int], bool]) -> None:
     """Raise `TransferError` for the first copy of ``batch`` that is not allowed (module
     docstring). ``hosts``: the registered mappings; ``device_ranges``: those the caller declared (a `DeviceRanges` is used as it is);
     ``is_device_memory(ptr, nbytes)``: asked only for a device side outside every declared range."""

@@ -206,7 +206,7 @@ def test_a_cpu_snapshot_is_made_once_and_owns_its_values():
 
 
 def test_raw_bytes_become_flat_uint8_tensors_and_devices_are_inferred():
-    k, v = as_tensors((b"\x01\x02", bytearray(b"\x03")), 0)
+    k, v = as_tensors((b"\x01\x02", bytearray(b"\x03")))
     assert k.dtype is torch.uint8 and k.tolist() == [1, 2] and v.tolist() == [3]
 
     class Cuda:

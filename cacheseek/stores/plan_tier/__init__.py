@@ -3,9 +3,9 @@ tensors and a Plan store's registered host segments, in batches, with no CPU sta
 
 One module per idea; each states the lifecycle of what it hands out:
 
-    store.py       `PlanTierStore`, the store interfaces over the parts below, and its warm-up,
-                   in the foreground or on a thread, and the session starts it yields to
-                   (`Warmup`, `WarmupOptions`)
+    store.py       `PlanTierStore`, the store interfaces over the parts below
+    warmup.py      its warm-up, in the foreground or on a thread, and the session starts it
+                   yields to (`Warmup`, `WarmupOptions`)
     segments.py    the client (built from its registry name; its optional calls and records)
                    and its segments registered with the transfer runtime (`TransferLink`), and
                    what the paths copy with (`Attached`, `ValueMemory`)

@@ -89,17 +89,8 @@ class StagingSlots:
     ``allocate(nbytes, like)`` makes a slot's uint8 tensor; ``pending_writes()`` is quoted when an
     acquire times out."""
 
-    def __init__(
-        self,
-        n_slots: int,
-        slot_bytes: int,
-        max_inflight: int,
-        *,
-        timeout_s: float,
-        allocate: Callable[[int, Any], Any],
-        counters: Counters,
-        pending_writes: Callable[[], int],
-    ) -> None:
+    def __init__(self, n_slots: int, slot_bytes: int, max_inflight: int, *, timeout_s: float,
+                 allocate: Callable[[int, Any], Any], counters: Counters, pending_writes: Callable[[], int]) -> None:
         self._n_slots = n_slots
         self._slot_bytes = slot_bytes
         self._max_inflight = max_inflight

@@ -17,7 +17,9 @@ Lifecycle of a get plan (`GetRead`)::
                          ``views_released_late``, ``views_leaked``). The ring is safe meanwhile:
                          the runtime's stream is ordered after the batch.
 
-Read of depth K (`read_path`): the path checked against the target (`check_path`); then one
+Read of depth K (`read_path`): the path checked against the target before any Plan call
+(`check_path`: a miss, or a layout mismatch), and the target's copy runs as int64 arrays
+(`run_arrays`, cached per window shape: a runtime restores the same few shapes); then one
 get of the path's latents (``{hex}:lat``, one all-or-nothing group) and the window's KV, chunk-major
 (``atomic_group_lens = [K, 2 * n_layers, 2 * n_layers, ...]``: a partial transferable prefix is a
 miss and nothing is copied); then every copy run of every layer, K and V, followed by the latents,
@@ -28,10 +30,6 @@ orders it after the ring's zeroing and before the runtime's next read of the rin
 goes on the read stream after an event on the producer stream, and the producer stream waits for
 the read's completion event. Either way the host synchronizes once before the views are
 released.
-
-What a Plan-tier path read copies, decided before any Plan call: the path checked against the
-runtime's `RestoreTarget` (`check_path`: a miss, or a layout mismatch), and the target's copy runs
-as int64 arrays (`run_arrays`, cached per window shape: a runtime restores the same few shapes).
 """
 
 from __future__ import annotations
@@ -47,14 +45,8 @@ from typing import Any, Optional
 
 import attrs
 
-from cacheseek.errors import (
-    CorruptValueError,
-    LayoutMismatchError,
-    PlanError,
-    PlanTableError,
-    TransferTimeoutError,
-    add_note,
-)
+from cacheseek.errors import CorruptValueError, LayoutMismatchError, PlanError, PlanTableError, TransferTimeoutError
+from cacheseek.errors import add_note
 from cacheseek.kv.handles import BlobHandle, ChunkNode
 from cacheseek.kv.locators import blob_keys, layer_keys
 from cacheseek.kv.payload import LayerPayload, RestoreTarget
@@ -126,10 +118,8 @@ class GetRead:
             return
         for key, have, want in zip(keys, lengths, expected):
             if have != want:
-                raise LayoutMismatchError(
-                    f"value {key} holds {have} B but its restore target takes {want} B: the stored "
-                    f"layout differs from the runtime's (nothing was copied)"
-                )
+                raise LayoutMismatchError(f"value {key} holds {have} B but its restore target takes {want} B: "
+                                          "the stored layout differs from the runtime's (nothing was copied)")
 
     def end(self) -> None:
         if self.ended:
@@ -239,10 +229,9 @@ class Reader:
 
     # -- a whole window path --------------------------------------------------------------------
     def read_path(self, path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget) -> bool:
-        path, window = list(path), list(window)
         t0 = time.perf_counter()
         self._counters.count(reads=1)
-        found = check_path(path, window, target)
+        found = check_path(list(path), list(window), target)
         if found is None:
             self._counters.count(read_misses=1)
             return False
@@ -254,13 +243,10 @@ class Reader:
         self._counters.count(read_hits=1, get_bytes=moved, get_seconds=time.perf_counter() - t0)
         return True
 
-    def _read_window(
-        self, latent_keys: list[str], blobs: list[BlobHandle], target: RestoreTarget, attached: Attached
-    ) -> Optional[int]:
-        """One get of the path's latents and the window's KV, then one batch (every copy run of
-        every layer into the ring, then the latents) ordered after the producer stream's work and
-        before its next (module docstring), one synchronize, the views released. Bytes moved, or
-        None on a miss (a missing latent or a partial transferable prefix: nothing is copied)."""
+    def _read_window(self, latent_keys: list[str], blobs: list[BlobHandle], target: RestoreTarget,
+                     attached: Attached) -> Optional[int]:
+        """The get and the batch of a read (module docstring). Bytes moved, or None on a miss (a
+        missing latent or a partial transferable prefix: nothing is copied)."""
         transfer = attached.transfer
         width = 2 * target.n_layers
         keys = latent_keys + [k for blob in blobs for k in blob_keys(blob.locator, target.n_layers)]
@@ -323,9 +309,8 @@ class Reader:
                       declared: _Declared) -> CopyBatch:
         """The restore's copies from the value pointers of one get (``n_latents`` latents, then
         ``n_chunks`` chunks of ``2 * n_layers`` values): every copy run, chunk-major, then layer,
-        K before V, into the ring; then each latent into its target. The bulk goes first, so the
-        engine starts on it. Only the sources change between restores into the same ring and
-        latent targets: the destinations, sizes and directions are kept (`_destinations`)."""
+        K before V, into the ring; then each latent. Only the sources change between restores into
+        the same ring and latent targets (`_destinations` keeps the rest)."""
         kv = values[n_latents:].reshape(n_chunks, 2 * target.n_layers)
         run_slot, src_off, _, _ = run_arrays(target)
         dsts, sizes, codes = self._destinations(target, declared)
@@ -426,13 +411,11 @@ class Reader:
             raise PlanError(f"read of {keys[0]!r}: {exc}") from exc
         if not raw:
             return srcs  # the transfer runtime checks every copy against the registered mappings
-        lengths_fn = self.calls.value_lengths
-        lengths = list(lengths_fn(read.plan)) if lengths_fn is not None else None
-        spans = self.values.spans
+        lengths = list(self.calls.value_lengths(read.plan)) if self.calls.value_lengths is not None else None
         for i, (key, src, size) in enumerate(zip(keys, srcs, sizes)):
             if lengths is not None and lengths[i] != size:
                 raise CorruptValueError(key, f"holds {lengths[i]} B where {size} B were written")
-            if not any(r.contains(src, size) for r in spans):
+            if not any(r.contains(src, size) for r in self.values.spans):
                 raise CorruptValueError(
                     key, f"[{src:#x}, +{size}) does not lie inside a segment mapping of the Plan client")
         return srcs

@@ -273,20 +273,10 @@ class TransferLink:
     with a ``transfer_kind`` runtime built here for ``device``; see the module docstring.
     ``overlap``: None = on for a CUDA runtime with streams, off otherwise."""
 
-    def __init__(
-        self,
-        client: PlanClient,
-        transfer: Optional[TransferRuntime],
-        *,
-        transfer_kind: str,
-        device: Optional[str],
-        overlap: Optional[bool],
-        counters: Counters,
-        on_attach: Callable[[Any], None],
-        piece_bytes: int = 0,
-        piece_pause_s: float = 0.0,
-        yield_to: Optional[Callable[[], float]] = None,
-    ) -> None:
+    def __init__(self, client: PlanClient, transfer: Optional[TransferRuntime], *, transfer_kind: str,
+                 device: Optional[str], overlap: Optional[bool], counters: Counters, on_attach: Callable[[Any], None],
+                 piece_bytes: int = 0, piece_pause_s: float = 0.0,
+                 yield_to: Optional[Callable[[], float]] = None) -> None:
         self.client = client
         self.calls = ClientCalls.of(client)
         self.piece_bytes = piece_bytes
@@ -323,13 +313,11 @@ class TransferLink:
         if self._transfer is None and device is not None:
             self._transfer = self._build_transfer(device)
         map_only, fault_range = self.calls.map_local_segments, self.calls.fault_local_range
-        if map_only is not None and fault_range is not None and self._in_pieces():
+        in_pieces = map_only is not None and fault_range is not None and self._in_pieces()
+        if in_pieces:
             self._fault_range = fault_range  # faulted in _register, a piece before its registration
-            self._set_segments(map_only())
-            self._counters.count(segment_ready_seconds=time.perf_counter() - t0)
-        else:
-            self._set_segments(self.client.wait_local_segments_ready())
-            self._counters.count(segment_ready_seconds=time.perf_counter() - t0)
+        self._set_segments(map_only() if in_pieces else self.client.wait_local_segments_ready())
+        self._counters.count(segment_ready_seconds=time.perf_counter() - t0)
         try:
             if self._transfer is not None:
                 self._attach(None)
@@ -389,10 +377,8 @@ class TransferLink:
         if wanted is None:
             wanted = can_async and getattr(transfer, "device_kind", "cpu") == "cuda"
         if wanted and not can_async:
-            raise ConfigError(
-                "store.overlap", f"{type(transfer).__name__} offers no streams and events",
-                "set store.overlap=false or use a transfer runtime with the AsyncTransfer capability",
-            )
+            raise ConfigError("store.overlap", f"{type(transfer).__name__} offers no streams and events",
+                              "set store.overlap=false or use a transfer runtime with the AsyncTransfer capability")
         self._counters.note(overlap=bool(wanted))
         streams = (transfer.new_stream(), transfer.new_stream()) if can_async else (None, None)  # type: ignore[attr-defined]
         self.attached = Attached(transfer, self.values, bool(wanted), *streams,

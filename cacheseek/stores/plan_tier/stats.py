@@ -129,38 +129,16 @@ class Counters:
             return dict(self._sums), dict(self._facts)
 
 
-def collect(
-    counters: Counters,
-    *,
-    usage: Any,
-    timers: Any,
-    pending_writes: int,
-    inflight_bytes: int,
-    peak_inflight_bytes: int,
-    staging_bytes: int,
-    transfer: dict[str, Any],
-) -> PlanTierStats:
+def collect(counters: Counters, *, usage: Any, timers: Any, pending_writes: int, inflight_bytes: int,
+            peak_inflight_bytes: int, staging_bytes: int, transfer: dict[str, Any]) -> PlanTierStats:
     """The snapshot: the counters, with the client's `PlanUsage` and `SegmentTimers` (either may
     be None), the write-back state now and the transfer runtime's own stats."""
     sums, facts = counters.snapshot()
     t = timers or SegmentTimers()
-    return PlanTierStats(
-        **sums,
-        **facts,
-        used_bytes=usage.used_bytes if usage else None,
-        capacity_bytes=usage.capacity_bytes if usage else None,
-        n_values=usage.n_values if usage else None,
-        pending_writes=pending_writes,
-        inflight_bytes=inflight_bytes,
-        peak_inflight_bytes=peak_inflight_bytes,
-        staging_bytes=staging_bytes,
-        map_seconds=t.map_seconds,
-        fault_seconds=t.fault_seconds,
-        fault_method=t.fault_method,
-        fault_threads=t.fault_threads,
-        huge_page_bytes=t.huge_page_bytes,
-        transfer=transfer,
-    )
+    used = {k: getattr(usage, k) if usage else None for k in ("used_bytes", "capacity_bytes", "n_values")}
+    setup = {k: getattr(t, k) for k in ("map_seconds", "fault_seconds", "fault_method", "fault_threads", "huge_page_bytes")}
+    return PlanTierStats(**sums, **facts, **used, **setup, pending_writes=pending_writes, inflight_bytes=inflight_bytes,
+                         peak_inflight_bytes=peak_inflight_bytes, staging_bytes=staging_bytes, transfer=transfer)
 
 
 def settle(pending: Optional[PendingBatch], error: Optional[BaseException] = None, *,

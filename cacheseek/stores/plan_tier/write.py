@@ -64,7 +64,7 @@ from cacheseek.errors import PlanError, StoreTimeoutError, add_note
 from cacheseek.kv.handles import BlobHandle, Tier
 from cacheseek.kv.locators import layer_keys
 from cacheseek.kv.payload import LayerPayload
-from cacheseek.plan.base import PlanClient, PutCommitResult, PutPlan
+from cacheseek.plan.base import PlanClient, PutPlan
 from cacheseek.plan.table import decode_plan_table
 from cacheseek.stores.plan_tier.capacity import Slot, StagingSlots, split, staging_layout
 from cacheseek.stores.plan_tier.read import Reader
@@ -148,25 +148,19 @@ class PutPlans:
             self._futures[plan] = self._client.local_fast_put_commit(plan)
         failures = []
         for plan in now:
-            result = self._result(plan, self._futures[plan])
+            try:
+                result = self._futures[plan].result(timeout=self._timeout_s)
+            except FutureTimeout as exc:
+                raise StoreTimeoutError(
+                    f"commit of {len(plan.keys)} values not done after {self._timeout_s} s") from exc
             if not result.ok:
                 bad = [f"{k}={c}" for k, c in zip(plan.keys, result.key_codes) if c]
-                failures.append(
-                    f"commit of {len(plan.keys)} values of {plan.value_len} B: status "
-                    f"{result.status}{', key codes ' + ', '.join(bad) if bad else ''}"
-                    f"{' (' + result.message + ')' if result.message else ''}"
-                )
+                failures.append(f"commit of {len(plan.keys)} values of {plan.value_len} B: status "
+                                f"{result.status}{', key codes ' + ', '.join(bad) if bad else ''}"
+                                f"{' (' + result.message + ')' if result.message else ''}")
         if failures:
             raise PlanError("; ".join(failures))
         self._counters.count(plans_committed=len(now))
-
-    def _result(self, plan: PutPlan, future: Future) -> PutCommitResult:
-        try:
-            return future.result(timeout=self._timeout_s)
-        except FutureTimeout as exc:
-            raise StoreTimeoutError(
-                f"commit of {len(plan.keys)} values not done after {self._timeout_s} s"
-            ) from exc
 
     def undo(self, exc: BaseException) -> None:
         for plan in self.started:
@@ -194,17 +188,8 @@ class Writer:
     """Writes through ``link``: overlapped writes take a slot of ``slots`` and end on
     ``completion``; ``latent_sizes`` records each latent written."""
 
-    def __init__(
-        self,
-        link: TransferLink,
-        slots: StagingSlots,
-        completion: Completion,
-        counters: Counters,
-        latent_sizes: dict[str, int],
-        *,
-        piece_bytes: int,
-        timeout_s: float,
-    ) -> None:
+    def __init__(self, link: TransferLink, slots: StagingSlots, completion: Completion, counters: Counters,
+                 latent_sizes: dict[str, int], *, piece_bytes: int, timeout_s: float) -> None:
         self._link = link
         self._client = link.client
         self._calls = link.calls
@@ -218,24 +203,14 @@ class Writer:
     def _plans(self) -> PutPlans:
         return PutPlans(self._client, self._counters, self._timeout_s)
 
-    def put_async(
-        self,
-        locator: str,
-        payload: Sequence[LayerPayload],
-        *,
-        tier: Tier,
-        on_ready: Optional[Callable[[BlobHandle], None]],
-        stream: Any,
-    ) -> BlobHandle:
+    def put_async(self, locator: str, payload: Sequence[LayerPayload], *, tier: Tier,
+                  on_ready: Optional[Callable[[BlobHandle], None]], stream: Any) -> BlobHandle:
         """`PlanTierStore.put_async`."""
         layers = list(payload)
         handle = BlobHandle(tier, locator, 0, len(layers))
         t0 = time.perf_counter()
         try:
-            items = []
-            for i, (k, v) in enumerate(layers):
-                k_key, v_key = layer_keys(locator, i)
-                items += [(k_key, k), (v_key, v)]
+            items = [(key, t) for i, kv in enumerate(layers) for key, t in zip(layer_keys(locator, i), kv)]
             if not items:
                 raise PlanError(f"put of {locator}: empty payload")
             handle.nbytes = sum(nbytes(t) for _, t in items)
@@ -286,15 +261,8 @@ class Writer:
             plans.undo(exc)
             raise
 
-    def _put_overlapped(
-        self,
-        attached: Any,
-        handle: BlobHandle,
-        items: list[tuple[str, Any]],
-        on_ready: Optional[Callable[[BlobHandle], None]],
-        stream: Any,
-        t0: float,
-    ) -> None:
+    def _put_overlapped(self, attached: Any, handle: BlobHandle, items: list[tuple[str, Any]],
+                        on_ready: Optional[Callable[[BlobHandle], None]], stream: Any, t0: float) -> None:
         """Start the plans, snapshot the views into a staging slot on the producer stream, D2H
         from the slot on the write stream; the completion thread does the rest."""
         transfer, value_ranges = attached.transfer, attached.values.device_ranges
@@ -315,10 +283,8 @@ class Writer:
             pieces = split(d2h, self._piece_bytes)
             copy: Optional[PendingBatch] = None
             if len(pieces) == 1:
-                copy = transfer.submit_batch(
-                    d2h, stream=attached.write_stream, device_ranges=[slot.range()] + value_ranges,
-                    after=[snapshot]
-                )
+                copy = transfer.submit_batch(d2h, stream=attached.write_stream,
+                                             device_ranges=[slot.range()] + value_ranges, after=[snapshot])
                 batches.append(copy)
                 pieces = []
             else:  # the write stream is ordered after the snapshot now; pieces follow later
@@ -393,9 +359,7 @@ class Completion:
     """The queue of pending writes and the one thread that ends them; ``timeout_s`` bounds
     ``flush`` (per pending write) and ``stop``."""
 
-    def __init__(
-        self, slots: StagingSlots, counters: Counters, *, pieces_in_flight: int, timeout_s: float,
-    ) -> None:
+    def __init__(self, slots: StagingSlots, counters: Counters, *, pieces_in_flight: int, timeout_s: float) -> None:
         self._slots = slots
         self._counters = counters
         self._pieces_in_flight = pieces_in_flight
@@ -501,9 +465,8 @@ class Completion:
                 while len(in_flight) >= self._pieces_in_flight:
                     oldest = in_flight.popleft()
                     oldest.wait(poll_s=_PIECE_POLL_S, expected_s=0.8 * oldest.nbytes / (_EXPECTED_GIB_S * 2**30))
-                in_flight.append(transfer.submit_batch(
-                    piece, stream=item.attached.write_stream, device_ranges=ranges, after=after
-                ))
+                in_flight.append(transfer.submit_batch(piece, stream=item.attached.write_stream,
+                                                       device_ranges=ranges, after=after))
                 after = []
                 self._counters.count(write_pieces=1)
             while in_flight:

@@ -51,15 +51,8 @@ from cacheseek.registry import STORES
 from cacheseek.stores.base import PathReadStore, RestoreTarget
 from cacheseek.stores.startup import StartToken, combine
 from cacheseek.stores.tiered import demotion, read, write
-from cacheseek.stores.tiered.levels import (
-    build_stores,
-    close_levels,
-    codec_id,
-    level_keywords,
-    make_levels,
-    shared_transfer,
-    storage_format,
-)
+from cacheseek.stores.tiered.levels import (build_stores, close_levels, codec_id, level_keywords, make_levels,
+                                            shared_transfer, storage_format)
 from cacheseek.stores.tiered.records import TieredRecords
 from cacheseek.stores.tiered.residency import Residency, TieredHandle, free_blob, free_latent
 from cacheseek.stores.tiered.stats import TieredStats, TierUsage, tier_usages, tiered_stats
@@ -133,6 +126,12 @@ class TieredStore(PathReadStore):
         if self._closed:
             raise StoreClosedError("tiered store used after close()")
 
+    def _reaped(self) -> Residency:
+        """The residency book, once the store is checked open and the writes that ended are reaped."""
+        self._check_open()
+        self._book.reap()
+        return self._book
+
     # -- warm-up --------------------------------------------------------------------------------
     @property
     def ready(self) -> bool:
@@ -176,19 +175,10 @@ class TieredStore(PathReadStore):
         return self._book.pending_levels_of(handle)
 
     # -- writes ---------------------------------------------------------------------------------
-    def put_async(
-        self,
-        locator: str,
-        payload: Sequence[Any],
-        *,
-        tier: Tier = Tier.HBM_STAGING,
-        on_ready: Optional[Callable[[BlobHandle], None]] = None,
-        stream: Any = None,
-    ) -> BlobHandle:
+    def put_async(self, locator: str, payload: Sequence[Any], *, tier: Tier = Tier.HBM_STAGING,
+                  on_ready: Optional[Callable[[BlobHandle], None]] = None, stream: Any = None) -> BlobHandle:
         """`write.put_chunk`; the outer handle's ``tier`` is level 0's, whatever ``tier`` says."""
-        self._check_open()
-        self._book.reap()
-        return write.put_chunk(self._book, locator, payload, write_through=self.write_through,
+        return write.put_chunk(self._reaped(), locator, payload, write_through=self.write_through,
                                on_ready=on_ready, stream=stream)
 
     def put_skeleton(self, locator: str, latent: Any, *, stream: Any = None) -> None:
@@ -197,9 +187,7 @@ class TieredStore(PathReadStore):
 
     # -- reads ----------------------------------------------------------------------------------
     def read_path(self, path: Sequence[ChunkNode], window: Sequence[ChunkNode], target: RestoreTarget) -> bool:
-        self._check_open()
-        self._book.reap()
-        return read.read_path(self._book, path, window, target, promote=self.promote)
+        return read.read_path(self._reaped(), path, window, target, promote=self.promote)
 
     def served_tier(self) -> Optional[str]:
         """The level (its registry name) that served this thread's last `read_path`."""
@@ -224,15 +212,11 @@ class TieredStore(PathReadStore):
     # -- demotion -------------------------------------------------------------------------------
     def demote(self, handle: BlobHandle, level: int, *, make_room: Optional[demotion.MakeRoom] = None) -> bool:
         """`demotion.demote`."""
-        self._check_open()
-        self._book.reap()
-        return demotion.demote(self._book, handle, level, make_room)
+        return demotion.demote(self._reaped(), handle, level, make_room)
 
     def evict_copy(self, handle: BlobHandle, level: int) -> bool:
         """`demotion.evict_copy`."""
-        self._check_open()
-        self._book.reap()
-        return demotion.evict_copy(self._book, handle, level)
+        return demotion.evict_copy(self._reaped(), handle, level)
 
     # -- capacity -------------------------------------------------------------------------------
     def tier_usages(self) -> list[TierUsage]:
@@ -247,9 +231,7 @@ class TieredStore(PathReadStore):
 
     # -- lifetime -------------------------------------------------------------------------------
     def free(self, handle: BlobHandle) -> None:
-        self._check_open()
-        self._book.reap()
-        free_blob(self._book, handle)
+        free_blob(self._reaped(), handle)
 
     def free_skeleton(self, locator: str) -> None:
         self._check_open()

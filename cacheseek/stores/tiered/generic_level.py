@@ -32,7 +32,7 @@ def cpu_snapshot(layers: list, cache: list) -> list:
     return cache[0]
 
 
-def as_tensors(value: Any, nbytes: int) -> Any:
+def as_tensors(value: Any) -> Any:
     """A layer read from a level as tensors: raw bytes (a Plan-style level read without a
     template) become flat uint8 tensors; tensors stay as they are."""
     def one(x: Any) -> Any:
@@ -76,7 +76,7 @@ def read_generic(store: Any, path: list[ChunkNode], window: list[ChunkNode], tar
             kv = store.get_layer(n.blob, layer)
             if kv is None or kv[0] is None or kv[1] is None:
                 return False
-            kv = as_tensors(kv, value_nbytes)
+            kv = as_tensors(kv)
             for t in kv:
                 if _nbytes(t) != value_nbytes:
                     raise LayoutMismatchError(f"{n.blob.locator} layer {layer}: {_nbytes(t)} B, the ring "
@@ -87,17 +87,13 @@ def read_generic(store: Any, path: list[ChunkNode], window: list[ChunkNode], tar
         bytes_view(dst).copy_(bytes_view(lat).to(dst.device))
     tb = target.token_bytes
     for layer, (k_ring, v_ring) in enumerate(target.kv):
-        rings = (k_ring.view(-1).view(_u8()), v_ring.view(-1).view(_u8()))
+        rings = (k_ring.view(-1).view(torch.uint8), v_ring.view(-1).view(torch.uint8))
         for run in target.runs:
             src = layers[run.chunk_depth][layer]
             for ring, value in zip(rings, src):
                 ring[run.dst_token * tb : (run.dst_token + run.n_tokens) * tb].copy_(
                     bytes_view(value)[run.src_token * tb : (run.src_token + run.n_tokens) * tb].to(ring.device))
     return True
-
-
-def _u8() -> Any:
-    return torch.uint8
 
 
 def _nbytes(t: Any) -> int:

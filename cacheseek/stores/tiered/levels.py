@@ -108,10 +108,7 @@ def shared_transfer(transfer: Optional[Any], levels: Sequence[Level]) -> Any:
     """``transfer`` when given, else the first level's (None when no level has one)."""
     if transfer is not None:
         return transfer
-    for lv in levels:
-        if lv.store.transfer is not None:
-            return lv.store.transfer
-    return None
+    return next((lv.store.transfer for lv in levels if lv.store.transfer is not None), None)
 
 
 def close_levels(levels: Sequence[Level]) -> None:

@@ -53,8 +53,7 @@ def copy_blob(book: Residency, src: int, dst: int, rec: Copies) -> Optional[Blob
         value = a.store.get_layer(h, layer)
         if value is None:
             return None
-        layers.append(value)
-    layers = [as_tensors(v, outer.nbytes // max(1, len(keys))) for v in layers]
+        layers.append(as_tensors(value))
     device = device_of(b.store) if b.path else "cpu"  # a generic level takes CPU values (a codec's decode may run on a GPU)
     layers = [tuple(_to(t, device) for t in layer) if isinstance(layer, tuple) else _to(layer, device)
               for layer in layers]
@@ -80,7 +79,7 @@ def copy_latent(book: Residency, src: int, dst: int, loc: Optional[str]) -> None
             value = a.store.get_skeleton(loc)
             done = value is not None
             if done:
-                value = as_tensors(value, 0)
+                value = as_tensors(value)
                 b.store.put_skeleton(loc, value.to(device_of(b.store)) if b.path else value.to("cpu", copy=True))
     except Exception as exc:  # noqa: BLE001 - the KV is demoted; the latent may follow later
         log.warning("tiered store: latent %s not copied into %s: %s", loc, b.name, exc)

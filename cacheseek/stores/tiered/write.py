@@ -31,15 +31,8 @@ __all__ = ["put_chunk", "put_latent"]
 log = logging.getLogger(__name__)
 
 
-def put_chunk(
-    book: Residency,
-    locator: str,
-    payload: Sequence[Any],
-    *,
-    write_through: bool,
-    on_ready: Optional[Callable[[BlobHandle], None]] = None,
-    stream: Any = None,
-) -> TieredHandle:
+def put_chunk(book: Residency, locator: str, payload: Sequence[Any], *, write_through: bool,
+              on_ready: Optional[Callable[[BlobHandle], None]] = None, stream: Any = None) -> TieredHandle:
     """Write one chunk (see the module docstring); the PENDING or READY outer handle. Raises
     `StoreFullError` when no level has room, a `StoreError` when every level refused."""
     layers = list(payload)
