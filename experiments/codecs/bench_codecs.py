@@ -21,13 +21,13 @@ import math
 import os
 import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+import benchlib  # noqa: E402
 from benchlib import GiB, Progress, compose, env_info, git_state, gib_s, median, write_json  # noqa: E402
 
 import torch  # noqa: E402
@@ -87,15 +87,7 @@ def sync(device: str) -> Callable[[], None]:
 
 
 def timed(fn: Callable[[], Any], reps: int, device: str) -> list[float]:
-    out = []
-    s = sync(device)
-    for _ in range(reps):
-        s()
-        t0 = time.perf_counter()
-        fn()
-        s()
-        out.append(time.perf_counter() - t0)
-    return out
+    return benchlib.timed(fn, reps, sync=sync(device))
 
 
 # -- sections -------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from benchlib import REPO, compose, env_info, git_state, write_json  # noqa: E402
+from benchlib import REPO, compose, env_info, git_state, median, timed, write_json  # noqa: E402
 from gate_children import built, child_stack, device_sync, entry, nocache_run, plain, run_children  # noqa: E402
 
 READS = 20
@@ -178,14 +178,7 @@ def _sessions(stack: Any, factory: Any, manager: Any, actions: list, sync: Any, 
 def _timed(fn: Any, sync: Any, n: int = READS) -> float:
     """The median ms of ``fn()`` over ``n`` runs after one more, synchronized."""
     fn()
-    xs = []
-    for _ in range(n):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        xs.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(xs)
+    return 1e3 * median(timed(fn, n, sync=sync))
 
 
 def _reads(stack: Any, factory: Any, manager: Any, actions: list, sync: Any) -> dict:
