@@ -8,9 +8,7 @@ bf16 weights on the GPU, real Wan VAE and umT5), 480x832:
 1. builds the stack; one warm-up chunk without a cache;
 2. P+X without a cache (``nocache_before``), the gate (A cold + write, B full hit, C 2/3 hit, D cold
    fork; no ring check), P+X without a cache again (``nocache_after``): each request's ratio is
-   against the mean of the two, timed as the gate times a request; then (``write_pairs``) what
-   writing costs a cold session, paired: new actions run cold without writing and cold writing,
-   in alternating order (`_write_pairs`);
+   against the mean of the two, timed as the gate times a request;
 3. B again with each stage timed (synchronized; ``b_stages``): TeleFuser's prompt and condition
    encodes in ``create_runtime``, CacheSeek's creation hook, each chunk's frames read and hand-out;
    then B as a fresh worker's first session (``b_fresh_worker``: the process's keep of encodes
@@ -26,7 +24,10 @@ bf16 weights on the GPU, real Wan VAE and umT5), 480x832:
    against the same chunk of a run without a cache, and the decoder's state priced both ways:
    rebuilt (the replay's seconds, measured) or stored (its bytes after chunk k, its copy from pinned
    host memory and from device memory);
-7. the bytes stored beyond the KV (frames) against the KV's, from the metrics.
+7. (``write_pairs``) what writing costs a cold session, paired: new actions run cold without
+   writing and cold writing, in alternating order (`_write_pairs`); last, as their writes evict
+   the gate's chunks;
+8. the bytes stored beyond the KV (frames) against the KV's, from the metrics.
 
 The parent writes ``store_<store>.json`` per store, ``results.json`` (machine, versions, commit,
 every figure), ``results.md`` (the tables) and ``session_reuse.png``.
@@ -134,8 +135,6 @@ def run_one(name: str, argv: list[str]) -> None:
               f"{g['decoder_replays']} chunks replayed; frames {g['frames_written']} stored, "
               f"{g['frames_dropped']} dropped", flush=True)
 
-        if full and int(cfg.write_pairs):
-            row["write_pairs"] = _write_pairs(stack, gate, int(cfg.write_pairs))
         if full:
             with stage_timers(sync) as stages, profiled(out_dir, f"{name}.B2"):  # B again, each stage synchronized
                 again = gate._request(stack, "B2", px, "P+X")
@@ -168,6 +167,8 @@ def run_one(name: str, argv: list[str]) -> None:
                   f" frames equal {lv['frames_equal']}", flush=True)
         if store in cfg.sweep_stores:
             row["sweep"] = _sweep(stack, factory, list(cfg.sweep_k), bool(cfg.sweep_nocache_ref), sync)
+        if full and int(cfg.write_pairs):  # last: its writes evict the gate's chunks
+            row["write_pairs"] = _write_pairs(stack, gate, int(cfg.write_pairs))
         row["nocache_after_s"] = nocache(px, "no cache P+X (after)")
         m = stack.metrics.as_dict()
         row["metrics"] = m
