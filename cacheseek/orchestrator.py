@@ -111,8 +111,7 @@ class Stack:
             manager, manager.forest,
             model_fingerprint=model + b":" + weights.hex().encode() if weights else model,
             ingest_enabled=ingest_enabled, layout=self.layout, fingerprint_fields=self.fields,
-            decoder_state_every=int(self.cfg.manager.get("decoder_state_every", 0)),
-        )
+            decoder_state_every=int(self.cfg.manager.get("decoder_state_every", 0)))
 
     def run_session(self, actions: Any, *, manager: Any = None, ingest: bool = True,
                     frames: Optional[list] = None) -> tuple[Any, list, float]:

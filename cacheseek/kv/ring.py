@@ -57,8 +57,7 @@ class RingGeometry:
             if S != 0:
                 raise GeometryError(
                     "runtime.sink_size", f"is {S} in full-length mode (local_attn_size=-1)",
-                    "set sink_size=0, or set local_attn_size to a rolling window",
-                )
+                    "set sink_size=0, or set local_attn_size to a rolling window")
             return
         if not isinstance(L, int) or L <= 0:
             raise GeometryError("runtime.local_attn_size", f"must be -1 or a positive int, got {L!r}")
@@ -66,8 +65,7 @@ class RingGeometry:
             raise GeometryError(
                 "runtime.local_attn_size",
                 f"rolling window L={L} is smaller than sink S={S} plus chunk size c={c}",
-                f"use local_attn_size >= {S + c} or a smaller sink_size",
-            )
+                f"use local_attn_size >= {S + c} or a smaller sink_size")
 
     @property
     def rolling(self) -> bool:

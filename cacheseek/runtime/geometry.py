@@ -101,17 +101,11 @@ class Geometry:
         return self.latent_channels * self.chunk_size * self.latent_h * self.latent_w * itemsize
 
 
-GEOMETRIES: dict[str, Geometry] = {
-    g.name: g
-    for g in (
-        Geometry("tiny", n_layers=2, n_heads=2, head_dim=4, latent_channels=4,
-                 latent_h=2, latent_w=4, chunk_size=3),
-        Geometry("small", n_layers=4, n_heads=4, head_dim=16, latent_channels=8,
-                 latent_h=8, latent_w=8, chunk_size=3),
-        Geometry("lingbot_480p", n_layers=40, n_heads=40, head_dim=128, latent_channels=16,
-                 latent_h=60, latent_w=104, chunk_size=3),
-    )
-}
+GEOMETRIES: dict[str, Geometry] = {g.name: g for g in (
+    Geometry("tiny", n_layers=2, n_heads=2, head_dim=4, latent_channels=4, latent_h=2, latent_w=4, chunk_size=3),
+    Geometry("small", n_layers=4, n_heads=4, head_dim=16, latent_channels=8, latent_h=8, latent_w=8, chunk_size=3),
+    Geometry("lingbot_480p", n_layers=40, n_heads=40, head_dim=128, latent_channels=16, latent_h=60, latent_w=104,
+             chunk_size=3))}
 
 
 def get_geometry(name: str) -> Geometry:

@@ -291,8 +291,7 @@ class TeleFuserRuntimeFactory:
         camera = {} if self.streaming or streamed else {"poses": poses, "intrinsics": intrinsics}
         return LingBotWorldFastSessionConfig(
             prompt=self.prompt, image=pil_image(image, self.width, self.height), control_mode="cam",
-            chunk_size=c, frame_num=len(poses), seed=self.seed, **camera,
-        )
+            chunk_size=c, frame_num=len(poses), seed=self.seed, **camera)
 
     @property
     def streaming(self) -> bool:
@@ -495,5 +494,4 @@ def _require_telefuser() -> None:
     except ImportError as exc:
         raise ConfigError(
             "runtime", f"runtime=telefuser needs TeleFuser's LingBot-World-fast pipeline ({exc})",
-            "pip install -e '.[telefuser]' (then pip install --no-deps telefuser==0.1.0.post3, see README)",
-        ) from None
+            "pip install -e '.[telefuser]' (then pip install --no-deps telefuser==0.1.0.post3, see README)") from None

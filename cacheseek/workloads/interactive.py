@@ -178,8 +178,7 @@ def _summary(f: dict[str, Any]) -> str:
         f"{_ms(f['computed_chunk_s']['median'])} (cold reference {_ms(f['cold_chunk_s']['median'])}"
         f"{'' if ratio is None else f', restored/cold {ratio:.3f}'}); time to first frame median restored "
         f"{_ms(f['ttff_restored_s']['median'])}, computed {_ms(f['ttff_computed_s']['median'])}; "
-        f"{f['mismatches']} sessions differ from a cold run, {len(f['errors'])} errors"
-    )
+        f"{f['mismatches']} sessions differ from a cold run, {len(f['errors'])} errors")
 
 
 def _plot(f: dict[str, Any], tree: ActionTree, rows: list, run_dir: Optional[Path]) -> Optional[str]:

@@ -40,11 +40,7 @@ from typing import Any
 
 from cacheseek import weights
 from cacheseek.integrations.telefuser.hooked import HookedHooks
-from cacheseek.integrations.telefuser.layouts import (
-    TeleFuserLayout,
-    UnsupportedTeleFuserError,
-    detect_layout,
-)
+from cacheseek.integrations.telefuser.layouts import TeleFuserLayout, UnsupportedTeleFuserError, detect_layout
 from cacheseek.integrations.telefuser.pypi_release import ReleasedHooks
 from cacheseek.integrations.telefuser.streaming import StreamingHooks
 from cacheseek.layout.telefuser_main import forget_controls, plan_controls

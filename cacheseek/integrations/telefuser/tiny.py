@@ -177,18 +177,15 @@ def build_tiny_pipeline(*, device: str = "cpu", local_attn_size: int = -1, sink_
     """TeleFuser's ``LingBotWorldFastPipeline`` with random weights (see the module doc), for the
     installed TeleFuser's layout; ``vae`` and ``text_encoder`` choose each part (`PARTS`),
     ``text_layers`` is the umT5 encoder's depth."""
-    from telefuser.pipelines.lingbot_world_fast.pipeline import (
-        LingBotWorldFastPipeline,
-        LingBotWorldFastPipelineConfig,
-    )
+    from telefuser.pipelines.lingbot_world_fast.pipeline import (LingBotWorldFastPipeline,
+                                                                 LingBotWorldFastPipelineConfig)
 
     spec = spec or TinyDiTSpec()
     dtype = torch.bfloat16
     pipeline = LingBotWorldFastPipeline(device=device, torch_dtype=dtype)
     pipeline.config = LingBotWorldFastPipelineConfig(
         control_type="cam", orig_height=height, orig_width=width, max_area=height * width,
-        local_attn_size=int(local_attn_size), sink_size=int(sink_size),
-    )
+        local_attn_size=int(local_attn_size), sink_size=int(sink_size))
     pipeline.text_device = torch.device(device)
     pipeline.vae_device = torch.device(device)
     pipeline.tokenizer = TinyTokenizer()
@@ -206,10 +203,8 @@ def build_tiny_pipeline(*, device: str = "cpu", local_attn_size: int = -1, sink_
     if is_streaming_telefuser():
         _set_streaming_stages(pipeline, torch.device(device), make_vae(torch.float32))
         return pipeline
-    from telefuser.pipelines.lingbot_world_fast.denoising import (
-        LingBotWorldFastDenoisingStage,
-        LingBotWorldFastTimesteps,
-    )
+    from telefuser.pipelines.lingbot_world_fast.denoising import (LingBotWorldFastDenoisingStage,
+                                                                  LingBotWorldFastTimesteps)
 
     pipeline.vae = make_vae(dtype)  # the release casts its VAE to the pipeline's dtype
     pipeline.denoise_stage = LingBotWorldFastDenoisingStage(pipeline.dit, torch_dtype=dtype)
@@ -232,8 +227,7 @@ def _tiny_dit(spec: TinyDiTSpec, local_attn_size: int, sink_size: int, device: A
                 patch_size=(1, 2, 2), text_len=TEXT_LEN, in_dim=2 * Z_DIM + 4, dim=spec.dim,
                 ffn_dim=spec.ffn_dim, freq_dim=256, text_dim=spec.text_dim, out_dim=Z_DIM,
                 num_heads=spec.n_heads, num_layers=spec.n_layers, local_attn_size=int(local_attn_size),
-                sink_size=int(sink_size), control_type="cam",
-            )
+                sink_size=int(sink_size), control_type="cam")
     finally:
         torch.set_default_dtype(default)
     if torch.device(device).type != "cpu":  # its RoPE tables as a checkpoint's DiT has them: from the CPU
@@ -250,10 +244,8 @@ def _set_streaming_stages(pipeline: Any, device: Any, vae: Any) -> None:
     (float32, as main's default VAE configs; module doc)."""
     from telefuser.core.config import ModelRuntimeConfig
     from telefuser.pipelines.lingbot_world_fast.denoising import LingBotWorldFastDenoisingStage
-    from telefuser.pipelines.lingbot_world_fast.vae_stage import (
-        LingBotWorldFastVAEDecodeStage,
-        LingBotWorldFastVAEEncodeStage,
-    )
+    from telefuser.pipelines.lingbot_world_fast.vae_stage import (LingBotWorldFastVAEDecodeStage,
+                                                                  LingBotWorldFastVAEEncodeStage)
 
     cfg = pipeline.config
     pipeline.dit.set_causal_attention_window(cfg.local_attn_size, cfg.sink_size)

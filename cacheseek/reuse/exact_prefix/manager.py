@@ -71,19 +71,10 @@ class WorldKVManager:
     store's writer may hold at once, written off the request path; one more is dropped
     (counted); 0 writes them in the caller's thread (`beside_chunk`)."""
 
-    def __init__(
-        self,
-        forest: NamespaceForest,
-        store: Any,
-        cfg: WorldKVConfig,
-        *,
-        clock: Optional[Callable[[], float]] = None,
-        eviction: Any = None,
-        metrics: Optional[CacheMetrics] = None,
-        shared_index: Any = None,
-        frames_in_flight: int = 8,
-        decoder_states_in_flight: int = 1,
-    ) -> None:
+    def __init__(self, forest: NamespaceForest, store: Any, cfg: WorldKVConfig, *,
+                 clock: Optional[Callable[[], float]] = None, eviction: Any = None,
+                 metrics: Optional[CacheMetrics] = None, shared_index: Any = None, frames_in_flight: int = 8,
+                 decoder_states_in_flight: int = 1) -> None:
         self.beside_in_flight = {  # per `beside_chunk.BesideKind.kind`
             "frames": in_flight("manager.frames_in_flight", frames_in_flight),
             "decoder_state": in_flight("manager.decoder_states_in_flight", decoder_states_in_flight)}

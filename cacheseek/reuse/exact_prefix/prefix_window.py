@@ -83,14 +83,8 @@ class PrefixWindow(RestoreWindow):
         token_bytes = self.layout.token_bytes(rt)
         kv = tuple(self.layout.layers(rt))
         self.bytes_restored = sum(2 * r.n_tokens for r in runs) * token_bytes * len(kv)
-        return RestoreTarget(
-            kv=kv,
-            runs=runs,
-            window_depths=tuple(window_depths),
-            token_bytes=token_bytes,
-            chunk_tokens=self.ring.chunk_size * self.ring.frame_tokens,
-            latents=tuple(self.latents),
-        )
+        return RestoreTarget(kv=kv, runs=runs, window_depths=tuple(window_depths), token_bytes=token_bytes,
+                             chunk_tokens=self.ring.chunk_size * self.ring.frame_tokens, latents=tuple(self.latents))
 
     # publication ----------------------------------------------------------------------------
 

@@ -38,13 +38,7 @@ from cacheseek.reuse.exact_prefix import snapshot as snapshot_format
 from cacheseek.reuse.exact_prefix import snapshot_file
 from cacheseek.reuse.exact_prefix.types import ActionKey, Skeleton, TrieNode, check_action
 
-__all__ = [
-    "Namespace",
-    "NamespaceForest",
-    "PrefixMatch",
-    "save_forest_snapshot",
-    "load_forest_snapshot",
-]
+__all__ = ["Namespace", "NamespaceForest", "PrefixMatch", "save_forest_snapshot", "load_forest_snapshot"]
 
 SNAPSHOT_VERSION = snapshot_format.SNAPSHOT_VERSION
 _END = object()  # the end of a lookup's actions
@@ -166,8 +160,7 @@ class NamespaceForest:
             elif child.node_key != node_key:
                 raise ValueError(
                     f"node key mismatch at depth {depth}: trie has {child.node_key.hex()[:16]}, "
-                    f"caller derived {node_key.hex()[:16]}"
-                )
+                    f"caller derived {node_key.hex()[:16]}")
             return child
 
     def _reattach(self, ns: Namespace, node: TrieNode) -> TrieNode:
@@ -248,8 +241,7 @@ class NamespaceForest:
                 raise ConfigError(
                     f"snapshot node {n.node_key.hex()[:16]}",
                     f"at depth {n.depth} this forest already has {child.node_key.hex()[:16]} for that action",
-                    "load it into an empty forest (keys are derived differently)",
-                )
+                    "load it into an empty forest (keys are derived differently)")
             here[n.node_key] = child
 
     def _merge(self, rec: "snapshot_format.NamespaceRecord") -> int:
