@@ -130,15 +130,8 @@ class TinyVAE:
         self.dtype = dtype
 
     def encode(self, videos: list, device: Any = None, tiled: bool = False) -> list:
-        out = []
-        for video in videos:
-            v = video.float()
-            first, rest = v[:, :1], v[:, 1:]
-            groups = rest.reshape(3, rest.shape[1] // TEMPORAL, TEMPORAL, *rest.shape[2:]).mean(dim=2)
-            frames = torch.cat([first, groups], dim=1)  # [3, lat_f, H, W]
-            pooled = F.avg_pool2d(frames.transpose(0, 1), SPATIAL).transpose(0, 1)
-            out.append(torch.tanh(torch.einsum("zc,cthw->zthw", self.enc, pooled)).to(video.dtype))
-        return out
+        return [self._project(torch.cat([v.float()[:, :1], _temporal_mean(v.float()[:, 1:])], dim=1), v.dtype)
+                for v in videos]
 
     def cached_encode_withflag(self, video: Any, device: Any, is_first_clip: bool, is_last_clip: bool,
                                encode_state: Any = None) -> Any:
@@ -146,10 +139,12 @@ class TinyVAE:
         after) -> ``[16, c, H/8, W/8]``."""
         if is_first_clip:
             return self.encode([video])[0]
-        v = video.float()
-        frames = v.reshape(3, v.shape[1] // TEMPORAL, TEMPORAL, *v.shape[2:]).mean(dim=2)
+        return self._project(_temporal_mean(video.float()), video.dtype)
+
+    def _project(self, frames: Any, dtype: Any) -> Any:
+        """``[3, lat_f, H, W]`` float32 -> ``[16, lat_f, H/8, W/8]`` in ``dtype``."""
         pooled = F.avg_pool2d(frames.transpose(0, 1), SPATIAL).transpose(0, 1)
-        return torch.tanh(torch.einsum("zc,cthw->zthw", self.enc, pooled)).to(video.dtype)
+        return torch.tanh(torch.einsum("zc,cthw->zthw", self.enc, pooled)).to(dtype)
 
     def cached_decode_withflag(self, hidden_state: Any, device: Any, is_first_clip: bool,
                                is_last_clip: bool, decode_state: Any = None) -> Any:
@@ -269,6 +264,11 @@ def _set_streaming_stages(pipeline: Any, device: Any, vae: Any) -> None:
         stage.onload_models_flag = True  # the tiny parts are on their device already
     pipeline.vae = vae
     pipeline.vae_encode_worker, pipeline.vae_decode_worker, pipeline.denoise_stage = map(InProcessWorker, stages)
+
+
+def _temporal_mean(v: Any) -> Any:
+    """``[3, 4n, H, W]`` -> ``[3, n, H, W]``: the mean of each group of `TEMPORAL` frames."""
+    return v.reshape(3, v.shape[1] // TEMPORAL, TEMPORAL, *v.shape[2:]).mean(dim=2)
 
 
 class TinyModules:
