@@ -338,11 +338,8 @@ class CacheMetrics:
         out["partial_hits_by_depth"] = dict(sorted(m.partial_hits_by_depth.items()))
         out["live_hits_by_chunk"] = dict(sorted(m.live_hits_by_chunk.items()))
         out["chunks_restored"] = sum(k * v for k, v in m.hits_by_depth.items()) + out["live_hits"]
-        out["hits_by_tier"] = _by_last(m.hits_by_kind_tier)
-        by_hook: dict[str, int] = {}
-        for (hook, _), n in m.hook_failures_by_error.items():
-            by_hook[hook] = by_hook.get(hook, 0) + n
-        out["hook_failures_by_hook"] = dict(sorted(by_hook.items()))
+        out["hits_by_tier"] = _sum_by(m.hits_by_kind_tier, 1)
+        out["hook_failures_by_hook"] = _sum_by(m.hook_failures_by_error, 0)
         out["hook_failures_by_error"] = {f"{h}:{e}": n for (h, e), n in sorted(m.hook_failures_by_error.items())}
         out["histograms"] = {
             spec.family: [{"labels": dict(zip(spec.label_names, key)), **h.as_dict()}
@@ -369,11 +366,11 @@ class CacheMetrics:
         return out
 
 
-def _by_last(counts: dict) -> dict[str, int]:
-    """``{(kind, tier): n}`` summed by tier."""
+def _sum_by(counts: dict, part: int) -> dict[str, int]:
+    """``{(a, b): n}`` summed by ``key[part]`` (``(kind, tier)`` by tier, ``(hook, error)`` by hook)."""
     out: dict[str, int] = {}
-    for (_, tier), n in counts.items():
-        out[tier] = out.get(tier, 0) + n
+    for key, n in counts.items():
+        out[key[part]] = out.get(key[part], 0) + n
     return dict(sorted(out.items()))
 
 

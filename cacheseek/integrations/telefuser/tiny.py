@@ -211,7 +211,6 @@ def _tiny_dit(spec: TinyDiTSpec, local_attn_size: int, sink_size: int, device: A
     """TeleFuser's DiT constructed on ``device`` in ``dtype``, then redrawn (`redraw`). Its float64
     RoPE tables are TeleFuser's own, computed on the CPU as ``from_pretrained`` (built on the CPU,
     then moved) has them; its forward moves them to the input's device."""
-    import torch
     from telefuser.models.lingbot_world_fast_dit import LingBotWorldFastDiT
 
     default = torch.get_default_dtype()
