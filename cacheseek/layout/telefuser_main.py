@@ -134,9 +134,8 @@ class TeleFuserMainLayout(RingLayout):
         if owner is None:
             owner = _CREATING.get()
             if owner is None:
-                raise LayoutMismatchError(
-                    "this TeleFuser session was not created by an attached pipeline: call "
-                    "cacheseek.integrations.telefuser.attach(pipeline) before creating sessions")
+                raise LayoutMismatchError("this TeleFuser session was not created by an attached pipeline: call "
+                                          "cacheseek.integrations.telefuser.attach(pipeline) before creating sessions")
             _OWNERS.set(session, owner)
         return owner
 

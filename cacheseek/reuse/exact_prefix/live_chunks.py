@@ -149,11 +149,10 @@ class LiveChunks:
         self.manager.metrics.add(chunks_unkeyed=1)
         if not _logged_unkeyed:
             _logged_unkeyed.append(True)
-            log.warning(
-                "chunk %d's control was neither planned nor named as the chunk started, so it and the "
-                "session's later chunks are not cached (counted as chunks_unkeyed); attach CacheSeek to the "
-                "pipeline (cacheseek.integrations.telefuser.attach) so each chunk's control reaches the "
-                "binding", self._unkeyed_from)
+            log.warning("chunk %d's control was neither planned nor named as the chunk started, so it and the "
+                        "session's later chunks are not cached (counted as chunks_unkeyed); attach CacheSeek to the "
+                        "pipeline (cacheseek.integrations.telefuser.attach) so each chunk's control reaches the "
+                        "binding", self._unkeyed_from)
 
     def _on_chunk_control(self, runtime: Any, idx: int, control: Any, may_restore: bool) -> None:
         keys = self._keys

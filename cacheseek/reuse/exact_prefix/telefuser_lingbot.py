@@ -98,9 +98,8 @@ _warned_unattached: list[bool] = []
 def _warn_no_weights_fingerprint() -> None:
     if not _warned_weights:
         _warned_weights.append(True)
-        log.warning(
-            "the runtime has no weights_fingerprint and model_fingerprint is the default: two "
-            "checkpoints would share a namespace; pass model_fingerprint=<hash of the weights>")
+        log.warning("the runtime has no weights_fingerprint and model_fingerprint is the default: two "
+                    "checkpoints would share a namespace; pass model_fingerprint=<hash of the weights>")
 
 
 def _real_model(runtime: Any) -> bool:
@@ -381,12 +380,11 @@ class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
         if self.model_fingerprint != _DEFAULT_MODEL_FINGERPRINT:
             return b""
         if self.require_weights_fingerprint or (self.require_weights_fingerprint is None and _real_model(runtime)):
-            raise ConfigError(
-                "namespace.model_fingerprint",
-                f"nothing identifies the weights of this {type(runtime).__name__}: two checkpoints "
-                "would restore each other's KV",
-                "call cacheseek.integrations.telefuser.attach(pipeline) before creating sessions (it "
-                "fingerprints the DiT), or pass model_fingerprint=<a name that changes with the weights>")
+            raise ConfigError("namespace.model_fingerprint",
+                              f"nothing identifies the weights of this {type(runtime).__name__}: two checkpoints "
+                              "would restore each other's KV",
+                              "call cacheseek.integrations.telefuser.attach(pipeline) before creating sessions (it "
+                              "fingerprints the DiT), or pass model_fingerprint=<a name that changes with the weights>")
         _warn_no_weights_fingerprint()
         return b""
 

@@ -158,9 +158,8 @@ class NamespaceForest:
                 child = TrieNode(node_key=node_key, action=action, depth=depth, parent=parent)
                 parent.children[action] = child
             elif child.node_key != node_key:
-                raise ValueError(
-                    f"node key mismatch at depth {depth}: trie has {child.node_key.hex()[:16]}, "
-                    f"caller derived {node_key.hex()[:16]}")
+                raise ValueError(f"node key mismatch at depth {depth}: trie has {child.node_key.hex()[:16]}, "
+                                 f"caller derived {node_key.hex()[:16]}")
             return child
 
     def _reattach(self, ns: Namespace, node: TrieNode) -> TrieNode:
