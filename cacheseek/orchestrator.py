@@ -107,11 +107,10 @@ class Stack:
         manager = manager if manager is not None else self.new_manager()
         model = str(self.cfg.namespace.model_fingerprint).encode()
         weights = getattr(self.runtime_factory, "weights_fingerprint", None)  # a runtime that knows its weights
-        return LingBotWorldKVBinding(
-            manager, manager.forest,
-            model_fingerprint=model + b":" + weights.hex().encode() if weights else model,
-            ingest_enabled=ingest_enabled, layout=self.layout, fingerprint_fields=self.fields,
-            decoder_state_every=int(self.cfg.manager.get("decoder_state_every", 0)))
+        return LingBotWorldKVBinding(manager, manager.forest,
+                                     model_fingerprint=model + b":" + weights.hex().encode() if weights else model,
+                                     ingest_enabled=ingest_enabled, layout=self.layout, fingerprint_fields=self.fields,
+                                     decoder_state_every=int(self.cfg.manager.get("decoder_state_every", 0)))
 
     def run_session(self, actions: Any, *, manager: Any = None, ingest: bool = True,
                     frames: Optional[list] = None) -> tuple[Any, list, float]:
@@ -162,8 +161,7 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
     _manager_config(cfg, runtime_factory)  # the manager section against the runtime, before any store
     _eviction_config(cfg)
     SharedIndexConfig.from_conf(cfg.manager.get("shared_index"))
-    fields = namespace.resolve_fields(
-        None if cfg.namespace.fields is None else list(cfg.namespace.fields))
+    fields = namespace.resolve_fields(None if cfg.namespace.fields is None else list(cfg.namespace.fields))
 
     transfer = objects.pop("transfer", None)
     if transfer is None:

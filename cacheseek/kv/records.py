@@ -157,11 +157,10 @@ def decode_record(node_key: bytes, data: bytes) -> ChunkRecord:
             if len(packed) != 16 * len(order):
                 raise bad(f"has {len(packed) // 16} checksums for {len(order)} values")
             digests = [(k, packed[16 * i:16 * i + 16]) for i, k in enumerate(order)]
-        rec = ChunkRecord(
-            node_key=node, parent_key=bytes.fromhex(d["parent"]),
-            root_hash=bytes.fromhex(d["root"]), depth=d["depth"], n_layers=d["n_layers"],
-            nbytes=d["nbytes"], pairs=bool(d["pairs"]), latent_nbytes=d["latent_nbytes"],
-            storage_format=str(d["storage_format"]), digests=digests)
+        rec = ChunkRecord(node_key=node, parent_key=bytes.fromhex(d["parent"]),
+                          root_hash=bytes.fromhex(d["root"]), depth=d["depth"], n_layers=d["n_layers"],
+                          nbytes=d["nbytes"], pairs=bool(d["pairs"]), latent_nbytes=d["latent_nbytes"],
+                          storage_format=str(d["storage_format"]), digests=digests)
     except CorruptValueError:
         raise
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:

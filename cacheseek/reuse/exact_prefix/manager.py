@@ -104,9 +104,7 @@ class WorldKVManager:
         self._store = as_store(store)
 
     # -- read side ------------------------------------------------------------------------------
-    def try_fast_forward(
-        self, root_hash: bytes, actions: Sequence[ActionKey], window: RestoreWindow
-    ) -> FastForwardResult:
+    def try_fast_forward(self, root_hash: bytes, actions: Sequence[ActionKey], window: RestoreWindow) -> FastForwardResult:
         self.metrics.add(prefix_lookups=1)
         self.forest.begin_session(root_hash)
         requested = limit = len(actions)
@@ -191,8 +189,7 @@ class WorldKVManager:
 
     # -- write side -----------------------------------------------------------------------------
     def ingest(self, ns: Namespace, parent: TrieNode, action: ActionKey, node_key: bytes, depth: int,
-               kv_payload: Sequence[Any], latent: Any, *, nbytes: int = 0, n_layers: Optional[int] = None,
-               ) -> TrieNode:
+               kv_payload: Sequence[Any], latent: Any, *, nbytes: int = 0, n_layers: Optional[int] = None) -> TrieNode:
         """Write one finished chunk (see the module docstring and docs/api.md)."""
         forest, store = self.forest, self.store
         found = self.index.child(ns, parent, action) if self.index.keys_as(parent, action, node_key) else None

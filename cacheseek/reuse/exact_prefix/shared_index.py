@@ -255,11 +255,10 @@ class SharedIndex:
         if (not self.active or handle.error is not None or node.parent is None
                 or not self.keys_as(node.parent, node.action, node.node_key)):
             return
-        record = ChunkRecord(
-            node_key=node.node_key, parent_key=node.parent.node_key, root_hash=ns.root_hash,
-            depth=node.depth, n_layers=handle.n_layers, nbytes=int(handle.nbytes), pairs=handle.pairs,
-            latent_nbytes=int(latent_nbytes), storage_format=self._format,
-            digests=handle.digests or {})
+        record = ChunkRecord(node_key=node.node_key, parent_key=node.parent.node_key, root_hash=ns.root_hash,
+                             depth=node.depth, n_layers=handle.n_layers, nbytes=int(handle.nbytes), pairs=handle.pairs,
+                             latent_nbytes=int(latent_nbytes), storage_format=self._format,
+                             digests=handle.digests or {})
         if self.ctx.store.records.publish(record):
             handle.recorded = True
             self.ctx.metrics.add(index_published=1)
