@@ -104,7 +104,8 @@ class WorldKVManager:
         self._store = as_store(store)
 
     # -- read side ------------------------------------------------------------------------------
-    def try_fast_forward(self, root_hash: bytes, actions: Sequence[ActionKey], window: RestoreWindow) -> FastForwardResult:
+    def try_fast_forward(self, root_hash: bytes, actions: Sequence[ActionKey],
+                         window: RestoreWindow) -> FastForwardResult:
         self.metrics.add(prefix_lookups=1)
         self.forest.begin_session(root_hash)
         requested = limit = len(actions)
