@@ -20,7 +20,6 @@ def fmt_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return f"{n:.2f} GiB"
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
@@ -35,9 +34,7 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) ->
 
 
 def _cell(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.3f}"
-    return "" if v is None else str(v)
+    return f"{v:.3f}" if isinstance(v, float) else "" if v is None else str(v)
 
 
 REQUEST_COLUMNS = [

@@ -182,8 +182,7 @@ class StreamingHooks:
         if admitted:
             with self._lock:
                 self._admitted.setdefault(handle, set()).add(int(chunk_index))
-            return
-        if binding is not None:
+        else:
             as_hooks(binding).withdraw_control(int(chunk_index))
 
     def denoise(self, kwargs: dict[str, Any], call: Any) -> Any:
