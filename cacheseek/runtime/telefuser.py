@@ -46,6 +46,7 @@ from typing import Any, Optional
 from cacheseek import weights
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.integrations.telefuser import TeleFuserLayout, attach, plan_controls
+from cacheseek.integrations.telefuser.handout import VIDEO_PER_LATENT
 from cacheseek.integrations.telefuser.tiny import PARTS, TinyDiTSpec, build_tiny_pipeline, rope_head_dim_problem
 from cacheseek.integrations.telefuser.wan_parts import feature_cache_bytes
 from cacheseek.registry import RUNTIMES
@@ -54,7 +55,6 @@ from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.telefuser_logs import route_telefuser_logs
 from cacheseek.runtime import telefuser_sizes
 from cacheseek.runtime.telefuser_frames import frame_hash, images_hash, images_tensor, pil_image
-from cacheseek.runtime.telefuser_sizes import VIDEO_PER_LATENT
 
 __all__ = ["TeleFuserRuntimeFactory", "TeleFuserSession", "camera_path", "frame_hash", "images_hash"]
 

@@ -1,7 +1,7 @@
 """What a ``telefuser`` runtime's session stores beside its chunks' KV, in bytes, for
 `sizing.need_for` (through the factory's ``beside_chunk_bytes`` and ``session_encode_bytes``).
 
-Kept apart from `cacheseek.runtime.telefuser` (the runtime and its sessions); pure arithmetic on the
+Kept apart from `cacheseek.runtime.telefuser` (the runtime and its sessions): arithmetic on the
 latent geometry and the video size.
 """
 
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+from cacheseek.integrations.telefuser.handout import VIDEO_PER_LATENT
 from cacheseek.kv import encode as encode_value
 from cacheseek.kv import frames as frames_value
 from cacheseek.runtime.geometry import Geometry
 
-__all__ = ["DECODER_STATE_HEADROOM", "VIDEO_PER_LATENT", "beside_chunk_bytes", "session_encode_bytes"]
+__all__ = ["DECODER_STATE_HEADROOM", "beside_chunk_bytes", "session_encode_bytes"]
 
-VIDEO_PER_LATENT = 4  # Wan VAE: 4 video frames per latent frame (the first latent holds one)
 DECODER_STATE_HEADROOM = 1 << 20  # a stored state's header, entry table and padding (a few KiB at 480p)
 
 
