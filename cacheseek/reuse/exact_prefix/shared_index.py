@@ -275,11 +275,10 @@ class SharedIndex:
         shared = [n for n in nodes if n.blob is not None and n.blob.recorded]
         if not self.active or not shared:
             return ()
-        nodes = shared
-        records = self.ctx.store.records.probe([n.node_key for n in nodes])
+        records = self.ctx.store.records.probe([n.node_key for n in shared])
         if records is None:
             return None
-        lost = tuple(n for n, r in zip(nodes, records) if r is None)
+        lost = tuple(n for n, r in zip(shared, records) if r is None)
         if lost:
             self.ctx.metrics.add(index_recheck_misses=1)
         return lost
