@@ -88,9 +88,6 @@ class Stack:
     def manager_config(self):
         return _manager_config(self.cfg, self.runtime_factory)
 
-    def eviction_config(self):
-        return _eviction_config(self.cfg)
-
     def new_manager(self, forest: Any = None, *, shared_index: bool = True):
         """A manager on this stack's store (its forest, or ``forest``). ``shared_index`` False:
         it finds only what its own trie holds (a cold reference run on a fresh forest)."""
@@ -98,7 +95,7 @@ class Stack:
         if not shared_index:
             index = dataclasses.replace(index, enabled=False)
         return WorldKVManager(forest if forest is not None else self.forest, self.store,
-                              self.manager_config(), eviction=self.eviction_config(),
+                              self.manager_config(), eviction=_eviction_config(self.cfg),
                               metrics=self.metrics, shared_index=index,
                               frames_in_flight=self.cfg.manager.get("frames_in_flight", 8),
                               decoder_states_in_flight=self.cfg.manager.get("decoder_states_in_flight", 1))
