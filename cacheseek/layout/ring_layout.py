@@ -180,13 +180,7 @@ class RingLayout(abc.ABC):
         k, _ = self.layers(runtime)[0]
         ring = self.window(runtime)
         latent = self.latent_spec(runtime)
-        return {
-            "storage_format": self.storage_format,
-            "n_layers": len(self.ring_layers(runtime)),
-            "kv_shape": [1, ring.chunk_size * ring.frame_tokens, int(k.shape[2]), int(k.shape[3])],
-            "kv_dtype": str(k.dtype),
-            "latent_shape": list(latent.shape),
-            "latent_dtype": str(latent.dtype),
-            "chunk_size": ring.chunk_size,
-            "frame_tokens": ring.frame_tokens,
-        }
+        return {"storage_format": self.storage_format, "n_layers": len(self.ring_layers(runtime)),
+                "kv_shape": [1, ring.chunk_size * ring.frame_tokens, int(k.shape[2]), int(k.shape[3])],
+                "kv_dtype": str(k.dtype), "latent_shape": list(latent.shape), "latent_dtype": str(latent.dtype),
+                "chunk_size": ring.chunk_size, "frame_tokens": ring.frame_tokens}

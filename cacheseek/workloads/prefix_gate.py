@@ -184,16 +184,9 @@ class PrefixGate:
         if lossy:
             verdicts["frame_quality"] = c.frames == "ok"
             out_quality = {**quality, "vs": "C against the cold D", "min_psnr_db_required": self.min_psnr_db}
-        return {
-            "workload": "abcd",
-            "frame_quality": out_quality,
-            "warm": warm,
-            "requests": [r.row() for r in reqs],
-            "frame_hashes": {r.name: r.frame_hashes for r in reqs},
-            "ring_check": ring,
-            "verdicts": verdicts,
-            "passed": all(verdicts.values()),
-        }
+        return {"workload": "abcd", "frame_quality": out_quality, "warm": warm, "requests": [r.row() for r in reqs],
+                "frame_hashes": {r.name: r.frame_hashes for r in reqs}, "ring_check": ring, "verdicts": verdicts,
+                "passed": all(verdicts.values())}
 
     def _quality_ok(self, quality: dict[str, Any]) -> bool:
         """Frames identical, or every chunk's PSNR at least ``min_psnr_db`` (None: reported only)."""
