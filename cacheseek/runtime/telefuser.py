@@ -26,9 +26,10 @@ chunk))`` with the chunk's latent-frame poses; main: ``submit_chunk(session, i, 
 A workload's action per chunk is a small vector (``[a0, a1, a2, ...]`` in [-1, 1]); here it is a
 camera move, turned into the inputs a TeleFuser user passes (`camera_path`), which TeleFuser turns
 into the control tensors ``[1, 384, 3, h, w]`` float32 that the binding keys on (TeleFuser main
-builds one chunk's control from its poses and the pose before it). The moves are rotations:
-TeleFuser normalizes translations by the largest step of the whole trajectory, which would make
-the control of an early chunk depend on later actions and defeat prefix reuse.
+builds one chunk's control from its poses and the pose before it). The moves are rotations, which
+reach the DiT unnormalized: TeleFuser normalizes translations by the largest step of the whole
+trajectory, which would make the control of an early chunk depend on later actions and defeat
+prefix reuse.
 
 Requires the ``telefuser`` extra (``pip install -e '.[telefuser]'``); importing this module does
 not import TeleFuser.
@@ -50,10 +51,10 @@ from cacheseek.integrations.telefuser.handout import VIDEO_PER_LATENT
 from cacheseek.integrations.telefuser.tiny import PARTS, TinyDiTSpec, build_tiny_pipeline, rope_head_dim_problem
 from cacheseek.integrations.telefuser.wan_parts import feature_cache_bytes
 from cacheseek.registry import RUNTIMES
+from cacheseek.runtime import telefuser_sizes
 from cacheseek.runtime.geometry import Geometry, check_cpu_memory, no_cuda_error, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.telefuser_logs import route_telefuser_logs
-from cacheseek.runtime import telefuser_sizes
 from cacheseek.runtime.telefuser_frames import frame_hash, images_hash, images_tensor, pil_image
 
 __all__ = ["TeleFuserRuntimeFactory", "TeleFuserSession", "camera_path", "frame_hash", "images_hash"]
