@@ -31,12 +31,11 @@ import struct
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 import xxhash
 
 from cacheseek.errors import CorruptValueError
-from cacheseek.kv.frames import host_bytes
+from cacheseek.kv.frames import host_bytes, tensor_nbytes
 
 __all__ = ["MAGIC", "HEAD_NBYTES", "DTYPES", "EncodeHead", "pack", "unpack_head", "unpack_body"]
 
@@ -105,7 +104,7 @@ def unpack_head(key: bytes, value: Any, locator: str) -> EncodeHead:
     if _digest(key, code, shape, nbytes, body_digest) != digest:
         raise CorruptValueError(locator, "checksum mismatch")
     dtype = DTYPES[code]
-    if int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size() != nbytes:
+    if tensor_nbytes(shape, dtype) != nbytes:
         raise CorruptValueError(locator, f"{nbytes} body bytes for {shape} {dtype}")
     return EncodeHead(shape, dtype, nbytes, body_digest)
 

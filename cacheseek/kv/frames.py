@@ -31,7 +31,7 @@ import xxhash
 
 from cacheseek.errors import CorruptValueError
 
-__all__ = ["MAGIC", "DTYPES", "FramesSpec", "host_bytes", "pack", "unpack", "packed_nbytes"]
+__all__ = ["MAGIC", "DTYPES", "FramesSpec", "host_bytes", "pack", "unpack", "packed_nbytes", "tensor_nbytes"]
 
 MAGIC = b"CSFRMV01"
 _HEAD = struct.Struct("<8s32s16sBB6x")
@@ -54,10 +54,15 @@ class FramesSpec:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
+        return tensor_nbytes(self.shape, self.dtype)
 
     def __repr__(self) -> str:
         return f"FramesSpec({self.shape}, {self.dtype})"
+
+
+def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a C-order tensor of ``shape`` and ``dtype``."""
+    return int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
 
 
 def host_bytes(value: Any) -> np.ndarray:
