@@ -24,9 +24,15 @@ from cacheseek.errors import ConfigError, GeometryError
 from cacheseek.sizes import format_size
 
 __all__ = ["GEOMETRIES", "Geometry", "get_geometry", "validate_window", "no_cuda_error", "check_cpu_memory",
-           "GPU_CHUNK_BYTES"]
+           "check_int", "GPU_CHUNK_BYTES"]
 
 GPU_CHUNK_BYTES = 256 << 20  # a chunk's KV above this is a model for a GPU (lingbot_480p: 3.57 GiB)
+
+
+def check_int(field: str, value: Any, minimum: int) -> None:
+    """A runtime setting ``field`` must be an integer (not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(field, f"must be an integer >= {minimum}, got {value!r}")
 
 
 def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:

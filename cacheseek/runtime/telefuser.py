@@ -52,7 +52,7 @@ from cacheseek.integrations.telefuser.tiny import PARTS, TinyDiTSpec, build_tiny
 from cacheseek.integrations.telefuser.wan_parts import feature_cache_bytes
 from cacheseek.registry import RUNTIMES
 from cacheseek.runtime import telefuser_sizes
-from cacheseek.runtime.geometry import Geometry, check_cpu_memory, no_cuda_error, validate_window
+from cacheseek.runtime.geometry import Geometry, check_cpu_memory, check_int, no_cuda_error, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.telefuser_logs import route_telefuser_logs
 from cacheseek.runtime.telefuser_frames import frame_hash, images_hash, images_tensor, pil_image
@@ -116,8 +116,7 @@ class TeleFuserRuntimeFactory:
                                  ("n_heads", n_heads, 1), ("head_dim", head_dim, 2), ("seed", seed, 0),
                                  ("ffn_dim", 1 if ffn_dim is None else ffn_dim, 1), ("text_dim", text_dim, 1),
                                  ("text_layers", text_layers, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"runtime.{name}", f"must be an integer >= {low}, got {value!r}")
+            check_int(f"runtime.{name}", value, low)
         for name, value in (("height", height), ("width", width)):
             if value % 16:
                 raise ConfigError(f"runtime.{name}", f"{value} is not a multiple of 16",

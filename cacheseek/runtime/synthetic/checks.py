@@ -11,7 +11,7 @@ import torch
 
 from cacheseek.errors import ConfigError
 from cacheseek.runtime.synthetic.control import MAX_ACTION_DIM
-from cacheseek.runtime.geometry import check_cpu_memory, no_cuda_error
+from cacheseek.runtime.geometry import check_cpu_memory, check_int, no_cuda_error
 
 __all__ = ["DTYPES", "check_actions", "check_compute", "check_device", "check_dtype", "check_int", "check_prompt",
            "torch_dtype"]
@@ -22,11 +22,6 @@ DTYPES = ("bfloat16", "float16", "float32")
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a checked `DTYPES` name."""
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
-
-
-def check_int(field: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(field, f"must be an integer >= {minimum}, got {value!r}")
 
 
 def check_dtype(dtype: Any) -> None:
