@@ -141,13 +141,17 @@ class BoundedCalls:
         self.closed = True
         return True
 
-    def drain(self, timeout: float) -> tuple[int, int]:
-        """Wait at most ``timeout`` for the calls in flight; ``(stuck, inflight)`` after it."""
+    def _wait(self, busy: Callable[[], int], timeout: float) -> tuple[int, int]:
+        """Wait at most ``timeout`` until ``busy()`` (read under ``lock``) is 0; ``(stuck, inflight)`` then."""
         deadline = time.monotonic() + timeout
         with self.lock:
-            while self.inflight > 0 and time.monotonic() < deadline:
+            while busy() > 0 and time.monotonic() < deadline:
                 self._idle.wait(timeout=max(0.01, deadline - time.monotonic()))
             return self.stuck, self.inflight
+
+    def drain(self, timeout: float) -> tuple[int, int]:
+        """Wait at most ``timeout`` for the calls in flight; ``(stuck, inflight)`` after it."""
+        return self._wait(lambda: self.inflight, timeout)
 
     def wait_idle(self, timeout_s: float) -> bool:
         """Wait until no call is being waited for (stuck calls aside); False past ``timeout_s``."""
@@ -156,8 +160,4 @@ class BoundedCalls:
     def wait_quiet(self, timeout_s: float) -> int:
         """Wait at most ``timeout_s`` until no call runs at all, stuck ones included; the number
         still running after it (0: none)."""
-        deadline = time.monotonic() + timeout_s
-        with self.lock:
-            while self.inflight + self.stuck > 0 and time.monotonic() < deadline:
-                self._idle.wait(timeout=max(0.01, deadline - time.monotonic()))
-            return self.inflight + self.stuck
+        return sum(self._wait(lambda: self.inflight + self.stuck, timeout_s))

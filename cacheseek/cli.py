@@ -85,7 +85,7 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
         results["codec"] = store_codec(stack.store)  # ``lossy`` names a lossy codec: frames judged by PSNR
         describe = getattr(stack.runtime_factory, "describe", None)
         results["runtime"] = describe() if describe is not None else {"runtime": type(stack.runtime_factory).__name__}
-        results["layout"] = _layout_name(stack.layout)
+        results["layout"] = LAYOUTS.name_of(type(stack.layout)) or type(stack.layout).__name__  # auto resolved
         results["store_stats"] = store_stats(stack.store)
         results["metrics"] = stack.metrics.as_dict()
         results["metrics_endpoint"] = server.url if server is not None else None
@@ -124,11 +124,6 @@ def run(cfg: DictConfig, run_dir: Path, **objects: Any) -> dict[str, Any]:
         finally:
             server.close()
     return results
-
-
-def _layout_name(layout: Any) -> str:
-    """The registered name of the layout adapter that ran (``layout=auto`` resolved)."""
-    return next((n for n in LAYOUTS.names() if LAYOUTS.get(n) is type(layout)), type(layout).__name__)
 
 
 class OutputDirCheck(Callback):

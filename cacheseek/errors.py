@@ -24,11 +24,7 @@ class ConfigError(CacheSeekError, ValueError):
         self.field = field
         self.problem = problem
         self.fix = fix or _implied_fix(field, problem)
-        fix = self.fix
-        msg = f"{field}: {problem}"
-        if fix:
-            msg += f" (fix: {fix})"
-        super().__init__(msg)
+        super().__init__(f"{field}: {problem}" + (f" (fix: {self.fix})" if self.fix else ""))
 
 
 def _implied_fix(field: str, problem: str) -> str | None:

@@ -88,28 +88,23 @@ def _missing_option(exc: Any) -> ConfigError:
 def _composition(exc: BaseException) -> ConfigError:
     text = str(exc)
     cause = exc.__cause__
-    m = re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", text)
-    if m:
+    if m := re.search(r"Ambiguous value for argument '([^=']+)=([^']*)'", text):
         return _comma_list(m.group(1), m.group(2))
-    m = re.search(r"Could not override '([^']+)'\. No match in the defaults list", text)
-    if m:
+    if m := re.search(r"Could not override '([^']+)'\. No match in the defaults list", text):
         group = m.group(1)
         hint = re.search(r"use (\+\S+)", text)
         return ConfigError(group, f"{group} is not in the defaults list, so it is picked with a leading +",
                            f"write {hint.group(1) if hint else '+' + group + '=NAME'}")
-    m = re.search(r"Multiple values for (\S+?)\.", text)
-    if m:
+    if m := re.search(r"Multiple values for (\S+?)\.", text):
         group = m.group(1)
         return ConfigError(group, f"{group} is chosen more than once",
                            f"give +{group}=NAME once (a sweep over several is -m +{group}=a,b)")
-    m = re.search(r"In '([^/']+)/([^']+)': \w+ raised while composing config:\s*Key '([^']+)' not in '(\w+)'", text)
-    if m:
+    if m := re.search(r"In '([^/']+)/([^']+)': \w+ raised while composing config:\s*Key '([^']+)' not in '(\w+)'",
+                      text):
         return _preset_for_another_runtime(*m.groups())
-    field = None
     m = re.search(r"(?:Could not override|Could not append to config\. An item is already at) '([^']+)'", text) \
         or re.search(r"Error merging override \+?([^=\s]+)=", text)
-    if m:
-        field = m.group(1)
+    field = m.group(1) if m else None
     if isinstance(cause, OmegaConfBaseException):
         given = re.search(r"use \+[^=\s]+=(.*)", text) \
             or re.search(r"Error merging override \+?[^=\s]+=(.*)", text)  # the override's value

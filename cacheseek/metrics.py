@@ -52,7 +52,7 @@ from cacheseek.eviction.base import store_usage
 from cacheseek.histogram import BYTES_BUCKETS, SECONDS_BUCKETS, Histogram
 from cacheseek.metric_fields import counter, exports, histogram, labelled
 
-__all__ = ["CacheMetrics", "store_stats"]
+__all__ = ["CacheMetrics", "safe_read", "store_stats"]
 
 TIMELINE_MAX = 20_000  # samples kept (the oldest half is thinned when full)
 MAX_ERROR_KINDS = 32  # distinct (hook, exception type) labels; later kinds count as error="other"
@@ -191,7 +191,7 @@ class CacheMetrics:
         self._store, self._store_label = store, store.label if store is not None else "none"
         tiers = [self._store_label]
         if store is not None:  # a tiered store: its levels
-            tiers = [u.name for u in _safe(store.tier_usages) or ()] or tiers
+            tiers = [u.name for u in safe_read(store.tier_usages) or ()] or tiers
         with self._lock:  # every (kind, tier) served from the start, at 0
             for key in ((kind, tier) for kind in ("prefix", "live") for tier in tiers):
                 self.hits_by_kind_tier.setdefault(key, 0)
@@ -338,11 +338,8 @@ class CacheMetrics:
         out["partial_hits_by_depth"] = dict(sorted(m.partial_hits_by_depth.items()))
         out["live_hits_by_chunk"] = dict(sorted(m.live_hits_by_chunk.items()))
         out["chunks_restored"] = sum(k * v for k, v in m.hits_by_depth.items()) + out["live_hits"]
-        out["hits_by_tier"] = _by_last(m.hits_by_kind_tier)
-        by_hook: dict[str, int] = {}
-        for (hook, _), n in m.hook_failures_by_error.items():
-            by_hook[hook] = by_hook.get(hook, 0) + n
-        out["hook_failures_by_hook"] = dict(sorted(by_hook.items()))
+        out["hits_by_tier"] = _sum_by(m.hits_by_kind_tier, 1)
+        out["hook_failures_by_hook"] = _sum_by(m.hook_failures_by_error, 0)
         out["hook_failures_by_error"] = {f"{h}:{e}": n for (h, e), n in sorted(m.hook_failures_by_error.items())}
         out["histograms"] = {
             spec.family: [{"labels": dict(zip(spec.label_names, key)), **h.as_dict()}
@@ -350,7 +347,7 @@ class CacheMetrics:
             for name, spec in exports(CacheMetrics) if spec.kind == "histogram"}
         out["hit_rate"] = out["hits"] / out["lookups"] if out["lookups"] else 0.0
         store = m._store
-        usage = _safe(lambda: store_usage(store)) if store is not None else None
+        usage = safe_read(lambda: store_usage(store)) if store is not None else None
         out["store"] = m._store_label
         out["store_used_bytes"] = usage.used_bytes if usage else None
         out["store_capacity_bytes"] = usage.capacity_bytes if usage else None
@@ -369,15 +366,16 @@ class CacheMetrics:
         return out
 
 
-def _by_last(counts: dict) -> dict[str, int]:
-    """``{(kind, tier): n}`` summed by tier."""
+def _sum_by(counts: dict, part: int) -> dict[str, int]:
+    """``{(a, b): n}`` summed by ``key[part]`` (``(kind, tier)`` by tier, ``(hook, error)`` by hook)."""
     out: dict[str, int] = {}
-    for (_, tier), n in counts.items():
-        out[tier] = out.get(tier, 0) + n
+    for key, n in counts.items():
+        out[key[part]] = out.get(key[part], 0) + n
     return dict(sorted(out.items()))
 
 
-def _safe(read: Any) -> Any:
+def safe_read(read: Any) -> Any:
+    """``read()``, or None when it raises (a closed or unreachable store)."""
     try:
         return read()
     except Exception:  # noqa: BLE001 - a closed store's usage is not worth a crash in a report or a scrape

@@ -43,9 +43,7 @@ def _field(name: str):
 
 def _session(ctx: FingerprintContext, attr: str) -> Any:
     s = ctx.session
-    if isinstance(s, dict):
-        return s.get(attr)
-    return getattr(s, attr, None)
+    return s.get(attr) if isinstance(s, dict) else getattr(s, attr, None)
 
 
 @_field("seed")
@@ -130,26 +128,21 @@ def config_blob(fields: list[Any], ctx: FingerprintContext) -> dict[str, Any]:
 @_field("device")
 def _device(ctx):
     """Device type: kernels differ in their low bits between CPU and CUDA."""
-    return ctx.layout.layers(ctx.runtime)[0][0].device.type
+    return _ring_device(ctx).type
 
 
 @_field("store_format")
 def _store_format(ctx):
     """How the store encodes values: raw Plan bytes and a generic tier's tensors under the same
     key names must never read each other's values (one shared Fluxon service can hold both)."""
-    store = ctx.store
-    if store is None:
-        return None
-    return store.storage_format
+    return None if ctx.store is None else ctx.store.storage_format
 
 
 @_field("codec")
 def _codec(ctx):
     """How the store encodes K and V (name and format version, `cacheseek.codecs`): chunks of
     different codecs never mix, and a lossy codec's KV is never served as another's."""
-    if ctx.store is None:
-        return None
-    return ctx.store.codec_id  # a generic or tiered store's; Plan and HBM move raw bytes
+    return None if ctx.store is None else ctx.store.codec_id  # a generic or tiered store's; Plan and HBM: raw bytes
 
 
 # -- compute identity ---------------------------------------------------------------------------

@@ -88,9 +88,6 @@ class Stack:
     def manager_config(self):
         return _manager_config(self.cfg, self.runtime_factory)
 
-    def eviction_config(self):
-        return _eviction_config(self.cfg)
-
     def new_manager(self, forest: Any = None, *, shared_index: bool = True):
         """A manager on this stack's store (its forest, or ``forest``). ``shared_index`` False:
         it finds only what its own trie holds (a cold reference run on a fresh forest)."""
@@ -98,7 +95,7 @@ class Stack:
         if not shared_index:
             index = dataclasses.replace(index, enabled=False)
         return WorldKVManager(forest if forest is not None else self.forest, self.store,
-                              self.manager_config(), eviction=self.eviction_config(),
+                              self.manager_config(), eviction=_eviction_config(self.cfg),
                               metrics=self.metrics, shared_index=index,
                               frames_in_flight=self.cfg.manager.get("frames_in_flight", 8),
                               decoder_states_in_flight=self.cfg.manager.get("decoder_states_in_flight", 1))
@@ -107,12 +104,10 @@ class Stack:
         manager = manager if manager is not None else self.new_manager()
         model = str(self.cfg.namespace.model_fingerprint).encode()
         weights = getattr(self.runtime_factory, "weights_fingerprint", None)  # a runtime that knows its weights
-        return LingBotWorldKVBinding(
-            manager, manager.forest,
-            model_fingerprint=model + b":" + weights.hex().encode() if weights else model,
-            ingest_enabled=ingest_enabled, layout=self.layout, fingerprint_fields=self.fields,
-            decoder_state_every=int(self.cfg.manager.get("decoder_state_every", 0)),
-        )
+        return LingBotWorldKVBinding(manager, manager.forest,
+                                     model_fingerprint=model + b":" + weights.hex().encode() if weights else model,
+                                     ingest_enabled=ingest_enabled, layout=self.layout, fingerprint_fields=self.fields,
+                                     decoder_state_every=int(self.cfg.manager.get("decoder_state_every", 0)))
 
     def run_session(self, actions: Any, *, manager: Any = None, ingest: bool = True,
                     frames: Optional[list] = None) -> tuple[Any, list, float]:
@@ -163,8 +158,7 @@ def build_stack(cfg: Any, *, run_dir: Optional[Path] = None, workload: Any = Non
     _manager_config(cfg, runtime_factory)  # the manager section against the runtime, before any store
     _eviction_config(cfg)
     SharedIndexConfig.from_conf(cfg.manager.get("shared_index"))
-    fields = namespace.resolve_fields(
-        None if cfg.namespace.fields is None else list(cfg.namespace.fields))
+    fields = namespace.resolve_fields(None if cfg.namespace.fields is None else list(cfg.namespace.fields))
 
     transfer = objects.pop("transfer", None)
     if transfer is None:

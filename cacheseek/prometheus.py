@@ -33,7 +33,7 @@ from cacheseek.codecs.quality import store_codec
 from cacheseek.eviction.base import store_usage
 from cacheseek.histogram import DEPTH_BUCKETS, Histogram
 from cacheseek.metric_fields import Export, exports
-from cacheseek.metrics import CacheMetrics, store_stats
+from cacheseek.metrics import CacheMetrics, safe_read, store_stats
 
 __all__ = ["CacheCollector", "FAMILIES", "sample_names"]
 
@@ -174,7 +174,7 @@ def _store_families(m: CacheMetrics) -> Iterator[Metric]:
         yield chunks
         yield from per_tier.values()
     else:
-        usage = _safe(lambda: store_usage(store))
+        usage = safe_read(lambda: store_usage(store))
         if usage is not None:
             used.add_metric([m.store_label], usage.used_bytes)
             if usage.capacity_bytes is not None:
@@ -186,33 +186,22 @@ def _store_families(m: CacheMetrics) -> Iterator[Metric]:
     for name in codec["names"]:
         info.add_metric([name, str(name in codec["lossy"]).lower()], 1)
     yield info
-    pending = _gauge("cacheseek_pending_writes", [])
-    pending.add_metric([], stats.get("pending_writes") or 0)
-    yield pending
-    failed = _counter("cacheseek_failed_writes_total", [])
-    failed.add_metric([], stats.get("failed_writes") or stats.get("put_failures") or 0)
-    yield failed
-    reg = _counter("cacheseek_registration_seconds_total", [])
-    reg.add_metric([], stats.get("register_seconds") or 0.0)
-    yield reg
+    yield _one(_gauge, "cacheseek_pending_writes", stats.get("pending_writes") or 0)
+    yield _one(_counter, "cacheseek_failed_writes_total", stats.get("failed_writes") or stats.get("put_failures") or 0)
+    yield _one(_counter, "cacheseek_registration_seconds_total", stats.get("register_seconds") or 0.0)
     yield from _record_families(store)
 
 
 def _record_families(store: Any) -> Iterator[Metric]:
-    if store is None or not store.records.shared:
+    if not store.records.shared:
         return
-    records = store.records
-    s = records.stats_snapshot()
-    probes = _counter("cacheseek_index_probes_total", [])
-    probes.add_metric([], s.probes)
-    yield probes
+    s = store.records.stats_snapshot()
+    yield _one(_counter, "cacheseek_index_probes_total", s.probes)
     keys = _counter("cacheseek_index_probe_keys_total", ["result"])
     keys.add_metric(["hit"], s.found)
     keys.add_metric(["miss"], s.probe_keys - s.found)
     yield keys
-    errors = _counter("cacheseek_index_probe_errors_total", [])
-    errors.add_metric([], s.probe_errors)
-    yield errors
+    yield _one(_counter, "cacheseek_index_probe_errors_total", s.probe_errors)
     lat = HistogramMetricFamily("cacheseek_index_probe_seconds", DERIVED["cacheseek_index_probe_seconds"][1], labels=[])
     _add_histogram(lat, [], s.probe_latency)
     yield lat
@@ -226,8 +215,8 @@ def _gauge(name: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, DERIVED[name][1], labels=labels)
 
 
-def _safe(read: Any) -> Any:
-    try:
-        return read()
-    except Exception:  # noqa: BLE001 - a closed or unreachable store: no gauges this scrape
-        return None
+def _one(family: Any, name: str, value: float) -> Metric:
+    """A family without labels (``family``: `_counter` or `_gauge`) holding one ``value``."""
+    fam = family(name, [])
+    fam.add_metric([], value)
+    return fam

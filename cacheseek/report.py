@@ -20,7 +20,6 @@ def fmt_bytes(n: float) -> str:
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
         n /= 1024
-    return f"{n:.2f} GiB"
 
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> str:
@@ -35,9 +34,7 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) ->
 
 
 def _cell(v: Any) -> str:
-    if isinstance(v, float):
-        return f"{v:.3f}"
-    return "" if v is None else str(v)
+    return f"{v:.3f}" if isinstance(v, float) else "" if v is None else str(v)
 
 
 REQUEST_COLUMNS = [
@@ -171,20 +168,15 @@ def metrics_block(m: dict[str, Any]) -> str:
     if m.get("chunks_unkeyed"):
         lines.append(f"  {m['chunks_unkeyed']} chunks not cached: no control was known for them")
     if m.get("store_used_bytes") is not None:
-        lines.append(
-            f"  store: {fmt_bytes(m['store_used_bytes'])} used of {_capacity(m['store_capacity_bytes'])}, "
-            f"peak {fmt_bytes(m['store_peak_bytes'] or 0)}"
-        )
+        lines.append(f"  store: {fmt_bytes(m['store_used_bytes'])} used of {_capacity(m['store_capacity_bytes'])}, "
+                     f"peak {fmt_bytes(m['store_peak_bytes'] or 0)}")
     for t in m.get("tiers") or []:
         lines.append(
             f"  tier {t['level']} {t['name']} ({t['tier']}): {t['blobs']} chunks, {fmt_bytes(t['used_bytes'] or 0)} of "
             f"{_capacity(t['capacity_bytes'])}; {t.get('hits', 0)} hits, {t.get('writes', 0)} writes, "
             f"{t.get('promotions', 0)} promoted in, {t.get('demotions', 0)} demoted out"
-            + (f", {t['evictions_for_demotion']} moved out to make room" if t.get("evictions_for_demotion") else "")
-        )
-    lines.append(
-        f"  evictions {m['evictions']} ({fmt_bytes(m['evicted_bytes'])}), invalidations "
-        f"{m['invalidations']}, latents freed {m['skeletons_freed']}; writes dropped "
-        f"{m['dropped_writes']}, failed {m['failed_writes']}, pending {m['pending_writes']}"
-    )
+            + (f", {t['evictions_for_demotion']} moved out to make room" if t.get("evictions_for_demotion") else ""))
+    lines.append(f"  evictions {m['evictions']} ({fmt_bytes(m['evicted_bytes'])}), invalidations "
+                 f"{m['invalidations']}, latents freed {m['skeletons_freed']}; writes dropped "
+                 f"{m['dropped_writes']}, failed {m['failed_writes']}, pending {m['pending_writes']}")
     return "\n".join(lines)

@@ -36,11 +36,11 @@ import warnings
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
-import numpy as np
 import torch
 import xxhash
 
 from cacheseek.errors import CorruptValueError
+from cacheseek.kv.frames import tensor_nbytes
 
 __all__ = ["MAGIC", "ALIGN", "DecoderStateSpec", "Snapshot", "spec_of", "snapshot", "pack", "unpack", "packed_nbytes",
            "body_sums", "empty_like_spec", "BLOCK_WORDS", "CHECKS"]
@@ -92,7 +92,7 @@ class DecoderStateSpec:
 
     @property
     def body_nbytes(self) -> int:
-        return sum(_padded(_tensor_nbytes(e)) for e in self.entries if isinstance(e, tuple))
+        return sum(_padded(tensor_nbytes(*e)) for e in self.entries if isinstance(e, tuple))
 
     def __repr__(self) -> str:
         tensors = sum(isinstance(e, tuple) for e in self.entries)
@@ -101,11 +101,6 @@ class DecoderStateSpec:
 
 def _padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def _tensor_nbytes(entry: tuple) -> int:
-    shape, dtype = entry
-    return int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
 
 
 def _head_nbytes(n: int) -> int:
@@ -338,7 +333,7 @@ def unpack(key: bytes, value: Any, spec: DecoderStateSpec, locator: str, device:
         if not isinstance(e, tuple):
             out.append(e)
             continue
-        n_bytes = _tensor_nbytes(e)
+        n_bytes = tensor_nbytes(*e)
         out.append(body[off:off + n_bytes].view(e[1]).view(e[0]))
         off += _padded(n_bytes)
     return out

@@ -31,11 +31,11 @@ import struct
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 import xxhash
 
 from cacheseek.errors import CorruptValueError
+from cacheseek.kv.frames import host_bytes, tensor_nbytes
 
 __all__ = ["MAGIC", "HEAD_NBYTES", "DTYPES", "EncodeHead", "pack", "unpack_head", "unpack_body"]
 
@@ -66,12 +66,6 @@ def _digest(key: bytes, code: int, shape: tuple, nbytes: int, body_digest: bytes
     return h.digest()
 
 
-def _host_bytes(value: Any) -> np.ndarray:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    return np.frombuffer(value, dtype=np.uint8)
-
-
 def pack(key: bytes, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The head and the body of ``tensor`` (any device) stored under ``key``: two 1-D uint8 CPU
     tensors."""
@@ -93,7 +87,7 @@ def pack(key: bytes, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def unpack_head(key: bytes, value: Any, locator: str) -> EncodeHead:
     """The head in ``value`` (bytes, or a uint8 tensor on any device); `CorruptValueError` naming
     ``locator`` when it is not the head of ``key``'s encode or fails its digest."""
-    raw = _host_bytes(value)
+    raw = host_bytes(value)
     if raw.nbytes != HEAD_NBYTES:
         raise CorruptValueError(locator, f"{raw.nbytes} bytes, an encode's head has {HEAD_NBYTES}")
     magic, stored_key, digest, body_digest, code, ndim, *rest = _HEAD.unpack(raw[:_HEAD.size].tobytes())
@@ -110,7 +104,7 @@ def unpack_head(key: bytes, value: Any, locator: str) -> EncodeHead:
     if _digest(key, code, shape, nbytes, body_digest) != digest:
         raise CorruptValueError(locator, "checksum mismatch")
     dtype = DTYPES[code]
-    if int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size() != nbytes:
+    if tensor_nbytes(shape, dtype) != nbytes:
         raise CorruptValueError(locator, f"{nbytes} body bytes for {shape} {dtype}")
     return EncodeHead(shape, dtype, nbytes, body_digest)
 
@@ -118,7 +112,7 @@ def unpack_head(key: bytes, value: Any, locator: str) -> EncodeHead:
 def unpack_body(head: EncodeHead, value: Any, locator: str) -> torch.Tensor:
     """The encode in ``value`` as a CPU tensor of ``head``'s shape and dtype (its own memory);
     `CorruptValueError` naming ``locator`` when its length or digest disagrees with the head."""
-    raw = _host_bytes(value)
+    raw = host_bytes(value)
     if raw.nbytes != head.nbytes:
         raise CorruptValueError(locator, f"{raw.nbytes} bytes, the head names {head.nbytes}")
     if xxhash.xxh3_128(raw).digest() != head.body_digest:

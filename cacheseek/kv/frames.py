@@ -31,7 +31,7 @@ import xxhash
 
 from cacheseek.errors import CorruptValueError
 
-__all__ = ["MAGIC", "DTYPES", "FramesSpec", "pack", "unpack", "packed_nbytes"]
+__all__ = ["MAGIC", "DTYPES", "FramesSpec", "host_bytes", "pack", "unpack", "packed_nbytes", "tensor_nbytes"]
 
 MAGIC = b"CSFRMV01"
 _HEAD = struct.Struct("<8s32s16sBB6x")
@@ -54,10 +54,22 @@ class FramesSpec:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * torch.empty((), dtype=self.dtype).element_size()
+        return tensor_nbytes(self.shape, self.dtype)
 
     def __repr__(self) -> str:
         return f"FramesSpec({self.shape}, {self.dtype})"
+
+
+def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a C-order tensor of ``shape`` and ``dtype``."""
+    return int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+
+
+def host_bytes(value: Any) -> np.ndarray:
+    """The bytes of ``value`` (bytes, or a tensor of any dtype on any device) as a flat uint8 host array."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    return np.frombuffer(value, dtype=np.uint8)
 
 
 def packed_nbytes(spec: FramesSpec) -> int:
@@ -97,10 +109,7 @@ def unpack(key: bytes, value: Any, spec: FramesSpec, locator: str) -> np.ndarray
     """The frames in ``value`` (bytes, or a uint8 tensor on any device) as a numpy array of
     ``spec`` (a view of the value's bytes where they are on the host: no copy); `CorruptValueError` naming ``locator`` when it is not this chunk's frames of that
     spec, or fails its digest."""
-    if isinstance(value, torch.Tensor):
-        raw = value.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    else:
-        raw = np.frombuffer(value, dtype=np.uint8)
+    raw = host_bytes(value)
     if raw.nbytes < _HEAD.size:
         raise CorruptValueError(locator, f"{raw.nbytes} bytes, shorter than a frames header")
     magic, stored_key, digest, code, ndim = _HEAD.unpack(raw[:_HEAD.size].tobytes())

@@ -157,11 +157,10 @@ def decode_record(node_key: bytes, data: bytes) -> ChunkRecord:
             if len(packed) != 16 * len(order):
                 raise bad(f"has {len(packed) // 16} checksums for {len(order)} values")
             digests = [(k, packed[16 * i:16 * i + 16]) for i, k in enumerate(order)]
-        rec = ChunkRecord(
-            node_key=node, parent_key=bytes.fromhex(d["parent"]),
-            root_hash=bytes.fromhex(d["root"]), depth=d["depth"], n_layers=d["n_layers"],
-            nbytes=d["nbytes"], pairs=bool(d["pairs"]), latent_nbytes=d["latent_nbytes"],
-            storage_format=str(d["storage_format"]), digests=digests)
+        rec = ChunkRecord(node_key=node, parent_key=bytes.fromhex(d["parent"]),
+                          root_hash=bytes.fromhex(d["root"]), depth=d["depth"], n_layers=d["n_layers"],
+                          nbytes=d["nbytes"], pairs=bool(d["pairs"]), latent_nbytes=d["latent_nbytes"],
+                          storage_format=str(d["storage_format"]), digests=digests)
     except CorruptValueError:
         raise
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
@@ -223,6 +222,12 @@ class ChunkRecords:
         self.stats = RecordStats()
         self._lock = threading.Lock()
 
+    def _count(self, **deltas: int) -> None:
+        """Add to ``stats`` counters by name, under the records' lock."""
+        with self._lock:
+            for name, n in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + n)
+
     def stats_snapshot(self) -> RecordStats:
         """A consistent copy of ``stats`` (what a metrics scrape reads)."""
         with self._lock:
@@ -256,15 +261,10 @@ class ChunkRecords:
         try:
             stored = self._put_new(record.name, encode_record(record))
         except Exception as exc:  # noqa: BLE001 - an unshared chunk, never a failed session
-            with self._lock:
-                self.stats.publish_errors += 1
+            self._count(publish_errors=1)
             log.warning("could not publish the record of chunk %s: %s", record.node_key.hex()[:16], exc)
             return False
-        with self._lock:
-            if stored:
-                self.stats.published += 1
-            else:
-                self.stats.already_there += 1
+        self._count(published=int(stored), already_there=int(not stored))
         return True
 
     def find(self, node_keys: Sequence[bytes]) -> list[Optional[ChunkRecord]]:
@@ -285,8 +285,7 @@ class ChunkRecords:
         try:
             raw = self._get_many(names)
         except Exception as exc:  # noqa: BLE001 - cannot tell: a miss
-            with self._lock:
-                self.stats.probe_errors += 1
+            self._count(probe_errors=1)
             log.warning("chunk-record probe of %d keys failed (read as misses): %s", n, exc)
             return None
         finally:
@@ -308,12 +307,10 @@ class ChunkRecords:
                 out.append(decode_record(key, data))
             except CorruptValueError as exc:
                 log.warning("%s; removing it", exc)
-                with self._lock:
-                    self.stats.corrupt += 1
+                self._count(corrupt=1)
                 self.retract(key, counted=False)
                 out.append(None)
-        with self._lock:
-            self.stats.found += sum(r is not None for r in out)
+        self._count(found=sum(r is not None for r in out))
         return out
 
     def retract(self, node_key: bytes, *, counted: bool = True) -> None:
@@ -327,8 +324,7 @@ class ChunkRecords:
             log.warning("could not remove the record of chunk %s: %s", node_key.hex()[:16], exc)
             return
         if counted:
-            with self._lock:
-                self.stats.retracted += 1
+            self._count(retracted=1)
 
     # -- claims (see the module docstring) --------------------------------------------------------
 
@@ -344,17 +340,14 @@ class ChunkRecords:
             for _ in range(2):  # a holder may release between our put and our read: try once more
                 mine = ChunkClaim.mine()
                 if self._put_new(name, mine.encode()):
-                    with self._lock:
-                        self.stats.claims += 1
+                    self._count(claims=1)
                     return None
                 (data,) = self._get_many([name])
                 if data is not None:
-                    with self._lock:
-                        self.stats.claims_held_elsewhere += 1
+                    self._count(claims_held_elsewhere=1)
                     return ChunkClaim.decode(data) or ChunkClaim("?", 0, "", 0.0)
         except Exception as exc:  # noqa: BLE001 - no claim: the caller computes, as without claims
-            with self._lock:
-                self.stats.claim_errors += 1
+            self._count(claim_errors=1)
             log.warning("could not claim chunk %s: %s", node_key.hex()[:16], exc)
         return None
 

@@ -55,19 +55,15 @@ class RingGeometry:
             raise GeometryError("runtime.sink_size", f"must be an int >= 0, got {S!r}")
         if L == -1:
             if S != 0:
-                raise GeometryError(
-                    "runtime.sink_size", f"is {S} in full-length mode (local_attn_size=-1)",
-                    "set sink_size=0, or set local_attn_size to a rolling window",
-                )
+                raise GeometryError("runtime.sink_size", f"is {S} in full-length mode (local_attn_size=-1)",
+                                    "set sink_size=0, or set local_attn_size to a rolling window")
             return
         if not isinstance(L, int) or L <= 0:
             raise GeometryError("runtime.local_attn_size", f"must be -1 or a positive int, got {L!r}")
         if L < S + c:
-            raise GeometryError(
-                "runtime.local_attn_size",
-                f"rolling window L={L} is smaller than sink S={S} plus chunk size c={c}",
-                f"use local_attn_size >= {S + c} or a smaller sink_size",
-            )
+            raise GeometryError("runtime.local_attn_size",
+                                f"rolling window L={L} is smaller than sink S={S} plus chunk size c={c}",
+                                f"use local_attn_size >= {S + c} or a smaller sink_size")
 
     @property
     def rolling(self) -> bool:

@@ -64,12 +64,10 @@ class RingLayout(abc.ABC):
     @abc.abstractmethod
     def ring_layers(self, runtime: Any) -> Sequence[MutableMapping[str, Any]]:
         """Per layer the mapping holding ``k``, ``v`` and both cursors."""
-        ...
 
     @abc.abstractmethod
     def window(self, runtime: Any) -> Any:
         """The ring's `RingGeometry` (chunk size, frame tokens, L, S)."""
-        ...
 
     @abc.abstractmethod
     def n_chunks(self, runtime: Any) -> int:
@@ -78,7 +76,6 @@ class RingLayout(abc.ABC):
     @abc.abstractmethod
     def controls(self, runtime: Any) -> Sequence[Any] | None:
         """One control tensor per chunk, or None for a runtime without controls."""
-        ...
 
     @abc.abstractmethod
     def timesteps(self, runtime: Any) -> Any:
@@ -87,7 +84,6 @@ class RingLayout(abc.ABC):
     @abc.abstractmethod
     def generator(self, runtime: Any) -> Any:
         """The RNG the denoiser draws ``len(timesteps) - 1`` times from per computed chunk."""
-        ...
 
     def rng_states(self, runtime: Any) -> dict[str, Any]:
         """The states of the RNGs a restore must leave as a cold run leaves them, by name."""
@@ -178,21 +174,13 @@ class RingLayout(abc.ABC):
 
     def publish_latents(self, runtime: Any, latents: Sequence[Any]) -> None:
         """Chunk i's latent becomes the runtime's cached latent i (decode only, no denoise)."""
-        target = self.cached_latents(runtime)
-        for i, lat in enumerate(latents):
-            target[i] = lat
+        self.cached_latents(runtime).update(enumerate(latents))
 
     def fingerprint_fields(self, runtime: Any) -> dict[str, Any]:
         k, _ = self.layers(runtime)[0]
         ring = self.window(runtime)
         latent = self.latent_spec(runtime)
-        return {
-            "storage_format": self.storage_format,
-            "n_layers": len(self.ring_layers(runtime)),
-            "kv_shape": [1, ring.chunk_size * ring.frame_tokens, int(k.shape[2]), int(k.shape[3])],
-            "kv_dtype": str(k.dtype),
-            "latent_shape": list(latent.shape),
-            "latent_dtype": str(latent.dtype),
-            "chunk_size": ring.chunk_size,
-            "frame_tokens": ring.frame_tokens,
-        }
+        return {"storage_format": self.storage_format, "n_layers": len(self.ring_layers(runtime)),
+                "kv_shape": [1, ring.chunk_size * ring.frame_tokens, int(k.shape[2]), int(k.shape[3])],
+                "kv_dtype": str(k.dtype), "latent_shape": list(latent.shape), "latent_dtype": str(latent.dtype),
+                "chunk_size": ring.chunk_size, "frame_tokens": ring.frame_tokens}

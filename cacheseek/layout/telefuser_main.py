@@ -134,10 +134,8 @@ class TeleFuserMainLayout(RingLayout):
         if owner is None:
             owner = _CREATING.get()
             if owner is None:
-                raise LayoutMismatchError(
-                    "this TeleFuser session was not created by an attached pipeline: call "
-                    "cacheseek.integrations.telefuser.attach(pipeline) before creating sessions"
-                )
+                raise LayoutMismatchError("this TeleFuser session was not created by an attached pipeline: call "
+                                          "cacheseek.integrations.telefuser.attach(pipeline) before creating sessions")
             _OWNERS.set(session, owner)
         return owner
 
@@ -149,8 +147,7 @@ class TeleFuserMainLayout(RingLayout):
             raise LayoutMismatchError(
                 f"the denoise stage {type(stage).__name__} keeps no in-process cache registry (a "
                 "multi-GPU ParallelWorker keeps the ring in its worker processes): CacheSeek restores "
-                "into a denoise stage of this process only"
-            )
+                "into a denoise stage of this process only")
         handle = getattr(session, "cache_handle", None)
         state = registry.get(handle) if handle is not None else None
         if state is None:

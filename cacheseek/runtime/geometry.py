@@ -24,18 +24,21 @@ from cacheseek.errors import ConfigError, GeometryError
 from cacheseek.sizes import format_size
 
 __all__ = ["GEOMETRIES", "Geometry", "get_geometry", "validate_window", "no_cuda_error", "check_cpu_memory",
-           "GPU_CHUNK_BYTES"]
+           "check_int", "GPU_CHUNK_BYTES"]
 
 GPU_CHUNK_BYTES = 256 << 20  # a chunk's KV above this is a model for a GPU (lingbot_480p: 3.57 GiB)
 
 
+def check_int(field: str, value: Any, minimum: int) -> None:
+    """A runtime setting ``field`` must be an integer (not a bool) >= ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(field, f"must be an integer >= {minimum}, got {value!r}")
+
+
 def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(
-            f"geometry.{attribute.name}",
-            f"must be a positive integer, got {value!r}",
-            f"set geometry.{attribute.name} to an integer >= 1",
-        )
+        raise ConfigError(f"geometry.{attribute.name}", f"must be a positive integer, got {value!r}",
+                          f"set geometry.{attribute.name} to an integer >= 1")
 
 
 def _name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -59,19 +62,13 @@ class Geometry:
 
     def __attrs_post_init__(self) -> None:
         if self.head_dim % 2:
-            raise ConfigError(
-                "geometry.head_dim",
-                f"must be even (rotary phase rotates pairs), got {self.head_dim}",
-                "use an even head_dim",
-            )
+            raise ConfigError("geometry.head_dim", f"must be even (rotary phase rotates pairs), got {self.head_dim}",
+                              "use an even head_dim")
         for field in ("latent_h", "latent_w"):
             value = getattr(self, field)
             if value % self.patch:
-                raise ConfigError(
-                    f"geometry.{field}",
-                    f"{value} is not a multiple of patch {self.patch}",
-                    f"make geometry.{field} a multiple of geometry.patch",
-                )
+                raise ConfigError(f"geometry.{field}", f"{value} is not a multiple of patch {self.patch}",
+                                  f"make geometry.{field} a multiple of geometry.patch")
 
     @property
     def frame_tokens(self) -> int:
@@ -110,17 +107,11 @@ class Geometry:
         return self.latent_channels * self.chunk_size * self.latent_h * self.latent_w * itemsize
 
 
-GEOMETRIES: dict[str, Geometry] = {
-    g.name: g
-    for g in (
-        Geometry("tiny", n_layers=2, n_heads=2, head_dim=4, latent_channels=4,
-                 latent_h=2, latent_w=4, chunk_size=3),
-        Geometry("small", n_layers=4, n_heads=4, head_dim=16, latent_channels=8,
-                 latent_h=8, latent_w=8, chunk_size=3),
-        Geometry("lingbot_480p", n_layers=40, n_heads=40, head_dim=128, latent_channels=16,
-                 latent_h=60, latent_w=104, chunk_size=3),
-    )
-}
+GEOMETRIES: dict[str, Geometry] = {g.name: g for g in (
+    Geometry("tiny", n_layers=2, n_heads=2, head_dim=4, latent_channels=4, latent_h=2, latent_w=4, chunk_size=3),
+    Geometry("small", n_layers=4, n_heads=4, head_dim=16, latent_channels=8, latent_h=8, latent_w=8, chunk_size=3),
+    Geometry("lingbot_480p", n_layers=40, n_heads=40, head_dim=128, latent_channels=16, latent_h=60, latent_w=104,
+             chunk_size=3))}
 
 
 def get_geometry(name: str) -> Geometry:
@@ -128,9 +119,8 @@ def get_geometry(name: str) -> Geometry:
     try:
         return GEOMETRIES[name]
     except (KeyError, TypeError):
-        raise ConfigError(
-            "runtime.geometry", f"unknown geometry {name!r}", "use one of: " + ", ".join(GEOMETRIES)
-        ) from None
+        raise ConfigError("runtime.geometry", f"unknown geometry {name!r}",
+                          "use one of: " + ", ".join(GEOMETRIES)) from None
 
 
 def validate_window(geometry: Geometry, local_attn_size: int, sink_size: int) -> None:
@@ -140,28 +130,18 @@ def validate_window(geometry: Geometry, local_attn_size: int, sink_size: int) ->
     that a new chunk always fits after the pinned sink. `sink_size` S >= 0.
     """
     if isinstance(sink_size, bool) or not isinstance(sink_size, int) or sink_size < 0:
-        raise GeometryError(
-            "runtime.sink_size",
-            f"must be an integer >= 0, got {sink_size!r}",
-            "set runtime.sink_size >= 0",
-        )
+        raise GeometryError("runtime.sink_size", f"must be an integer >= 0, got {sink_size!r}",
+                            "set runtime.sink_size >= 0")
     if isinstance(local_attn_size, bool) or not isinstance(local_attn_size, int):
-        raise GeometryError(
-            "runtime.local_attn_size",
-            f"must be an integer, got {local_attn_size!r}",
-            "use -1 (full length) or a frame count",
-        )
+        raise GeometryError("runtime.local_attn_size", f"must be an integer, got {local_attn_size!r}",
+                            "use -1 (full length) or a frame count")
     if local_attn_size == -1:
         return
     need = sink_size + geometry.chunk_size
     if local_attn_size < need:
-        raise GeometryError(
-            "runtime.local_attn_size",
-            f"{local_attn_size} frames cannot hold sink_size {sink_size} plus one chunk of "
-            f"{geometry.chunk_size} frames",
-            f"use -1 (full length) or set runtime.local_attn_size >= {need}, "
-            "or lower runtime.sink_size",
-        )
+        raise GeometryError("runtime.local_attn_size", f"{local_attn_size} frames cannot hold sink_size {sink_size} "
+                            f"plus one chunk of {geometry.chunk_size} frames",
+                            f"use -1 (full length) or set runtime.local_attn_size >= {need}, or lower runtime.sink_size")
 
 
 def no_cuda_error(geometry: Geometry, cpu_run: str) -> ConfigError:

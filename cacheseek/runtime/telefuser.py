@@ -24,13 +24,12 @@ and each chunk's control arrives as the chunk starts (the release and hooked:
 chunk))`` with the chunk's latent-frame poses; main: ``submit_chunk(session, i, control)``).
 
 A workload's action per chunk is a small vector (``[a0, a1, a2, ...]`` in [-1, 1]); here it is a
-camera move, turned into the inputs a TeleFuser user passes: per video frame a camera-to-world
-pose ``[N, 4, 4]`` and intrinsics ``[N, 4]`` (`camera_path`). TeleFuser turns them into the
-control tensors ``[1, 384, 3, h, w]`` float32 that the binding keys on (TeleFuser main builds one
-chunk's control from its poses and the pose before it). The moves are rotations
-(yaw, pitch, roll rates per latent frame): TeleFuser normalizes translations by the largest step
-of the whole trajectory, which would make the control of an early chunk depend on later actions
-and defeat prefix reuse; rotations reach the DiT unnormalized.
+camera move, turned into the inputs a TeleFuser user passes (`camera_path`), which TeleFuser turns
+into the control tensors ``[1, 384, 3, h, w]`` float32 that the binding keys on (TeleFuser main
+builds one chunk's control from its poses and the pose before it). The moves are rotations, which
+reach the DiT unnormalized: TeleFuser normalizes translations by the largest step of the whole
+trajectory, which would make the control of an early chunk depend on later actions and defeat
+prefix reuse.
 
 Requires the ``telefuser`` extra (``pip install -e '.[telefuser]'``); importing this module does
 not import TeleFuser.
@@ -48,12 +47,12 @@ from typing import Any, Optional
 from cacheseek import weights
 from cacheseek.errors import CacheSeekError, ConfigError
 from cacheseek.integrations.telefuser import TeleFuserLayout, attach, plan_controls
+from cacheseek.integrations.telefuser.handout import VIDEO_PER_LATENT
 from cacheseek.integrations.telefuser.tiny import PARTS, TinyDiTSpec, build_tiny_pipeline, rope_head_dim_problem
 from cacheseek.integrations.telefuser.wan_parts import feature_cache_bytes
-from cacheseek.kv import encode as encode_value
-from cacheseek.kv import frames as frames_value
 from cacheseek.registry import RUNTIMES
-from cacheseek.runtime.geometry import Geometry, check_cpu_memory, no_cuda_error, validate_window
+from cacheseek.runtime import telefuser_sizes
+from cacheseek.runtime.geometry import Geometry, check_cpu_memory, check_int, no_cuda_error, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
 from cacheseek.runtime.telefuser_logs import route_telefuser_logs
 from cacheseek.runtime.telefuser_frames import frame_hash, images_hash, images_tensor, pil_image
@@ -62,7 +61,6 @@ __all__ = ["TeleFuserRuntimeFactory", "TeleFuserSession", "camera_path", "frame_
 
 log = logging.getLogger(__name__)
 
-VIDEO_PER_LATENT = 4  # Wan VAE: 4 video frames per latent frame (the first latent holds one)
 _DEG = math.pi / 180.0
 
 
@@ -107,7 +105,6 @@ class TeleFuserRuntimeFactory:
     ``vae`` (``stand_in`` or ``wan``) and ``text_encoder`` (``stand_in`` or ``umt5``, of
     ``text_layers`` blocks) choose TeleFuser's real part with random weights or the stand-in."""
 
-    DECODER_STATE_HEADROOM = 1 << 20  # a stored state's header, entry table and padding (a few KiB at 480p)
     ACTIVATION_HEADROOM = 2 << 30  # beyond the ring and the FFN's activations: allocator slack, the VAE
 
     def __init__(self, *, local_attn_size: int = -1, sink_size: int = 0, device: str = "cpu",
@@ -119,8 +116,7 @@ class TeleFuserRuntimeFactory:
                                  ("n_heads", n_heads, 1), ("head_dim", head_dim, 2), ("seed", seed, 0),
                                  ("ffn_dim", 1 if ffn_dim is None else ffn_dim, 1), ("text_dim", text_dim, 1),
                                  ("text_layers", text_layers, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(f"runtime.{name}", f"must be an integer >= {low}, got {value!r}")
+            check_int(f"runtime.{name}", value, low)
         for name, value in (("height", height), ("width", width)):
             if value % 16:
                 raise ConfigError(f"runtime.{name}", f"{value} is not a multiple of 16",
@@ -145,7 +141,7 @@ class TeleFuserRuntimeFactory:
         self.layout: Any = None
         self._adapter: Any = None
         self._weights: Optional[bytes] = None
-        self._vae_cache_bytes: Optional[int] = None  # the Wan decoder's feature cache, estimated once
+        self._vae_cache: Optional[int] = None
         self.build_timings: dict[str, float] = {}  # the DiT's build and its fingerprint, once built
 
     # the settings the orchestrator and workloads read
@@ -166,13 +162,16 @@ class TeleFuserRuntimeFactory:
         """The attached pipeline, built on first use."""
         if self._pipeline is None:
             _require_telefuser()
+            import torch
+
             spec = self._spec()
             log.info("building TeleFuser's pipeline %s on %s (DiT in bf16)", self.describe_model(), self._device)
             start = time.perf_counter()
             pipeline = build_tiny_pipeline(device=self._device, local_attn_size=self._local_attn_size,
                                            sink_size=self._sink_size, height=self.height,
                                            width=self.width, spec=spec, **self._parts)
-            _sync(self._device)
+            if self._device.startswith("cuda"):
+                torch.cuda.synchronize(self._device)
             built = time.perf_counter()
             n = sum(p.numel() for p in pipeline.dit.parameters())
             parts = {name: sum(p.numel() for p in getattr(pipeline, name).parameters())
@@ -199,9 +198,7 @@ class TeleFuserRuntimeFactory:
                 f"{parts[self._parts['vae']]}{parts[self._parts['text_encoder']]}")
 
     def start_notes(self) -> list[str]:
-        """What a user should know before the run, one line each: with the real Wan VAE on a CPU,
-        the VAE decodes every frame of a chunk, restored or computed, and takes most of its
-        time, so a hit saves only the DiT's share (B's wall time stays near A's)."""
+        """What a user should know before the run, one line each."""
         if self._parts["vae"] != "wan" or not self._device.startswith("cpu"):
             return []
         return ["note: runtime.vae=wan on the CPU: the Wan VAE decodes every frame, restored or computed, and takes "
@@ -220,35 +217,25 @@ class TeleFuserRuntimeFactory:
         activations = 8 * g.chunk_tokens * max(spec.ffn_dim, g.hidden) * 4 + self.ACTIVATION_HEADROOM
         reserve = [("ring", ring), ("activations", activations)]
         if self._parts["vae"] == "wan":  # its causal cache between chunks, and twice that for a decode's activations
-            if self._vae_cache_bytes is None:
-                self._vae_cache_bytes = feature_cache_bytes(self._pipeline.vae.vae, height=self.height, width=self.width)
-            reserve.append(("Wan VAE decode", 3 * self._vae_cache_bytes))
+            reserve.append(("Wan VAE decode", 3 * self._vae_cache_bytes()))
         return reserve
 
     def beside_chunk_bytes(self, decoder_state_every: int) -> dict[str, int]:
-        """What a store holds beside each chunk's KV (`sizing.need_for`): the frames
-        ``generate_next_chunk`` hands out (a later chunk's ``4c`` frames, the most), and with the
-        Wan VAE and ``decoder_state_every > 0`` the decoder's state stored at a resume point (its
-        feature cache, the pipeline built first, plus the value's header and padding)."""
-        g = self._geometry
-        out = {"frames": frames_value.packed_nbytes(frames_value.FramesSpec(
-            (VIDEO_PER_LATENT * g.chunk_size, self.height, self.width, 3), frames_value.DTYPES[1]))}
-        if decoder_state_every > 0 and self._parts["vae"] == "wan":
-            self.pipeline
-            if self._vae_cache_bytes is None:
-                self._vae_cache_bytes = feature_cache_bytes(self._pipeline.vae.vae, height=self.height, width=self.width)
-            out["decoder state"] = self._vae_cache_bytes + self.DECODER_STATE_HEADROOM
-        return out
+        """`telefuser_sizes.beside_chunk_bytes`; the decoder's state counts with the Wan VAE and
+        ``decoder_state_every > 0`` (its feature cache measured on the pipeline, built first)."""
+        cache = self._vae_cache_bytes() if decoder_state_every > 0 and self._parts["vae"] == "wan" else None
+        return telefuser_sizes.beside_chunk_bytes(self._geometry, height=self.height, width=self.width,
+                                                  decoder_cache_bytes=cache)
 
     def session_encode_bytes(self, session_chunks: int) -> int:
-        """At most the bytes of one session's stored encodes (`sizing.need_for`): the prompt
-        embedding ``[512, text_dim]`` and the condition video's mask and latents ``[4 + C,
-        c * session_chunks, h, w]`` of the latent geometry, each counted as float32 (the bound
-        of their dtypes) with its value head."""
-        g = self._geometry
-        prompt = 512 * self._text_dim * 4
-        condition = (4 + g.latent_channels) * g.chunk_size * int(session_chunks) * g.latent_h * g.latent_w * 4
-        return prompt + condition + 2 * encode_value.HEAD_NBYTES
+        return telefuser_sizes.session_encode_bytes(self._geometry, text_dim=self._text_dim,
+                                                    session_chunks=session_chunks)
+
+    def _vae_cache_bytes(self) -> int:
+        """The Wan decoder's feature cache (`wan_parts`), estimated once on the built pipeline."""
+        if self._vae_cache is None:
+            self._vae_cache = feature_cache_bytes(self.pipeline.vae.vae, height=self.height, width=self.width)
+        return self._vae_cache
 
     @property
     def layout_name(self) -> str:
@@ -285,9 +272,7 @@ class TeleFuserRuntimeFactory:
         except importlib.metadata.PackageNotFoundError:
             version = "a source checkout"
         return {"runtime": "telefuser", "layout": self.layout.value, "telefuser": version,
-                "telefuser_path": str(here),
-                "model": self.describe_model(),
-                "device": self._device}
+                "telefuser_path": str(here), "model": self.describe_model(), "device": self._device}
 
     def make(self, actions: Sequence[Sequence[float]], hooks: Any = None, total_chunks: Optional[int] = None,
              *, image: Any = None, streamed: bool = False) -> "TeleFuserSession":
@@ -306,8 +291,7 @@ class TeleFuserRuntimeFactory:
         camera = {} if self.streaming or streamed else {"poses": poses, "intrinsics": intrinsics}
         return LingBotWorldFastSessionConfig(
             prompt=self.prompt, image=pil_image(image, self.width, self.height), control_mode="cam",
-            chunk_size=c, frame_num=len(poses), seed=self.seed, **camera,
-        )
+            chunk_size=c, frame_num=len(poses), seed=self.seed, **camera)
 
     @property
     def streaming(self) -> bool:
@@ -320,10 +304,8 @@ class TeleFuserRuntimeFactory:
         TeleFuser's ``build_control_override`` from the chunk's latent-frame poses, as its
         service builds one per streamed chunk."""
         c = self._geometry.chunk_size
-        poses, intrinsics = camera_path(actions, chunk_size=c, width=self.width, height=self.height,
-                                        translation=True)
-        latent_poses = poses[::VIDEO_PER_LATENT]
-        chunk = {"poses": latent_poses[k * c:(k + 1) * c], "intrinsics": intrinsics[0]}
+        latent_poses, intrinsics = self._latent_poses(actions, translation=True)
+        chunk = {"poses": latent_poses[k * c:(k + 1) * c], "intrinsics": intrinsics}
         return self.pipeline.build_control_override(runtime, chunk)
 
     def chunk_controls(self, session_config: Any, actions: Sequence[Sequence[float]], *,
@@ -333,17 +315,21 @@ class TeleFuserRuntimeFactory:
         from telefuser.pipelines.lingbot_world_fast.control import LingBotWorldFastControlBuilder
 
         c = self._geometry.chunk_size
-        poses, intrinsics = camera_path(actions, chunk_size=c, width=self.width, height=self.height,
-                                        translation=translation)
-        latent_poses = poses[::VIDEO_PER_LATENT]
+        latent_poses, intrinsics = self._latent_poses(actions, translation=translation)
         builder = LingBotWorldFastControlBuilder(self.pipeline.control_context(session_config))
         controls = []
         for k in range(len(actions)):
-            action = {"poses": latent_poses[k * c:(k + 1) * c], "intrinsics": intrinsics[0]}
+            action = {"poses": latent_poses[k * c:(k + 1) * c], "intrinsics": intrinsics}
             if k:
                 action["previous_pose"] = latent_poses[k * c - 1]
             controls.append(builder.build(action))
         return controls
+
+    def _latent_poses(self, actions: Sequence[Sequence[float]], *, translation: bool) -> tuple[Any, Any]:
+        """`camera_path`'s poses at the latent frames (where TeleFuser samples it), and the intrinsics."""
+        poses, intrinsics = camera_path(actions, chunk_size=self._geometry.chunk_size, width=self.width,
+                                        height=self.height, translation=translation)
+        return poses[::VIDEO_PER_LATENT], intrinsics[0]
 
 
 class TeleFuserSession:
@@ -460,8 +446,6 @@ class _StreamedChunks:
 
     def run(self, index: int, control: Any) -> None:
         """Submit chunk ``index`` and wait until its frames are decoded."""
-        import time
-
         s, session = self.streaming, self.session
         s.submit_chunk(session, index, control)
         deadline = time.monotonic() + self.TIMEOUT_S
@@ -483,13 +467,6 @@ class _StreamedChunks:
         if not self.closed:
             self.closed = True
             self.streaming.close_session(self.session)
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        import torch
-
-        torch.cuda.synchronize(device)
 
 
 def _check_device(device: Any, geometry: Geometry) -> str:
@@ -517,5 +494,4 @@ def _require_telefuser() -> None:
     except ImportError as exc:
         raise ConfigError(
             "runtime", f"runtime=telefuser needs TeleFuser's LingBot-World-fast pipeline ({exc})",
-            "pip install -e '.[telefuser]' (then pip install --no-deps telefuser==0.1.0.post3, see README)",
-        ) from None
+            "pip install -e '.[telefuser]' (then pip install --no-deps telefuser==0.1.0.post3, see README)") from None

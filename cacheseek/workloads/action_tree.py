@@ -53,10 +53,8 @@ class ActionTree:
         self.choices = [[[round(rng.uniform(-1, 1), 4) for _ in range(action_dim)]
                          for _ in range(branching)] for _ in range(depth)]
         weights = [1.0 / (i + 1) ** skew for i in range(branching)]
-        self.plan = [
-            (rng.randrange(images), tuple(rng.choices(range(branching), weights)[0] for _ in range(depth)))
-            for _ in range(sessions)
-        ]
+        self.plan = [(rng.randrange(images), tuple(rng.choices(range(branching), weights)[0] for _ in range(depth)))
+                     for _ in range(sessions)]
         self.images = [image(i) for i in range(images)]
 
     def actions(self, path: tuple[int, ...]) -> list[list[float]]:

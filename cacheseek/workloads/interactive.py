@@ -142,20 +142,15 @@ def _stream(factory: Any, actions: list, binding: Any, image: Any) -> tuple[list
     """One live session, chunk by chunk: its frame hashes and each chunk's seconds (chunk 0's
     includes the session's creation)."""
     session = factory.make(actions, hooks=binding, image=image, streamed=True)
-    sync = _synchronize(getattr(factory, "device", "cpu"))
+    on_gpu = str(getattr(factory, "device", "cpu")).startswith("cuda")
     times = []
     for i in range(len(actions)):
         t0 = time.perf_counter()
         hashes = session.generate(stop_after=i + 1)
-        sync()
+        if on_gpu:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return list(hashes), times
-
-
-def _synchronize(device: Any) -> Any:
-    if not str(device).startswith("cuda"):
-        return lambda: None
-    return torch.cuda.synchronize
 
 
 def _stats(values: list[float]) -> dict[str, Optional[float]]:
@@ -178,8 +173,7 @@ def _summary(f: dict[str, Any]) -> str:
         f"{_ms(f['computed_chunk_s']['median'])} (cold reference {_ms(f['cold_chunk_s']['median'])}"
         f"{'' if ratio is None else f', restored/cold {ratio:.3f}'}); time to first frame median restored "
         f"{_ms(f['ttff_restored_s']['median'])}, computed {_ms(f['ttff_computed_s']['median'])}; "
-        f"{f['mismatches']} sessions differ from a cold run, {len(f['errors'])} errors"
-    )
+        f"{f['mismatches']} sessions differ from a cold run, {len(f['errors'])} errors")
 
 
 def _plot(f: dict[str, Any], tree: ActionTree, rows: list, run_dir: Optional[Path]) -> Optional[str]:

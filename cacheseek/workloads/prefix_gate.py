@@ -129,10 +129,8 @@ class PrefixGate:
         binding, hashes, wall = stack.run_session(actions, manager=manager, ingest=ingest, frames=frames)
         k = binding.last_fast_forward
         return RequestResult(name=name, actions=label, hit_depth=k, chunks_computed=self.n - k,
-                             wall_s=wall, bytes_restored=binding.bytes_restored,
-                             bytes_written=binding.bytes_written,
-                             frames_served=binding.frames_served,
-                             chunks_materialized=binding.chunks_materialized,
+                             wall_s=wall, bytes_restored=binding.bytes_restored, bytes_written=binding.bytes_written,
+                             frames_served=binding.frames_served, chunks_materialized=binding.chunks_materialized,
                              frame_hashes=[h if isinstance(h, str) else h.hex() for h in hashes])
 
     def run(self, stack) -> dict[str, Any]:
@@ -186,40 +184,30 @@ class PrefixGate:
         if lossy:
             verdicts["frame_quality"] = c.frames == "ok"
             out_quality = {**quality, "vs": "C against the cold D", "min_psnr_db_required": self.min_psnr_db}
-        return {
-            "workload": "abcd",
-            "frame_quality": out_quality,
-            "warm": warm,
-            "requests": [r.row() for r in reqs],
-            "frame_hashes": {r.name: r.frame_hashes for r in reqs},
-            "ring_check": ring,
-            "verdicts": verdicts,
-            "passed": all(verdicts.values()),
-        }
+        return {"workload": "abcd", "frame_quality": out_quality, "warm": warm, "requests": [r.row() for r in reqs],
+                "frame_hashes": {r.name: r.frame_hashes for r in reqs}, "ring_check": ring, "verdicts": verdicts,
+                "passed": all(verdicts.values())}
 
     def _quality_ok(self, quality: dict[str, Any]) -> bool:
         """Frames identical, or every chunk's PSNR at least ``min_psnr_db`` (None: reported only)."""
         worst = quality["min_psnr_db"]
         return worst is None or self.min_psnr_db is None or worst >= self.min_psnr_db
 
-    def _ring_check(self, stack, progress: Any = None, lossy: bool = False) -> list[dict[str, Any]]:
+    def _ring_check(self, stack, progress: Any, lossy: bool) -> list[dict[str, Any]]:
         """Restore every depth K from the cache A filled and compare with a cold run before chunk K.
         A depth that was not restored (hit depth != K) is ``not restored``, with no diff. ``lossy``:
         the KV's bytes are not compared (their PSNR is reported, ``kv_psnr_db``), all else is."""
         actions = self.P + self.X
-        if progress is not None:
-            progress.set_postfix_str("ring check: cold run")
+        progress.set_postfix_str("ring check: cold run")
         cold = stack.runtime_factory.make(actions, hooks=None)
         states = []
         for k in range(self.n):
             cold.generate(stop_after=k)
             states.append(cold.state_snapshot())
-        if progress is not None:
-            progress.update()
+        progress.update()
         out = []
         for k in range(1, self.n):
-            if progress is not None:
-                progress.set_postfix_str(f"ring check K={k}")
+            progress.set_postfix_str(f"ring check K={k}")
             binding = stack.new_binding(ingest_enabled=False)
             rt = stack.runtime_factory.make(actions[:k] + self.Z[k:], hooks=binding)
             rt.generate(stop_after=0)  # runs on_runtime_created only
@@ -239,8 +227,7 @@ class PrefixGate:
                     diff = [d for d in diff if not _KV_DIFF.match(d)]
                     row["kv_psnr_db"] = _kv_psnr(snap, states[k])
                 out.append({**row, "verdict": "MISMATCH" if diff else "ok", "diff": diff})
-            if progress is not None:
-                progress.update()
+            progress.update()
         return out
 
 

@@ -48,19 +48,9 @@ _ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 @WORKLOADS.register("stress")
 class StressWorkload:
-    def __init__(
-        self,
-        sessions: int = 32,
-        depth: int = 5,
-        branching: int = 3,
-        skew: float = 1.0,
-        images: int = 1,
-        threads: int = 3,
-        capacity_chunks: Optional[int] = 8,
-        seed: int = 11,
-        action_dim: int = 4,
-        lose_rate: float = 0.0,
-    ) -> None:
+    def __init__(self, sessions: int = 32, depth: int = 5, branching: int = 3, skew: float = 1.0, images: int = 1,
+                 threads: int = 3, capacity_chunks: Optional[int] = 8, seed: int = 11, action_dim: int = 4,
+                 lose_rate: float = 0.0) -> None:
         check_count("threads", threads, 1)
         if capacity_chunks is not None:
             check_count("capacity_chunks", capacity_chunks, 1)
@@ -190,8 +180,7 @@ class StressWorkload:
             f"{mismatches} hash mismatches, {len(errors)} errors; hit rate {m['hit_rate']:.0%}, "
             f"{m['evictions']} evictions, {m['invalidations']} invalidations ({lost[0]} losses), "
             f"{m['dropped_writes']} dropped writes; wrote {written} B, peak {peak} B of "
-            f"{'unbounded' if capacity is None else f'{capacity} B'}"
-        )
+            f"{'unbounded' if capacity is None else f'{capacity} B'}")
         return {"workload": "stress", "requests": rows, "stress": stress, "summary": summary,
                 "passed": passed}
 

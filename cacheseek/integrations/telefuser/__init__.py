@@ -20,9 +20,8 @@ On TeleFuser main (layout adapter ``telefuser_main``)::
 
 On the hooked layout TeleFuser calls the binding itself and `attach` only marks the model around
 ``create_runtime`` (`hooked`); on the released 0.1.0.post3 it installs the same hooks around the
-pipeline (`released`); on main it
-tells the layout adapter which pipeline holds a session's ring and which controls the session
-gets, and decodes restored latents as stored (`streaming`). A caller that drives main's streaming
+pipeline (`pypi_release`); on main it tells the layout adapter which pipeline holds a session's
+ring and which controls the session gets, and decodes restored latents as stored (`streaming`). A caller that drives main's streaming
 scheduler itself (as TeleFuser's service does) calls `plan_controls(session_config, controls)`
 before creating the session. A layout it does not know raises `UnsupportedTeleFuserError`.
 
@@ -40,11 +39,7 @@ from typing import Any
 
 from cacheseek import weights
 from cacheseek.integrations.telefuser.hooked import HookedHooks
-from cacheseek.integrations.telefuser.layouts import (
-    TeleFuserLayout,
-    UnsupportedTeleFuserError,
-    detect_layout,
-)
+from cacheseek.integrations.telefuser.layouts import TeleFuserLayout, UnsupportedTeleFuserError, detect_layout
 from cacheseek.integrations.telefuser.pypi_release import ReleasedHooks
 from cacheseek.integrations.telefuser.streaming import StreamingHooks
 from cacheseek.layout.telefuser_main import forget_controls, plan_controls
@@ -55,6 +50,8 @@ __all__ = ["TeleFuserLayout", "UnsupportedTeleFuserError", "attach", "detach", "
 _ATTR = "_cacheseek_hooks"
 _RELEASE_SESSION = "telefuser.pipelines.lingbot_world_fast.session"
 _attached: list[bool] = []  # set by the first attach of this process
+_HOOKS = {TeleFuserLayout.RELEASED: ReleasedHooks, TeleFuserLayout.MAIN: StreamingHooks,
+          TeleFuserLayout.HOOKED: HookedHooks}
 
 
 def attach(pipeline: Any) -> TeleFuserLayout:
@@ -67,16 +64,9 @@ def attach(pipeline: Any) -> TeleFuserLayout:
     if dit_files is not None:
         weights.from_files(pipeline.dit, dit_files)
     if getattr(pipeline, _ATTR, None) is None:
-        hooks: Any = None
-        if layout is TeleFuserLayout.RELEASED:
-            hooks = ReleasedHooks(pipeline)
-        elif layout is TeleFuserLayout.MAIN:
-            hooks = StreamingHooks(pipeline)
-        elif layout is TeleFuserLayout.HOOKED:
-            hooks = HookedHooks(pipeline)
-        if hooks is not None:
-            hooks.install()
-            setattr(pipeline, _ATTR, hooks)
+        hooks = _HOOKS[layout](pipeline)
+        hooks.install()
+        setattr(pipeline, _ATTR, hooks)
     _attached[:] = [True]
     return layout
 

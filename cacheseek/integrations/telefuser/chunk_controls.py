@@ -41,9 +41,7 @@ def released_chunk_control(runtime: Any, control_override: Any) -> Any:
         return control_override
     planned = getattr(runtime, "control_chunks", None)
     idx = int(runtime.current_chunk_index)
-    if planned is not None and idx < len(planned):
-        return planned[idx]
-    return None
+    return planned[idx] if planned is not None and idx < len(planned) else None
 
 
 def report(binding: Any, runtime: Any, idx: int, control: Any, *, may_restore: bool = False) -> None:

@@ -37,6 +37,7 @@ import xxhash
 
 from cacheseek import weights
 from cacheseek.hooks import as_hooks
+from cacheseek.kv.frames import host_bytes
 
 __all__ = ["KeptEncodes", "prompt_key", "condition_key", "tensor_digest"]
 
@@ -110,8 +111,7 @@ def condition_key(image_digest: bytes, frame_num: int, encoder_id: bytes, device
 
 def tensor_digest(t: Any) -> bytes:
     """A tensor's bytes (xxh3-128), shape and dtype."""
-    raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    return xxhash.xxh3_128(raw).digest() + str((tuple(t.shape), t.dtype)).encode()
+    return xxhash.xxh3_128(host_bytes(t)).digest() + str((tuple(t.shape), t.dtype)).encode()
 
 
 class KeptEncodes:

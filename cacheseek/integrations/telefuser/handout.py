@@ -39,7 +39,7 @@ from cacheseek.kv.runtime_decoder import RuntimeDecoder
 
 __all__ = ["frames_spec", "hand_out", "pil_images", "prepare", "frames_of", "WanDecoder", "late_decoder"]
 
-VIDEO_PER_LATENT = 4
+VIDEO_PER_LATENT = 4  # Wan VAE: 4 video frames per latent frame (the first latent holds one)
 
 
 def frames_spec(runtime: Any, idx: int) -> FramesSpec:

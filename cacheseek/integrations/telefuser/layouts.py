@@ -78,8 +78,7 @@ def detect_layout(pipeline: Any) -> TeleFuserLayout:
     if missing_parts:
         raise UnsupportedTeleFuserError(
             f"{type(pipeline).__name__} lacks {', '.join(missing_parts)}: attach CacheSeek to a "
-            "LingBotWorldFastPipeline after init() (or after its dit, denoise_stage and config are set)"
-        )
+            "LingBotWorldFastPipeline after init() (or after its dit, denoise_stage and config are set)")
     runtime_fields = _fields(session, "LingBotWorldFastRuntimeState")
     config_fields = _fields(session, "LingBotWorldFastSessionConfig")
     lacking = [f for f in RING_FIELDS if f not in runtime_fields]
@@ -88,8 +87,7 @@ def detect_layout(pipeline: Any) -> TeleFuserLayout:
             f"this TeleFuser's LingBotWorldFastRuntimeState has no {', '.join(lacking)} (its KV is "
             "not a per-layer self_kv_cache ring): supported are telefuser 0.1.0.post3 from PyPI, "
             "TeleFuser main with the world_kv hooks (2026-07-06 to 2026-07-13) and TeleFuser main's "
-            "generation sessions with cache handles (from 2026-07-13)"
-        )
+            "generation sessions with cache handles (from 2026-07-13)")
     hooks = [f for f in HOOK_FIELDS if f in runtime_fields]
     native = "world_kv_binding" in config_fields
     if native and len(hooks) == len(HOOK_FIELDS):
@@ -99,8 +97,7 @@ def detect_layout(pipeline: Any) -> TeleFuserLayout:
     raise UnsupportedTeleFuserError(
         f"this TeleFuser has only part of the world_kv hooks (runtime fields {hooks}, session "
         f"world_kv_binding {'present' if native else 'absent'}): neither the 0.1.0.post3 release "
-        "nor the hooked main layout"
-    )
+        "nor the hooked main layout")
 
 
 def _detect_main(pipeline: Any, session: Any) -> TeleFuserLayout:
@@ -109,8 +106,7 @@ def _detect_main(pipeline: Any, session: Any) -> TeleFuserLayout:
         raise UnsupportedTeleFuserError(
             f"{type(pipeline).__name__} lacks {', '.join(missing)}: attach CacheSeek to TeleFuser main's "
             "LingBotWorldFastPipeline after init() (or after its dit, denoise_stage, VAE workers and "
-            "config are set)"
-        )
+            "config are set)")
     stage = pipeline.denoise_stage
     lacking = [f for f in SESSION_FIELDS if f not in _fields(session, "LingBotWorldFastGenerationSession")]
     lacking += [f"LingBotWorldFastSessionConfig.{f}" for f in ("world_kv_binding",)
@@ -120,8 +116,7 @@ def _detect_main(pipeline: Any, session: Any) -> TeleFuserLayout:
     if lacking:
         raise UnsupportedTeleFuserError(
             f"this TeleFuser's generation session layout lacks {', '.join(lacking)}: supported is "
-            "TeleFuser main from 1ef8b53 (2026-07-13) to 5a12f03 (2026-07-24)"
-        )
+            "TeleFuser main from 1ef8b53 (2026-07-13) to 5a12f03 (2026-07-24)")
     return TeleFuserLayout.MAIN
 
 
@@ -137,8 +132,7 @@ def _session_module(pipeline: Any) -> Any:
         except ImportError as exc:
             raise UnsupportedTeleFuserError(
                 f"cannot import {name} next to {type(pipeline).__module__}: is this TeleFuser's "
-                f"LingBotWorldFastPipeline? ({exc})"
-            ) from None
+                f"LingBotWorldFastPipeline? ({exc})") from None
     return module
 
 

@@ -36,58 +36,36 @@ import torch
 
 from cacheseek import weights
 from cacheseek.hooks import as_hooks
-from cacheseek.integrations.telefuser.chunk_controls import NextChunkSeam, OverrideSeam
-from cacheseek.integrations.telefuser.encodes import KeptEncodes
+from cacheseek.integrations.telefuser.hooked import HookedHooks
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ReleasedHooks"]
 
 
-class ReleasedHooks:
-    """The hook shim of one pipeline instance; made by `cacheseek.integrations.telefuser.attach`."""
+class ReleasedHooks(HookedHooks):
+    """The hook shim of one pipeline instance; made by `cacheseek.integrations.telefuser.attach`.
+    The hooked pipeline's seams, plus the denoise stage and the DiT's rewrite forward."""
 
     def __init__(self, pipeline: Any) -> None:
-        self.pipeline = pipeline
-        self._create_runtime = pipeline.create_runtime
+        super().__init__(pipeline)
         self._stage = pipeline.denoise_stage
         self._dit = pipeline.dit
-        self._generate_next_chunk = pipeline.generate_next_chunk
-        self._build_control_override = pipeline.build_control_override
         self._lock = threading.Lock()
         self._runtimes: "weakref.WeakValueDictionary[int, Any]" = weakref.WeakValueDictionary()
         self._pending: dict[int, tuple[int, Optional[Any]]] = {}  # ring id -> (chunk, denoised | None if cached)
-        self.encodes = KeptEncodes(pipeline)
-        self.installed = False
-
-    @property
-    def own_generate_next_chunk(self) -> Any:
-        """The pipeline's own ``generate_next_chunk``, without the per-chunk seam (`remove` puts it back)."""
-        return self._generate_next_chunk
 
     def install(self) -> None:
-        p = self.pipeline
-        p.create_runtime = self.create_runtime
-        p.denoise_stage = _DenoiseStage(self, self._stage)
-        p.dit = _RewriteForward(self, self._dit)
-        p.generate_next_chunk = NextChunkSeam(self._generate_next_chunk, self.pipeline)
-        p.build_control_override = OverrideSeam(self._build_control_override)
-        self.encodes.install()
-        self.installed = True
+        self.pipeline.denoise_stage = _DenoiseStage(self, self._stage)
+        self.pipeline.dit = _RewriteForward(self, self._dit)
+        super().install()
 
     def remove(self) -> None:
-        """Give the pipeline its own create_runtime, generate_next_chunk, denoise stage and DiT
-        back (idempotent)."""
-        if not self.installed:
-            return
-        p = self.pipeline
-        for name in ("create_runtime", "generate_next_chunk", "build_control_override"):
-            if name in vars(p):
-                delattr(p, name)
-        p.denoise_stage = self._stage
-        p.dit = self._dit
-        self.encodes.remove()
-        self.installed = False
+        """Also give the pipeline its own denoise stage and DiT back (idempotent)."""
+        if self.installed:
+            self.pipeline.denoise_stage = self._stage
+            self.pipeline.dit = self._dit
+        super().remove()
 
     # -- create_runtime ---------------------------------------------------------------------
 
@@ -103,8 +81,7 @@ class ReleasedHooks:
         runtime.world_kv_binding = binding
         if binding is None:
             return runtime
-        if binding is not None:
-            as_hooks(binding).accept_handout()  # generate_next_chunk hands out served chunks' frames (`handout`)
+        as_hooks(binding).accept_handout()  # generate_next_chunk hands out served chunks' frames (`handout`)
         with self._lock:
             self._runtimes[id(runtime.self_kv_cache)] = runtime
         try:

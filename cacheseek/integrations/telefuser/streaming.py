@@ -62,14 +62,12 @@ class StreamingHooks:
         if getattr(pipeline, "_streaming_runtime", None) is not None:
             raise UnsupportedTeleFuserError(
                 "this pipeline has generated already (its streaming runtime holds the VAE decode worker): "
-                "attach CacheSeek right after init(), before warmup(), generate_video() or a service start"
-            )
+                "attach CacheSeek right after init(), before warmup(), generate_video() or a service start")
         if type(pipeline.denoise_stage).__name__ == "ParallelWorker":
             raise UnsupportedTeleFuserError(
                 "the denoise stage runs in ParallelWorker processes (dit_config.parallel_config with more "
                 "than one device): the ring lives there, out of this process's reach; run the DiT on one "
-                "device to reuse KV"
-            )
+                "device to reuse KV")
         self.pipeline = pipeline
         self._create = pipeline._create_initialized_session
         self._generate_video = pipeline.generate_video
@@ -184,8 +182,7 @@ class StreamingHooks:
         if admitted:
             with self._lock:
                 self._admitted.setdefault(handle, set()).add(int(chunk_index))
-            return
-        if binding is not None:
+        else:
             as_hooks(binding).withdraw_control(int(chunk_index))
 
     def denoise(self, kwargs: dict[str, Any], call: Any) -> Any:

@@ -130,15 +130,8 @@ class TinyVAE:
         self.dtype = dtype
 
     def encode(self, videos: list, device: Any = None, tiled: bool = False) -> list:
-        out = []
-        for video in videos:
-            v = video.float()
-            first, rest = v[:, :1], v[:, 1:]
-            groups = rest.reshape(3, rest.shape[1] // TEMPORAL, TEMPORAL, *rest.shape[2:]).mean(dim=2)
-            frames = torch.cat([first, groups], dim=1)  # [3, lat_f, H, W]
-            pooled = F.avg_pool2d(frames.transpose(0, 1), SPATIAL).transpose(0, 1)
-            out.append(torch.tanh(torch.einsum("zc,cthw->zthw", self.enc, pooled)).to(video.dtype))
-        return out
+        return [self._project(torch.cat([v.float()[:, :1], _temporal_mean(v.float()[:, 1:])], dim=1), v.dtype)
+                for v in videos]
 
     def cached_encode_withflag(self, video: Any, device: Any, is_first_clip: bool, is_last_clip: bool,
                                encode_state: Any = None) -> Any:
@@ -146,10 +139,12 @@ class TinyVAE:
         after) -> ``[16, c, H/8, W/8]``."""
         if is_first_clip:
             return self.encode([video])[0]
-        v = video.float()
-        frames = v.reshape(3, v.shape[1] // TEMPORAL, TEMPORAL, *v.shape[2:]).mean(dim=2)
+        return self._project(_temporal_mean(video.float()), video.dtype)
+
+    def _project(self, frames: Any, dtype: Any) -> Any:
+        """``[3, lat_f, H, W]`` float32 -> ``[16, lat_f, H/8, W/8]`` in ``dtype``."""
         pooled = F.avg_pool2d(frames.transpose(0, 1), SPATIAL).transpose(0, 1)
-        return torch.tanh(torch.einsum("zc,cthw->zthw", self.enc, pooled)).to(video.dtype)
+        return torch.tanh(torch.einsum("zc,cthw->zthw", self.enc, pooled)).to(dtype)
 
     def cached_decode_withflag(self, hidden_state: Any, device: Any, is_first_clip: bool,
                                is_last_clip: bool, decode_state: Any = None) -> Any:
@@ -177,18 +172,15 @@ def build_tiny_pipeline(*, device: str = "cpu", local_attn_size: int = -1, sink_
     """TeleFuser's ``LingBotWorldFastPipeline`` with random weights (see the module doc), for the
     installed TeleFuser's layout; ``vae`` and ``text_encoder`` choose each part (`PARTS`),
     ``text_layers`` is the umT5 encoder's depth."""
-    from telefuser.pipelines.lingbot_world_fast.pipeline import (
-        LingBotWorldFastPipeline,
-        LingBotWorldFastPipelineConfig,
-    )
+    from telefuser.pipelines.lingbot_world_fast.pipeline import (LingBotWorldFastPipeline,
+                                                                 LingBotWorldFastPipelineConfig)
 
     spec = spec or TinyDiTSpec()
     dtype = torch.bfloat16
     pipeline = LingBotWorldFastPipeline(device=device, torch_dtype=dtype)
     pipeline.config = LingBotWorldFastPipelineConfig(
         control_type="cam", orig_height=height, orig_width=width, max_area=height * width,
-        local_attn_size=int(local_attn_size), sink_size=int(sink_size),
-    )
+        local_attn_size=int(local_attn_size), sink_size=int(sink_size))
     pipeline.text_device = torch.device(device)
     pipeline.vae_device = torch.device(device)
     pipeline.tokenizer = TinyTokenizer()
@@ -206,10 +198,8 @@ def build_tiny_pipeline(*, device: str = "cpu", local_attn_size: int = -1, sink_
     if is_streaming_telefuser():
         _set_streaming_stages(pipeline, torch.device(device), make_vae(torch.float32))
         return pipeline
-    from telefuser.pipelines.lingbot_world_fast.denoising import (
-        LingBotWorldFastDenoisingStage,
-        LingBotWorldFastTimesteps,
-    )
+    from telefuser.pipelines.lingbot_world_fast.denoising import (LingBotWorldFastDenoisingStage,
+                                                                  LingBotWorldFastTimesteps)
 
     pipeline.vae = make_vae(dtype)  # the release casts its VAE to the pipeline's dtype
     pipeline.denoise_stage = LingBotWorldFastDenoisingStage(pipeline.dit, torch_dtype=dtype)
@@ -221,7 +211,6 @@ def _tiny_dit(spec: TinyDiTSpec, local_attn_size: int, sink_size: int, device: A
     """TeleFuser's DiT constructed on ``device`` in ``dtype``, then redrawn (`redraw`). Its float64
     RoPE tables are TeleFuser's own, computed on the CPU as ``from_pretrained`` (built on the CPU,
     then moved) has them; its forward moves them to the input's device."""
-    import torch
     from telefuser.models.lingbot_world_fast_dit import LingBotWorldFastDiT
 
     default = torch.get_default_dtype()
@@ -232,8 +221,7 @@ def _tiny_dit(spec: TinyDiTSpec, local_attn_size: int, sink_size: int, device: A
                 patch_size=(1, 2, 2), text_len=TEXT_LEN, in_dim=2 * Z_DIM + 4, dim=spec.dim,
                 ffn_dim=spec.ffn_dim, freq_dim=256, text_dim=spec.text_dim, out_dim=Z_DIM,
                 num_heads=spec.n_heads, num_layers=spec.n_layers, local_attn_size=int(local_attn_size),
-                sink_size=int(sink_size), control_type="cam",
-            )
+                sink_size=int(sink_size), control_type="cam")
     finally:
         torch.set_default_dtype(default)
     if torch.device(device).type != "cpu":  # its RoPE tables as a checkpoint's DiT has them: from the CPU
@@ -250,10 +238,8 @@ def _set_streaming_stages(pipeline: Any, device: Any, vae: Any) -> None:
     (float32, as main's default VAE configs; module doc)."""
     from telefuser.core.config import ModelRuntimeConfig
     from telefuser.pipelines.lingbot_world_fast.denoising import LingBotWorldFastDenoisingStage
-    from telefuser.pipelines.lingbot_world_fast.vae_stage import (
-        LingBotWorldFastVAEDecodeStage,
-        LingBotWorldFastVAEEncodeStage,
-    )
+    from telefuser.pipelines.lingbot_world_fast.vae_stage import (LingBotWorldFastVAEDecodeStage,
+                                                                  LingBotWorldFastVAEEncodeStage)
 
     cfg = pipeline.config
     pipeline.dit.set_causal_attention_window(cfg.local_attn_size, cfg.sink_size)
@@ -277,6 +263,11 @@ def _set_streaming_stages(pipeline: Any, device: Any, vae: Any) -> None:
         stage.onload_models_flag = True  # the tiny parts are on their device already
     pipeline.vae = vae
     pipeline.vae_encode_worker, pipeline.vae_decode_worker, pipeline.denoise_stage = map(InProcessWorker, stages)
+
+
+def _temporal_mean(v: Any) -> Any:
+    """``[3, 4n, H, W]`` -> ``[3, n, H, W]``: the mean of each group of `TEMPORAL` frames."""
+    return v.reshape(3, v.shape[1] // TEMPORAL, TEMPORAL, *v.shape[2:]).mean(dim=2)
 
 
 class TinyModules:

@@ -11,20 +11,16 @@ and writes in flight. The sinks of dead namespaces are ordinary LRU victims, so 
 the store.
 
 One eviction is the node's READY --detach--> FREEING --settle--> EMPTY (`TrieNode`): the store
-frees the blob outside the forest lock; a free that fails puts it back. One pass runs at a time (the manager's
-``evict_lock``). A pass that evicted ends with
-`NamespaceForest.prune`: nodes left holding no value and namespaces nobody uses leave the trie.
+frees the blob outside the forest lock; a free that fails puts it back. One pass runs at a time
+(the manager's ``evict_lock``). A pass that evicted ends with `NamespaceForest.prune`: nodes left
+holding no value and namespaces nobody uses leave the trie.
 
-Demotion (`Demoter`): the upper levels of a tiered store under their watermarks, and room made
-in a full level when a demotion into it is refused. For a store with levels (``tier_usages``,
-``levels_of``, ``pending_levels_of``, ``demote``: `TieredStore`; any other has no levels and
-nothing is demoted): after every ingest and every hit promoted into the top level
-(``promoted_last_read``), each level but the last whose usage is above
-the high watermark *demotes* victims down to the low watermark, chosen by the eviction policy
-among the nodes held at that level, leaf-first within the level (no child held there): the store
-keeps (or first writes) a copy below, then frees that level's. The last level is bounded by the
-ordinary eviction (`Evictor`). Runs under the manager's ``evict_lock``; the forest lock is held
-only to choose candidates, every store call runs outside it.
+Demotion (`Demoter`, docs/design.md section 3) for a store with levels (``tier_usages``,
+``levels_of``, ``pending_levels_of``, ``demote``: `TieredStore`; any other has no levels): after
+every ingest and every hit promoted into the top level (``promoted_last_read``), each level but
+the last above the high watermark demotes victims (policy order, leaf-first within the level)
+down to the low watermark. Runs under the manager's ``evict_lock``; the forest lock is held only
+to choose candidates, every store call runs outside it.
 
 Making room (`make_room`, handed to the store's ``demote``): a demotion whose write into the
 level below is refused as full asks for room there; victims are chosen exactly as for a
@@ -320,10 +316,9 @@ class Demoter:
 
     def _demote_level(self, level: int, target_bytes: int, guard: frozenset) -> int:
         ctx = self.ctx
-        store = ctx.store
 
         def used() -> int:
-            u = store.tier_usages()[level].usage
+            u = ctx.store.tier_usages()[level].usage
             return u.used_bytes if u is not None else 0
 
         ctx.metrics.add(demotion_passes=1)
@@ -344,11 +339,16 @@ class Demoter:
                 continue
             done += 1
             ctx.metrics.add(demotions=1, demoted_bytes=blob.nbytes)
-            parent = cand.node.parent
-            if parent is not None and parent.depth >= 0:
-                fresh = [c for c in self.level_candidates(level, [parent]) if c.node is parent]
-                queue = ctx.policy.order(queue + fresh)
+            queue = self._requeue_parent(queue, cand.node, lambda roots: self.level_candidates(level, roots))
         return done
+
+    def _requeue_parent(self, queue: list[Candidate], node: TrieNode, candidates) -> list[Candidate]:
+        """``queue`` in policy order with ``node``'s parent added when it became a candidate
+        (``candidates(roots)``) now that ``node`` left the level."""
+        parent = node.parent
+        if parent is None or parent.depth < 0:
+            return queue
+        return self.ctx.policy.order(queue + [c for c in candidates([parent]) if c.node is parent])
 
     def demote(self, node: TrieNode, level: int, guard: frozenset) -> bool:
         """The store's demotion of ``node``'s blob from ``level``; a full level below is made
@@ -393,10 +393,7 @@ class Demoter:
                 continue
             moved += 1
             ctx.metrics.add(evictions_for_demotion=1)
-            parent = cand.node.parent
-            if parent is not None and parent.depth >= 0:
-                fresh = [c for c in self.room_candidates(level, guard, last, [parent]) if c.node is parent]
-                queue = ctx.policy.order(queue + fresh)
+            queue = self._requeue_parent(queue, cand.node, lambda roots: self.room_candidates(level, guard, last, roots))
         if not moved:
             ctx.metrics.add(demotion_no_room=1)
             log.info("no room can be made in tier %d for %d B: every candidate is protected", level, nbytes)
@@ -431,7 +428,7 @@ class Demoter:
         evictor = self.evictor
         if evictor is None or not evictor.evict_blob(node, honour_pins=False):
             return False
-        if self.ctx.store.frees_latents:
+        if store.frees_latents:
             for dead in evictor.dead_around(node):
                 evictor.free_dead_latent(dead)
         return True
@@ -441,8 +438,7 @@ class Demoter:
         a ready copy at ``level``, not being read or evicted, and nothing below them at that
         level (ready or in flight): leaf-first within the level, so a chain keeps its prefix
         (a copy is read from a level only together with its whole window)."""
-        ctx = self.ctx
-        store = ctx.store
+        ctx, store = self.ctx, self.ctx.store
 
         def at_level(blob: Optional[BlobHandle]) -> bool:
             return blob is not None and (level in store.levels_of(blob) or level in store.pending_levels_of(blob))

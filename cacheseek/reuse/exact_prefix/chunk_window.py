@@ -37,7 +37,7 @@ from cacheseek.kv.ring import CopyRun
 from cacheseek.reuse.exact_prefix.keys import node_key
 from cacheseek.reuse.exact_prefix.restore import RestoreWindow
 
-__all__ = ["ChunkWindow", "StagingPool", "STAGING", "advance_rng", "check_latents", "node_problem"]
+__all__ = ["RingWindow", "ChunkWindow", "StagingPool", "STAGING", "advance_rng", "check_latents", "node_problem"]
 
 
 def node_problem(layout: Any, runtime: Any, ring: Any, node: Any, in_window: bool) -> Optional[str]:
@@ -128,31 +128,38 @@ class StagingPool:
 STAGING = StagingPool()
 
 
-class ChunkWindow(RestoreWindow):
-    """The restore target of chunk ``idx`` of a live session (see the module docstring).
-    ``staging``: device buffers per layer ``(k, v)`` for a whole-path store, None otherwise."""
+class RingWindow(RestoreWindow):
+    """A restore target in a runtime's ring, through its layout adapter (``layout``); ``ring``:
+    its `RingGeometry`. What the two windows share; each publishes in its own way."""
 
     restores_paths = True
 
+    def __init__(self, layout: Any, runtime: Any, ring: Any) -> None:
+        self.layout, self.runtime, self.ring = layout, runtime, ring
+        self.bytes_restored = 0
+
+    def node_problem(self, node: Any, in_window: bool) -> Optional[str]:
+        """Why ``node`` cannot be restored here (`node_problem`); None: it can."""
+        return node_problem(self.layout, self.runtime, self.ring, node, in_window)
+
+
+class ChunkWindow(RingWindow):
+    """The restore target of chunk ``idx`` of a live session (see the module docstring).
+    ``staging``: device buffers per layer ``(k, v)`` for a whole-path store, None otherwise."""
+
     def __init__(self, layout: Any, runtime: Any, ring: Any, idx: int, staging: Any = None, *,
                  publish_latent: bool = True) -> None:
+        super().__init__(layout, runtime, ring)
         self.publish_latent = publish_latent  # False: the caller hands the latent to the runtime itself
-        self.layout = layout
-        self.runtime = runtime
-        self.ring = ring
         self.idx = idx
         self.staging = staging
         self.chunk_tokens = ring.chunk_size * ring.frame_tokens
         self.values: list[tuple[Any, Any]] = []
         self.latent: Any = None
-        self.bytes_restored = 0
         self.published = False
         if layout.cursors(runtime)[0] != ring.cursors(idx):  # the ring must hold chunks 0..idx-1
             raise GeometryError("runtime", f"chunk {idx}: the ring's cursors {layout.cursors(runtime)[0]} are "
                                 f"not those of {idx} chunks {ring.cursors(idx)}")
-
-    def node_problem(self, node: Any, in_window: bool) -> Optional[str]:
-        return node_problem(self.layout, self.runtime, self.ring, node, in_window)
 
     # generic tiers -------------------------------------------------------------------------
 

@@ -35,9 +35,7 @@ class WorldKVConfig:
         if self.break_even_k < 1:
             raise ConfigError("WorldKVConfig.break_even_k", f"must be >= 1, got {self.break_even_k}")
         if self.quant != "none":
-            raise ConfigError(
-                "WorldKVConfig.quant", f"unsupported quantization {self.quant!r}", "use 'none'"
-            )
+            raise ConfigError("WorldKVConfig.quant", f"unsupported quantization {self.quant!r}", "use 'none'")
         if not isinstance(self.commit_tier, Tier):
             object.__setattr__(self, "commit_tier", Tier(self.commit_tier))
 

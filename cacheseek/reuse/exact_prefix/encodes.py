@@ -62,8 +62,8 @@ class _EncodeBook:
         self.lock = threading.Lock()
         self.readers: dict[bytes, int] = {}
         self.doomed: set[bytes] = set()
-        self.users: dict[bytes, set[bytes]] = {}
-        self.held: set[bytes] = set()
+        self.users: dict[bytes, set[bytes]] = {}  # encode key -> namespace roots that used it
+        self.held: set[bytes] = set()  # keys this process stored or loaded (and has not freed)
 
 
 _BOOKS: "weakref.WeakKeyDictionary[Any, _EncodeBook]" = weakref.WeakKeyDictionary()
@@ -72,10 +72,7 @@ _BOOKS_LOCK = threading.Lock()
 
 def _book_of(store: Any) -> _EncodeBook:
     with _BOOKS_LOCK:
-        book = _BOOKS.get(store)
-        if book is None:
-            book = _BOOKS[store] = _EncodeBook()
-        return book
+        return _BOOKS.setdefault(store, _EncodeBook())
 
 
 def is_encode_locator(key: str) -> bool:
@@ -88,17 +85,12 @@ class StoredEncodes:
 
     def __init__(self, ctx: "WorldKVManager") -> None:
         self.ctx = ctx
-        book = _book_of(ctx.store)  # one per store in a process: every manager on it sees the same
-        self._lock = book.lock
-        self._readers: dict[bytes, int] = book.readers
-        self._doomed: set[bytes] = book.doomed
-        self._users: dict[bytes, set[bytes]] = book.users  # encode key -> namespace roots that used it
-        self._held: set[bytes] = book.held  # keys this process stored or loaded (and has not freed)
+        self.book = _book_of(ctx.store)  # one per store in a process: every manager on it sees the same
 
     def holds(self, key: bytes) -> bool:
         """Whether this process stored or loaded ``key`` and has not freed it since."""
-        with self._lock:
-            return key in self._held
+        with self.book.lock:
+            return key in self.book.held
 
     # -- read -----------------------------------------------------------------------------------
 
@@ -107,8 +99,8 @@ class StoredEncodes:
         then removed). Never raises."""
         ctx = self.ctx
         head_loc, body_loc = encode_locators(key)
-        with self._lock:
-            self._readers[key] = self._readers.get(key, 0) + 1
+        with self.book.lock:
+            self.book.readers[key] = self.book.readers.get(key, 0) + 1
         try:
             head = self._get(head_loc, encode_value.HEAD_NBYTES)
             if head is None:
@@ -123,8 +115,8 @@ class StoredEncodes:
         except CorruptValueError as exc:
             log.warning("stored encode %s: %s; removed, the encode runs instead", key.hex()[:12], exc.problem)
             ctx.metrics.add(encodes_corrupt=1)
-            with self._lock:
-                self._doomed.add(key)
+            with self.book.lock:
+                self.book.doomed.add(key)
             return None
         except Exception as exc:  # noqa: BLE001 - a read that fails is a miss
             log.warning("reading the stored encode %s failed: %s", key.hex()[:12], exc)
@@ -132,8 +124,8 @@ class StoredEncodes:
             return None
         finally:
             self._leave(key)
-        with self._lock:
-            self._held.add(key)
+        with self.book.lock:
+            self.book.held.add(key)
         ctx.metrics.add(encodes_loaded=1)
         return out
 
@@ -143,13 +135,13 @@ class StoredEncodes:
         return self.ctx.store.get_skeleton(locator)
 
     def _leave(self, key: bytes) -> None:
-        with self._lock:
-            n = self._readers.pop(key) - 1
+        with self.book.lock:
+            n = self.book.readers.pop(key) - 1
             if n:
-                self._readers[key] = n
+                self.book.readers[key] = n
                 return
-            doomed = key in self._doomed
-            self._doomed.discard(key)
+            doomed = key in self.book.doomed
+            self.book.doomed.discard(key)
         if doomed:
             self._remove(key)
 
@@ -173,8 +165,8 @@ class StoredEncodes:
             ctx.metrics.add(encodes_dropped=1)
             self.free(key)
             return False
-        with self._lock:
-            self._held.add(key)
+        with self.book.lock:
+            self.book.held.add(key)
         ctx.metrics.add(encodes_written=1)
         return True
 
@@ -182,14 +174,14 @@ class StoredEncodes:
 
     def note(self, root: bytes, keys: Any) -> None:
         """Namespace ``root``'s session used the encodes ``keys``: they live while it holds a chunk."""
-        with self._lock:
+        with self.book.lock:
             for key in keys:
-                self._users.setdefault(key, set()).add(root)
+                self.book.users.setdefault(key, set()).add(root)
 
     def chunk_left(self, node: Any) -> None:
         """A chunk's KV left (eviction, invalidation): when its namespace holds no chunk now, the
         encodes only it used are freed. Never raises."""
-        if not self._users:
+        if not self.book.users:
             return
         try:
             top = node
@@ -200,13 +192,13 @@ class StoredEncodes:
                 ns = self.ctx.forest.resolve(root)
                 if ns is not None and any(not n.state.vacant for n in ns.iter_nodes()):  # ready or being written
                     return
-            with self._lock:
+            with self.book.lock:
                 gone = []
-                for key, roots in list(self._users.items()):
+                for key, roots in list(self.book.users.items()):
                     if root in roots:
                         roots.discard(root)
                         if not roots:
-                            del self._users[key]
+                            del self.book.users[key]
                             gone.append(key)
             for key in gone:
                 self.free(key)
@@ -215,15 +207,15 @@ class StoredEncodes:
 
     def free(self, key: bytes) -> None:
         """Remove the encode ``key`` (head first), once no reader of this process holds it."""
-        with self._lock:
-            if self._readers.get(key):
-                self._doomed.add(key)
+        with self.book.lock:
+            if self.book.readers.get(key):
+                self.book.doomed.add(key)
                 return
         self._remove(key)
 
     def _remove(self, key: bytes) -> None:
-        with self._lock:
-            self._held.discard(key)
+        with self.book.lock:
+            self.book.held.discard(key)
         if not self.ctx.store.frees_latents:
             return
         for loc in encode_locators(key):

@@ -155,7 +155,8 @@ class HandOut:
                     node.last_access = self.manager.clock()
                 self.frames_served += 1
                 return NextChunk(frames=frames)
-        return self._materialize(runtime, idx, decoder)
+        # off the served path: restore it into the runtime (chunk ``idx`` computes or decodes next)
+        return self._replay(runtime, idx, decoder) if self.materialize(runtime) else self._recompute(idx)
 
     def materialize(self, runtime: Any) -> int:
         """Restore the served path into ``runtime`` now, as the session's divergence does (its
@@ -182,13 +183,6 @@ class HandOut:
         self.chunks_materialized += len(lazy)
         self.manager.metrics.add(materializations=1, chunks_materialized=len(lazy))
         return len(lazy)
-
-    def _materialize(self, runtime: Any, idx: int, decoder: RuntimeDecoder) -> NextChunk:
-        """Restore the served path into the runtime (chunk ``idx`` computes or decodes next)."""
-        served = self.materialize(runtime)
-        if not served:
-            return self._recompute(idx)
-        return self._replay(runtime, idx, decoder)
 
     def _replay(self, runtime: Any, idx: int, decoder: RuntimeDecoder) -> NextChunk:
         """After a materialization: the served chunks' latents (0..idx-1, leaving the cached

@@ -139,14 +139,18 @@ class Invalidator:
         ctx = self.ctx
         removed = 0
         incomplete = ctx.forest.incomplete
+
+        def remove(keys: Sequence[str], which: str) -> int:
+            orphans = [k for k in keys if not is_encode_locator(k)]  # an encode is no chunk's: kept
+            if orphans:
+                ctx.store.delete_values(orphans)
+                log.info("reconcile: removed %d values %s", len(orphans), which)
+            return len(orphans)
+
         if ctx.store.lists_values and ctx.store.records.shared:
             # The records name what is committed; other processes may be writing: the store removes
             # only values without a record that are older than any write in flight.
-            orphans = [k for k in ctx.store.orphans() if not is_encode_locator(k)]  # encodes: no chunk's
-            if orphans:
-                ctx.store.delete_values(orphans)
-                removed = len(orphans)
-                log.info("reconcile: removed %d values of chunks never committed (no record)", removed)
+            removed = remove(ctx.store.orphans(), "of chunks never committed (no record)")
         elif incomplete and ctx.store.lists_values:
             log.warning("reconcile removes nothing: the forest snapshot did not load whole (%s); the "
                         "values it named stay until a snapshot that names them, or none, is loaded", incomplete)
@@ -161,11 +165,7 @@ class Invalidator:
                             named.update(blob_keys(n.blob.locator, n.blob.n_layers, pairs=n.blob.pairs))
                             named.add(frames_locator(n.node_key))
                             named.add(decoder_state_locator(n.node_key))
-            orphans = [k for k in ctx.store.keys() if k not in named and not is_encode_locator(k)]
-            if orphans:
-                ctx.store.delete_values(orphans)
-                removed = len(orphans)
-                log.info("reconcile: removed %d values no node names", removed)
+            removed = remove([k for k in ctx.store.keys() if k not in named], "no node names")
         return {"orphans_removed": removed, "invalidated": self.audit()}
 
 

@@ -23,22 +23,9 @@ from typing import Any
 
 from cacheseek.kv.locators import blob_keys, frames_locator, kv_locator, latent_locator, layer_keys, object_key
 
-__all__ = [
-    "sha256",
-    "sha256_of_parts",
-    "canonical_json_bytes",
-    "config_blob_hash",
-    "root_hash",
-    "node_key",
-    "build_action_chain",
-    "derive_seed",
-    "kv_locator",
-    "frames_locator",
-    "latent_locator",
-    "layer_keys",
-    "object_key",
-    "blob_keys",
-]
+__all__ = ["sha256", "sha256_of_parts", "canonical_json_bytes", "config_blob_hash", "root_hash", "node_key",
+           "build_action_chain", "derive_seed", "kv_locator", "frames_locator", "latent_locator", "layer_keys",
+           "object_key", "blob_keys"]
 
 
 def sha256(*parts: bytes) -> bytes:

@@ -1,16 +1,10 @@
 """`LiveChunks`: the binding's role in a live session, whose controls arrive one chunk at a time.
 
 A live TeleFuser session plans no controls: its service streams one per chunk, and the
-integration's per-chunk seam (`cacheseek.integrations.telefuser`) names each to the binding:
-
-- ``on_control_arrived(runtime, idx, control)``: the control arrived ahead of its chunk (a
-  service queues it, or builds the override first): its key is started on the keys' thread;
-- ``withdraw_control(idx)``: a scheduler refused the submission: the control is unknown again;
-- ``on_chunk_control(runtime, idx, control, may_restore=...)``: chunk ``idx`` starts with that
-  control, which keys it; with ``may_restore`` (the chunk runs next in this thread) a chunk on a
-  cached path is restored instead of computed;
-- ``restore_chunk(runtime, idx)``: the runtime is about to compute chunk ``idx`` (TeleFuser main's
-  denoise actor): restore it instead, returning its stored latent, or None.
+integration's per-chunk seam (`cacheseek.integrations.telefuser`) names each to the binding
+(``on_control_arrived`` ahead of its chunk, ``withdraw_control`` when a scheduler refused it,
+``on_chunk_control`` as the chunk starts; ``restore_chunk`` as TeleFuser main's denoise actor is
+about to compute it).
 
 A chunk is restored when the trie cursor sits at depth ``idx - 1`` with a ready child for its key
 (in the local trie, or found by its key in the store's chunk records: `SharedIndex.child`; a
@@ -149,11 +143,10 @@ class LiveChunks:
         self.manager.metrics.add(chunks_unkeyed=1)
         if not _logged_unkeyed:
             _logged_unkeyed.append(True)
-            log.warning(
-                "chunk %d's control was neither planned nor named as the chunk started, so it and the "
-                "session's later chunks are not cached (counted as chunks_unkeyed); attach CacheSeek to the "
-                "pipeline (cacheseek.integrations.telefuser.attach) so each chunk's control reaches the "
-                "binding", self._unkeyed_from)
+            log.warning("chunk %d's control was neither planned nor named as the chunk started, so it and the "
+                        "session's later chunks are not cached (counted as chunks_unkeyed); attach CacheSeek to the "
+                        "pipeline (cacheseek.integrations.telefuser.attach) so each chunk's control reaches the "
+                        "binding", self._unkeyed_from)
 
     def _on_chunk_control(self, runtime: Any, idx: int, control: Any, may_restore: bool) -> None:
         keys = self._keys

@@ -71,19 +71,10 @@ class WorldKVManager:
     store's writer may hold at once, written off the request path; one more is dropped
     (counted); 0 writes them in the caller's thread (`beside_chunk`)."""
 
-    def __init__(
-        self,
-        forest: NamespaceForest,
-        store: Any,
-        cfg: WorldKVConfig,
-        *,
-        clock: Optional[Callable[[], float]] = None,
-        eviction: Any = None,
-        metrics: Optional[CacheMetrics] = None,
-        shared_index: Any = None,
-        frames_in_flight: int = 8,
-        decoder_states_in_flight: int = 1,
-    ) -> None:
+    def __init__(self, forest: NamespaceForest, store: Any, cfg: WorldKVConfig, *,
+                 clock: Optional[Callable[[], float]] = None, eviction: Any = None,
+                 metrics: Optional[CacheMetrics] = None, shared_index: Any = None, frames_in_flight: int = 8,
+                 decoder_states_in_flight: int = 1) -> None:
         self.beside_in_flight = {  # per `beside_chunk.BesideKind.kind`
             "frames": in_flight("manager.frames_in_flight", frames_in_flight),
             "decoder_state": in_flight("manager.decoder_states_in_flight", decoder_states_in_flight)}
@@ -113,9 +104,8 @@ class WorldKVManager:
         self._store = as_store(store)
 
     # -- read side ------------------------------------------------------------------------------
-    def try_fast_forward(
-        self, root_hash: bytes, actions: Sequence[ActionKey], window: RestoreWindow
-    ) -> FastForwardResult:
+    def try_fast_forward(self, root_hash: bytes, actions: Sequence[ActionKey],
+                         window: RestoreWindow) -> FastForwardResult:
         self.metrics.add(prefix_lookups=1)
         self.forest.begin_session(root_hash)
         requested = limit = len(actions)
@@ -200,8 +190,7 @@ class WorldKVManager:
 
     # -- write side -----------------------------------------------------------------------------
     def ingest(self, ns: Namespace, parent: TrieNode, action: ActionKey, node_key: bytes, depth: int,
-               kv_payload: Sequence[Any], latent: Any, *, nbytes: int = 0, n_layers: Optional[int] = None,
-               ) -> TrieNode:
+               kv_payload: Sequence[Any], latent: Any, *, nbytes: int = 0, n_layers: Optional[int] = None) -> TrieNode:
         """Write one finished chunk (see the module docstring and docs/api.md)."""
         forest, store = self.forest, self.store
         found = self.index.child(ns, parent, action) if self.index.keys_as(parent, action, node_key) else None

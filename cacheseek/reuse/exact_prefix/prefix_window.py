@@ -15,36 +15,26 @@ A live session's chunks, restored one at a time mid-session, use `chunk_window.C
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
 from cacheseek.errors import CacheSeekError, GeometryError, LayoutMismatchError
 from cacheseek.kv.payload import RestoreTarget
-from cacheseek.reuse.exact_prefix.chunk_window import advance_rng, check_latents, node_problem
-from cacheseek.reuse.exact_prefix.restore import RestoreWindow
+from cacheseek.reuse.exact_prefix.chunk_window import RingWindow, advance_rng, check_latents
 
 __all__ = ["PrefixWindow"]
 
 
-class PrefixWindow(RestoreWindow):
+class PrefixWindow(RingWindow):
     """The restore target of a session's cached prefix (see the module docstring). ``layout``:
     the runtime's layout adapter; ``ring``: its `RingGeometry`; ``on_published(K)``: called at
     publication with the number of chunks restored (the binding's ``last_fast_forward``)."""
 
-    restores_paths = True
-
     def __init__(self, layout: Any, runtime: Any, ring: Any, on_published: Callable[[int], None]) -> None:
-        self.layout = layout
-        self.runtime = runtime
-        self.ring = ring
+        super().__init__(layout, runtime, ring)
         self.on_published = on_published
         self.latents: list[Any] = []
-        self.bytes_restored = 0
-
-    def node_problem(self, node: Any, in_window: bool) -> Optional[str]:
-        """Why ``node`` cannot be restored here (`chunk_window.node_problem`); None: it can."""
-        return node_problem(self.layout, self.runtime, self.ring, node, in_window)
 
     # generic tiers -------------------------------------------------------------------------
 
@@ -83,14 +73,8 @@ class PrefixWindow(RestoreWindow):
         token_bytes = self.layout.token_bytes(rt)
         kv = tuple(self.layout.layers(rt))
         self.bytes_restored = sum(2 * r.n_tokens for r in runs) * token_bytes * len(kv)
-        return RestoreTarget(
-            kv=kv,
-            runs=runs,
-            window_depths=tuple(window_depths),
-            token_bytes=token_bytes,
-            chunk_tokens=self.ring.chunk_size * self.ring.frame_tokens,
-            latents=tuple(self.latents),
-        )
+        return RestoreTarget(kv=kv, runs=runs, window_depths=tuple(window_depths), token_bytes=token_bytes,
+                             chunk_tokens=self.ring.chunk_size * self.ring.frame_tokens, latents=tuple(self.latents))
 
     # publication ----------------------------------------------------------------------------
 

@@ -237,9 +237,7 @@ class Restorer:
         for n in settle:
             self.ctx.invalidator.free_invalidated(n)
 
-    def _fetch_generic(
-        self, path: list[TrieNode], win: list[TrieNode], window: RestoreWindow
-    ) -> "int | Outcome":
+    def _fetch_generic(self, path: list[TrieNode], win: list[TrieNode], window: RestoreWindow) -> "int | Outcome":
         """Fetch every latent and window layer, then seed; bytes fetched, or a miss `Outcome`."""
         store = self.ctx.store
         latents = []

@@ -255,11 +255,10 @@ class SharedIndex:
         if (not self.active or handle.error is not None or node.parent is None
                 or not self.keys_as(node.parent, node.action, node.node_key)):
             return
-        record = ChunkRecord(
-            node_key=node.node_key, parent_key=node.parent.node_key, root_hash=ns.root_hash,
-            depth=node.depth, n_layers=handle.n_layers, nbytes=int(handle.nbytes), pairs=handle.pairs,
-            latent_nbytes=int(latent_nbytes), storage_format=self._format,
-            digests=handle.digests or {})
+        record = ChunkRecord(node_key=node.node_key, parent_key=node.parent.node_key, root_hash=ns.root_hash,
+                             depth=node.depth, n_layers=handle.n_layers, nbytes=int(handle.nbytes), pairs=handle.pairs,
+                             latent_nbytes=int(latent_nbytes), storage_format=self._format,
+                             digests=handle.digests or {})
         if self.ctx.store.records.publish(record):
             handle.recorded = True
             self.ctx.metrics.add(index_published=1)
@@ -276,11 +275,10 @@ class SharedIndex:
         shared = [n for n in nodes if n.blob is not None and n.blob.recorded]
         if not self.active or not shared:
             return ()
-        nodes = shared
-        records = self.ctx.store.records.probe([n.node_key for n in nodes])
+        records = self.ctx.store.records.probe([n.node_key for n in shared])
         if records is None:
             return None
-        lost = tuple(n for n, r in zip(nodes, records) if r is None)
+        lost = tuple(n for n, r in zip(shared, records) if r is None)
         if lost:
             self.ctx.metrics.add(index_recheck_misses=1)
         return lost

@@ -101,8 +101,15 @@ def _bounded(timeout_s: float, op: str, path: Path, fn: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _folder(path: Path) -> Iterator[int]:
-    fd = os.open(path.parent, _DIR)
+def _folder(path: Path, *, missing_ok: bool = False) -> Iterator[Optional[int]]:
+    """A descriptor of ``path``'s folder; None when it does not exist and ``missing_ok``."""
+    try:
+        fd = os.open(path.parent, _DIR)
+    except (FileNotFoundError, NotADirectoryError):
+        if not missing_ok:
+            raise
+        yield None
+        return
     try:
         yield fd
     finally:
@@ -213,12 +220,9 @@ def load(path: Path, *, timeout_s: float = SAVE_TIMEOUT_S, sweep: bool = False) 
 
 
 def _load(path: Path) -> Loaded:
-    try:
-        folder = _folder(path)
-        dfd = folder.__enter__()
-    except (FileNotFoundError, NotADirectoryError):
-        return Loaded(None, None)
-    try:
+    with _folder(path, missing_ok=True) as dfd:
+        if dfd is None:
+            return Loaded(None, None)
         problems = []
         for gen in (path, previous(path)):
             try:
@@ -239,8 +243,6 @@ def _load(path: Path) -> Loaded:
                 log.warning("forest snapshot: loaded the previous generation %s (the newest is damaged)", gen)
             return Loaded(records, gen, tuple(problems))
         return Loaded(None, None, tuple(problems))
-    finally:
-        folder.__exit__(None, None, None)
 
 
 def read(path: Path) -> list[Any]:
@@ -294,12 +296,9 @@ def sweep_temps(path: Path) -> int:
     it: regular files with this module's marker whose writer is gone; how many."""
     names = (path.name, previous(path).name)
     removed = 0
-    try:
-        folder = _folder(path)
-        dfd = folder.__enter__()
-    except (FileNotFoundError, NotADirectoryError):
-        return 0
-    try:
+    with _folder(path, missing_ok=True) as dfd:
+        if dfd is None:
+            return 0
         with os.scandir(dfd) as it:
             entries = [e.name for e in it if e.is_file(follow_symlinks=False)]
         for name in entries:
@@ -308,6 +307,4 @@ def sweep_temps(path: Path) -> int:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=dfd)
                     removed += 1
-    finally:
-        folder.__exit__(None, None, None)
     return removed

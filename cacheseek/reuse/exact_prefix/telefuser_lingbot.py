@@ -98,10 +98,8 @@ _warned_unattached: list[bool] = []
 def _warn_no_weights_fingerprint() -> None:
     if not _warned_weights:
         _warned_weights.append(True)
-        log.warning(
-            "the runtime has no weights_fingerprint and model_fingerprint is the default: two "
-            "checkpoints would share a namespace; pass model_fingerprint=<hash of the weights>"
-        )
+        log.warning("the runtime has no weights_fingerprint and model_fingerprint is the default: two "
+                    "checkpoints would share a namespace; pass model_fingerprint=<hash of the weights>")
 
 
 def _real_model(runtime: Any) -> bool:
@@ -135,21 +133,12 @@ def _image_fingerprint(image: Any) -> bytes:
 
 
 class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
-    def __init__(
-        self,
-        manager: WorldKVManager,
-        forest: NamespaceForest,
-        *,
-        model_fingerprint: bytes = _DEFAULT_MODEL_FINGERPRINT,
-        ingest_enabled: bool = True,
-        snapshot_path: Optional[str] = None,
-        snapshot_on_finalize: bool = False,
-        layout: Any = None,
-        fingerprint_fields: Optional[Sequence[Any]] = None,
-        require_weights_fingerprint: Optional[bool] = None,
-        handout: bool = True,
-        decoder_state_every: int = 0,
-    ) -> None:
+    def __init__(self, manager: WorldKVManager, forest: NamespaceForest, *,
+                 model_fingerprint: bytes = _DEFAULT_MODEL_FINGERPRINT, ingest_enabled: bool = True,
+                 snapshot_path: Optional[str] = None, snapshot_on_finalize: bool = False, layout: Any = None,
+                 fingerprint_fields: Optional[Sequence[Any]] = None,
+                 require_weights_fingerprint: Optional[bool] = None, handout: bool = True,
+                 decoder_state_every: int = 0) -> None:
         if unattached_release() and not _warned_unattached:
             _warned_unattached.append(True)
             log.warning("TeleFuser 0.1.0.post3 never calls a binding itself and no pipeline of this process is "
@@ -364,8 +353,7 @@ class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
         latent = denoised.detach()
         if tuple(latent.shape) != spec.shape:
             raise LayoutMismatchError(
-                f"chunk {idx}: denoised latent {tuple(latent.shape)}, the runtime's chunks are {spec.shape}"
-            )
+                f"chunk {idx}: denoised latent {tuple(latent.shape)}, the runtime's chunks are {spec.shape}")
         return latent.contiguous()
 
     def flush_snapshot(self) -> bool:
@@ -392,12 +380,11 @@ class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
         if self.model_fingerprint != _DEFAULT_MODEL_FINGERPRINT:
             return b""
         if self.require_weights_fingerprint or (self.require_weights_fingerprint is None and _real_model(runtime)):
-            raise ConfigError(
-                "namespace.model_fingerprint",
-                f"nothing identifies the weights of this {type(runtime).__name__}: two checkpoints "
-                "would restore each other's KV",
-                "call cacheseek.integrations.telefuser.attach(pipeline) before creating sessions (it "
-                "fingerprints the DiT), or pass model_fingerprint=<a name that changes with the weights>")
+            raise ConfigError("namespace.model_fingerprint",
+                              f"nothing identifies the weights of this {type(runtime).__name__}: two checkpoints "
+                              "would restore each other's KV",
+                              "call cacheseek.integrations.telefuser.attach(pipeline) before creating sessions (it "
+                              "fingerprints the DiT), or pass model_fingerprint=<a name that changes with the weights>")
         _warn_no_weights_fingerprint()
         return b""
 
@@ -411,14 +398,12 @@ class LingBotWorldKVBinding(LiveChunks, HandOut, RuntimeHooks):
                     f"manager window ({cfg.window_chunks} recent + {cfg.sink_chunks} sink chunks) "
                     f"disagrees with the runtime's L={ring.local_attn_size}, S={ring.sink_size}, "
                     f"c={ring.chunk_size} (needs {ring.window_chunks} + {ring.sink_chunks})",
-                    "build the config with make_rolling_config(local_attn_size=L, sink_size=S, chunk_size=c)",
-                )
+                    "build the config with make_rolling_config(local_attn_size=L, sink_size=S, chunk_size=c)")
         elif not cfg.full_length:
             raise GeometryError(
                 "manager.window_chunks",
                 f"the runtime keeps full-length KV but the manager restores only {cfg.window_chunks} chunks",
-                "use make_full_kv_config()",
-            )
+                "use make_full_kv_config()")
         return ring
 
 

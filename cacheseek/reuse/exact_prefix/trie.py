@@ -38,13 +38,7 @@ from cacheseek.reuse.exact_prefix import snapshot as snapshot_format
 from cacheseek.reuse.exact_prefix import snapshot_file
 from cacheseek.reuse.exact_prefix.types import ActionKey, Skeleton, TrieNode, check_action
 
-__all__ = [
-    "Namespace",
-    "NamespaceForest",
-    "PrefixMatch",
-    "save_forest_snapshot",
-    "load_forest_snapshot",
-]
+__all__ = ["Namespace", "NamespaceForest", "PrefixMatch", "save_forest_snapshot", "load_forest_snapshot"]
 
 SNAPSHOT_VERSION = snapshot_format.SNAPSHOT_VERSION
 _END = object()  # the end of a lookup's actions
@@ -148,9 +142,7 @@ class NamespaceForest:
                 more = bool(node.children)
         return PrefixMatch(ns, node, matched)
 
-    def commit(
-        self, ns: Namespace, parent: TrieNode, action: ActionKey, node_key: bytes, depth: int
-    ) -> TrieNode:
+    def commit(self, ns: Namespace, parent: TrieNode, action: ActionKey, node_key: bytes, depth: int) -> TrieNode:
         """Get or create the child of ``parent`` for ``action`` (an int, str or bytes); a pruned
         ``parent`` (or namespace) is put back first."""
         action = check_action(action)
@@ -164,10 +156,8 @@ class NamespaceForest:
                 child = TrieNode(node_key=node_key, action=action, depth=depth, parent=parent)
                 parent.children[action] = child
             elif child.node_key != node_key:
-                raise ValueError(
-                    f"node key mismatch at depth {depth}: trie has {child.node_key.hex()[:16]}, "
-                    f"caller derived {node_key.hex()[:16]}"
-                )
+                raise ValueError(f"node key mismatch at depth {depth}: trie has {child.node_key.hex()[:16]}, "
+                                 f"caller derived {node_key.hex()[:16]}")
             return child
 
     def _reattach(self, ns: Namespace, node: TrieNode) -> TrieNode:
@@ -230,10 +220,7 @@ class NamespaceForest:
         with self.lock:
             for rec in records:
                 self._check_merge(rec)
-            loaded = 0
-            for rec in records:
-                loaded += self._merge(rec)
-        return loaded
+            return sum(self._merge(rec) for rec in records)
 
     def _check_merge(self, rec: "snapshot_format.NamespaceRecord") -> None:
         """Under ``lock``: a node of ``rec`` whose (parent, action) slot here holds another key."""
@@ -248,8 +235,7 @@ class NamespaceForest:
                 raise ConfigError(
                     f"snapshot node {n.node_key.hex()[:16]}",
                     f"at depth {n.depth} this forest already has {child.node_key.hex()[:16]} for that action",
-                    "load it into an empty forest (keys are derived differently)",
-                )
+                    "load it into an empty forest (keys are derived differently)")
             here[n.node_key] = child
 
     def _merge(self, rec: "snapshot_format.NamespaceRecord") -> int:
@@ -285,10 +271,8 @@ def save_forest_snapshot(forest: NamespaceForest, path: str | os.PathLike[str], 
     snapshot_file.save(forest.snapshot(), Path(path), timeout_s=timeout_s)
 
 
-def load_forest_snapshot(
-    path: str | os.PathLike[str], *, into: Optional[NamespaceForest] = None,
-    timeout_s: float = snapshot_file.SAVE_TIMEOUT_S,
-) -> NamespaceForest:
+def load_forest_snapshot(path: str | os.PathLike[str], *, into: Optional[NamespaceForest] = None,
+                         timeout_s: float = snapshot_file.SAVE_TIMEOUT_S) -> NamespaceForest:
     """Load a snapshot file into ``into`` (or a new forest); a missing file gives an empty forest.
     Temp files of interrupted saves whose writer is gone are removed first; a damaged newest
     generation (or one that is a link or a FIFO: never followed or waited on) falls back to the

@@ -42,10 +42,8 @@ def check_action(action: Any) -> ActionKey:
         return action
     if isinstance(action, numbers.Integral) and not isinstance(action, bool):
         return int(action)  # numpy integers too
-    raise TypeError(
-        f"action must be an int, str or bytes, got {type(action).__name__} {action!r} "
-        "(fix: pass a discrete code, a name, or a digest such as action_bytes(control))"
-    )
+    raise TypeError(f"action must be an int, str or bytes, got {type(action).__name__} {action!r} "
+                    "(fix: pass a discrete code, a name, or a digest such as action_bytes(control))")
 
 
 class NodeState(str, enum.Enum):

@@ -28,46 +28,18 @@ from typing import Any
 from cacheseek.errors import ConfigError
 from cacheseek.kv import decoder_state, frames
 from cacheseek.registry import RUNTIMES
-from cacheseek.runtime.geometry import Geometry, get_geometry, validate_window
+from cacheseek.runtime.geometry import get_geometry, validate_window
 from cacheseek.runtime.snapshot import snapshot_diff
-from cacheseek.runtime.synthetic.checks import (
-    DTYPES,
-    check_device,
-    check_dtype,
-    check_int,
-    check_prompt,
-)
+from cacheseek.runtime.synthetic.checks import DTYPES, check_device, check_dtype, check_int, check_prompt
 from cacheseek.runtime.synthetic.control import CONTROL_CHANNELS, MAX_ACTION_DIM, control_tensor
 from cacheseek.runtime.synthetic.ring import RingCursorError, ring_write
 from cacheseek.runtime.synthetic.runtime import SyntheticWorldRuntime
-from cacheseek.runtime.synthetic.session import (
-    CONTROL_MODE,
-    MAX_SEQUENCE_LENGTH,
-    SAMPLE_SHIFT,
-    VAE_STRIDE,
-    SessionConfig,
-    SyntheticImage,
-    default_image,
-)
+from cacheseek.runtime.synthetic.session import (CONTROL_MODE, MAX_SEQUENCE_LENGTH, SAMPLE_SHIFT, VAE_STRIDE,
+                                                 SessionConfig, SyntheticImage, default_image)
 
-__all__ = [
-    "CONTROL_CHANNELS",
-    "CONTROL_MODE",
-    "DTYPES",
-    "MAX_ACTION_DIM",
-    "MAX_SEQUENCE_LENGTH",
-    "SAMPLE_SHIFT",
-    "VAE_STRIDE",
-    "RingCursorError",
-    "SessionConfig",
-    "SyntheticImage",
-    "SyntheticRuntimeFactory",
-    "SyntheticWorldRuntime",
-    "control_tensor",
-    "default_image",
-    "ring_write",
-    "snapshot_diff",
-]
+__all__ = ["CONTROL_CHANNELS", "CONTROL_MODE", "DTYPES", "MAX_ACTION_DIM", "MAX_SEQUENCE_LENGTH", "SAMPLE_SHIFT",
+           "VAE_STRIDE", "RingCursorError", "SessionConfig", "SyntheticImage", "SyntheticRuntimeFactory",
+           "SyntheticWorldRuntime", "control_tensor", "default_image", "ring_write", "snapshot_diff"]
 
 
 @RUNTIMES.register("synthetic")
@@ -83,21 +55,10 @@ class SyntheticRuntimeFactory:
     # layout (``layout=telefuser_main``) when the stack is built, not in the first session's hook.
     layout_name = "bshd"
 
-    def __init__(
-        self,
-        *,
-        geometry: str = "tiny",
-        local_attn_size: int = -1,
-        sink_size: int = 0,
-        num_steps: int = 4,
-        device: str = "cpu",
-        dtype: str = "bfloat16",
-        seed: int = 1234,
-        prompt: str = "a red car driving along a coast road",
-        compute_gemm_dim: int = 0,
-        compute_gemms: int = 1,
-        handout: bool = False,
-    ) -> None:
+    def __init__(self, *, geometry: str = "tiny", local_attn_size: int = -1, sink_size: int = 0, num_steps: int = 4,
+                 device: str = "cpu", dtype: str = "bfloat16", seed: int = 1234,
+                 prompt: str = "a red car driving along a coast road", compute_gemm_dim: int = 0,
+                 compute_gemms: int = 1, handout: bool = False) -> None:
         self._geometry = get_geometry(geometry)
         validate_window(self._geometry, local_attn_size, sink_size)
         check_int("runtime.num_steps", num_steps, 1)
@@ -107,21 +68,19 @@ class SyntheticRuntimeFactory:
         check_dtype(dtype)
         check_prompt(prompt)
         self._device = str(check_device(device, self._geometry))
-        self._local_attn_size = local_attn_size
-        self._sink_size = sink_size
-        self._dtype = dtype
-        self.num_steps = num_steps
-        self.seed = seed
-        self.prompt = prompt
-        self.compute_gemm_dim = compute_gemm_dim
-        self.compute_gemms = compute_gemms
+        self._local_attn_size, self._sink_size, self._dtype = local_attn_size, sink_size, dtype
+        self.num_steps, self.seed, self.prompt = num_steps, seed, prompt
+        self.compute_gemm_dim, self.compute_gemms = compute_gemm_dim, compute_gemms
         if not isinstance(handout, bool):
             raise ConfigError("runtime.handout", f"must be true or false, got {handout!r}")
         self.handout = handout
 
-    @property
-    def geometry(self) -> Geometry:
-        return self._geometry
+    # the settings the orchestrator and workloads read
+    geometry = property(lambda self: self._geometry)
+    local_attn_size = property(lambda self: self._local_attn_size)
+    sink_size = property(lambda self: self._sink_size)
+    device = property(lambda self: self._device)
+    dtype = property(lambda self: self._dtype)
 
     def beside_chunk_bytes(self, decoder_state_every: int) -> dict[str, int]:
         """What a store holds beside each chunk's KV (`sizing.need_for`) when sessions hand out
@@ -140,53 +99,14 @@ class SyntheticRuntimeFactory:
         """What a report names: the runtime, its geometry and device."""
         return {"runtime": "synthetic", "geometry": self._geometry.name, "device": self._device}
 
-    @property
-    def local_attn_size(self) -> int:
-        return self._local_attn_size
-
-    @property
-    def sink_size(self) -> int:
-        return self._sink_size
-
-    @property
-    def device(self) -> str:
-        return self._device
-
-    @property
-    def dtype(self) -> str:
-        return self._dtype
-
-    def make(
-        self,
-        actions: Sequence[Sequence[float]],
-        hooks: Any = None,
-        total_chunks: int | None = None,
-        *,
-        image: Any = None,
-        streamed: bool = False,
-        lookahead: int = 0,
-    ) -> SyntheticWorldRuntime:
+    def make(self, actions: Sequence[Sequence[float]], hooks: Any = None, total_chunks: int | None = None, *,
+             image: Any = None, streamed: bool = False, lookahead: int = 0) -> SyntheticWorldRuntime:
         """A fresh runtime for one session with these settings; ``streamed``: a live session
         whose controls arrive one chunk at a time (none planned), ``lookahead`` chunks ahead."""
+        compute = ({"gemm_dim": self.compute_gemm_dim, "gemms_per_layer_step": self.compute_gemms}
+                   if self.compute_gemm_dim else None)
         return SyntheticWorldRuntime(
-            self._geometry,
-            streamed=streamed,
-            lookahead=lookahead,
-            handout=self.handout,
-            actions=actions,
-            prompt=self.prompt,
-            image=image,
-            seed=self.seed,
-            num_steps=self.num_steps,
-            local_attn_size=self._local_attn_size,
-            sink_size=self._sink_size,
-            total_chunks=total_chunks,
-            device=self._device,
-            dtype=self._dtype,
-            hooks=hooks,
-            compute=(
-                {"gemm_dim": self.compute_gemm_dim, "gemms_per_layer_step": self.compute_gemms}
-                if self.compute_gemm_dim
-                else None
-            ),
-        )
+            self._geometry, streamed=streamed, lookahead=lookahead, handout=self.handout, actions=actions,
+            prompt=self.prompt, image=image, seed=self.seed, num_steps=self.num_steps,
+            local_attn_size=self._local_attn_size, sink_size=self._sink_size, total_chunks=total_chunks,
+            device=self._device, dtype=self._dtype, hooks=hooks, compute=compute)

@@ -8,6 +8,8 @@ import struct
 
 import torch
 
+from cacheseek.kv.frames import host_bytes
+
 __all__ = ["M64", "lp", "splitmix64", "tensor_bytes", "unit_floats"]
 
 M64 = (1 << 64) - 1
@@ -15,7 +17,7 @@ M64 = (1 << 64) - 1
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """The raw bytes of ``t`` (any dtype, any device), row-major."""
-    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return host_bytes(t).tobytes()
 
 
 def splitmix64(z: int) -> int:

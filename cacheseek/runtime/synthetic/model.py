@@ -51,22 +51,10 @@ class SyntheticModel:
     and the checksum's slot `[kv_size]` and dim `[2D]` weights. ``fingerprint`` is
     `weights_fingerprint`. ``gemm``: the checked compute settings or None."""
 
-    def __init__(
-        self,
-        geometry: Geometry,
-        *,
-        actions: Sequence[Sequence[float]],
-        prompt: str,
-        image: Any,
-        kv_size: int,
-        device: Any,
-        dtype: torch.dtype,
-        gemm: dict | None,
-    ) -> None:
+    def __init__(self, geometry: Geometry, *, actions: Sequence[Sequence[float]], prompt: str, image: Any,
+                 kv_size: int, device: Any, dtype: torch.dtype, gemm: dict | None) -> None:
         self.geometry = g = geometry
-        self.device = device
-        self.dtype = dtype
-        self.gemm = gemm
+        self.device, self.dtype, self.gemm = device, dtype, gemm
         weights = make_weights(g, gemm)
         self.fingerprint = weights_fingerprint(weights, gemm)
         self.w = {name: w.to(device) for name, w in weights.items()}
@@ -88,10 +76,8 @@ class SyntheticModel:
         dims = torch.arange(2 * g.head_dim, dtype=torch.int64, device=device)
         self.dim_weights = 1 + (dims * 40503) % 251
 
-    def forward(
-        self, x: torch.Tensor, chunk: int, sigma: float, window: dict, caches: Sequence[dict],
-        *, sink_tokens: int,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, chunk: int, sigma: float, window: dict, caches: Sequence[dict], *,
+                sink_tokens: int) -> torch.Tensor:
         """One pass over chunk `chunk` at noise level `sigma`: writes every layer's K/V into
         `caches` (the rings, see `ring_write`), returns x0_pred (float32, latent_shape).
         `window` caches the per-layer window phase of the chunk."""
@@ -170,15 +156,13 @@ class SyntheticModel:
 
     def patchify(self, x: torch.Tensor) -> torch.Tensor:
         """`[1, C, c, Hl, Wl]` -> `[c * (Hl/p) * (Wl/p), C * p * p]`, frame-major token order."""
-        g = self.geometry
-        p = g.patch
+        g, p = self.geometry, self.geometry.patch
         t = x[0].reshape(g.latent_channels, g.chunk_size, g.latent_h // p, p, g.latent_w // p, p)
         return t.permute(1, 2, 4, 0, 3, 5).reshape(g.chunk_tokens, -1)
 
     def unpatchify(self, tokens: torch.Tensor) -> torch.Tensor:
         """The inverse of `patchify`: `[T, F]` -> `latent_shape`."""
-        g = self.geometry
-        p = g.patch
+        g, p = self.geometry, self.geometry.patch
         t = tokens.reshape(g.chunk_size, g.latent_h // p, g.latent_w // p, g.latent_channels, p, p)
         return t.permute(3, 0, 1, 4, 2, 5).reshape(g.latent_shape)
 
@@ -191,9 +175,7 @@ class SyntheticModel:
         return torch.cos(angle)[:, None, :], torch.sin(angle)[:, None, :]
 
 
-def outer(
-    h: torch.Tensor, wh: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
+def outer(h: torch.Tensor, wh: torch.Tensor, wd: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """`[T, F]` -> `[T, H, D]`: tanh of the per-token outer product of two projections of h."""
     t = (h @ wh)[:, :, None] * (h @ wd)[:, None, :]
     return torch.tanh(t if bias is None else t + bias)

@@ -53,9 +53,7 @@ def ring_write(
         cache["global_end_index"] = start_token + n
         cache["local_end_index"] = le
     else:
-        raise RingCursorError(
-            f"write of {n} tokens at {start_token}: global_end_index is {g}, local_end_index {le}"
-        )
+        raise RingCursorError(f"write of {n} tokens at {start_token}: global_end_index is {g}, local_end_index {le}")
     cache["k"][:, le - n : le] = k
     cache["v"][:, le - n : le] = v
     return first

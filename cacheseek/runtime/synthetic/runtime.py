@@ -43,26 +43,13 @@ from cacheseek.kv.frames import FramesSpec
 from cacheseek.kv.runtime_decoder import RuntimeDecoder
 from cacheseek.runtime.geometry import Geometry, validate_window
 from cacheseek.runtime.snapshot import ring_snapshot
-from cacheseek.runtime.synthetic.checks import (
-    check_actions,
-    check_compute,
-    check_device,
-    check_dtype,
-    check_int,
-    check_prompt,
-    torch_dtype,
-)
+from cacheseek.runtime.synthetic.checks import (check_actions, check_compute, check_device, check_dtype, check_int,
+                                                check_prompt, torch_dtype)
 from cacheseek.runtime.synthetic.control import control_tensor
 from cacheseek.runtime.synthetic.hashing import tensor_bytes
 from cacheseek.runtime.synthetic.model import SyntheticModel
-from cacheseek.runtime.synthetic.session import (
-    CONTROL_MODE,
-    MAX_SEQUENCE_LENGTH,
-    SAMPLE_SHIFT,
-    VAE_STRIDE,
-    SessionConfig,
-    default_image,
-)
+from cacheseek.runtime.synthetic.session import (CONTROL_MODE, MAX_SEQUENCE_LENGTH, SAMPLE_SHIFT, VAE_STRIDE,
+                                                 SessionConfig, default_image)
 
 __all__ = ["SyntheticWorldRuntime", "SyntheticDecoder", "sigma_schedule"]
 
@@ -118,30 +105,13 @@ class SyntheticWorldRuntime:
     model (see `cacheseek.runtime.synthetic.model`); part of `weights_fingerprint`.
     """
 
-    def __init__(
-        self,
-        geometry: Geometry,
-        *,
-        actions: Sequence[Sequence[float]],
-        prompt: str = "a red car",
-        image: Any = None,
-        seed: int = 1234,
-        num_steps: int = 4,
-        local_attn_size: int = -1,
-        sink_size: int = 0,
-        total_chunks: int | None = None,
-        device: str = "cpu",
-        dtype: str = "bfloat16",
-        hooks: Any = None,
-        compute: dict | None = None,
-        streamed: bool = False,
-        lookahead: int = 0,
-        handout: bool = False,
-    ) -> None:
+    def __init__(self, geometry: Geometry, *, actions: Sequence[Sequence[float]], prompt: str = "a red car",
+                 image: Any = None, seed: int = 1234, num_steps: int = 4, local_attn_size: int = -1,
+                 sink_size: int = 0, total_chunks: int | None = None, device: str = "cpu", dtype: str = "bfloat16",
+                 hooks: Any = None, compute: dict | None = None, streamed: bool = False, lookahead: int = 0,
+                 handout: bool = False) -> None:
         if not isinstance(geometry, Geometry):
-            raise ConfigError(
-                "runtime.geometry", f"expected a Geometry, got {type(geometry).__name__}"
-            )
+            raise ConfigError("runtime.geometry", f"expected a Geometry, got {type(geometry).__name__}")
         validate_window(geometry, local_attn_size, sink_size)
         check_int("runtime.num_steps", num_steps, 1)
         check_int("runtime.seed", seed, 0)
@@ -155,11 +125,8 @@ class SyntheticWorldRuntime:
             total_chunks = len(controls)
         check_int("runtime.total_chunks", total_chunks, 1)
         if total_chunks > len(controls):
-            raise ConfigError(
-                "runtime.total_chunks",
-                f"{total_chunks} chunks but only {len(controls)} actions",
-                "give one action per chunk",
-            )
+            raise ConfigError("runtime.total_chunks", f"{total_chunks} chunks but only {len(controls)} actions",
+                              "give one action per chunk")
         for name in ("on_runtime_created", "on_chunk_finalized"):
             if hooks is not None and not callable(getattr(hooks, name, None)):
                 raise ConfigError("runtime.hooks", f"hooks object lacks {name}()")
@@ -191,21 +158,10 @@ class SyntheticWorldRuntime:
         self._controls = [control_tensor(g, a, device=self.device) for a in self.actions]
         self.control_chunks = None if self.streamed else self._controls  # a live session plans none
         self.session_config = SessionConfig(
-            prompt=prompt,
-            image=self.image,
-            seed=seed,
-            frame_num=self.frame_num,
-            chunk_size=g.chunk_size,
-            sample_shift=SAMPLE_SHIFT,
-            control_mode=CONTROL_MODE,
-            max_attention_size=self.kv_size,
-            max_sequence_length=MAX_SEQUENCE_LENGTH,
-            sampling_steps=num_steps,
-            local_attn_size=local_attn_size,
-            sink_size=sink_size,
-            dtype=dtype,
-            size=(g.latent_w * VAE_STRIDE, g.latent_h * VAE_STRIDE),
-        )
+            prompt=prompt, image=self.image, seed=seed, frame_num=self.frame_num, chunk_size=g.chunk_size,
+            sample_shift=SAMPLE_SHIFT, control_mode=CONTROL_MODE, max_attention_size=self.kv_size,
+            max_sequence_length=MAX_SEQUENCE_LENGTH, sampling_steps=num_steps, local_attn_size=local_attn_size,
+            sink_size=sink_size, dtype=dtype, size=(g.latent_w * VAE_STRIDE, g.latent_h * VAE_STRIDE))
 
         self._sigmas = sigma_schedule(num_steps)
         self.timesteps = [1000.0 * s for s in self._sigmas[:-1]]
@@ -217,15 +173,9 @@ class SyntheticWorldRuntime:
         self.noise_chunks = list(noise.split(g.chunk_size, dim=2))
 
         ring_shape = (1, self.kv_size, g.n_heads, g.head_dim)
-        self.self_kv_cache = [
-            {
-                "k": torch.zeros(ring_shape, dtype=self.dtype, device=self.device),
-                "v": torch.zeros(ring_shape, dtype=self.dtype, device=self.device),
-                "global_end_index": 0,
-                "local_end_index": 0,
-            }
-            for _ in range(g.n_layers)
-        ]
+        self.self_kv_cache = [{"k": torch.zeros(ring_shape, dtype=self.dtype, device=self.device),
+                               "v": torch.zeros(ring_shape, dtype=self.dtype, device=self.device),
+                               "global_end_index": 0, "local_end_index": 0} for _ in range(g.n_layers)]
         self.world_kv_cached_latents: dict[int, torch.Tensor] = {}
         self.frame_hashes: list[bytes] = []
         self.keep_frames = False  # True: ``frames`` keeps each chunk's frames (a lossy codec's quality verdict)
@@ -239,10 +189,8 @@ class SyntheticWorldRuntime:
         self._decoder_state: torch.Tensor | None = None  # the previous chunk's last frame
         self.decoder = SyntheticDecoder(self)
 
-        self._model = SyntheticModel(
-            g, actions=self.actions, prompt=prompt, image=self.image, kv_size=self.kv_size,
-            device=self.device, dtype=self.dtype, gemm=gemm,
-        )
+        self._model = SyntheticModel(g, actions=self.actions, prompt=prompt, image=self.image, kv_size=self.kv_size,
+                                     device=self.device, dtype=self.dtype, gemm=gemm)
         self.weights_fingerprint = self._model.fingerprint
 
     # -- public -------------------------------------------------------------------------------
@@ -305,11 +253,10 @@ class SyntheticWorldRuntime:
 
     def _run_chunk(self, i: int) -> None:
         if self.streamed and self.hooks is not None:
-            # controls queued ahead of their chunks, as a service queues its users' actions
+            # controls queued ahead of their chunks, as a service queues its users' actions; then
+            # chunk i's control arrives, as in a live session: the binding may restore the chunk
             for j in range(i + 1, min(i + 1 + self.lookahead, self.total_chunks)):
                 self.hooks.on_control_arrived(self, j, self._controls[j])
-        if self.streamed and self.hooks is not None:
-            # a live session: chunk i's control arrives now; the binding may restore the chunk
             self.hooks.on_chunk_control(self, i, self._controls[i], may_restore=True)
         plan = self.hooks.next_chunk(self, i, self.frames_spec, decoder=self.decoder) if self.handout and self.hooks is not None else None
         if plan is not None:
@@ -362,18 +309,13 @@ class SyntheticWorldRuntime:
     def _check_latent(self, i: int, latent: Any) -> None:
         shape = tuple(getattr(latent, "shape", ()))
         if shape != self.geometry.latent_shape or getattr(latent, "dtype", None) != self.dtype:
-            raise LayoutMismatchError(
-                f"cached latent of chunk {i}: {shape} {getattr(latent, 'dtype', None)}, "
-                f"runtime needs {self.geometry.latent_shape} {self.dtype}"
-            )
+            raise LayoutMismatchError(f"cached latent of chunk {i}: {shape} {getattr(latent, 'dtype', None)}, "
+                                      f"runtime needs {self.geometry.latent_shape} {self.dtype}")
         if latent.device.type != self.device.type:
-            raise LayoutMismatchError(
-                f"cached latent of chunk {i} is on {latent.device}, runtime on {self.device}"
-            )
+            raise LayoutMismatchError(f"cached latent of chunk {i} is on {latent.device}, runtime on {self.device}")
 
     def _denoise_chunk(self, i: int) -> torch.Tensor:
-        noise = self.noise_chunks[i]
-        x = noise.to(self.dtype)
+        x = self.noise_chunks[i].to(self.dtype)
         window: dict[int, torch.Tensor] = {}
         x0 = x
         for s in range(self.num_steps):

@@ -12,15 +12,8 @@ import attrs
 
 from cacheseek.errors import ConfigError
 
-__all__ = [
-    "CONTROL_MODE",
-    "MAX_SEQUENCE_LENGTH",
-    "SAMPLE_SHIFT",
-    "VAE_STRIDE",
-    "SessionConfig",
-    "SyntheticImage",
-    "default_image",
-]
+__all__ = ["CONTROL_MODE", "MAX_SEQUENCE_LENGTH", "SAMPLE_SHIFT", "VAE_STRIDE", "SessionConfig", "SyntheticImage",
+           "default_image"]
 
 SAMPLE_SHIFT = 5.0
 CONTROL_MODE = "cam"
@@ -39,19 +32,13 @@ class SyntheticImage:
 
     def __attrs_post_init__(self) -> None:
         if self.mode not in _IMAGE_CHANNELS:
-            raise ConfigError(
-                "runtime.image", f"unsupported mode {self.mode!r}", "use L, RGB or RGBA"
-            )
+            raise ConfigError("runtime.image", f"unsupported mode {self.mode!r}", "use L, RGB or RGBA")
         if len(self.size) != 2 or not all(isinstance(x, int) and x > 0 for x in self.size):
-            raise ConfigError(
-                "runtime.image", f"size must be (width, height) > 0, got {self.size!r}"
-            )
+            raise ConfigError("runtime.image", f"size must be (width, height) > 0, got {self.size!r}")
         w, h = self.size
         want = w * h * _IMAGE_CHANNELS[self.mode]
         if len(self.data) != want:
-            raise ConfigError(
-                "runtime.image", f"{self.mode} {w}x{h} needs {want} bytes, got {len(self.data)}"
-            )
+            raise ConfigError("runtime.image", f"{self.mode} {w}x{h} needs {want} bytes, got {len(self.data)}")
 
     def tobytes(self) -> bytes:
         return self.data

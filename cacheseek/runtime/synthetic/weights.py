@@ -34,8 +34,7 @@ WEIGHT_SEED = 0x5EED_CAC4E
 def make_weights(g: Geometry, gemm: dict | None) -> dict[str, torch.Tensor]:
     """The model's fp32 weights on CPU (see the module docstring); ``gemm``: the checked compute
     settings (`check_compute`) or None."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(WEIGHT_SEED)
+    gen = torch.Generator(device="cpu").manual_seed(WEIGHT_SEED)
     feats = g.latent_channels * g.patch * g.patch
     hd, d = g.n_heads, g.head_dim
 
