@@ -264,6 +264,9 @@ def test_strided_or_foreign_payload_is_a_store_error(make_store):
         store.put_async("st:kv", [(torch.zeros(4, device="meta"), k)], tier=TIER)
     with pytest.raises(PlanError, match="empty payload"):
         store.put_async("st:kv", [], tier=TIER)
+    for layer in [(k,), (k, k, k)]:  # a layer is exactly (K, V): never half a chunk stored as ready
+        with pytest.raises(PlanError, match="unpack"):
+            store.put_async("st:kv", [layer], tier=TIER)
     assert parts["client"].keys() == [] and parts["client"].live_handles() == (0, 0)
 
 

@@ -412,10 +412,11 @@ class Reader:
         if not raw:
             return srcs  # the transfer runtime checks every copy against the registered mappings
         lengths = list(self.calls.value_lengths(read.plan)) if self.calls.value_lengths is not None else None
+        spans = self.values.spans
         for i, (key, src, size) in enumerate(zip(keys, srcs, sizes)):
             if lengths is not None and lengths[i] != size:
                 raise CorruptValueError(key, f"holds {lengths[i]} B where {size} B were written")
-            if not any(r.contains(src, size) for r in self.values.spans):
+            if not any(r.contains(src, size) for r in spans):
                 raise CorruptValueError(
                     key, f"[{src:#x}, +{size}) does not lie inside a segment mapping of the Plan client")
         return srcs
