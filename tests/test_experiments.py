@@ -130,7 +130,7 @@ def test_session_reuse_benchmark_smoke(tmp_path):
     tiny = ["runtime.n_layers=1", "runtime.n_heads=1", "runtime.head_dim=14", "runtime.ffn_dim=32", "runtime.text_dim=16",
             "runtime.height=32", "runtime.width=32", "runtime.vae=stand_in", "runtime.text_encoder=stand_in"]
     res = load("session_reuse").main([
-        "device=cpu", "stores=[fluxon_plan]", f"out_dir={tmp_path}", "sweep_k=[1,2]", "live_sessions=2", "write_pairs=2",
+        "device=cpu", "stores=[fluxon_plan]", f"out_dir={tmp_path}", "sweep_k=[1,2]", "live_sessions=2", "write_pairs=2", "write_profile=true",
         "store_timeout_s=600", "budget_s=700",
         "store_overrides.fluxon_plan=['+store=fluxon_plan','store.backing=private','store.segment_bytes=4MiB']",
         "runtime_overrides=[" + ",".join(f"'{o}'" for o in tiny) + "]"])
@@ -144,6 +144,8 @@ def test_session_reuse_benchmark_smoke(tmp_path):
     assert plan["live"]["frames_equal"] and plan["live"]["served"] == [3, 3]
     pairs = plan["write_pairs"]["rows"]  # cold without and with writing, new actions, alternating order
     assert [r["first"] for r in pairs] == ["cold", "write"] and all(r["cold_s"] > 0 and r["write_s"] > 0 for r in pairs)
+    assert {p.name for p in (tmp_path / "writes_fluxon_plan.dec2").iterdir()} == {
+        f"{kind}_by_{key}.txt" for kind in ("cold", "write") for key in ("device", "cpu")}
     assert plan["b_fresh_worker"]["encodes_loaded"] == 2  # a fresh worker's keep: both encodes from the store
     assert [r["k"] for r in plan["sweep"]["rows"]] == [1, 2] and all(r["frames_served"] == r["k"] for r in plan["sweep"]["rows"])
     assert "| fluxon_plan |" in (tmp_path / "results.md").read_text() and (tmp_path / "session_reuse.png").exists()

@@ -44,7 +44,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -168,7 +168,8 @@ def run_one(name: str, argv: list[str]) -> None:
         if store in cfg.sweep_stores:
             row["sweep"] = _sweep(stack, factory, list(cfg.sweep_k), bool(cfg.sweep_nocache_ref), sync)
         if full and int(cfg.write_pairs):  # last: its writes evict the gate's chunks
-            row["write_pairs"] = _write_pairs(stack, gate, int(cfg.write_pairs))
+            row["write_pairs"] = _write_pairs(stack, gate, int(cfg.write_pairs),
+                                              out_dir / f"writes_{name}" if cfg.write_profile else None)
         row["nocache_after_s"] = nocache(px, "no cache P+X (after)")
         m = stack.metrics.as_dict()
         row["metrics"] = m
@@ -214,7 +215,7 @@ def _fresh_worker_b(stack: Any, factory: Any, gate: Any, px: list, sync: Any) ->
     return out
 
 
-def _write_pairs(stack: Any, gate: Any, pairs: int) -> dict:
+def _write_pairs(stack: Any, gate: Any, pairs: int, profile_dir: Optional[Path] = None) -> dict:
     """What writing costs a cold session, paired: for each of ``pairs`` fresh action lists (no
     chunk of them cached), the session twice through the same binding path, once cold without
     writing (a fresh trie, no ingest: the gate's D) and once cold and writing into the shared cache
@@ -243,7 +244,42 @@ def _write_pairs(stack: Any, gate: Any, pairs: int) -> dict:
         print(f"  write pair {i}: cold without writing {walls['cold']:.3f} s, cold writing {walls['write']:.3f} s "
               f"({rows[-1]['ratio']:.4f}x)", flush=True)
     ratios = [r["ratio"] for r in rows]
-    return {"rows": rows, "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios)}
+    out = {"rows": rows, "median_ratio": statistics.median(ratios), "min_ratio": min(ratios), "max_ratio": max(ratios)}
+    if profile_dir is not None:
+        out["profiled"] = _profile_pair(stack, gate, profile_dir)
+    return out
+
+
+def _profile_pair(stack: Any, gate: Any, out_dir: Path) -> dict:
+    """One more pair under torch's profiler (CPU and, on a GPU, CUDA activities), to find where
+    writing's cost goes: per kind, the wall and ``key_averages`` tables sorted by device time and
+    by CPU time (``<kind>_by_device.txt``, ``<kind>_by_cpu.txt``), so the two can be diffed op by op.
+    The profiler's own overhead is in both walls alike."""
+    import random
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from cacheseek.reuse.exact_prefix import NamespaceForest
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(9901)
+    actions = [[round(rng.uniform(-1, 1), 4) for _ in range(len(gate.P[0]))] for _ in range(gate.n)]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    walls = {}
+    for kind in ("cold", "write"):
+        extra = ({"manager": stack.new_manager(forest=NamespaceForest(), shared_index=False), "ingest": False}
+                 if kind == "cold" else {})
+        with profile(activities=activities) as prof:
+            req = gate._request(stack, f"{kind}P", actions, "ZP", **extra)
+        walls[kind] = req.wall_s
+        table = prof.key_averages()
+        device_key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        (out_dir / f"{kind}_by_device.txt").write_text(table.table(sort_by=device_key, row_limit=60))
+        (out_dir / f"{kind}_by_cpu.txt").write_text(table.table(sort_by="cpu_time_total", row_limit=60))
+    print(f"  write pair profiled: cold {walls['cold']:.3f} s, writing {walls['write']:.3f} s; tables in {out_dir}",
+          flush=True)
+    return {"cold_s": walls["cold"], "write_s": walls["write"], "dir": out_dir.name}
 
 
 def _ms(seconds: Any) -> str:
