@@ -223,18 +223,12 @@ def _write_pairs(stack: Any, gate: Any, pairs: int, profile_dir: Optional[Path] 
     favours neither. Both load the session's encodes from the store (the gate's A stored them), so
     the pair differs only in the chunks' KV, frames and decoder states written. The gate's own A
     also pays the process's first writes and its encodes computed."""
-    import random
-
-    from cacheseek.reuse.exact_prefix import NamespaceForest
-
     rows = []
     for i in range(pairs):
-        rng = random.Random(9001 + i)
-        actions = [[round(rng.uniform(-1, 1), 4) for _ in range(len(gate.P[0]))] for _ in range(gate.n)]
+        actions = _new_actions(gate, 9001 + i)
         walls = {}
         for kind in (("cold", "write") if i % 2 == 0 else ("write", "cold")):
-            extra = ({"manager": stack.new_manager(forest=NamespaceForest(), shared_index=False), "ingest": False}
-                     if kind == "cold" else {})
+            extra = _not_writing(stack) if kind == "cold" else {}
             req = gate._request(stack, f"{kind}{i}", actions, f"Z{i}", **extra)
             if req.hit_depth:
                 raise SystemExit(f"write pair {i}: the {kind} session hit {req.hit_depth} chunks; its actions must be new")
@@ -250,26 +244,35 @@ def _write_pairs(stack: Any, gate: Any, pairs: int, profile_dir: Optional[Path] 
     return out
 
 
+def _not_writing(stack: Any) -> dict:
+    """A request's arguments for a session that neither finds nor writes a chunk (the gate's D)."""
+    from cacheseek.reuse.exact_prefix import NamespaceForest
+
+    return {"manager": stack.new_manager(forest=NamespaceForest(), shared_index=False), "ingest": False}
+
+
+def _new_actions(gate: Any, seed: int) -> list:
+    """A session of the gate's length and action width whose actions no other session has."""
+    import random
+
+    rng = random.Random(seed)
+    return [[round(rng.uniform(-1, 1), 4) for _ in range(len(gate.P[0]))] for _ in range(gate.n)]
+
+
 def _profile_pair(stack: Any, gate: Any, out_dir: Path) -> dict:
     """One more pair under torch's profiler (CPU and, on a GPU, CUDA activities), to find where
     writing's cost goes: per kind, the wall and ``key_averages`` tables sorted by device time and
     by CPU time (``<kind>_by_device.txt``, ``<kind>_by_cpu.txt``), so the two can be diffed op by op.
     The profiler's own overhead is in both walls alike."""
-    import random
-
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from cacheseek.reuse.exact_prefix import NamespaceForest
-
     out_dir.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(9901)
-    actions = [[round(rng.uniform(-1, 1), 4) for _ in range(len(gate.P[0]))] for _ in range(gate.n)]
+    actions = _new_actions(gate, 9901)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     walls = {}
     for kind in ("cold", "write"):
-        extra = ({"manager": stack.new_manager(forest=NamespaceForest(), shared_index=False), "ingest": False}
-                 if kind == "cold" else {})
+        extra = _not_writing(stack) if kind == "cold" else {}
         with profile(activities=activities) as prof:
             req = gate._request(stack, f"{kind}P", actions, "ZP", **extra)
         walls[kind] = req.wall_s
