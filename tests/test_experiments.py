@@ -145,7 +145,7 @@ def test_session_reuse_benchmark_smoke(tmp_path):
     pairs = plan["write_pairs"]["rows"]  # cold without and with writing, new actions, alternating order
     assert [r["first"] for r in pairs] == ["cold", "write"] and all(r["cold_s"] > 0 and r["write_s"] > 0 for r in pairs)
     assert {p.name for p in (tmp_path / "writes_fluxon_plan.dec2").iterdir()} == {
-        f"{kind}_by_{key}.txt" for kind in ("cold", "write") for key in ("device", "cpu")}
+        f"{kind}_by_{key}.txt" for kind in ("cold", "write") for key in ("device", "cpu")} | {"gaps.md", "gaps.json"}
     assert plan["b_fresh_worker"]["encodes_loaded"] == 2  # a fresh worker's keep: both encodes from the store
     assert [r["k"] for r in plan["sweep"]["rows"]] == [1, 2] and all(r["frames_served"] == r["k"] for r in plan["sweep"]["rows"])
     assert "| fluxon_plan |" in (tmp_path / "results.md").read_text() and (tmp_path / "session_reuse.png").exists()
@@ -214,3 +214,32 @@ def test_root_open_measurement_smoke(tmp_path):
     assert row["chunks"] == 300 and row["files"] == 900 and row["orphans"] == 0
     assert all(row[k] > 0 for k in ("open_s", "bare_listing_s", "first_lookup_s", "usage_scan_s", "orphan_scan_s"))
     assert "| 300 | 900 |" in out.with_suffix(".md").read_text()
+
+
+def test_trace_gaps_attributes_idle_time_to_the_launching_thread():
+    """session_reuse's trace analysis: the model stream (most kernel time) is busy 3 ms of a 9 ms
+    span; its 2 ms gap opened while the launching thread synchronized, its 4 ms gap lies under a
+    CacheSeek frame of that thread (the innermost of two), a kernel on another stream is ignored."""
+    gaps = load_script("experiments/session_reuse/trace_gaps.py", "trace_gaps")
+
+    def ev(cat, ts, dur, name="k", tid=1, **args):
+        return {"ph": "X", "cat": cat, "ts": ts, "dur": dur, "name": name, "tid": tid, "args": args}
+
+    trace = {"traceEvents": [
+        ev("kernel", 0, 1000, stream=7, correlation=1), ev("cuda_runtime", -10, 5, "cudaLaunchKernel", correlation=1),
+        ev("kernel", 3000, 1000, stream=7, correlation=2), ev("cuda_runtime", 2990, 5, "cudaLaunchKernel", correlation=2),
+        ev("kernel", 8000, 1000, stream=7, correlation=3), ev("cuda_runtime", 7990, 5, "cudaLaunchKernel", correlation=3),
+        ev("kernel", 5000, 2500, stream=9, correlation=4), ev("cuda_runtime", 4990, 5, "cudaLaunchKernel", tid=2, correlation=4),
+        ev("cuda_runtime", 900, 1500, "cudaStreamSynchronize"),
+        ev("python_function", 3900, 4050, "/x/cacheseek/reuse/exact_prefix/manager.py(200): ingest"),
+        ev("python_function", 3950, 3900, "/x/cacheseek/stores/plan_tier/write.py(206): put_async"),
+        ev("python_function", 3950, 4000, "/x/experiments/session_reuse/bench_session_reuse.py(1): main"),
+    ]}
+    r = gaps.analyse(trace, gap_us=500)
+    assert r["stream"] == 7 and r["busy_s"] == pytest.approx(3e-3) and r["span_s"] == pytest.approx(9e-3)
+    assert r["gaps"] == 2 and r["by_host_call"] == {"-": pytest.approx(4e-3), "cudaStreamSynchronize": pytest.approx(2e-3)}
+    assert r["by_frame"] == {"stores/plan_tier/write.py: put_async": pytest.approx(4e-3), "-": pytest.approx(2e-3)}
+    quiet = gaps.analyse({"traceEvents": [ev("kernel", 0, 1000, stream=7), ev("kernel", 1100, 1000, stream=7)]})
+    delta = gaps.compare(quiet, r)
+    assert quiet["gaps"] == 0 and delta["gap_s"] == pytest.approx(6e-3) and delta["by_frame"]["stores/plan_tier/write.py: put_async"] == pytest.approx(4e-3)
+    assert "put_async" in gaps.markdown({"cold": quiet, "write": r}, delta)

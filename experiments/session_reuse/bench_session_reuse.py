@@ -222,17 +222,12 @@ def _write_pairs(stack: Any, gate: Any, pairs: int, profile_dir: Optional[Path] 
     (the gate's A), in alternating order so that a drift of the device's speed over the process
     favours neither. Both load the session's encodes from the store (the gate's A stored them), so
     the pair differs only in the chunks' KV, frames and decoder states written. The gate's own A
-    also pays the process's first writes and its encodes computed."""
+    also pays the process's first writes and its encodes computed. With ``profile_dir``, one more
+    pair under the profiler (`_profile_pair`)."""
     rows = []
     for i in range(pairs):
-        actions = _new_actions(gate, 9001 + i)
-        walls = {}
-        for kind in (("cold", "write") if i % 2 == 0 else ("write", "cold")):
-            extra = _not_writing(stack) if kind == "cold" else {}
-            req = gate._request(stack, f"{kind}{i}", actions, f"Z{i}", **extra)
-            if req.hit_depth:
-                raise SystemExit(f"write pair {i}: the {kind} session hit {req.hit_depth} chunks; its actions must be new")
-            walls[kind] = req.wall_s
+        order = ("cold", "write") if i % 2 == 0 else ("write", "cold")
+        walls = _pair(stack, gate, f"{i}", _new_actions(gate, 9001 + i), order)
         rows.append({"pair": i, "first": "cold" if i % 2 == 0 else "write", "cold_s": walls["cold"],
                      "write_s": walls["write"], "ratio": walls["write"] / walls["cold"]})
         print(f"  write pair {i}: cold without writing {walls['cold']:.3f} s, cold writing {walls['write']:.3f} s "
@@ -242,6 +237,22 @@ def _write_pairs(stack: Any, gate: Any, pairs: int, profile_dir: Optional[Path] 
     if profile_dir is not None:
         out["profiled"] = _profile_pair(stack, gate, profile_dir)
     return out
+
+
+def _pair(stack: Any, gate: Any, tag: str, actions: list, order: tuple, around: Any = None) -> dict:
+    """One write pair on ``actions`` in ``order`` (kinds ``cold`` and ``write``): each kind's wall.
+    ``around(kind)``: a context manager each session runs in (default none)."""
+    import contextlib
+
+    walls = {}
+    for kind in order:
+        extra = _not_writing(stack) if kind == "cold" else {}
+        with (around(kind) if around is not None else contextlib.nullcontext()):
+            req = gate._request(stack, f"{kind}{tag}", actions, f"Z{tag}", **extra)
+        if req.hit_depth:
+            raise SystemExit(f"write pair {tag}: the {kind} session hit {req.hit_depth} chunks; its actions must be new")
+        walls[kind] = req.wall_s
+    return walls
 
 
 def _not_writing(stack: Any) -> dict:
@@ -260,29 +271,49 @@ def _new_actions(gate: Any, seed: int) -> list:
 
 
 def _profile_pair(stack: Any, gate: Any, out_dir: Path) -> dict:
-    """One more pair under torch's profiler (CPU and, on a GPU, CUDA activities), to find where
-    writing's cost goes: per kind, the wall and ``key_averages`` tables sorted by device time and
-    by CPU time (``<kind>_by_device.txt``, ``<kind>_by_cpu.txt``), so the two can be diffed op by op.
-    The profiler's own overhead is in both walls alike."""
+    """One more pair under torch's profiler (CPU and, on a GPU, CUDA activities, with Python
+    frames), to find where writing's cost goes. Per kind: the ``key_averages`` tables sorted by
+    device time and by CPU time (``<kind>_by_device.txt``, ``<kind>_by_cpu.txt``, diffable op by op),
+    and from the trace the model stream's busy and idle time and what the launching thread was
+    doing in each idle gap (`trace_gaps`; ``gaps.md``, ``gaps.json``). The profiler's own
+    overhead is in both sessions alike."""
+    import contextlib
+    import json
+    import tempfile
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    import trace_gaps
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    actions = _new_actions(gate, 9901)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    walls = {}
-    for kind in ("cold", "write"):
-        extra = _not_writing(stack) if kind == "cold" else {}
-        with profile(activities=activities) as prof:
-            req = gate._request(stack, f"{kind}P", actions, "ZP", **extra)
-        walls[kind] = req.wall_s
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    gaps = {}
+
+    @contextlib.contextmanager
+    def around(kind: str) -> Any:
+        with profile(activities=activities, with_stack=True, acc_events=True) as prof:
+            yield
         table = prof.key_averages()
-        device_key = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-        (out_dir / f"{kind}_by_device.txt").write_text(table.table(sort_by=device_key, row_limit=60))
+        (out_dir / f"{kind}_by_device.txt").write_text(
+            table.table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=60))
         (out_dir / f"{kind}_by_cpu.txt").write_text(table.table(sort_by="cpu_time_total", row_limit=60))
-    print(f"  write pair profiled: cold {walls['cold']:.3f} s, writing {walls['write']:.3f} s; tables in {out_dir}",
-          flush=True)
-    return {"cold_s": walls["cold"], "write_s": walls["write"], "dir": out_dir.name}
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trace.json"
+            prof.export_chrome_trace(str(path))
+            gaps[kind] = trace_gaps.analyse(json.loads(path.read_text()))
+
+    walls = _pair(stack, gate, "P", _new_actions(gate, 9901), ("cold", "write"), around)
+    delta = trace_gaps.compare(gaps["cold"], gaps["write"])
+    (out_dir / "gaps.md").write_text(trace_gaps.markdown(gaps, delta))
+    write_json(out_dir / "gaps.json", {"sessions": gaps, "delta": delta})
+    print(f"  write pair profiled: cold {walls['cold']:.3f} s, writing {walls['write']:.3f} s; model stream busy "
+          f"{delta['busy_s'] * 1e3:+.1f} ms, idle {delta['idle_s'] * 1e3:+.1f} ms writing; tables in {out_dir}", flush=True)
+    for name, v in list(delta["by_host_call"].items())[:4] + list(delta["by_frame"].items())[:6]:
+        print(f"    gaps opened in / across {name}: {v * 1e3:+.1f} ms", flush=True)
+    return {"cold_s": walls["cold"], "write_s": walls["write"], "dir": out_dir.name, "busy_delta_s": delta["busy_s"],
+            "idle_delta_s": delta["idle_s"]}
 
 
 def _ms(seconds: Any) -> str:

@@ -210,7 +210,10 @@ class Writer:
         handle = BlobHandle(tier, locator, 0, len(layers))
         t0 = time.perf_counter()
         try:
-            items = [(key, t) for i, (k, v) in enumerate(layers) for key, t in zip(layer_keys(locator, i), (k, v))]
+            items = []
+            for i, (k, v) in enumerate(layers):  # a layer is exactly (K, V)
+                key_k, key_v = layer_keys(locator, i)
+                items += [(key_k, k), (key_v, v)]
             if not items:
                 raise PlanError(f"put of {locator}: empty payload")
             handle.nbytes = sum(nbytes(t) for _, t in items)
