@@ -232,7 +232,7 @@ def test_trace_gaps_attributes_idle_time_to_the_launching_thread():
         ev("kernel", 5000, 2500, stream=9, correlation=4), ev("cuda_runtime", 4990, 5, "cudaLaunchKernel", tid=2, correlation=4),
         ev("cuda_runtime", 900, 1500, "cudaStreamSynchronize"),
         ev("python_function", 3900, 4050, "/x/cacheseek/reuse/exact_prefix/manager.py(200): ingest"),
-        ev("python_function", 3950, 3900, "/x/cacheseek/stores/plan_tier/write.py(206): put_async"),
+        ev("python_function", 3950, 3900, "cacheseek/stores/plan_tier/write.py(206): put_async"),
         ev("python_function", 3950, 4000, "/x/experiments/session_reuse/bench_session_reuse.py(1): main"),
     ]}
     r = gaps.analyse(trace, gap_us=500)

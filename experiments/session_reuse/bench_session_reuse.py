@@ -26,7 +26,7 @@ bf16 weights on the GPU, real Wan VAE and umT5), 480x832:
    host memory and from device memory);
 7. (``write_pairs``) what writing costs a cold session, paired: new actions run cold without
    writing and cold writing, in alternating order (`_write_pairs`); last, as their writes evict
-   the gate's chunks;
+   the gate's chunks; with ``write_profile`` one more pair profiled (`_profile_pair`, `trace_gaps`);
 8. the bytes stored beyond the KV (frames) against the KV's, from the metrics.
 
 The parent writes ``store_<store>.json`` per store, ``results.json`` (machine, versions, commit,

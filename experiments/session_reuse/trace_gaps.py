@@ -122,7 +122,7 @@ class _HostTimeline:
             cat = e.get("cat")
             if cat in HOST_CALL_CATS:
                 calls[e.get("tid")].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", "?")))
-            elif cat == "python_function" and f"/{ours}/" in e.get("name", "") and "/experiments/" not in e["name"]:
+            elif cat == "python_function" and _is_ours(e.get("name", ""), ours):
                 frames[e.get("tid")].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", "?")))
         self._calls = {t: sorted(v) for t, v in calls.items()}
         self._call_starts = {t: [c[0] for c in v] for t, v in self._calls.items()}
@@ -150,10 +150,17 @@ class _HostTimeline:
         return best[1] if best else "-"
 
 
+def _is_ours(name: str, ours: str) -> bool:
+    """Whether a ``python_function`` event names a frame in package ``ours``: the profiler writes
+    ``cacheseek/x/y.py(123): fn`` (relative to its ``sys.path`` entry) or an absolute path."""
+    path = name.partition("(")[0]
+    return (path.startswith(f"{ours}/") or f"/{ours}/" in path) and "experiments/" not in path
+
+
 def _short(name: str) -> str:
-    """``.../cacheseek/x/y.py(123): fn`` -> ``x/y.py: fn``."""
+    """``cacheseek/x/y.py(123): fn`` (or ``.../cacheseek/x/...``) -> ``x/y.py: fn``."""
     path, _, fn = name.partition(": ")
-    path = path.rsplit("/cacheseek/", 1)[-1].split("(")[0]
+    path = ("/" + path).rsplit("/cacheseek/", 1)[-1].split("(")[0]
     return f"{path}: {fn}" if fn else path
 
 
