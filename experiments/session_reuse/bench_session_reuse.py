@@ -228,7 +228,7 @@ def _write_pairs(stack: Any, gate: Any, pairs: int, profile_dir: Optional[Path] 
     for i in range(pairs):
         order = ("cold", "write") if i % 2 == 0 else ("write", "cold")
         walls = _pair(stack, gate, f"{i}", _new_actions(gate, 9001 + i), order)
-        rows.append({"pair": i, "first": "cold" if i % 2 == 0 else "write", "cold_s": walls["cold"],
+        rows.append({"pair": i, "first": order[0], "cold_s": walls["cold"],
                      "write_s": walls["write"], "ratio": walls["write"] / walls["cold"]})
         print(f"  write pair {i}: cold without writing {walls['cold']:.3f} s, cold writing {walls['write']:.3f} s "
               f"({rows[-1]['ratio']:.4f}x)", flush=True)
@@ -310,8 +310,10 @@ def _profile_pair(stack: Any, gate: Any, out_dir: Path) -> dict:
     write_json(out_dir / "gaps.json", {"sessions": gaps, "delta": delta})
     print(f"  write pair profiled: cold {walls['cold']:.3f} s, writing {walls['write']:.3f} s; model stream busy "
           f"{delta['busy_s'] * 1e3:+.1f} ms, idle {delta['idle_s'] * 1e3:+.1f} ms writing; tables in {out_dir}", flush=True)
-    for name, v in list(delta["by_host_call"].items())[:4] + list(delta["by_frame"].items())[:6]:
-        print(f"    gaps opened in / across {name}: {v * 1e3:+.1f} ms", flush=True)
+    for name, v in list(delta["by_host_call"].items())[:4]:
+        print(f"    gaps opened in host call {name}: {v * 1e3:+.1f} ms", flush=True)
+    for name, v in list(delta["by_frame"].items())[:6]:
+        print(f"    gaps across CacheSeek frame {name}: {v * 1e3:+.1f} ms", flush=True)
     return {"cold_s": walls["cold"], "write_s": walls["write"], "dir": out_dir.name, "busy_delta_s": delta["busy_s"],
             "idle_delta_s": delta["idle_s"]}
 
