@@ -210,7 +210,8 @@ def test_etcd_stopped_mid_run_probes_fail_within_the_bound_and_sessions_run_cold
         found = store.records.probe([ready_nodes(stack)[0].node_key])
         assert found is None, (  # cannot tell, within the bound (seen failing intermittently: say where it read)
             f"records read from {store.records.endpoint} after SIGSTOP of etcd pid {etcd} "
-            f"({_proc_state(etcd)}); the service's etcd is {svc.etcd_endpoint}")
+            f"({_proc_state(etcd)}); the service's etcd is {svc.etcd_endpoint}; listening on its port: "
+            f"{_listeners(int(svc.etcd_endpoint.rpartition(':')[2]))}")
         assert bound - 0.5 < time.monotonic() - t0 < bound + 3
         t0 = time.monotonic()
         assert store.records.probe([ready_nodes(stack)[1].node_key]) is None  # at once now
@@ -240,3 +241,34 @@ def _proc_state(pid: int) -> str:
         return next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State:"))
     except (OSError, StopIteration) as exc:
         return f"state unknown: {exc!r}"
+
+
+def _listeners(port: int) -> list[str]:
+    """``pid name`` of each process with a TCP socket listening on ``port`` (a failure's context)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if int(f[1].rsplit(":", 1)[1], 16) == port and f[3] == "0A":  # 0A: LISTEN
+                inodes.add(f[9])
+    out = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fds = set()
+            for fd in (proc / "fd").iterdir():
+                try:
+                    fds.add(os.readlink(fd))
+                except OSError:  # closed meanwhile
+                    pass
+            name = (proc / "comm").read_text().strip()
+        except OSError:
+            continue
+        if any(f"socket:[{i}]" in fds for i in inodes):
+            out.append(f"{proc.name} {name}")
+    return out
