@@ -29,8 +29,7 @@ import collections
 from typing import Any, Optional
 
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
-HOST_CALL_CATS = ("cuda_runtime", "cuda_driver")
+HOST_CALL_CATS = ("cuda_runtime", "cuda_driver")  # a launch, a synchronize: a thread's calls into CUDA
 
 
 def analyse(trace: dict, gap_us: float = 500.0, top: int = 12, ours: str = "cacheseek") -> dict:
@@ -48,7 +47,7 @@ def analyse(trace: dict, gap_us: float = 500.0, top: int = 12, ours: str = "cach
     stream = max(per_stream, key=per_stream.get) if per_stream else _stream(device[0])
     mine = sorted((e for e in device if _stream(e) == stream), key=lambda e: e["ts"])
     launcher = {e["args"]["correlation"]: e.get("tid") for e in events
-                if e.get("cat") in LAUNCH_CATS and "correlation" in e.get("args", {})}
+                if e.get("cat") in HOST_CALL_CATS and "correlation" in e.get("args", {})}
     host = _HostTimeline(events, ours)
 
     busy, gaps, end = 0.0, [], None
@@ -119,11 +118,11 @@ class _HostTimeline:
         calls: dict[Any, list] = collections.defaultdict(list)
         frames: dict[Any, list] = collections.defaultdict(list)
         for e in events:
-            cat = e.get("cat")
+            cat, span = e.get("cat"), (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", "?"))
             if cat in HOST_CALL_CATS:
-                calls[e.get("tid")].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", "?")))
-            elif cat == "python_function" and _is_ours(e.get("name", ""), ours):
-                frames[e.get("tid")].append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)), e.get("name", "?")))
+                calls[e.get("tid")].append(span)
+            elif cat == "python_function" and _is_ours(span[2], ours):
+                frames[e.get("tid")].append(span)
         self._calls = {t: sorted(v) for t, v in calls.items()}
         self._call_starts = {t: [c[0] for c in v] for t, v in self._calls.items()}
         self._frames = frames
