@@ -131,9 +131,12 @@ def test_every_declared_family_is_served(compose_cfg, tmp_path, scrape):
         assert s.get_value("cacheseek_store_chunks", tier=tier) == row["blobs"]
         assert s.get_value("cacheseek_tier_writes_total", tier=tier) == row.get("writes", 0)
     assert s.total("cacheseek_hits_total") == m["hits"] > 0
-    # a chunk served from its frames reads no level's KV (issue 32): its hit is the tiered store's
+    # a chunk served from its frames reads no level's KV (issue 32): its hit is the tiered store's.
+    # Frames are written off the request path, so a session may reach a chunk whose frames the
+    # writer has not put yet: that chunk reads them missing and decodes (a slow CI machine does)
     assert sum(m["hits_by_tier"].values()) == m["hits"] and set(m["hits_by_tier"]) <= {"memory", "localdisk", "tiered"}
-    assert m["hits_by_tier"].get("tiered", 0) <= m["frames_handed_out"]
+    frames_read = m["frames_handed_out"] + m["frames_missing"] + m["frames_corrupt"]
+    assert m["frames_handed_out"] > 0 and m["hits_by_tier"].get("tiered", 0) == frames_read
 
 
 def test_the_cli_serves_prints_the_port_holds_and_stops_on_sigterm(tmp_path, scrape):
