@@ -84,6 +84,17 @@ def test_copy_kernel_benchmark_smoke(tmp_path):
     assert (tmp_path / "copy_kernel.png").stat().st_size > 0
 
 
+def test_write_polls_benchmark_smoke(tmp_path):
+    res = load("write_polls").main([
+        "chunk_bytes=100663296", "copy_gib_s=50", "piece_bytes=[33554432]", "poll_s=[0.0002,0.001]",
+        "launch_ops=2000", "reps=1", f"out_dir={tmp_path}",
+    ])
+    assert [(r["piece_mib"], r["poll_ms"]) for r in res["rows"]] == [(32, 0.2), (32, 1.0)]
+    assert all(r["wakes_per_chunk"] >= 3 and 0 <= r["engine_idle"] < 1 and r["slowdown"] > 0 for r in res["rows"])
+    assert "| 32 MiB (product) | 0.2 ms |" in (tmp_path / "results.md").read_text()
+    assert (tmp_path / "write_polls.png").stat().st_size > 0
+
+
 @pytest.mark.slow
 def test_warmup_benchmark_and_timeline_smoke(tmp_path, capsys):
     args = ["device=cpu", "geometry=tiny", "segment_bytes=67108864", "reps=1", "warmup_chunks=0",
