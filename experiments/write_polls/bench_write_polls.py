@@ -12,9 +12,10 @@ This bench runs that thread's own code (`Completion._trickle`: ``pieces_in_fligh
 flight, each waited for by the real `PendingBatch.wait`) against a simulated copy engine: one
 engine, pieces in submission order at ``copy_gib_s``, a piece's event done once its time has
 passed. Beside it, the launch loop: ``launch_ops`` torch additions of ``launch_numel`` floats in
-one Python thread (each op releases the GIL while it runs, as a kernel launch does). Per setting
-(piece size, poll interval) and repetition, the loop runs once with the writer writing chunk
-after chunk and once without, in alternating order; the slowdown is their ratio. The writer's
+one Python thread (each op releases the GIL while it runs, as a kernel launch does). Each round
+runs every setting (piece size, poll interval) in a rotated order, the loop once with the writer
+writing chunk after chunk and once without, in alternating order; a setting's slowdown is the
+median of its pairs' ratios (with their quartiles). The writer's
 side: its wakes (event queries) per chunk and the engine's idle share (the copies' own time
 against the span: a coarser poll that leaves the engine idle makes the write longer).
 
@@ -138,32 +139,32 @@ def main(argv: list[str]) -> dict:
     cfg = compose(HERE / "conf", "write_polls", argv)
     out_dir = Path(cfg.out_dir)
     settings = [(int(p), float(s)) for p in cfg.piece_bytes for s in cfg.poll_s]
-    prog = Progress(len(settings) + 1, "write_polls")
+    prog = Progress(int(cfg.reps) + 1, "write_polls")
     ops, numel, reps = int(cfg.launch_ops), int(cfg.launch_numel), int(cfg.reps)
     launch_loop(ops, numel)  # warm-up
     prog.step(f"warm-up: {ops} ops in {launch_loop(ops, numel) * 1e3:.0f} ms without a writer")
-    rows = []
-    for piece_bytes, poll_s in settings:
-        alone, beside, wakes, idle = [], [], [], []
-        for rep in range(reps):
+    runs = {setting: {"alone": [], "beside": [], "wakes": [], "idle": []} for setting in settings}
+    for rep in range(reps):  # every setting once a round, in a rotated order: drift falls on all alike
+        for setting in settings[rep % len(settings):] + settings[:rep % len(settings)]:
+            run = runs[setting]
             for with_writer in ((False, True) if rep % 2 == 0 else (True, False)):
                 if not with_writer:
-                    alone.append(launch_loop(ops, numel))
+                    run["alone"].append(launch_loop(ops, numel))
                     continue
-                with Writer(int(cfg.chunk_bytes), piece_bytes, int(cfg.pieces_in_flight), float(cfg.copy_gib_s),
-                            poll_s) as w:
-                    beside.append(launch_loop(ops, numel))
-                if w.chunks:
-                    wakes.append(w.engine.queries / w.chunks)
-                    idle.append(max(0.0, 1.0 - w.engine.busy_s / w.span_s))
-        ratios = sorted(b / a for a, b in zip(alone, beside))
-        row = {"piece_mib": piece_bytes // MiB, "poll_ms": poll_s * 1e3, "launch_alone_ms": median(alone) * 1e3,
-               "launch_beside_ms": median(beside) * 1e3, "slowdown": median(ratios), "ratios": ratios,
-               "wakes_per_chunk": median(wakes), "engine_idle": median(idle),
-               "product_default": piece_bytes == 32 * MiB and abs(poll_s - 2e-4) < 1e-9}
-        rows.append(row)
-        prog.step(f"{row['piece_mib']} MiB pieces, poll {row['poll_ms']:.1f} ms: launch loop {row['slowdown']:.3f}x, "
-                  f"{row['wakes_per_chunk']:.0f} wakes a chunk, engine idle {row['engine_idle']:.1%}")
+                with Writer(int(cfg.chunk_bytes), setting[0], int(cfg.pieces_in_flight), float(cfg.copy_gib_s),
+                            setting[1]) as w:
+                    run["beside"].append(launch_loop(ops, numel))
+                run["wakes"].append(w.engine.queries / w.chunks)
+                run["idle"].append(max(0.0, 1.0 - w.engine.busy_s / w.span_s))
+        prog.step(f"round {rep + 1} of {reps}: {len(settings)} settings, each with and without the writer")
+    rows = []
+    for (piece_bytes, poll_s), run in runs.items():
+        ratios = sorted(b / a for a, b in zip(run["alone"], run["beside"]))
+        rows.append({"piece_mib": piece_bytes // MiB, "poll_ms": poll_s * 1e3,
+                     "launch_alone_ms": median(run["alone"]) * 1e3, "launch_beside_ms": median(run["beside"]) * 1e3,
+                     "slowdown": median(ratios), "slowdown_q1_q3": [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]],
+                     "ratios": ratios, "wakes_per_chunk": median(run["wakes"]), "engine_idle": median(run["idle"]),
+                     "product_default": piece_bytes == 32 * MiB and abs(poll_s - 2e-4) < 1e-9})
     results = {"command": "python experiments/write_polls/bench_write_polls.py " + " ".join(argv),
                "config": plain(cfg), "env": {**env_info(), **git_state(), "cpu_model": cpu_model()}, "rows": rows}
     write_json(out_dir / "results.json", results)
@@ -178,12 +179,13 @@ def _table(results: dict) -> str:
     lines = [f"# write_polls ({env['git_commit']}{' with local changes' if env.get('git_dirty') else ''}, {env['cpu_model']}, "
              f"{env['cpus']} CPUs, Python {env['python']}, torch {env['torch']})", "",
              f"`{results['command']}`", "",
-             "| pieces | poll | launch loop alone | beside the writer | slowdown (median of pairs) | wakes a chunk | engine idle |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+             "| pieces | poll | launch loop alone | beside the writer | slowdown (median of pairs) | quartiles | wakes a chunk | engine idle |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["rows"]:
         mark = " (product)" if r["product_default"] else ""
         lines.append(f"| {r['piece_mib']} MiB{mark} | {r['poll_ms']:.1f} ms | {r['launch_alone_ms']:.0f} ms | "
-                     f"{r['launch_beside_ms']:.0f} ms | {r['slowdown']:.3f}x | {r['wakes_per_chunk']:.0f} | "
+                     f"{r['launch_beside_ms']:.0f} ms | {r['slowdown']:.3f}x | {r['slowdown_q1_q3'][0]:.3f}-{r['slowdown_q1_q3'][1]:.3f} | "
+                     f"{r['wakes_per_chunk']:.0f} | "
                      f"{r['engine_idle']:.1%} |")
     return "\n".join(lines) + "\n"
 
