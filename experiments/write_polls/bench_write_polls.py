@@ -31,7 +31,7 @@ import threading
 import time
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -121,15 +121,30 @@ class Writer:
         self.write._PIECE_POLL_S = self._before
 
 
-def launch_loop(ops: int, numel: int) -> float:
-    """Seconds of ``ops`` torch additions of ``numel`` floats in this thread."""
+class Loop(NamedTuple):
+    """One run of the launch loop: its wall seconds, and its stalls (iterations longer than
+    ``stall_s``: the thread waited, for the GIL or for a core) in number and seconds."""
+
+    seconds: float
+    stalls: int
+    stall_s: float
+
+
+def launch_loop(ops: int, numel: int, stall_s: float) -> Loop:
+    """``ops`` torch additions of ``numel`` floats in this thread, each iteration timed."""
     import torch
 
     a, b, c = torch.ones(numel), torch.ones(numel), torch.empty(numel)
-    t0 = time.perf_counter()
+    stalls, stalled = 0, 0.0
+    t0 = prev = time.perf_counter()
     for _ in range(ops):
         torch.add(a, b, out=c)
-    return time.perf_counter() - t0
+        now = time.perf_counter()
+        if now - prev > stall_s:
+            stalls += 1
+            stalled += now - prev
+        prev = now
+    return Loop(prev - t0, stalls, stalled)
 
 
 def main(argv: list[str]) -> dict:
@@ -141,29 +156,37 @@ def main(argv: list[str]) -> dict:
     settings = [(int(p), float(s)) for p in cfg.piece_bytes for s in cfg.poll_s]
     prog = Progress(int(cfg.reps) + 1, "write_polls")
     ops, numel, reps = int(cfg.launch_ops), int(cfg.launch_numel), int(cfg.reps)
-    launch_loop(ops, numel)  # warm-up
-    prog.step(f"warm-up: {ops} ops in {launch_loop(ops, numel) * 1e3:.0f} ms without a writer")
-    runs = {setting: {"alone": [], "beside": [], "wakes": [], "idle": []} for setting in settings}
+    stall_s = float(cfg.stall_us) * 1e-6
+    launch_loop(ops, numel, stall_s)  # warm-up
+    prog.step(f"warm-up: {ops} ops in {launch_loop(ops, numel, stall_s).seconds * 1e3:.0f} ms without a writer")
+    runs = {setting: {"alone": [], "beside": [], "wakes": [], "wakes_in_loop": [], "idle": []} for setting in settings}
     for rep in range(reps):  # every setting once a round, in a rotated order: drift falls on all alike
         for setting in settings[rep % len(settings):] + settings[:rep % len(settings)]:
             run = runs[setting]
             for with_writer in ((False, True) if rep % 2 == 0 else (True, False)):
                 if not with_writer:
-                    run["alone"].append(launch_loop(ops, numel))
+                    run["alone"].append(launch_loop(ops, numel, stall_s))
                     continue
                 with Writer(int(cfg.chunk_bytes), setting[0], int(cfg.pieces_in_flight), float(cfg.copy_gib_s),
                             setting[1]) as w:
-                    run["beside"].append(launch_loop(ops, numel))
+                    run["beside"].append(launch_loop(ops, numel, stall_s))
                 run["wakes"].append(w.engine.queries / w.chunks)
                 run["idle"].append(max(0.0, 1.0 - w.engine.busy_s / w.span_s))
+                run["wakes_in_loop"].append(w.engine.queries * run["beside"][-1].seconds / w.span_s)
         prog.step(f"round {rep + 1} of {reps}: {len(settings)} settings, each with and without the writer")
     rows = []
     for (piece_bytes, poll_s), run in runs.items():
-        ratios = sorted(b / a for a, b in zip(run["alone"], run["beside"]))
+        alone, beside = run["alone"], run["beside"]
+        ratios = sorted(b.seconds / a.seconds for a, b in zip(alone, beside))
+        per_wake = [(b.stall_s - a.stall_s) / n for a, b, n in zip(alone, beside, run["wakes_in_loop"])]
         rows.append({"piece_mib": piece_bytes // MiB, "poll_ms": poll_s * 1e3,
-                     "launch_alone_ms": median(run["alone"]) * 1e3, "launch_beside_ms": median(run["beside"]) * 1e3,
+                     "launch_alone_ms": median([a.seconds for a in alone]) * 1e3,
+                     "launch_beside_ms": median([b.seconds for b in beside]) * 1e3,
                      "slowdown": median(ratios), "slowdown_q1_q3": [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]],
-                     "ratios": ratios, "wakes_per_chunk": median(run["wakes"]), "engine_idle": median(run["idle"]),
+                     "ratios": ratios, "stalls_alone": median([a.stalls for a in alone]),
+                     "stalls_beside": median([b.stalls for b in beside]),
+                     "stall_us_per_wake": median(per_wake) * 1e6,
+                     "wakes_per_chunk": median(run["wakes"]), "engine_idle": median(run["idle"]),
                      "product_default": piece_bytes == 32 * MiB and abs(poll_s - 2e-4) < 1e-9})
     results = {"command": "python experiments/write_polls/bench_write_polls.py " + " ".join(argv),
                "config": plain(cfg), "env": {**env_info(), **git_state(), "cpu_model": cpu_model()}, "rows": rows}
@@ -179,13 +202,13 @@ def _table(results: dict) -> str:
     lines = [f"# write_polls ({env['git_commit']}{' with local changes' if env.get('git_dirty') else ''}, {env['cpu_model']}, "
              f"{env['cpus']} CPUs, Python {env['python']}, torch {env['torch']})", "",
              f"`{results['command']}`", "",
-             "| pieces | poll | launch loop alone | beside the writer | slowdown (median of pairs) | quartiles | wakes a chunk | engine idle |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| pieces | poll | launch loop alone | beside the writer | slowdown (median of pairs) | quartiles | stalls alone / beside | stall a wake | wakes a chunk | engine idle |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["rows"]:
         mark = " (product)" if r["product_default"] else ""
         lines.append(f"| {r['piece_mib']} MiB{mark} | {r['poll_ms']:.1f} ms | {r['launch_alone_ms']:.0f} ms | "
                      f"{r['launch_beside_ms']:.0f} ms | {r['slowdown']:.3f}x | {r['slowdown_q1_q3'][0]:.3f}-{r['slowdown_q1_q3'][1]:.3f} | "
-                     f"{r['wakes_per_chunk']:.0f} | "
+                     f"{r['stalls_alone']:.0f} / {r['stalls_beside']:.0f} | {r['stall_us_per_wake']:.1f} us | {r['wakes_per_chunk']:.0f} | "
                      f"{r['engine_idle']:.1%} |")
     return "\n".join(lines) + "\n"
 
