@@ -6,7 +6,7 @@ On the H200 a writing session's model stream sits idle 142 ms longer a 6 s sessi
 non-writing one, in gaps mostly under 0.5 ms (experiments/session_reuse, ``trace_gaps``): its
 launching thread is held back. The suspect is the Plan tier's completion thread, which submits
 each write piece and waits for it in `PendingBatch.wait`: a first sleep, then a poll every
-``_PIECE_POLL_S`` (200 us), each wake taking the GIL from the launching thread.
+``store.write_poll_s`` (200 us), each wake taking the GIL from the launching thread.
 
 This bench runs that thread's own code (`Completion._trickle`: ``pieces_in_flight`` pieces in
 flight, each waited for by the real `PendingBatch.wait`) against a simulated copy engine: one
@@ -82,18 +82,18 @@ class SimulatedCopyEngine:
 class Writer:
     """The completion thread writing chunk after chunk until stopped: per chunk the pieces of
     ``chunk_bytes`` in ``piece_bytes``, through `Completion._trickle` with ``poll_s`` as the
-    piece wait's poll."""
+    piece wait's poll (``store.write_poll_s``)."""
 
     def __init__(self, chunk_bytes: int, piece_bytes: int, pieces_in_flight: int, gib_s: float, poll_s: float) -> None:
         from cacheseek.stores.plan_tier import write
         from cacheseek.transfer.batch import CopyBatch, Direction
 
-        self.write, self.poll_s = write, poll_s
         self.engine = SimulatedCopyEngine(gib_s)
         sizes = [piece_bytes] * (chunk_bytes // piece_bytes) + ([chunk_bytes % piece_bytes] if chunk_bytes % piece_bytes else [])
         pieces = [CopyBatch.of([1], [1], [n], Direction.D2H) for n in sizes]
         counters = types.SimpleNamespace(count=lambda **_: None)
-        self.completion = write.Completion(None, counters, pieces_in_flight=pieces_in_flight, timeout_s=30.0)
+        self.completion = write.Completion(None, counters, pieces_in_flight=pieces_in_flight, poll_s=poll_s,
+                                           timeout_s=30.0)
         attached = types.SimpleNamespace(transfer=self.engine, write_stream=None,
                                          values=types.SimpleNamespace(device_ranges=[]))
         self.item = types.SimpleNamespace(attached=attached, slot=types.SimpleNamespace(range=lambda: None),
@@ -111,14 +111,12 @@ class Writer:
         self.span_s = time.perf_counter() - t0
 
     def __enter__(self) -> "Writer":
-        self._before, self.write._PIECE_POLL_S = self.write._PIECE_POLL_S, self.poll_s
         self.thread.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.stop.set()
         self.thread.join(timeout=60)
-        self.write._PIECE_POLL_S = self._before
 
 
 class Loop(NamedTuple):

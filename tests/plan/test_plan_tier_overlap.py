@@ -284,6 +284,23 @@ def test_pieces_trickle_at_most_n_in_flight_and_land_intact(make_store):
     assert store.stats.write_pieces == 12 and fake.live_events() == parts["runtime"].idle_events
 
 
+@pytest.mark.parametrize("bad", [0, -0.001, 2.0, True, "1ms"])
+def test_a_write_poll_outside_0_to_1_s_is_one_error_naming_the_field(bad):
+    with pytest.raises(ConfigError, match=r"store\.write_poll_s.*must be seconds in \(0, 1\]"):
+        PlanTierStore(segment_bytes=1 << 20, device="cpu", write_poll_s=bad)
+
+
+def test_pieces_polled_coarsely_land_intact(make_store):
+    store, parts = make_store("fake_cuda", overlap=True, write_piece_bytes=64, write_poll_s=0.01)
+    payload, _ = ring_tail_payload(n_layers=3, tokens=4)
+    want = [(as_bytes(k), as_bytes(v)) for k, v in payload]
+    handle = store.put_async("coarse:kv", payload, tier=TIER)
+    overwrite(payload)
+    store.flush()
+    assert handle.ready and [store.get_layer(handle, i) for i in range(3)] == want
+    assert store.stats.write_pieces == 12 and parts["fake"].live_events() == parts["runtime"].idle_events
+
+
 def test_a_piece_that_fails_on_the_completion_thread_rolls_back(make_store):
     store, parts = make_store("fake_cuda", overlap=True, write_piece_bytes=64)
     fake = parts["fake"]

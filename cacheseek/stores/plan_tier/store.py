@@ -62,6 +62,12 @@ def _positive(name: str, value: Any) -> int:
     return value
 
 
+def _positive_seconds(name: str, value: Any) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+        raise ConfigError(f"store.{name}", f"must be seconds in (0, 1], got {value!r}")
+    return float(value)
+
+
 @attrs.frozen(slots=True)
 class _WriteOptions:
     """The write path's options, checked (`PlanTierStore`'s docstring says what each does)."""
@@ -71,6 +77,7 @@ class _WriteOptions:
     staging_slot_bytes: int = attrs.field(converter=lambda v: parse_size(v, "store.staging_slot_bytes"))
     max_inflight_bytes: int = attrs.field(converter=lambda v: parse_size(v, "store.max_inflight_bytes"))
     write_piece_bytes: int = attrs.field(converter=lambda v: parse_size(v, "store.write_piece_bytes"))
+    write_poll_s: float = attrs.field(converter=lambda v: _positive_seconds("write_poll_s", v))
 
 
 @STORES.register("fluxon_plan", objects=("transfer", "plan_client", "geometry_bytes"))
@@ -88,7 +95,9 @@ class PlanTierStore(PathReadStore):
     first chunk) of device memory hold the snapshots of in-flight writes; ``max_inflight_bytes``
     (0: no bound beyond the slots) bounds the bytes of pending writes. ``write_piece_bytes``: the
     overlapped D2H goes out in pieces of about this size, ``write_pieces_in_flight`` at a time,
-    from the completion thread (0: one batch from put_async; why: `Completion`). ``warmup``,
+    from the completion thread (0: one batch from put_async; why: `Completion`), which polls a
+    piece's event every ``write_poll_s`` once it is due (each wake takes the GIL from the
+    runtime's launching thread: experiments/write_polls). ``warmup``,
     ``register_piece_bytes``, ``warmup_yield_s`` and, in a background warm-up, the default
     ``prefault_threads``: `WarmupOptions`.
     """
@@ -118,6 +127,7 @@ class PlanTierStore(PathReadStore):
         max_inflight_bytes: Size = 0,
         write_piece_bytes: Size = "32MiB",
         write_pieces_in_flight: int = 2,
+        write_poll_s: float = 0.0002,
         client_options: Optional[ClientOptions] = ClientOptions(),
         warmup: str = "foreground",
         register_piece_bytes: Union[Size, str, None] = "auto",
@@ -128,7 +138,7 @@ class PlanTierStore(PathReadStore):
         geometry_bytes: Optional[tuple[int, int]] = None,
     ) -> None:
         writes = _WriteOptions(staging_slots, write_pieces_in_flight, staging_slot_bytes, max_inflight_bytes,
-                               write_piece_bytes)
+                               write_piece_bytes, write_poll_s)
         options = WarmupOptions.of(warmup, register_piece_bytes, prefault_threads, warmup_yield_s)
         self.commit_timeout_s = commit_timeout_s
         self.transfer_kind = transfer_kind
@@ -152,7 +162,7 @@ class PlanTierStore(PathReadStore):
                                    timeout_s=commit_timeout_s, allocate=self._link.staging_tensor,
                                    counters=self._counters, pending_writes=lambda: self._completion.pending)
         self._completion = Completion(self._slots, self._counters, pieces_in_flight=writes.write_pieces_in_flight,
-                                      timeout_s=commit_timeout_s)
+                                      poll_s=writes.write_poll_s, timeout_s=commit_timeout_s)
         self._reader = Reader(self._link, self._counters, self._latent_sizes)
         self._writer = Writer(self._link, self._slots, self._completion, self._counters, self._latent_sizes,
                               piece_bytes=writes.write_piece_bytes, timeout_s=commit_timeout_s)

@@ -338,7 +338,6 @@ class Writer:
 log = logging.getLogger(__package__)
 
 _POLL_S = 0.0005  # poll interval once a copy is due
-_PIECE_POLL_S = 0.0002
 _EXPECTED_GIB_S = 60.0  # first sleep of the thread: bytes at this rate, then poll
 
 
@@ -359,13 +358,16 @@ class PendingWrite:
 
 
 class Completion:
-    """The queue of pending writes and the one thread that ends them; ``timeout_s`` bounds
+    """The queue of pending writes and the one thread that ends them: ``pieces_in_flight`` pieces
+    of a write in flight, the oldest polled every ``poll_s`` once due; ``timeout_s`` bounds
     ``flush`` (per pending write) and ``stop``."""
 
-    def __init__(self, slots: StagingSlots, counters: Counters, *, pieces_in_flight: int, timeout_s: float) -> None:
+    def __init__(self, slots: StagingSlots, counters: Counters, *, pieces_in_flight: int, poll_s: float = 0.0002,
+                 timeout_s: float) -> None:
         self._slots = slots
         self._counters = counters
         self._pieces_in_flight = pieces_in_flight
+        self._poll_s = poll_s
         self._timeout_s = timeout_s
         self._cv = threading.Condition(threading.Lock())
         self._queue: collections.deque[PendingWrite] = collections.deque()
@@ -467,13 +469,13 @@ class Completion:
             for piece in item.pieces:
                 while len(in_flight) >= self._pieces_in_flight:
                     oldest = in_flight.popleft()
-                    oldest.wait(poll_s=_PIECE_POLL_S, expected_s=0.8 * oldest.nbytes / (_EXPECTED_GIB_S * 2**30))
+                    oldest.wait(poll_s=self._poll_s, expected_s=0.8 * oldest.nbytes / (_EXPECTED_GIB_S * 2**30))
                 in_flight.append(transfer.submit_batch(piece, stream=item.attached.write_stream,
                                                        device_ranges=ranges, after=after))
                 after = []
                 self._counters.count(write_pieces=1)
             while in_flight:
-                in_flight.popleft().wait(poll_s=_PIECE_POLL_S)
+                in_flight.popleft().wait(poll_s=self._poll_s)
         except BaseException as exc:
             for pending in in_flight:
                 settle(pending, exc)
