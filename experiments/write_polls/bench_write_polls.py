@@ -217,16 +217,25 @@ def _plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(14, 4))
+    polls = sorted({r["poll_ms"] for r in rows})
     for piece in sorted({r["piece_mib"] for r in rows}):
         mine = [r for r in rows if r["piece_mib"] == piece]
-        polls = [r["poll_ms"] for r in mine]
-        ax1.plot(polls, [r["slowdown"] for r in mine], marker="o", label=f"{piece} MiB pieces")
-        ax2.plot(polls, [100 * r["engine_idle"] for r in mine], marker="o", label=f"{piece} MiB pieces")
+        label = f"{piece} MiB pieces"
+        ax1.plot([r["poll_ms"] for r in mine], [r["slowdown"] for r in mine], marker="o", label=label)
+        ax2.plot([r["wakes_per_chunk"] for r in mine], [r["stalls_beside"] - r["stalls_alone"] for r in mine],
+                 marker="o", label=label)
+        ax3.plot([r["poll_ms"] for r in mine], [100 * r["engine_idle"] for r in mine], marker="o", label=label)
     ax1.axhline(1.0, color="grey", lw=0.8)
-    ax1.set(xscale="log", xlabel="piece wait's poll (ms)", ylabel="launch loop beside the writer / alone",
-            title="launch thread slowdown")
-    ax2.set(xscale="log", xlabel="piece wait's poll (ms)", ylabel="copy engine idle (%)", title="writer's engine idle")
+    for ax in (ax1, ax3):
+        ax.set_xscale("log")
+        ax.set_xticks(polls, [f"{p:g}" for p in polls])
+        ax.minorticks_off()
+        ax.set_xlabel("piece wait's poll, store.write_poll_s (ms)")
+    ax1.set(ylabel="launch loop beside the writer / alone", title="launch thread slowdown (median of pairs)")
+    ax2.set(xlabel="writer's wakes a chunk", ylabel="launch-loop stalls added (median)",
+            title="stalls follow the wakes")
+    ax3.set(ylabel="copy engine idle (%)", title="writer's engine idle")
     ax1.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
