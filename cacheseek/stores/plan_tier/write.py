@@ -362,7 +362,7 @@ class Completion:
     of a write in flight, the oldest polled every ``poll_s`` once due; ``timeout_s`` bounds
     ``flush`` (per pending write) and ``stop``."""
 
-    def __init__(self, slots: StagingSlots, counters: Counters, *, pieces_in_flight: int, poll_s: float = 0.0002,
+    def __init__(self, slots: StagingSlots, counters: Counters, *, pieces_in_flight: int, poll_s: float,
                  timeout_s: float) -> None:
         self._slots = slots
         self._counters = counters
