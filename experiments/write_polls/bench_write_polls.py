@@ -80,17 +80,20 @@ class SimulatedCopyEngine:
 
 
 class Writer:
-    """The completion thread writing chunk after chunk until stopped: per chunk the pieces of
-    ``chunk_bytes`` in ``piece_bytes``, through `Completion._trickle` with ``poll_s`` as the
+    """The completion thread writing chunk after chunk until stopped: per chunk ``values`` copies
+    of ``chunk_bytes`` in all, cut into pieces of ``piece_bytes`` by the Plan tier's own `split`, through `Completion._trickle` with ``poll_s`` as the
     piece wait's poll (``store.write_poll_s``)."""
 
-    def __init__(self, chunk_bytes: int, piece_bytes: int, pieces_in_flight: int, gib_s: float, poll_s: float) -> None:
+    def __init__(self, chunk_bytes: int, values: int, piece_bytes: int, pieces_in_flight: int, gib_s: float,
+                 poll_s: float) -> None:
         from cacheseek.stores.plan_tier import write
+        from cacheseek.stores.plan_tier.capacity import split
         from cacheseek.transfer.batch import CopyBatch, Direction
 
         self.engine = SimulatedCopyEngine(gib_s)
-        sizes = [piece_bytes] * (chunk_bytes // piece_bytes) + ([chunk_bytes % piece_bytes] if chunk_bytes % piece_bytes else [])
-        pieces = [CopyBatch.of([1], [1], [n], Direction.D2H) for n in sizes]
+        size = chunk_bytes // values  # the chunk's D2H, one copy per value, cut as put_async cuts it
+        offsets = [1 + i * size for i in range(values)]
+        pieces = split(CopyBatch.of(offsets, offsets, [size] * values, Direction.D2H), piece_bytes)
         counters = types.SimpleNamespace(count=lambda **_: None)
         self.completion = write.Completion(None, counters, pieces_in_flight=pieces_in_flight, poll_s=poll_s,
                                            timeout_s=30.0)
@@ -165,8 +168,8 @@ def main(argv: list[str]) -> dict:
                 if not with_writer:
                     run["alone"].append(launch_loop(ops, numel, stall_s))
                     continue
-                with Writer(int(cfg.chunk_bytes), setting[0], int(cfg.pieces_in_flight), float(cfg.copy_gib_s),
-                            setting[1]) as w:
+                with Writer(int(cfg.chunk_bytes), int(cfg.values_per_chunk), setting[0], int(cfg.pieces_in_flight),
+                            float(cfg.copy_gib_s), setting[1]) as w:
                     run["beside"].append(launch_loop(ops, numel, stall_s))
                 run["wakes"].append(w.engine.queries / w.chunks)
                 run["idle"].append(max(0.0, 1.0 - w.engine.busy_s / w.span_s))
