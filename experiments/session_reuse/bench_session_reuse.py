@@ -40,6 +40,8 @@ every figure), ``results.md`` (the tables) and ``session_reuse.png``.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import statistics
 import sys
 import time
@@ -242,8 +244,6 @@ def _write_pairs(stack: Any, gate: Any, pairs: int, profile_dir: Optional[Path] 
 def _pair(stack: Any, gate: Any, tag: str, actions: list, order: tuple, around: Any = None) -> dict:
     """One write pair on ``actions`` in ``order`` (kinds ``cold`` and ``write``): each kind's wall.
     ``around(kind)``: a context manager each session runs in (default none)."""
-    import contextlib
-
     walls = {}
     for kind in order:
         extra = _not_writing(stack) if kind == "cold" else {}
@@ -277,8 +277,6 @@ def _profile_pair(stack: Any, gate: Any, out_dir: Path) -> dict:
     and from the trace the model stream's busy and idle time and what the launching thread was
     doing in each idle gap (`trace_gaps`; ``gaps.md``, ``gaps.json``). The profiler's own
     overhead is in both sessions alike."""
-    import contextlib
-    import json
     import tempfile
 
     import torch
